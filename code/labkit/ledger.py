@@ -1,0 +1,515 @@
+"""The memory ledger: a timeline of live tensor bytes by category, device and phase.
+
+How it works
+------------
+While a ``Ledger`` is entered it is a ``TorchDispatchMode``: every aten op that runs passes
+through it, and every *new storage* an op returns is an allocation event. A weak reference on the
+storage object fires when PyTorch frees it: a free event. Nothing is sampled or guessed, so on CPU
+the ledger is exact (bytes are ``storage.nbytes()``) and deterministic (the op sequence is).
+
+Each storage gets **one category for its whole life**, resolved when you read the ledger:
+
+========================  ===============================================================
+category                  rule
+========================  ===============================================================
+``parameters``            a parameter of a module given to :meth:`Ledger.track_module`
+``gradients``             became ``param.grad`` (post-accumulate-grad hook)
+``optimizer_state``       found in ``optimizer.state`` after a ``step()`` (step post-hook)
+``activations``           born in a ``forward`` phase and still alive when that phase ended,
+                          i.e. kept for backward
+``temporaries``           born inside any phase and not one of the above
+``host_copies``           labelled so by the lab (offload buffers), or any storage born inside
+                          ``with ledger.category("host_copies")``
+``other``                 born outside every phase (input batches, buffers, ...)
+========================  ===============================================================
+
+Labels are resolved lazily because a storage's role is often only known later: the output of a
+matmul in backward *becomes* a gradient when autograd accumulates it, Adam's moment tensors are
+created inside ``step()``. The timeline is replayed from the event log with the final labels, so
+an Adam state tensor is optimizer state from the instant it was allocated.
+
+Scopes: a storage counts as *device* memory when it lives on the ledger's compute device and is
+not a host copy; everything else is *host* memory. On a CPU-only run both live in RAM, and the
+``host_copies`` label is what keeps an offload lab's host side apart from its "device" side.
+
+On CUDA the counted size of a storage is rounded up to the caching allocator's 512-byte blocks,
+and every event also samples ``torch.cuda.memory_allocated`` and ``memory_reserved`` so the two
+accounts can be compared on the same run.
+
+Not seen: memory allocated outside the dispatcher (CUDA context, cuBLAS workspaces, NCCL
+buffers), storages resized in place with ``UntypedStorage.resize_``, and tensors created before the
+ledger was entered unless you register them (``track_module``, ``track_optimizer``, ``track``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer_state"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+HOST_COPIES = "host_copies"
+OTHER = "other"
+
+#: Plot and table order: long-lived state first, short-lived last.
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, OTHER)
+
+#: The phase names labs use; any other name is allowed too.
+PHASES = ("forward", "backward", "optimizer", "transfer")
+
+CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
+
+
+def counted_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes a storage of ``nbytes`` occupies: exact on CPU, rounded to 512-byte blocks on CUDA."""
+    if nbytes <= 0:
+        return 0
+    if device.type == "cuda":
+        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+@dataclass
+class StorageRecord:
+    sid: int
+    nbytes: int
+    device: torch.device
+    born: int  # index of its alloc event
+    phase: str | None  # phase name at birth (None: outside every phase)
+    phase_id: int | None  # which phase instance
+    op: str  # the aten op that allocated it
+    label: str | None = None
+    explicit: bool = False  # label given by the lab (overrides automatic labels)
+    survived_forward: bool = False
+    alive: bool = True
+
+
+@dataclass
+class PhaseSpan:
+    name: str
+    step: int | None
+    start: int  # first timeline row inside the phase
+    end: int  # one past the last row inside the phase
+
+
+@dataclass
+class Timeline:
+    """Rows of the ledger replayed with final categories: one row per allocation or free."""
+
+    categories: tuple[str, ...]
+    index: list[int] = field(default_factory=list)
+    time_s: list[float] = field(default_factory=list)
+    phase: list[str | None] = field(default_factory=list)
+    step: list[int | None] = field(default_factory=list)
+    device: dict[str, list[int]] = field(default_factory=dict)
+    host: dict[str, list[int]] = field(default_factory=dict)
+    cuda_allocated: list[int] = field(default_factory=list)
+    cuda_reserved: list[int] = field(default_factory=list)
+    spans: list[PhaseSpan] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def device_total(self) -> list[int]:
+        return [sum(col[i] for col in self.device.values()) for i in range(len(self))]
+
+    def host_total(self) -> list[int]:
+        return [sum(col[i] for col in self.host.values()) for i in range(len(self))]
+
+    def row(self, i: int) -> dict[str, int]:
+        return {cat: self.device[cat][i] for cat in self.categories}
+
+    def to_dict(self) -> dict:
+        return {
+            "categories": list(self.categories),
+            "index": self.index,
+            "time_s": [round(t, 6) for t in self.time_s],
+            "phase": self.phase,
+            "step": self.step,
+            "device": self.device,
+            "host": self.host,
+            "cuda_allocated": self.cuda_allocated,
+            "cuda_reserved": self.cuda_reserved,
+            "spans": [s.__dict__ for s in self.spans],
+        }
+
+
+class Ledger(TorchDispatchMode):
+    """Records live tensor bytes by category while entered.
+
+    >>> ledger = Ledger("cpu")
+    >>> ledger.track_module(model); ledger.track_optimizer(opt)
+    >>> with ledger:
+    ...     with ledger.phase("forward", step=0):
+    ...         loss = model(x).sum()
+    >>> ledger.peaks_by_phase()["forward"]["activations"]
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", sample_cuda: bool = True) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.sample_cuda = sample_cuda and self.device.type == "cuda"
+        self.records: list[StorageRecord] = []
+        self._initial: list[int] = []  # storages registered before the first event
+        self.events: list[tuple] = []  # ("alloc", sid, bytes) | ("free", sid) | ("resize", sid, old, new)
+        self.event_time: list[float] = []
+        self.event_cuda: list[tuple[int, int]] = []
+        self._phase_marks: list[tuple[str, int, str, int | None, int]] = []  # (kind, pid, name, step, at)
+        self._sid_of = WeakIdKeyDictionary()  # storage -> sid
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.RLock()
+        self._phase: tuple[str, int] | None = None
+        self._phase_count = 0
+        self._step: int | None = None
+        self._category_stack: list[str] = []
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list = []
+        self._depth = 0
+        self._active_until: int | None = None
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ registration
+    def track_module(self, module: torch.nn.Module) -> Ledger:
+        """Count a module's parameters (and buffers, as ``other``); label its gradients."""
+        self._modules.append(module)
+        for p in module.parameters():
+            self._label_tensor(p, PARAMETERS, explicit=False, adopt=True)
+            if p.grad is not None:
+                self._label_tensor(p.grad, GRADIENTS, explicit=False, adopt=True)
+        for b in module.buffers():
+            self._label_tensor(b, OTHER, explicit=False, adopt=True)
+        if self._depth:
+            self._install_hooks_for(module)
+        return self
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> Ledger:
+        """Count an optimizer's state tensors, now and after every ``step()``."""
+        self._optimizers.append(optimizer)
+        self._label_optimizer_state(optimizer, adopt=True)
+        if self._depth:
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        return self
+
+    def track(self, tensors, category: str) -> None:
+        """Label the storages of ``tensors`` (a tensor or any nest of them) with ``category``.
+
+        A tensor that was created before the ledger was entered is adopted: it appears in the
+        timeline from this moment on.
+        """
+        self._check_category(category)
+        flat, _ = tree_flatten(tensors)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                self._label_tensor(t, category, explicit=True, adopt=True)
+
+    @contextlib.contextmanager
+    def category(self, name: str) -> Iterator[None]:
+        """Storages allocated inside this block get category ``name`` (e.g. ``host_copies``)."""
+        self._check_category(name)
+        self._category_stack.append(name)
+        try:
+            yield
+        finally:
+            self._category_stack.pop()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        """Mark a phase (``forward``, ``backward``, ``optimizer``, ``transfer`` or your own)."""
+        with self._lock:
+            if step is not None:
+                self._step = step
+            outer = self._phase
+            self._phase_count += 1
+            pid = self._phase_count
+            self._phase = (name, pid)
+            self._phase_marks.append(("start", pid, name, self._step, len(self.events)))
+        try:
+            yield
+        finally:
+            with self._lock:
+                if name == "forward":
+                    for rec in self.records:
+                        if rec.alive and rec.phase_id == pid:
+                            rec.survived_forward = True
+                self._phase_marks.append(("end", pid, name, self._step, len(self.events)))
+                self._phase = outer
+
+    # ------------------------------------------------------------------ mode plumbing
+    def __enter__(self):
+        if self._depth == 0:
+            for m in self._modules:
+                self._install_hooks_for(m)
+            for opt in self._optimizers:
+                self._handles.append(opt.register_step_post_hook(self._after_step))
+            self._active_until = None
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            # Labels known at the end (gradients alive now, optimizer state) are applied once more.
+            for m in self._modules:
+                for p in m.parameters():
+                    if p.grad is not None:
+                        self._label_tensor(p.grad, GRADIENTS, explicit=False, adopt=False)
+            for opt in self._optimizers:
+                self._label_optimizer_state(opt, adopt=False)
+            self._active_until = len(self.events)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_out, _ = tree_flatten(out)
+        inputs_ptrs = None
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            sid = self._sid_of.get(st)
+            nbytes = st.nbytes()
+            if sid is not None:
+                rec = self.records[sid]
+                new = counted_bytes(nbytes, rec.device)
+                if new != rec.nbytes and rec.alive:
+                    self._event(("resize", sid, rec.nbytes, new))
+                    rec.nbytes = new
+                continue
+            if nbytes == 0:
+                continue
+            if inputs_ptrs is None:
+                inputs_ptrs = _storage_ptrs((args, kwargs))
+            if (t.device, st.data_ptr()) in inputs_ptrs:
+                continue  # a view or alias of an input we were not asked to track
+            self._new_storage(st, t.device, str(func.overloadpacket.__name__))
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _check_category(self, name: str) -> None:
+        if name not in CATEGORIES:
+            raise ValueError(f"unknown category {name!r}; choose one of {', '.join(CATEGORIES)}")
+
+    def _event(self, ev: tuple) -> None:
+        self.events.append(ev)
+        self.event_time.append(time.perf_counter() - self._t0)
+        if self.sample_cuda:
+            self.event_cuda.append(
+                (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+            )
+
+    def _new_storage(self, st: torch.UntypedStorage, device: torch.device, op: str) -> StorageRecord:
+        with self._lock:
+            sid = len(self.records)
+            phase, pid = self._phase if self._phase else (None, None)
+            label = self._category_stack[-1] if self._category_stack else None
+            rec = StorageRecord(
+                sid=sid,
+                nbytes=counted_bytes(st.nbytes(), device),
+                device=device,
+                born=len(self.events),
+                phase=phase,
+                phase_id=pid,
+                op=op,
+                label=label,
+                explicit=label is not None,
+            )
+            self.records.append(rec)
+            self._sid_of[st] = sid
+            self._refs[sid] = weakref.ref(st, self._freed_callback(sid))
+            if self._depth == 0 and not self.events:
+                self._initial.append(sid)  # registered before the run: the timeline starts with it
+            else:
+                self._event(("alloc", sid, rec.nbytes))
+            return rec
+
+    def _freed_callback(self, sid: int):
+        def freed(_ref) -> None:
+            with self._lock:
+                rec = self.records[sid]
+                if rec.alive:
+                    rec.alive = False
+                    self._event(("free", sid))
+                self._refs.pop(sid, None)
+
+        return freed
+
+    def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        sid = self._sid_of.get(st)
+        if sid is None:
+            if not adopt or st.nbytes() == 0:
+                return
+            rec = self._new_storage(st, t.device, "adopted")
+        else:
+            rec = self.records[sid]
+        if explicit or rec.label is None or not rec.explicit and _AUTO_RANK[category] < _AUTO_RANK.get(rec.label, 99):
+            rec.label = category
+            rec.explicit = rec.explicit or explicit
+
+    def _label_optimizer_state(self, optimizer: torch.optim.Optimizer, adopt: bool) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self._label_tensor(value, OPTIMIZER_STATE, explicit=False, adopt=adopt)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self._label_optimizer_state(optimizer, adopt=True)
+
+    def _install_hooks_for(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._label_tensor(param.grad, GRADIENTS, explicit=False, adopt=True)
+
+    # ------------------------------------------------------------------ reading
+    def category_of(self, rec: StorageRecord) -> str:
+        if rec.label is not None:
+            return rec.label
+        if rec.phase == "forward" and rec.survived_forward:
+            return ACTIVATIONS
+        if rec.phase is not None:
+            return TEMPORARIES
+        return OTHER
+
+    def scope_of(self, rec: StorageRecord) -> str:
+        if rec.label == HOST_COPIES or rec.device != self.device:
+            return "host"
+        return "device"
+
+    def timeline(self) -> Timeline:
+        """Replay the events with final categories (one row per event)."""
+        with self._lock:
+            n_events = len(self.events) if self._active_until is None else self._active_until
+            events = self.events[:n_events]
+            cats = [self.category_of(r) for r in self.records]
+            scopes = [self.scope_of(r) for r in self.records]
+            marks = list(self._phase_marks)
+            initial = list(self._initial)
+            initial_sizes = {sid: self._initial_size(sid) for sid in initial}
+        tl = Timeline(categories=CATEGORIES)
+        tl.device = {c: [] for c in CATEGORIES}
+        tl.host = {c: [] for c in CATEGORIES}
+
+        # Phase spans in rows: a phase covers the events recorded between its start and end marks.
+        starts = {pid: (name, step, at) for kind, pid, name, step, at in marks if kind == "start"}
+        ends = {pid: at for kind, pid, _name, _step, at in marks if kind == "end"}
+        phase_at: list[tuple[str | None, int | None]] = [(None, None)] * n_events
+        for pid in sorted(starts, key=lambda p: (starts[p][2], p)):  # outer phases first
+            name, step, start = starts[pid]
+            end = min(ends.get(pid, n_events), n_events)
+            start = min(start, n_events)
+            tl.spans.append(PhaseSpan(name, step, start, end))
+            for i in range(start, end):
+                phase_at[i] = (name, step)
+
+        live = {(s, c): 0 for s in ("device", "host") for c in CATEGORIES}
+        sizes: dict[int, int] = {}
+        for sid in initial:
+            sizes[sid] = initial_sizes[sid]
+            live[(scopes[sid], cats[sid])] += sizes[sid]
+        for i, ev in enumerate(events):
+            kind, sid = ev[0], ev[1]
+            key = (scopes[sid], cats[sid])
+            if kind == "alloc":
+                sizes[sid] = ev[2]
+                live[key] += ev[2]
+            elif kind == "free":
+                live[key] -= sizes.pop(sid, 0)
+            else:  # resize
+                live[key] += ev[3] - sizes.get(sid, ev[2])
+                sizes[sid] = ev[3]
+            tl.index.append(i)
+            tl.time_s.append(self.event_time[i])
+            tl.phase.append(phase_at[i][0])
+            tl.step.append(phase_at[i][1])
+            for c in CATEGORIES:
+                tl.device[c].append(live[("device", c)])
+                tl.host[c].append(live[("host", c)])
+            if self.sample_cuda:
+                alloc, reserved = self.event_cuda[i]
+                tl.cuda_allocated.append(alloc)
+                tl.cuda_reserved.append(reserved)
+        return tl
+
+    def _initial_size(self, sid: int) -> int:
+        for ev in self.events:  # a later resize event knows the size it started from
+            if ev[0] == "resize" and ev[1] == sid:
+                return ev[2]
+        return self.records[sid].nbytes
+
+    def peaks_by_phase(self, timeline: Timeline | None = None) -> dict[str, dict[str, int]]:
+        """For each phase name: the device bytes by category at that phase's highest moment."""
+        tl = timeline or self.timeline()
+        total = tl.device_total()
+        best: dict[str, int] = {}
+        for span in tl.spans:
+            # row i is the state after event i: a phase sees its entry state (row start-1) too
+            for i in range(max(span.start - 1, 0), min(span.end, len(total))):
+                if span.name not in best or total[i] > total[best[span.name]]:
+                    best[span.name] = i
+        return {name: tl.row(i) for name, i in best.items()}
+
+    def peak(self, timeline: Timeline | None = None) -> dict[str, int]:
+        """Device bytes by category at the highest moment of the whole run, plus ``total``."""
+        tl = timeline or self.timeline()
+        if not len(tl):
+            return {c: 0 for c in CATEGORIES} | {"total": 0}
+        total = tl.device_total()
+        i = max(range(len(total)), key=total.__getitem__)
+        return tl.row(i) | {"total": total[i]}
+
+    def current(self) -> dict[str, int]:
+        """Device bytes by category right now."""
+        out = {c: 0 for c in CATEGORIES}
+        with self._lock:
+            for rec in self.records:
+                if rec.alive and self.scope_of(rec) == "device":
+                    out[self.category_of(rec)] += rec.nbytes
+        return out
+
+    def live_records(self) -> Iterable[StorageRecord]:
+        with self._lock:
+            return [r for r in self.records if r.alive]
+
+
+_AUTO_RANK = {
+    PARAMETERS: 0,
+    OPTIMIZER_STATE: 1,
+    GRADIENTS: 2,
+    HOST_COPIES: 3,
+    ACTIVATIONS: 4,
+    TEMPORARIES: 5,
+    OTHER: 6,
+}
+
+
+def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:
+    flat, _ = tree_flatten(tree)
+    out = set()
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out.add((t.device, t.untyped_storage().data_ptr()))
+    return out

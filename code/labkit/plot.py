@@ -1,0 +1,174 @@
+"""One plotting path for every lab: ledger timelines, peak tables, byte formatting.
+
+``plot_timeline`` draws device bytes as a stacked area by category over the ledger's events, with
+the phases as coloured bands, the CUDA allocator's own counters as lines when they were sampled,
+and an optional analytic prediction drawn over the measurement. ``save`` writes PNG (notebooks)
+or SVG (pages) by the file's suffix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from labkit.ledger import CATEGORIES, Timeline
+
+CATEGORY_COLORS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_state": "#8172B3",
+    "activations": "#55A868",
+    "temporaries": "#C44E52",
+    "host_copies": "#937860",
+    "other": "#8C8C8C",
+}
+
+PHASE_COLORS = {
+    "forward": "#9ecae1",
+    "backward": "#fdae6b",
+    "optimizer": "#bcbddc",
+    "transfer": "#c7e9c0",
+    "zero_grad": "#d9d9d9",
+}
+
+UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+
+
+def pick_unit(max_bytes: float) -> tuple[str, int]:
+    for name, size in UNITS:
+        if max_bytes >= size:
+            return name, size
+    return "B", 1
+
+
+def format_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
+    """``format_bytes(3 * 2**20) == '3.00 MiB'``; exact integers below 1 KiB."""
+    if unit is None:
+        unit, size = pick_unit(abs(n))
+    else:
+        size = dict(UNITS)[unit]
+    if n == 0:
+        return "0"
+    if size == 1:
+        return f"{int(n)} B"
+    return f"{n / size:.{digits}f} {unit}"
+
+
+def plot_timeline(
+    tl: Timeline,
+    ax=None,
+    title: str | None = None,
+    overlay: Mapping[str, Sequence[float]] | None = None,
+    scope: str = "device",
+    show_allocator: bool = True,
+    max_points: int = 500,
+):
+    """Stacked area of live bytes by category with phase bands; returns the figure."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 4.2), dpi=110, layout="constrained")
+    else:
+        fig = ax.figure
+    columns = tl.device if scope == "device" else tl.host
+    cats = [c for c in CATEGORIES if any(columns[c])]
+    rows = decimate([sum(columns[c][i] for c in cats) for i in range(len(tl))], max_points)
+    x = rows  # event indices kept; every local maximum of the total survives
+    peak = max((sum(columns[c][i] for c in cats) for i in x), default=0)
+    extra = []
+    if show_allocator and tl.cuda_allocated:
+        extra = tl.cuda_reserved
+    if overlay:
+        extra = extra + [v for ys in overlay.values() for v in ys]
+    unit, size = pick_unit(max([peak, *extra], default=1))
+
+    # phase bands (named in the legend) and one "step N" label where each step begins
+    step_start: dict[int, int] = {}
+    for span in tl.spans:
+        if span.step is not None:
+            step_start[span.step] = min(step_start.get(span.step, span.start), span.start)
+        if span.end > span.start:
+            color = PHASE_COLORS.get(span.name, "#eeeeee")
+            ax.axvspan(span.start - 0.5, span.end - 0.5, color=color, alpha=0.35, lw=0, zorder=0)
+    if len(step_start) <= 24:
+        for step, start in step_start.items():
+            ax.axvline(start - 0.5, color="#555555", lw=0.6, zorder=1)
+            ax.text(start, 1.0, f" step {step}", transform=ax.get_xaxis_transform(), ha="left",
+                    va="bottom", fontsize=7.5, color="#333333")
+
+    bottom = [0.0] * len(x)
+    for c in cats:
+        top = [b + columns[c][i] / size for b, i in zip(bottom, x)]
+        ax.fill_between(x, bottom, top, step="post", color=CATEGORY_COLORS[c], lw=0, label=c.replace("_", " "), zorder=2)
+        bottom = top
+    if show_allocator and tl.cuda_allocated and scope == "device":
+        ax.step(x, [tl.cuda_allocated[i] / size for i in x], where="post", color="black", lw=1.0,
+                label="cuda memory_allocated", zorder=3)
+        ax.step(x, [tl.cuda_reserved[i] / size for i in x], where="post", color="black", lw=1.0, ls=":",
+                label="cuda memory_reserved", zorder=3)
+    for k, (name, ys) in enumerate((overlay or {}).items()):
+        ax.step(x, [ys[i] / size for i in x], where="post", lw=1.6, ls="--",
+                color=("#111111", "#d62728", "#17becf")[k % 3], label=name, zorder=4)
+
+    ax.set_xlim(-0.5, max(len(tl) - 0.5, 0.5))
+    ax.set_ylim(0, max([peak, *extra], default=1) / size * 1.12 + 1e-9)
+    ax.set_xlabel("ledger events (every allocation and free, in order)")
+    ax.set_ylabel(f"live {scope} bytes ({unit})")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10, pad=14)
+    handles, labels = ax.get_legend_handles_labels()
+    phase_names = [n for n in dict.fromkeys(s.name for s in tl.spans)]
+    handles += [Patch(color=PHASE_COLORS.get(n, "#eeeeee"), alpha=0.35, label=f"phase: {n}") for n in phase_names]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3, zorder=1)
+    return fig
+
+
+def decimate(values: Sequence[float], max_points: int) -> list[int]:
+    """Indices to plot: all of them if few, else per bucket the first row and the highest row.
+
+    Keeping each bucket's maximum means no peak disappears from a figure, whatever its width.
+    """
+    n = len(values)
+    if n <= max_points:
+        return list(range(n))
+    buckets = max_points // 2
+    keep = set()
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        if lo >= hi:
+            continue
+        keep.add(lo)
+        keep.add(max(range(lo, hi), key=values.__getitem__))
+    keep.add(n - 1)
+    return sorted(keep)
+
+
+def save(fig, path: str | os.PathLike) -> Path:
+    """Write a figure as PNG or SVG (by suffix), creating folders; SVG text stays text."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = {"metadata": {"Date": None}} if path.suffix == ".svg" else {"metadata": {"Software": None}}
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}):
+        fig.savefig(path, bbox_inches="tight", facecolor="white", **kwargs)
+    return path
+
+
+def peak_table(peaks: Mapping[str, Mapping[str, int]], unit: str | None = None) -> str:
+    """A Markdown table: one row per phase, one column per category present, and the total."""
+    cats = [c for c in CATEGORIES if any(row.get(c, 0) for row in peaks.values())]
+    totals = {p: sum(row.get(c, 0) for c in CATEGORIES) for p, row in peaks.items()}
+    if unit is None:
+        unit, _ = pick_unit(max(totals.values(), default=1))
+    head = "| phase | " + " | ".join(c.replace("_", " ") for c in cats) + " | total |"
+    sep = "|---|" + "---:|" * (len(cats) + 1)
+    size = dict(UNITS)[unit]
+
+    def cell(n: int) -> str:  # a value too small for the table's unit keeps its own unit
+        return format_bytes(n, unit) if n == 0 or n >= size / 100 else format_bytes(n)
+
+    rows = [f"| {p} | " + " | ".join(cell(row.get(c, 0)) for c in cats) + f" | **{cell(totals[p])}** |"
+            for p, row in peaks.items()]
+    return "\n".join([head, sep, *rows])

@@ -1,0 +1,80 @@
+"""Shared fixtures: repository paths, lab loading, CLI runs, and the `cuda` marker's skip rule."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = ROOT / "code"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT
+
+
+def load_lab(relative: str):
+    from labkit.notebook import load_lab as _load
+
+    return _load(relative)
+
+
+@pytest.fixture(scope="session")
+def lab02():
+    return load_lab("lab-02-single-gpu-training/train_single_gpu.py")
+
+
+def run_cli(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a lab's starter file as a user would, from the repository root."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, str(CODE / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def assert_clean_usage_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit code 2, exactly one line on stderr, no traceback, and the line says what is wrong."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory):
+    """Build the site once per test session with `mkdocs build --strict`, as the README does."""
+    import time
+
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"dir": out, "seconds": seconds, "log": proc.stdout + proc.stderr}

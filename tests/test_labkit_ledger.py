@@ -1,0 +1,276 @@
+"""The memory ledger: exact bytes for known operations, categories by lifetime, determinism,
+agreement with PyTorch's own MemTracker, and (on a GPU) with the CUDA caching allocator."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT
+from labkit.ledger import CATEGORIES, counted_bytes
+
+F32 = 4
+
+
+def linear_run(batch=4, fan_in=16, fan_out=8):
+    torch.manual_seed(0)
+    lin = nn.Linear(fan_in, fan_out)
+    x = torch.randn(batch, fan_in)
+    g = torch.ones(batch, fan_out)
+    ledger = Ledger("cpu")
+    ledger.track_module(lin)
+    ledger.track([x, g], "other")
+    with ledger:
+        with ledger.phase("forward", step=0):
+            y = lin(x)
+        with ledger.phase("backward", step=0):
+            y.backward(g)
+    return ledger, lin, y
+
+
+def test_linear_forward_and_backward_bytes_equal_their_formulas():
+    batch, fan_in, fan_out = 4, 16, 8
+    ledger, lin, y = linear_run(batch, fan_in, fan_out)
+    peaks = ledger.peaks_by_phase()
+    param_bytes = (fan_in * fan_out + fan_out) * F32
+    assert peaks["forward"]["parameters"] == param_bytes
+    # the output is the only tensor forward creates, and it is alive at the end of forward
+    assert peaks["forward"]["activations"] == batch * fan_out * F32
+    assert peaks["forward"]["temporaries"] == 0
+    # backward creates one gradient per parameter tensor: weight and bias
+    assert peaks["backward"]["gradients"] == param_bytes
+    assert ledger.current()["gradients"] == param_bytes
+    assert peaks["backward"]["optimizer_state"] == 0
+    # inputs and the upstream gradient were registered as "other"
+    assert peaks["forward"]["other"] == (batch * fan_in + batch * fan_out) * F32
+
+
+def test_mlp_activations_are_what_backward_keeps_and_temporaries_the_rest():
+    torch.manual_seed(0)
+    b, d_in, hidden, d_out = 6, 10, 32, 5
+    mlp = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+    x = torch.randn(b, d_in)
+    ledger = Ledger("cpu").track_module(mlp)
+    ledger.track(x, "other")
+    with ledger:
+        with ledger.phase("forward", step=0):
+            out = mlp(x)
+            loss = out.pow(2).mean()
+        with ledger.phase("backward", step=0):
+            loss.backward()
+    tl = ledger.timeline()
+    end_of_forward = next(s for s in tl.spans if s.name == "forward").end - 1
+    # kept for backward: ReLU's output (also the second Linear's input), the MLP output (pow saves
+    # its input) and the loss; freed inside forward: the first Linear's output and out**2.
+    assert tl.row(end_of_forward)["activations"] == (b * hidden + b * d_out + 1) * F32
+    assert tl.row(end_of_forward)["temporaries"] == 0
+    # the forward peak is earlier: the first Linear's output and ReLU's output alive together
+    fwd = ledger.peaks_by_phase()["forward"]
+    assert fwd["activations"] + fwd["temporaries"] == 2 * b * hidden * F32
+    records = {r.op: ledger.category_of(r) for r in ledger.records if r.phase == "forward"}
+    assert records["pow"] == "temporaries"
+    assert records["relu"] == "activations"
+    grads = sum(p.numel() for p in mlp.parameters()) * F32
+    assert ledger.current()["gradients"] == grads
+    assert ledger.current()["activations"] == (b * d_out + 1) * F32  # out and loss: the test holds them
+
+
+def test_adam_state_appears_at_the_first_step_and_not_before():
+    torch.manual_seed(0)
+    lin = nn.Linear(12, 7)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-3)
+    x = torch.randn(3, 12)
+    ledger = Ledger("cpu").track_module(lin).track_optimizer(opt)
+    with ledger:
+        for step in range(2):
+            with ledger.phase("zero_grad", step):
+                opt.zero_grad(set_to_none=True)
+            with ledger.phase("forward", step):
+                loss = lin(x).square().sum()
+            with ledger.phase("backward", step):
+                loss.backward()
+            with ledger.phase("optimizer", step):
+                opt.step()
+    tl = ledger.timeline()
+    first_opt = next(s for s in tl.spans if s.name == "optimizer")
+    assert all(v == 0 for v in tl.device["optimizer_state"][: first_opt.start])
+    n_params = sum(p.numel() for p in lin.parameters())
+    n_tensors = len(list(lin.parameters()))
+    assert ledger.current()["optimizer_state"] == 2 * n_params * F32 + n_tensors * F32
+    # zero_grad(set_to_none=True) of step 1 released every gradient
+    zero1 = next(s for s in tl.spans if s.name == "zero_grad" and s.step == 1)
+    assert tl.device["gradients"][zero1.end - 1] == 0
+
+
+def test_views_are_not_allocations():
+    x = torch.randn(64, 64)
+    ledger = Ledger("cpu")
+    ledger.track(x, "other")
+    with ledger:
+        with ledger.phase("forward"):
+            a = x.t()
+            b = x.view(-1)
+            c = x[3:9]
+            d = x.clone()  # a real copy
+    assert a is not None and b is not None and c is not None
+    allocs = [r for r in ledger.records if r.op != "adopted"]
+    assert [r.op for r in allocs] == ["clone"]
+    assert allocs[0].nbytes == d.numel() * F32
+
+
+def test_views_of_untracked_tensors_are_not_counted():
+    w = torch.randn(32, 32)  # never registered
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward"):
+            wt = w.t()
+    assert wt.shape == (32, 32)
+    assert ledger.records == []
+
+
+def test_category_context_and_host_scope():
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("transfer"):
+            with ledger.category("host_copies"):
+                host = torch.empty(1000)
+            dev = torch.empty(250)
+    tl = ledger.timeline()
+    assert tl.host["host_copies"][-1] == 1000 * F32
+    assert tl.device["host_copies"][-1] == 0
+    assert tl.device["temporaries"][-1] == 250 * F32
+    assert host.numel() == 1000 and dev.numel() == 250
+
+
+def test_unknown_category_is_refused():
+    ledger = Ledger("cpu")
+    with pytest.raises(ValueError, match="unknown category"):
+        ledger.track(torch.zeros(1), "weights")
+
+
+def test_frees_are_recorded_and_the_timeline_returns_to_zero():
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward"):
+            t = torch.ones(1 << 10)
+            u = t * 2
+            del t, u
+    tl = ledger.timeline()
+    assert max(tl.device_total()) == 2 * (1 << 10) * F32
+    assert tl.device_total()[-1] == 0
+    assert [e[0] for e in ledger.events] == ["alloc", "alloc", "free", "free"]
+
+
+def test_resize_of_an_out_tensor_is_tracked():
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward"):
+            out = torch.empty(4).resize_(0)  # keeps its 16-byte storage
+            torch.add(torch.ones(100), 1, out=out)  # grows that storage to 100 elements
+    rec = next(r for r in ledger.records if r.op == "empty")
+    assert rec.nbytes == 100 * F32
+    assert any(e[0] == "resize" for e in ledger.events)
+
+
+def gpt_steps(tracker, register, reset=lambda t: None, steps=2, device="cpu"):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=2, dropout=0.1)
+    model = TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 4, device)
+    register(tracker, model, opt, x, y)
+    with tracker:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)[1]
+            loss.backward()
+            opt.step()
+            del loss
+            reset(tracker)
+    return tracker
+
+
+def _register_ledger(ledger, model, opt, x, y):
+    ledger.track_module(model)
+    ledger.track_optimizer(opt)
+    ledger.track([x, y], "other")
+
+
+def test_ledger_is_deterministic_on_cpu():
+    a = gpt_steps(Ledger("cpu"), _register_ledger).timeline()
+    b = gpt_steps(Ledger("cpu"), _register_ledger).timeline()
+    assert a.device == b.device
+    assert a.phase == b.phase
+
+
+def test_peak_agrees_with_pytorch_memtracker_within_5_percent():
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mt = gpt_steps(
+            mem_tracker.MemTracker(),
+            lambda t, model, opt, x, y: t.track_external(model, opt, x, y),
+            reset=lambda t: t.reset_mod_stats(),
+        )
+    mt_peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    ledger = gpt_steps(Ledger("cpu"), _register_ledger)
+    ours = ledger.peak()["total"]
+    assert mt_peak > 0
+    assert abs(ours - mt_peak) / mt_peak <= 0.05, (ours, mt_peak)
+
+
+def test_peaks_by_phase_include_the_state_a_phase_starts_from():
+    ledger = Ledger("cpu")
+    keep = torch.ones(256)
+    ledger.track(keep, "other")
+    with ledger:
+        with ledger.phase("forward"):
+            a = torch.ones(100)
+        with ledger.phase("optimizer"):
+            pass  # no event at all: the phase still saw `a` alive
+    assert ledger.peaks_by_phase()["optimizer"]["activations"] == 100 * F32
+    assert a.numel() == 100
+
+
+def test_counted_bytes_rounds_like_the_cuda_allocator():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert counted_bytes(1, cpu) == 1
+    assert counted_bytes(1, cuda) == 512
+    assert counted_bytes(513, cuda) == 1024
+    assert counted_bytes(0, cuda) == 0
+
+
+def test_categories_are_the_documented_ones():
+    assert CATEGORIES == (
+        "parameters", "gradients", "optimizer_state", "activations", "temporaries", "host_copies", "other",
+    )
+
+
+@pytest.mark.cuda
+def test_cuda_ledger_peak_within_5_percent_of_max_memory_allocated():
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ledger = gpt_steps(Ledger(device), _register_ledger, device=device)
+    torch.cuda.synchronize()
+    peak_alloc = torch.cuda.max_memory_allocated() - base
+    ours = ledger.peak()["total"]
+    assert abs(ours - peak_alloc) / peak_alloc <= 0.05, (ours, peak_alloc)
+    tl = ledger.timeline()
+    assert len(tl.cuda_allocated) == len(tl) and max(tl.cuda_reserved) >= max(tl.cuda_allocated)
+
+
+@pytest.mark.cuda
+def test_cuda_snapshot_is_written(tmp_path):
+    from labkit.cuda import record_snapshot
+
+    path = tmp_path / "snap.pickle"
+    with record_snapshot(path):
+        x = torch.randn(1024, 1024, device="cuda")
+        (x @ x).sum().item()
+    assert path.is_file() and path.stat().st_size > 0
