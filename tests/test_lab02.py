@@ -1,0 +1,197 @@
+"""Lab 02: the training loop's memory phases, exact resume, zero_grad semantics, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_clean_usage_error, run_cli
+
+from labkit import run_lab
+
+SCRIPT = "lab-02-single-gpu-training/train_single_gpu.py"
+SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+         "--vocab", "64", "--batch-size", "4"]
+
+
+def train(lab02, *extra):
+    return lab02.train(lab02.parse_args([*SMALL, "--json", *extra]))
+
+
+def test_resume_gives_identical_losses(lab02, tmp_path):
+    ckpt = str(tmp_path / "ckpt.pt")
+    full = train(lab02, "--steps", "6").losses
+    first = train(lab02, "--steps", "3", "--checkpoint", ckpt).losses
+    second = train(lab02, "--steps", "3", "--checkpoint", ckpt, "--resume")
+    assert second.start_step == 3
+    assert full == first + second.losses  # bit for bit on CPU, dropout included
+
+
+def test_resume_through_the_command_line(tmp_path):
+    ckpt = str(tmp_path / "c.pt")
+    full = json.loads(run_cli(SCRIPT, *SMALL, "--json", "--steps", "4").stdout)["losses"]
+    a = run_cli(SCRIPT, *SMALL, "--json", "--steps", "2", "--checkpoint", ckpt)
+    b = run_cli(SCRIPT, *SMALL, "--json", "--steps", "2", "--checkpoint", ckpt, "--resume")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
+    assert full == json.loads(a.stdout)["losses"] + json.loads(b.stdout)["losses"]
+
+
+def test_checkpoint_is_atomic_and_loads_with_weights_only(lab02, tmp_path):
+    ckpt = tmp_path / "sub" / "ckpt.pt"
+    train(lab02, "--steps", "1", "--checkpoint", str(ckpt))
+    assert ckpt.is_file() and not list(ckpt.parent.glob("*.tmp"))
+    state = torch.load(ckpt, weights_only=True)
+    assert set(state) >= {"model", "optimizer", "step", "rng", "model_config"}
+    assert state["step"] == 1
+    moments = [s for s in state["optimizer"]["state"].values()]
+    assert moments and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in moments)
+
+
+def test_adam_state_appears_at_the_first_step_and_gradients_in_backward(lab02):
+    run = train(lab02, "--steps", "2")
+    tl = run.ledger.timeline()
+    first_optimizer = next(s for s in tl.spans if s.name == "optimizer" and s.step == 0)
+    assert not any(tl.device["optimizer_state"][: first_optimizer.start])
+    params = list(run.model.parameters())
+    n = sum(p.numel() for p in params)
+    assert run.ledger.current()["optimizer_state"] == 8 * n + 4 * len(params)
+    first_grad = next(i for i, v in enumerate(tl.device["gradients"]) if v)
+    assert tl.phase[first_grad] == "backward" and tl.step[first_grad] == 0
+    summary = lab02.summary(run)
+    assert summary["optimizer_state_first_seen"]["phase"] == "optimizer"
+    assert summary["optimizer_state_first_seen"]["step"] == 0
+    assert summary["peak_bytes_by_phase"]["optimizer"]["gradients"] == 4 * n
+
+
+def test_second_step_peaks_higher_by_exactly_the_adam_state(lab02):
+    run = train(lab02, "--steps", "2")
+    tl = run.ledger.timeline()
+    total = tl.device_total()
+    peak = {s: max(total[i] for i in range(len(tl)) if tl.step[i] == s) for s in (0, 1)}
+    assert peak[1] - peak[0] == run.ledger.current()["optimizer_state"]
+
+
+def test_zero_grad_modes(lab02):
+    none = train(lab02, "--steps", "3", "--zero-grad", "none")
+    zeros = train(lab02, "--steps", "3", "--zero-grad", "zeros")
+    assert none.losses == zeros.losses  # same training, different memory
+    for run, drops in ((none, True), (zeros, False)):
+        tl = run.ledger.timeline()
+        start = next(s.start for s in tl.spans if s.step == 1)
+        assert (min(tl.device["gradients"][start:]) == 0) is drops
+
+
+def test_skipping_zero_grad_accumulates_gradients(lab02):
+    """Without zero_grad, a second backward on the same batch doubles the gradient exactly."""
+    from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=2, dropout=0.0)
+    model = TinyGPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the step changes nothing
+    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 4)
+    ledger = Ledger("cpu")
+    lab02.train_step(model, opt, x, y, ledger, 0, zero_grad="none")
+    once = [p.grad.clone() for p in model.parameters()]
+    lab02.train_step(model, opt, x, y, ledger, 1, zero_grad="skip")
+    for g1, p in zip(once, model.parameters()):
+        assert torch.equal(p.grad, 2 * g1)
+    lab02.train_step(model, opt, x, y, ledger, 2, zero_grad="none")
+    for g1, p in zip(once, model.parameters()):
+        assert torch.equal(p.grad, g1)
+
+
+def test_json_summary_schema():
+    proc = run_cli(SCRIPT, *SMALL, "--json", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    assert len(data["losses"]) == 2 and all(isinstance(v, float) for v in data["losses"])
+    assert {"zero_grad", "forward", "backward", "optimizer"} <= set(data["peak_bytes_by_phase"])
+    for phase in data["peak_bytes_by_phase"].values():
+        assert set(phase) == {"parameters", "gradients", "optimizer_state", "activations",
+                              "temporaries", "host_copies", "other"}
+    assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
+    assert proc.stderr == ""  # no progress bar under --json
+
+
+def test_human_report_mentions_the_adam_state():
+    proc = run_cli(SCRIPT, *SMALL, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "AdamW state first appeared in phase 'optimizer' of step 0" in proc.stdout
+    assert "| forward |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--steps", "-3"], "--steps"),
+        (["--steps", "many"], "--steps"),
+        (["--device", "tpu"], "--device"),
+        (["--resume"], "--resume needs --checkpoint"),
+        (["--width", "30", "--heads", "4"], "not divisible"),
+        (["--lr", "0"], "--lr"),
+        (["--dropout", "1.5"], "--dropout"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(lab02, capsys, args, fragment):
+    with pytest.raises(SystemExit) as exc:
+        run_lab(lab02.main, [*SMALL, *args], prog="train_single_gpu.py")
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and fragment in err[0], err
+
+
+def test_missing_checkpoint(tmp_path):
+    proc = run_cli(SCRIPT, *SMALL, "--steps", "1", "--checkpoint", str(tmp_path / "nope.pt"), "--resume")
+    assert_clean_usage_error(proc, "checkpoint not found")
+
+
+def test_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint" * 10)
+    proc = run_cli(SCRIPT, *SMALL, "--steps", "1", "--checkpoint", str(bad), "--resume")
+    assert_clean_usage_error(proc, "cannot read checkpoint")
+
+
+def test_checkpoint_from_another_model_shape(lab02, tmp_path, capsys):
+    ckpt = str(tmp_path / "c.pt")
+    train(lab02, "--steps", "1", "--checkpoint", ckpt)
+    with pytest.raises(SystemExit) as exc:
+        run_lab(lab02.main, [*SMALL, "--layers", "3", "--steps", "1", "--checkpoint", ckpt, "--resume"], prog="x")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another model shape" in err[0] and "layers 2 (file) vs 3 (now)" in err[0]
+
+
+def test_a_pickle_that_is_not_a_lab02_checkpoint(tmp_path):
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(3)}, other)
+    proc = run_cli(SCRIPT, *SMALL, "--steps", "1", "--checkpoint", str(other), "--resume")
+    assert_clean_usage_error(proc, "not a Lab 02 checkpoint")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu_is_one_line():
+    proc = run_cli(SCRIPT, "--device", "cuda", "--steps", "1")
+    assert_clean_usage_error(proc, "no CUDA GPU")
+
+
+def test_snapshot_on_cpu_is_refused(lab02, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        run_lab(lab02.main, [*SMALL, "--steps", "1", "--snapshot", str(tmp_path / "s.pickle")], prog="x")
+    assert exc.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_cuda_run_agrees_with_the_allocator_and_writes_a_snapshot(lab02, tmp_path):
+    snap = tmp_path / "snap.pickle"
+    args = ["--device", "cuda", "--json", "--steps", "2", "--snapshot", str(snap)]
+    run = lab02.train(lab02.parse_args(args))
+    summary = lab02.summary(run)
+    ratio = summary["cuda"]["ledger_peak_over_max_allocated"]
+    assert 0.95 <= ratio <= 1.05, ratio
+    assert snap.is_file() and snap.stat().st_size > 0
+    assert summary["provenance"]["device_type"] == "cuda" and summary["provenance"]["device_name"]
