@@ -1,0 +1,111 @@
+"""MkDocs hooks: the one seam between the repository layout and the site.
+
+* Notebooks live in ``notebooks/`` at the repository root, lab code in ``code/`` and measured
+  artefacts in ``results/``. ``on_files`` adds them to the site: notebooks as pages (rendered by
+  mkdocs-jupyter), lab sources and results as plain files a page can link to or embed.
+* ``on_page_markdown`` checks a lab page's front matter (the starter and notebook it names must
+  exist, or the build fails) and attaches what the template needs: the "measured on" badge, read
+  from the notebook's provenance and compared with the current lab source hash.
+* Notebook pages get the same badge through ``on_page_context``.
+
+Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "code"))
+
+from labkit.provenance import source_hash  # noqa: E402
+
+log = logging.getLogger("mkdocs.hooks.infralab")
+
+STATIC_FROM_ROOT = {
+    "code": ("*.py",),
+    "results": ("*.svg", "*.png", "*.json", "*.pickle"),
+}
+
+
+def _add(files: Files, config, rel: str) -> None:
+    if files.get_file_from_path(rel) is None:
+        files.append(File(rel, src_dir=str(ROOT), dest_dir=config["site_dir"], use_directory_urls=config["use_directory_urls"]))
+
+
+@event_priority(100)  # before mkdocs-jupyter wraps the .ipynb files
+def on_files(files: Files, config) -> Files:
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        _add(files, config, nb.relative_to(ROOT).as_posix())
+    for folder, patterns in STATIC_FROM_ROOT.items():
+        for pattern in patterns:
+            for f in sorted((ROOT / folder).rglob(pattern)):
+                if "__pycache__" not in f.parts:
+                    _add(files, config, f.relative_to(ROOT).as_posix())
+    return files
+
+
+def notebook_provenance(notebook: str) -> dict | None:
+    path = ROOT / notebook
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {}).get("infralab", {})
+    return meta.get("provenance")
+
+
+def measured_badge(notebook: str) -> dict:
+    """What the "measured on" badge says for a notebook (see overrides/main.html)."""
+    prov = notebook_provenance(notebook)
+    if not prov:
+        return {"state": "missing", "text": "not measured yet"}
+    current = source_hash(prov["lab"]) if prov.get("lab") else None
+    stale = bool(current and prov.get("source_hash") and prov["source_hash"] != current)
+    on_gpu = prov.get("device_type") == "cuda"
+    text = f"{prov.get('device_name')} · {str(prov.get('date_utc', ''))[:10]}" if on_gpu else "CPU only so far"
+    return {
+        "state": "stale" if stale else ("gpu" if on_gpu else "cpu"),
+        "text": text,
+        "device": prov.get("device_name"),
+        "date": str(prov.get("date_utc", ""))[:10],
+        "torch": prov.get("torch_version"),
+        "source_hash": prov.get("source_hash"),
+        "current_hash": current,
+        "stale": stale,
+        "title": (
+            f"Figures measured on {prov.get('device_name')} ({prov.get('device_type')}), torch "
+            f"{prov.get('torch_version')}, {str(prov.get('date_utc', ''))[:10]}, lab source "
+            f"{prov.get('source_hash')}" + (f"; the lab code has changed since (now {current})" if stale else "")
+        ),
+    }
+
+
+def on_page_markdown(markdown: str, page, config, files: Files) -> str:
+    meta = page.meta
+    if "lab" not in meta:
+        return markdown
+    for key in ("starter", "notebook", "run_cpu"):
+        if not meta.get(key):
+            raise PluginError(f"{page.file.src_uri}: lab page front matter needs '{key}'")
+    for key in ("starter", "notebook"):
+        if not (ROOT / meta[key]).is_file():
+            raise PluginError(f"{page.file.src_uri}: {key} {meta[key]} does not exist")
+    nb = Path(meta["notebook"])
+    meta["notebook_page"] = f"notebooks/{nb.stem}/"
+    meta["notebook_download"] = f"notebooks/{nb.stem}/{nb.name}"
+    meta["measured"] = measured_badge(meta["notebook"])
+    return markdown
+
+
+def on_page_context(context, page, config, nav):
+    src = page.file.src_uri
+    if src.startswith("notebooks/") and src.endswith(".ipynb"):
+        page.meta["measured"] = measured_badge(src)
+        page.meta["notebook_download"] = f"{src[:-len('.ipynb')]}/{Path(src).name}"
+    return context

@@ -1,0 +1,170 @@
+"""The site in a real browser: Debian's headless Chromium, driven by Playwright.
+
+Every page loads with no console error and no request outside loopback; search finds Lab 02;
+the dark-mode toggle works; a phone-sized screen in dark mode does not scroll sideways. Skipped
+where Chromium or Playwright is missing, except under CI=true, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def _missing(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"browser tests cannot run in CI: {reason}")
+    pytest.skip(reason)
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(built_site):
+    handler = functools.partial(QuietHandler, directory=str(built_site["dir"]))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM:
+        _missing("Debian's chromium is not installed")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright is not installed")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+class Watch:
+    """Records console errors, page errors and every request that leaves loopback (and blocks it)."""
+
+    def __init__(self, page):
+        self.errors: list[str] = []
+        self.outside: list[str] = []
+        page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        page.route("**/*", self._route)
+
+    def _route(self, route):
+        host = urlsplit(route.request.url).hostname
+        if route.request.url.startswith(("data:", "blob:")) or host in ("127.0.0.1", "localhost"):
+            route.continue_()
+        else:
+            self.outside.append(route.request.url)
+            route.abort()
+
+
+def site_pages(site_dir: Path) -> list[str]:
+    pages = []
+    for html in sorted(site_dir.rglob("index.html")):
+        rel = html.parent.relative_to(site_dir).as_posix()
+        pages.append("/" if rel == "." else f"/{rel}/")
+    return pages
+
+
+def test_every_page_loads_cleanly_and_stays_on_loopback(browser, server, built_site):
+    pages = site_pages(built_site["dir"])
+    assert "/labs/lab-02-single-gpu-training/" in pages and "/notebooks/lab-02-single-gpu-training/" in pages
+    context = browser.new_context()
+    problems = []
+    for path in pages:
+        page = context.new_page()
+        watch = Watch(page)
+        response = page.goto(server + path, wait_until="load")
+        page.wait_for_timeout(150)
+        if response is None or response.status != 200:
+            problems.append(f"{path}: HTTP {response.status if response else 'no response'}")
+        problems += [f"{path}: {e}" for e in watch.errors]
+        problems += [f"{path}: request outside loopback: {u}" for u in watch.outside]
+        page.close()
+    context.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_search_finds_lab_02_by_checkpoint(browser, server):
+    page = browser.new_page()
+    watch = Watch(page)
+    page.goto(server + "/", wait_until="load")
+    box = page.locator("input.md-search__input")
+    box.click()
+    box.press_sequentially("checkpoint", delay=30)  # Material searches on key events
+    results = page.locator(".md-search-result__item a")
+    results.first.wait_for(timeout=15_000)
+    hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
+    assert any("labs/lab-02-single-gpu-training/" in (h or "") for h in hrefs), hrefs
+    assert not watch.errors and not watch.outside
+    page.close()
+
+
+def test_dark_mode_toggle(browser, server):
+    context = browser.new_context(color_scheme="light")
+    page = context.new_page()
+    watch = Watch(page)
+    page.goto(server + "/labs/lab-02-single-gpu-training/", wait_until="load")
+    scheme = "document.body.getAttribute('data-md-color-scheme')"
+    assert page.evaluate(scheme) == "default"
+    page.locator("form[data-md-component=palette] label:visible").first.click()
+    page.wait_for_function(f"{scheme} === 'slate'", timeout=5_000)
+    page.reload(wait_until="load")
+    assert page.evaluate(scheme) == "slate", "the choice survives a reload"
+    assert not watch.errors and not watch.outside
+    context.close()
+
+
+def test_lab_page_features_on_a_phone_in_dark_mode(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme="dark",
+                                  device_scale_factor=2, is_mobile=True, has_touch=True)
+    page = context.new_page()
+    watch = Watch(page)
+    page.goto(server + "/labs/lab-02-single-gpu-training/", wait_until="load")
+    assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") == "slate"
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the page scrolls sideways by {overflow}px on a phone"
+    assert page.locator("[data-il=run-it]").is_visible()
+    assert page.locator("[data-il-badge]").first.is_visible()
+    assert page.locator(".md-annotation").count() >= 4, "code annotations rendered"
+    assert page.locator(".md-code__button, .md-clipboard").count() >= 3, "copy buttons"
+    for img in page.locator("figure img").all():
+        img.scroll_into_view_if_needed()
+        assert img.evaluate("i => i.complete && i.naturalWidth > 0"), img.get_attribute("src")
+    assert not watch.errors and not watch.outside
+    context.close()
+
+
+def test_instant_navigation_and_notebook_figures(browser, server):
+    page = browser.new_page()
+    watch = Watch(page)
+    page.goto(server + "/notebooks/", wait_until="load")
+    page.locator("article a[href$='notebooks/lab-02-single-gpu-training/']:visible").first.click()
+    page.wait_for_url("**/notebooks/lab-02-single-gpu-training/", timeout=10_000)
+    page.locator(".jp-OutputArea-output img").first.wait_for(timeout=10_000)
+    widths = page.locator(".jp-OutputArea-output img").evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
+    assert widths and min(widths) > 100
+    download = page.locator("a[download]").first.get_attribute("href")
+    assert download.endswith(".ipynb")
+    assert not watch.errors and not watch.outside
+    page.close()

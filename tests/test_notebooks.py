@@ -1,0 +1,91 @@
+"""Notebooks: executed by scripts/run_notebooks.py from their source, in order, without errors,
+with a figure and provenance; and they still run on CPU today (re-executed in a temporary copy)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOURCES = sorted((ROOT / "notebooks" / "src").glob("*.py"))
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import run_notebooks  # noqa: E402
+
+pytestmark = pytest.mark.notebook
+
+
+def test_every_source_has_an_executed_notebook_and_back():
+    assert {s.stem for s in SOURCES} == {n.stem for n in NOTEBOOKS}
+    assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_hygiene(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "run top to bottom, once"
+    for cell in code:
+        for out in cell.outputs:
+            assert out.output_type != "error", f"error output in {path.name}: {out.get('ename')}"
+            if out.output_type == "stream" and out.name == "stderr":
+                assert "Traceback" not in out.text and "Warning" not in out.text, out.text[:300]
+    images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
+    assert images, "at least one figure"
+    h1 = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
+          if line.startswith("# ")]
+    assert len(h1) == 1, h1
+    assert path.stat().st_size < 3_000_000, "keep notebooks small"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_provenance(path):
+    nb = nbformat.read(path, as_version=4)
+    meta = nb.metadata["infralab"]
+    prov = meta["provenance"]
+    for key in ("device_type", "device_name", "torch_version", "python_version", "git_commit",
+                "source_hash", "labkit_hash", "date_utc", "lab"):
+        assert prov.get(key), key
+    assert prov["lab"] == path.stem
+    assert meta["executed_by"] == "scripts/run_notebooks.py"
+    printed = run_notebooks.find_provenance(nb)
+    assert {k: v for k, v in prov.items() if k != "wall_time_s"} == {
+        k: v for k, v in printed.items() if k != "wall_time_s"}, "metadata copies the provenance cell's output"
+    assert prov["wall_time_s"] > 0
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_cells_are_exactly_its_source(path):
+    """Never edited by hand: the committed cells are the cells of notebooks/src/NAME.py."""
+    built = run_notebooks.build(ROOT / "notebooks" / "src" / f"{path.stem}.py")
+    nb = nbformat.read(path, as_version=4)
+    assert [(c.cell_type, c.source) for c in nb.cells] == [(c.cell_type, c.source) for c in built.cells]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_still_runs_on_cpu(path, tmp_path):
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    fresh = copy.deepcopy(nb)
+    for cell in fresh.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    env = dict(os.environ, INFRALAB_ROOT=str(ROOT), INFRALAB_DEVICE="cpu",
+               INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
+    (tmp_path / path.name).write_text(json.dumps(fresh))
+    client = NotebookClient(fresh, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}, allow_errors=False)
+    client.execute(env=env)
+    errors = [o for c in fresh.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    assert list((tmp_path / "results").rglob("*")), "the notebook wrote its results"
+    assert not any((ROOT / "results").rglob("*.tmp"))

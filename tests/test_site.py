@@ -1,0 +1,224 @@
+"""The site: strict build, internal links and anchors, lab pages wired to real files, offline."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+LAB_PAGES = sorted((DOCS / "labs").glob("lab-*.md"))
+TEMPLATE_SECTIONS = [
+    "Concept goal", "Mental model", "Run it", "Annotated code", "Line by line", "Measured results",
+    "What to notice", "Common misunderstandings", "Interview: how to say it out loud", "Exercises",
+    "Further reading",
+]
+SNIPPET = re.compile(r'^\s*-{1,}8<-{1,}\s+"([^"]+)"', re.M)
+
+pytestmark = pytest.mark.site
+
+
+class PageParser(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+        self.links: list[tuple[str, str]] = []  # (tag, url)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.ids.add(attrs["name"])
+        if tag == "link" and attrs.get("rel") in ("canonical", "alternate"):
+            return  # names the page's address; loads nothing
+        for attr in ("href", "src"):
+            if attrs.get(attr) and tag in ("a", "img", "script", "link", "source", "iframe"):
+                self.links.append((tag, attrs[attr]))
+
+
+def parse(path: Path) -> PageParser:
+    p = PageParser()
+    p.feed(path.read_text(encoding="utf-8"))
+    return p
+
+
+def front_matter(path: Path) -> dict:
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("---\n"), path
+    return yaml.safe_load(text.split("---\n", 2)[1])
+
+
+def test_strict_build_is_fast(built_site):
+    assert built_site["seconds"] <= 15, f"strict build took {built_site['seconds']:.1f} s"
+    assert "WARNING" not in built_site["log"]
+
+
+def test_internal_links_and_anchors_resolve(built_site):
+    site: Path = built_site["dir"].resolve()
+    pages = {p.resolve(): parse(p) for p in site.rglob("*.html")}
+    problems = []
+    for page, parsed in pages.items():
+        for tag, url in parsed.links:
+            parts = urlsplit(url)
+            if parts.scheme in ("http", "https", "mailto", "data", "javascript") or url.startswith("//"):
+                continue
+            if not parts.path:
+                target = page
+            elif parts.path.startswith("/"):  # 404.html links from the site root (site_url's path)
+                target = (site / unquote(parts.path).lstrip("/")).resolve()
+            else:
+                target = (page.parent / unquote(parts.path)).resolve()
+                if target.is_dir():
+                    target = target / "index.html"
+            if not target.exists():
+                problems.append(f"{page.relative_to(site)}: {tag} -> {url} (missing file)")
+                continue
+            frag = unquote(parts.fragment)
+            if frag and not frag.startswith("__") and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else parse(target).ids
+                if frag not in ids:
+                    problems.append(f"{page.relative_to(site)}: {url} (missing anchor #{frag})")
+    assert not problems, "\n".join(problems[:40])
+
+
+def test_no_external_scripts_styles_or_fonts(built_site):
+    for page in built_site["dir"].rglob("*.html"):
+        for tag, url in parse(page).links:
+            if tag in ("script", "link", "img", "iframe", "source"):
+                assert not re.match(r"^(https?:)?//", url), f"{page}: {tag} loads {url}"
+        text = page.read_text(encoding="utf-8")
+        assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, page
+
+
+def test_there_is_at_least_one_lab_page():
+    assert LAB_PAGES
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_lab_page_front_matter_names_real_files(page):
+    meta = front_matter(page)
+    for key in ("lab", "starter", "notebook", "run_cpu", "run_gpu"):
+        assert meta.get(key), f"{page.name}: front matter needs {key}"
+    assert (ROOT / meta["starter"]).is_file(), meta["starter"]
+    assert (ROOT / meta["notebook"]).is_file(), meta["notebook"]
+    assert meta["run_cpu"].startswith(f"python {meta['starter']}") and "--device cpu" in meta["run_cpu"]
+    assert meta["run_gpu"].startswith(f"python {meta['starter']}") and "--device cuda" in meta["run_gpu"]
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_lab_page_has_every_template_section_in_order(page):
+    headings = re.findall(r"^## (.+)$", page.read_text(encoding="utf-8"), re.M)
+    assert headings == TEMPLATE_SECTIONS
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_lab_page_quotes_its_starter_through_snippet_sections(page):
+    meta = front_matter(page)
+    refs = SNIPPET.findall(page.read_text(encoding="utf-8"))
+    starter_sections = [r.split(":", 1)[1] for r in refs if r.startswith(meta["starter"] + ":")]
+    assert len(starter_sections) >= 2, "a lab page quotes its starter in named sections"
+    source = (ROOT / meta["starter"]).read_text(encoding="utf-8")
+    for name in starter_sections:
+        assert f"# --8<-- [start:{name}]" in source and f"# --8<-- [end:{name}]" in source, name
+    # no pasted code: every python block on the page is a snippet include
+    for block in re.findall(r"```python[^\n]*\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+        assert SNIPPET.match(block.strip().splitlines()[0]), f"pasted code on {page.name}: {block[:80]}"
+
+
+def test_every_snippet_reference_resolves():
+    for page in DOCS.rglob("*.md"):
+        for ref in SNIPPET.findall(page.read_text(encoding="utf-8")):
+            path, _, section = ref.partition(":")
+            target = ROOT / path
+            assert target.is_file(), f"{page}: {path}"
+            if section and not section[0].isdigit():
+                text = target.read_text(encoding="utf-8")
+                assert f"--8<-- [start:{section}]" in text and f"--8<-- [end:{section}]" in text, ref
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_rendered_lab_page_links_its_starter_and_notebook(built_site, page):
+    meta = front_matter(page)
+    html_path = built_site["dir"] / "labs" / page.stem / "index.html"
+    html = html_path.read_text(encoding="utf-8")
+    parsed = parse(html_path)
+    hrefs = {(html_path.parent / unquote(urlsplit(u).path)).resolve() for t, u in parsed.links if t == "a"}
+    site = built_site["dir"].resolve()
+    nb = Path(meta["notebook"]).stem
+    assert site / meta["starter"] in hrefs
+    assert site / "notebooks" / nb in hrefs or site / "notebooks" / nb / "index.html" in hrefs
+    download = site / "notebooks" / nb / f"{nb}.ipynb"
+    assert download in hrefs and json.loads(download.read_text())["nbformat"] == 4
+    assert 'data-il="run-it"' in html and meta["run_cpu"] in html.replace("&#34;", '"')
+    assert 'class="il-slot-run-it"' not in html  # the template filled the slot
+    assert "data-il-badge=" in html
+    # the code on the page is the code in the file
+    source = (ROOT / meta["starter"]).read_text(encoding="utf-8")
+    assert "def train_step" in source and "train_step" in html
+
+
+def test_badge_reflects_notebook_provenance(built_site):
+    for page in LAB_PAGES:
+        meta = front_matter(page)
+        nb = json.loads((ROOT / meta["notebook"]).read_text())
+        device_type = nb["metadata"]["infralab"]["provenance"]["device_type"]
+        html = (built_site["dir"] / "labs" / page.stem / "index.html").read_text(encoding="utf-8")
+        state = re.search(r'data-il-badge="(\w+)"', html).group(1)
+        if state != "stale":
+            assert state == ("gpu" if device_type == "cuda" else "cpu")
+        if device_type != "cuda":
+            assert "CPU only so far" in html
+
+
+def test_badge_says_when_the_lab_code_changed_since_measurement(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infralab_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    notebook = front_matter(LAB_PAGES[0])["notebook"]
+    fresh = hooks.measured_badge(notebook)
+    monkeypatch.setattr(hooks, "source_hash", lambda lab: "0000000000000000")
+    stale = hooks.measured_badge(notebook)
+    assert stale["stale"] and stale["state"] == "stale" and "changed since" in stale["title"]
+    assert fresh["current_hash"] != "0000000000000000"
+
+
+def test_notebook_pages_are_in_the_site(built_site):
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        page = built_site["dir"] / "notebooks" / nb.stem / "index.html"
+        assert page.is_file(), page
+        html = page.read_text(encoding="utf-8")
+        assert "data:image/png;base64" in html and "data-il-badge=" in html
+
+
+def test_every_notebook_and_lab_page_is_in_the_nav():
+    nav = json.dumps(yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)["nav"])
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        assert f"notebooks/{nb.name}" in nav
+    for page in LAB_PAGES:
+        assert f"labs/{page.name}" in nav
+
+
+def test_interview_page_gathers_each_labs_questions(built_site):
+    html = (built_site["dir"] / "interview" / "index.html").read_text(encoding="utf-8")
+    for page in LAB_PAGES:
+        text = page.read_text(encoding="utf-8")
+        section = text.split("[start:interview]", 1)[1].split("[end:interview]", 1)[0]
+        first_question = re.search(r'\?\?\? question "([^"]+)"', section).group(1)
+        assert first_question.replace('"', "&quot;") in html or first_question in html
+
+
+def test_readme_lab_index_links_every_lab():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in LAB_PAGES:
+        meta = front_matter(page)
+        assert f"docs/labs/{page.name}" in readme
+        assert meta["starter"] in readme and meta["notebook"] in readme
