@@ -7,6 +7,10 @@
   exist, or the build fails) and attaches what the template needs: the "measured on" badge, read
   from the notebook's provenance and compared with the current lab source hash.
 * Notebook pages get the same badge through ``on_page_context``.
+* Index pages are generated, so they grow with the labs without anyone editing them: a page
+  holding ``<!-- infralab:catalogue -->``, ``<!-- infralab:labs -->``,
+  ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` or ``<!-- infralab:interview -->``
+  gets that table or section built from the lab pages' front matter and ``extra.catalogue``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
 """
@@ -15,8 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
+import re
 import sys
 from pathlib import Path
+
+import yaml
 
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
@@ -86,7 +94,92 @@ def measured_badge(notebook: str) -> dict:
     }
 
 
+def lab_pages() -> list[tuple[str, dict]]:
+    """(src_uri, front matter) of every lab page, in lab order."""
+    out = []
+    for path in sorted((ROOT / "docs" / "labs").glob("lab-*.md")):
+        text = path.read_text(encoding="utf-8")
+        if text.startswith("---\n"):
+            out.append((f"labs/{path.name}", yaml.safe_load(text.split("---\n", 2)[1]) or {}))
+    return out
+
+
+def _rel(page_src: str, target_src: str) -> str:
+    return posixpath.relpath(target_src, posixpath.dirname(page_src) or ".")
+
+
+def _measured_text(notebook: str) -> str:
+    badge = measured_badge(notebook)
+    if badge["state"] == "stale":
+        return f"{badge['text']} (older lab code)"
+    return badge["text"]
+
+
+def _title(meta: dict) -> str:
+    return str(meta.get("title", "")).split("·", 1)[-1].strip()
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def render_placeholder(name: str, page_src: str, config) -> str:
+    labs = lab_pages()
+
+    def link(text: str, target_src: str) -> str:
+        return f"[{text}]({_rel(page_src, target_src)})"
+
+    def notebook(m: dict) -> str:
+        return "notebooks/" + Path(m["notebook"]).name
+
+    if name == "catalogue":
+        ready = {str(m["lab"]): (src, m) for src, m in labs}
+        rows = []
+        for entry in config["extra"]["catalogue"]:
+            n = f"{int(entry['n']):02d}"
+            if n in ready:
+                src, m = ready[n]
+                rows.append([n, link(entry["name"], src), entry["what"], f"**ready**: {_measured_text(m['notebook'])}"])
+            else:
+                rows.append([n, entry["name"], entry["what"], "planned"])
+        return _table(["#", "lab", "what it makes measurable", "status"], rows)
+    if name == "labs":
+        rows = [[str(m["lab"]), link(_title(m), src), f"`{m['starter']}`", link("measured timeline", notebook(m)),
+                 _measured_text(m["notebook"])] for src, m in labs]
+        return _table(["#", "lab", "starter", "notebook", "measured on"], rows)
+    if name == "notebooks":
+        rows = [[link(str(m["lab"]), src), link(f"{_title(m)}, measured", notebook(m)), m.get("notebook_shows", ""),
+                 _measured_text(m["notebook"])] for src, m in labs]
+        return _table(["lab", "notebook", "what it shows", "measured on"], rows)
+    if name == "chapters":
+        rows = []
+        for src, m in labs:
+            if m.get("chapter"):
+                text = (ROOT / "docs" / m["chapter"]).read_text(encoding="utf-8")
+                title = yaml.safe_load(text.split("---\n", 2)[1]).get("title", m["chapter"])
+                rows.append([link(title, m["chapter"]), link(f"Lab {m['lab']} · {_title(m)}", src)])
+        return _table(["chapter", "lab"], rows)
+    if name == "interview":
+        parts = []
+        for src, m in labs:
+            text = (ROOT / "docs" / src).read_text(encoding="utf-8")
+            if "[start:interview]" not in text:
+                continue
+            link = _rel(page_src, src)
+            parts += [f"## Lab {m['lab']} · {_title(m)}", "",
+                      f"From [Lab {m['lab']}]({link}); the figures its answers point at are in its "
+                      f"[Measured results]({link}#measured-results).", "",
+                      f'--8<-- "docs/{src}:interview"', ""]
+        return "\n".join(parts)
+    raise PluginError(f"{page_src}: unknown placeholder infralab:{name}")
+
+
+PLACEHOLDER = re.compile(r"^<!-- infralab:(\w+) -->$", re.M)
+
+
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
+    markdown = PLACEHOLDER.sub(lambda m: render_placeholder(m.group(1), page.file.src_uri, config), markdown)
     meta = page.meta
     if "lab" not in meta:
         return markdown

@@ -229,3 +229,18 @@ def test_readme_lab_index_links_every_lab():
         meta = front_matter(page)
         assert f"docs/labs/{page.name}" in readme
         assert meta["starter"] in readme and meta["notebook"] in readme
+
+
+def test_generated_indexes_list_every_lab(built_site):
+    site = built_site["dir"]
+    for page in LAB_PAGES:
+        meta = front_matter(page)
+        nb = Path(meta["notebook"]).stem
+        for index in ("index.html", "labs/index.html", "notebooks/index.html"):
+            html = (site / index).read_text(encoding="utf-8")
+            assert f"labs/{page.stem}/" in html or f"{page.stem}/" in html, (index, page.stem)
+        assert f'href="{nb}/"' in (site / "notebooks" / "index.html").read_text(encoding="utf-8")
+        if meta.get("chapter"):
+            assert Path(meta["chapter"]).stem in (site / "handbook" / "index.html").read_text(encoding="utf-8")
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert home.count("planned") + home.count("<strong>ready</strong>") >= 12, "the whole catalogue is listed"
