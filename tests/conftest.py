@@ -78,3 +78,17 @@ def built_site(tmp_path_factory):
     seconds = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {"dir": out, "seconds": seconds, "log": proc.stdout + proc.stderr}
+
+
+def assert_usage_error_in_process(main, argv: list[str], capsys, *fragments: str) -> str:
+    """Run a lab's ``main`` through ``run_lab`` in this process: exit 2 and one stderr line."""
+    from labkit import run_lab
+
+    with pytest.raises(SystemExit) as exc:
+        run_lab(main, argv, prog="lab")
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

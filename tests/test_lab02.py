@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, run_cli
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, run_cli
 
 from labkit import run_lab
 
@@ -136,11 +136,7 @@ def test_human_report_mentions_the_adam_state():
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(lab02, capsys, args, fragment):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab02.main, [*SMALL, *args], prog="train_single_gpu.py")
-    assert exc.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and fragment in err[0], err
+    assert_usage_error_in_process(lab02.main, [*SMALL, *args], capsys, fragment)
 
 
 def test_missing_checkpoint(tmp_path):

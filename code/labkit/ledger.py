@@ -131,6 +131,21 @@ class Timeline:
     def row(self, i: int) -> dict[str, int]:
         return {cat: self.device[cat][i] for cat in self.categories}
 
+    def window(self, *phases: str) -> Timeline:
+        """The rows from the first span of any of ``phases`` to the end of the last one."""
+        spans = [s for s in self.spans if s.name in phases]
+        if not spans:
+            raise ValueError(f"no phase named {', '.join(phases)} in this timeline")
+        lo, hi = min(s.start for s in spans), max(s.end for s in spans)
+        out = Timeline(categories=self.categories)
+        for name in ("index", "time_s", "phase", "step", "cuda_allocated", "cuda_reserved"):
+            setattr(out, name, getattr(self, name)[lo:hi])
+        out.device = {c: v[lo:hi] for c, v in self.device.items()}
+        out.host = {c: v[lo:hi] for c, v in self.host.items()}
+        out.spans = [PhaseSpan(s.name, s.step, s.start - lo, s.end - lo) for s in self.spans
+                     if s.start >= lo and s.end <= hi]
+        return out
+
     def to_dict(self) -> dict:
         return {
             "categories": list(self.categories),
@@ -513,3 +528,31 @@ def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             out.add((t.device, t.untyped_storage().data_ptr()))
     return out
+
+
+class NullLedger:
+    """The Ledger's interface doing nothing: for timing runs, where a dispatch mode would cost time."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def track_module(self, module) -> NullLedger:
+        return self
+
+    def track_optimizer(self, optimizer) -> NullLedger:
+        return self
+
+    def track(self, tensors, category: str) -> None:
+        pass
+
+    def category(self, name: str):
+        return contextlib.nullcontext()
+
+    def phase(self, name: str, step: int | None = None):
+        return contextlib.nullcontext()
+
+    def __enter__(self) -> NullLedger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -28,6 +28,11 @@ CATEGORY_COLORS = {
 }
 
 PHASE_COLORS = {
+    "encode": "#c6dbef",
+    "denoise": "#fdd0a2",
+    "decode": "#c7e9c0",
+    "install": "#eeeeee",
+    "remove": "#eeeeee",
     "forward": "#9ecae1",
     "backward": "#fdae6b",
     "optimizer": "#bcbddc",
@@ -66,6 +71,9 @@ def plot_timeline(
     scope: str = "device",
     show_allocator: bool = True,
     max_points: int = 500,
+    legend: bool = True,
+    unit: str | None = None,
+    ymax_bytes: float | None = None,
 ):
     """Stacked area of live bytes by category with phase bands; returns the figure."""
     if ax is None:
@@ -82,7 +90,8 @@ def plot_timeline(
         extra = tl.cuda_reserved
     if overlay:
         extra = extra + [v for ys in overlay.values() for v in ys]
-    unit, size = pick_unit(max([peak, *extra], default=1))
+    top_bytes = ymax_bytes or max([peak, *extra], default=1)
+    unit, size = (unit, dict(UNITS)[unit]) if unit else pick_unit(top_bytes)
 
     # phase bands (named in the legend) and one "step N" label where each step begins
     step_start: dict[int, int] = {}
@@ -113,15 +122,16 @@ def plot_timeline(
                 color=("#111111", "#d62728", "#17becf")[k % 3], label=name, zorder=4)
 
     ax.set_xlim(-0.5, max(len(tl) - 0.5, 0.5))
-    ax.set_ylim(0, max([peak, *extra], default=1) / size * 1.12 + 1e-9)
+    ax.set_ylim(0, top_bytes / size * 1.12 + 1e-9)
     ax.set_xlabel("ledger events (every allocation and free, in order)")
     ax.set_ylabel(f"live {scope} bytes ({unit})")
     if title:
         ax.set_title(title, loc="left", fontsize=10, pad=14)
-    handles, labels = ax.get_legend_handles_labels()
-    phase_names = [n for n in dict.fromkeys(s.name for s in tl.spans)]
-    handles += [Patch(color=PHASE_COLORS.get(n, "#eeeeee"), alpha=0.35, label=f"phase: {n}") for n in phase_names]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if legend:
+        handles, labels = ax.get_legend_handles_labels()
+        phase_names = [n for n in dict.fromkeys(s.name for s in tl.spans)]
+        handles += [Patch(color=PHASE_COLORS.get(n, "#eeeeee"), alpha=0.35, label=f"phase: {n}") for n in phase_names]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3, zorder=1)
     return fig
 
@@ -172,3 +182,36 @@ def peak_table(peaks: Mapping[str, Mapping[str, int]], unit: str | None = None) 
     rows = [f"| {p} | " + " | ".join(cell(row.get(c, 0)) for c in cats) + f" | **{cell(totals[p])}** |"
             for p, row in peaks.items()]
     return "\n".join([head, sep, *rows])
+
+
+def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str, str] | None = None):
+    """Compute stream against copy stream: one row per lane, one bar per transfer or compute.
+
+    ``bars`` are :class:`labkit.schedule.Bar`. Transfers are hatched; a bar's colour says which
+    pipeline stage it belongs to.
+    """
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 2.6), dpi=110, layout="constrained")
+    else:
+        fig = ax.figure
+    lanes = ["copy", "compute"]
+    stages = list(dict.fromkeys(b.stage or "-" for b in bars))
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860"]
+    colors = dict(unit_colors or {}) or {s: palette[i % len(palette)] for i, s in enumerate(stages)}
+    for bar in bars:
+        y = lanes.index(bar.lane) if bar.lane in lanes else len(lanes)
+        ax.broken_barh([(bar.start_ms, max(bar.ms, 1e-6))], (y - 0.38, 0.76),
+                       facecolors=colors.get(bar.stage or "-", "#999999"),
+                       edgecolor="black" if bar.kind == "transfer" else "none", linewidth=0.4,
+                       hatch="////" if bar.kind == "transfer" else None, alpha=0.85 if bar.kind == "compute" else 0.55)
+    ax.set_yticks(range(len(lanes)), [f"{lane} stream" for lane in lanes])
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=colors[s], label=f"stage: {s}") for s in stages]
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="////", label="transfer (host to device)"),
+                Patch(facecolor="#bbbbbb", label="compute (solid)")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return fig

@@ -1,0 +1,244 @@
+"""Offload benchmark: Lab 08's engines side by side in one run, with the public baselines.
+
+    python bench/offload_bench.py --device cuda                      # writes results/offload_bench.json
+    python bench/offload_bench.py --device cpu --out /tmp/b.json     # a smoke run; CPU times only
+
+One process measures, on the same pipeline and the same inputs:
+1. host-to-device and device-to-host copy bandwidth, pinned and pageable (CUDA only): the physical
+   limit every transfer below is compared with;
+2. the denoising step time and peak memory of every mode (none, model, sequential, layerwise at
+   several prefetch depths), and of accelerate's ``cpu_offload`` and diffusers' group offloading
+   on the same denoiser when those packages are installed (skipped with a note otherwise);
+3. a sweep of the denoiser's width, so the report shows where the per-block transfer time
+   overtakes the per-block compute time and prefetching can no longer hide the copy.
+
+Everything is reported as ratios against the all-resident run of the same process, with the
+provenance record. Timing runs do not use the memory ledger (its dispatch mode costs time per op);
+peak memory comes from ``torch.cuda.max_memory_allocated`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB_DIR = ROOT / "code" / "lab-08-offload-memory-saving"
+sys.path.insert(0, str(ROOT / "code"))
+sys.path.insert(0, str(LAB_DIR))
+
+import torch  # noqa: E402
+
+from labkit import emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
+from labkit.cli import UsageError, positive_int  # noqa: E402
+from labkit.cuda import allocator_stats, reset_peak  # noqa: E402
+from labkit.diffusion import ToyDiffusionPipeline  # noqa: E402
+from labkit.plot import format_bytes  # noqa: E402
+import offload  # noqa: E402
+
+LAB = "lab-08-offload-memory-saving"
+
+
+def parse_args(argv=None):
+    p = lab_parser("Benchmark Lab 08's offload engines against resident, accelerate and diffusers.")
+    p.add_argument("--width", type=positive_int, default=None, help="default: 1024 on CUDA, 64 on CPU")
+    p.add_argument("--heads", type=positive_int, default=None)
+    p.add_argument("--denoiser-layers", type=positive_int, default=None)
+    p.add_argument("--latent-tokens", type=positive_int, default=None)
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--depths", default="0,1,2", help="layerwise prefetch depths, comma separated")
+    p.add_argument("--sweep-widths", default=None, help="widths for the crossover sweep (default by device)")
+    p.add_argument("--copy-mib", type=positive_int, default=256, help="bytes per copy in the bandwidth test")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/offload_bench.json on CUDA, results/offload_bench.cpu.json on CPU")
+    args = p.parse_args(argv)
+    try:
+        args.depths = [int(d) for d in args.depths.split(",")]
+        args.sweep_widths = [int(w) for w in args.sweep_widths.split(",")] if args.sweep_widths else None
+    except ValueError:
+        raise UsageError("--depths and --sweep-widths take comma-separated whole numbers") from None
+    if any(d < 0 for d in args.depths) or any(w <= 0 for w in args.sweep_widths or []):
+        raise UsageError("prefetch depths must be >= 0 and widths > 0")
+    return args
+
+
+def lab_args(args, device: torch.device, **over):
+    """offload.py's arguments for this benchmark's sizes (GPU-sized on CUDA, tiny on CPU)."""
+    gpu = device.type == "cuda"
+    size = {"width": args.width or (1024 if gpu else 64), "heads": args.heads or (16 if gpu else 4),
+            "denoiser_layers": args.denoiser_layers or (16 if gpu else 6),
+            "latent_tokens": args.latent_tokens or (4096 if gpu else 64), "steps": args.steps or (4 if gpu else 2),
+            "dtype": args.dtype or ("bfloat16" if gpu else "float32")} | over
+    argv = ["--device", device.type, "--repeats", str(args.repeats), "--seed", str(args.seed),
+            "--encoder-offload", "off", "--decoder-offload", "off"]  # compare the denoiser alone
+    for key, value in size.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return offload.parse_args(argv)
+
+
+# ------------------------------------------------------------------ 1. the physical limit
+def copy_bandwidth(device: torch.device, mib: int, repeats: int) -> dict | None:
+    """GB/s of host-to-device and device-to-host copies, pinned and pageable (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    n = mib << 20
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    out = {"bytes": n}
+    for kind in ("pinned", "pageable"):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=kind == "pinned")
+        for direction in ("h2d", "d2h"):
+            src, dst = (host, dev) if direction == "h2d" else (dev, host)
+            dst.copy_(src, non_blocking=kind == "pinned")  # warm up
+            torch.cuda.synchronize(device)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=kind == "pinned")
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end) / 1e3)
+            out[f"{direction}_{kind}_gbps"] = n / min(times) / 1e9
+    return out
+
+
+# ------------------------------------------------------------------ 2. modes and baselines
+def time_external(kind: str, args, device: torch.device) -> dict:
+    """accelerate's cpu_offload or diffusers' group offloading on the denoiser, same pipeline."""
+    if importlib.util.find_spec(kind) is None:
+        return {"mode": kind, "skipped": f"{kind} is not installed (optional dependency)"}
+    pipe = ToyDiffusionPipeline(offload.config(args), seed=args.seed)
+    pipe.text_encoder.to(device)
+    pipe.decoder.to(device)
+    try:
+        if kind == "accelerate":
+            from accelerate import cpu_offload
+
+            cpu_offload(pipe.denoiser, execution_device=device)
+            label = "accelerate cpu_offload (sequential, synchronous)"
+        else:
+            from diffusers.hooks import apply_group_offloading
+
+            for p in pipe.denoiser.parameters():  # group offloading expects the module on the offload device
+                p.data = p.data.to("cpu")
+            apply_group_offloading(pipe.denoiser, onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda")
+            label = "diffusers group offloading (block level, stream)"
+    except Exception as err:  # an API that moved between versions is a note, not a crash
+        return {"mode": kind, "skipped": f"{kind} could not be applied: {type(err).__name__}: {err}"}
+    prompt, noise = pipe.inputs(args.seed, device)
+    return {"mode": kind, "label": label, **time_denoise(pipe, prompt, noise, device, args.repeats)}
+
+
+def time_denoise(pipe, prompt, noise, device, repeats: int) -> dict:
+    with torch.no_grad():
+        text = pipe.encode(prompt)
+        reset_peak(device)
+        times, out = [], None
+        for r in range(repeats + 1):  # the first run warms up
+            latents = noise
+            offload.sync(device)
+            t0 = time.perf_counter()
+            for step in range(pipe.cfg.steps):
+                latents = pipe.denoise_step(latents, text, step)
+            offload.sync(device)
+            if r:
+                times.append(time.perf_counter() - t0)
+            out = latents
+    stats = allocator_stats(device)
+    return {"step_ms": 1e3 * min(times) / pipe.cfg.steps, "max_memory_allocated": stats and stats["max_memory_allocated"],
+            "output": out}
+
+
+def mode_rows(args, device) -> list[dict]:
+    rows = []
+    reference = None
+    plan = [("none", None), ("model", None), ("sequential", None)] + [("layerwise", k) for k in args.depths]
+    for mode, depth in progress(plan, total=len(plan), desc="modes", quiet=args.json):
+        a = lab_args(args, device, **({"prefetch_depth": depth} if depth is not None else {}))
+        run = offload.run_mode(mode, a, device, reference, ledger_on=False)
+        reference = run.output if reference is None else reference
+        s = run.summary
+        rows.append({"mode": mode if depth is None else f"layerwise k={depth}", "step_ms": s["step_ms"],
+                     "max_memory_allocated": s["max_memory_allocated"], "max_resident_blocks": s["max_resident_blocks"],
+                     "h2d_bytes": s["h2d_bytes"], "max_abs_diff": s["max_abs_diff"],
+                     "transfer_ms": sum(b.ms for b in run.recorder.intervals() if b.kind == "transfer"),
+                     "overlap_ms": run.recorder.overlap_ms()})
+    base = lab_args(args, device)
+    for kind in ("accelerate", "diffusers"):
+        r = time_external(kind, base, device)
+        if "output" in r:
+            r["max_abs_diff"] = (r.pop("output").float() - reference.float()).abs().max().item()
+        rows.append(r)
+    return rows
+
+
+# ------------------------------------------------------------------ 3. the crossover sweep
+def crossover(args, device, bandwidth: dict | None) -> list[dict]:
+    """Per width: per-block compute time (resident) against per-block copy time, and the overhead."""
+    widths = args.sweep_widths or ([512, 1024, 2048, 4096] if device.type == "cuda" else [32, 64])
+    rows = []
+    for w in progress(widths, total=len(widths), desc="sweep", quiet=args.json):
+        a = lab_args(args, device, width=w, heads=max(1, w // 64))
+        none = offload.run_mode("none", a, device, ledger_on=False).summary
+        layer = offload.run_mode("layerwise", a, device, ledger_on=False)
+        n = layer.summary["denoiser_blocks"]
+        block_bytes = layer.summary["h2d_bytes"] / (a.steps * n + layer.summary["max_resident_blocks"] - 1)
+        row = {"width": w, "block_bytes": int(block_bytes), "compute_ms_per_block": none["step_ms"] / n,
+               "step_ms_resident": none["step_ms"], "step_ms_layerwise": layer.summary["step_ms"],
+               "overhead": layer.summary["step_ms"] / none["step_ms"] - 1}
+        if bandwidth:
+            row["copy_ms_per_block"] = block_bytes / (bandwidth["h2d_pinned_gbps"] * 1e9) * 1e3
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    t0 = time.perf_counter()
+    bandwidth = copy_bandwidth(device, args.copy_mib, args.repeats)
+    modes = mode_rows(args, device)
+    base = next(r for r in modes if r["mode"] == "none")
+    for r in modes:
+        if "step_ms" in r:
+            r["step_time_vs_resident"] = r["step_ms"] / base["step_ms"]
+            if r.get("max_memory_allocated") and base.get("max_memory_allocated"):
+                r["peak_vs_resident"] = r["max_memory_allocated"] / base["max_memory_allocated"]
+            if bandwidth and r.get("transfer_ms"):
+                achieved = r["h2d_bytes"] / (r["transfer_ms"] / 1e3) / 1e9
+                r["achieved_h2d_gbps"] = achieved
+                r["fraction_of_pinned_bandwidth"] = achieved / bandwidth["h2d_pinned_gbps"]
+    sweep = crossover(args, device, bandwidth)
+    result = {"bench": "offload", "config": vars(lab_args(args, device)) | {"device": device.type},
+              "bandwidth": bandwidth, "modes": modes, "crossover": sweep,
+              "note": None if device.type == "cuda" else "CPU run: times are CPU times and transfers are memcpy; "
+                                                           "no GPU speed or bandwidth claim comes from it"}
+    record = provenance.collect(LAB, device, time.perf_counter() - t0)
+    out = args.out or ROOT / "results" / ("offload_bench.json" if device.type == "cuda" else "offload_bench.cpu.json")
+    result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in result["config"].items()}
+    provenance.write_results(out, result, record)
+    if args.json:
+        emit_json({"provenance": record, **result})
+        return
+    print(f"offload benchmark on {record['device_name']} -> {out}")
+    if bandwidth:
+        print("copy bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bandwidth.items() if k.endswith("gbps")))
+    for r in modes:
+        if "skipped" in r:
+            print(f"  {r['mode']:<16} skipped: {r['skipped']}")
+            continue
+        mem = format_bytes(r["max_memory_allocated"]) if r.get("max_memory_allocated") else "-"
+        print(f"  {r['mode']:<16} {r['step_ms']:9.2f} ms/step  x{r['step_time_vs_resident']:.2f}  peak {mem}")
+    for r in sweep:
+        extra = f", copy {r['copy_ms_per_block']:.3f} ms/block" if "copy_ms_per_block" in r else ""
+        print(f"  width {r['width']:>5}: compute {r['compute_ms_per_block']:.3f} ms/block{extra}, "
+              f"layerwise overhead {100 * r['overhead']:+.1f}%")
+
+
+if __name__ == "__main__":
+    run_lab(main)
