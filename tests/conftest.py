@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ROOT / "code"
 
 
+def pytest_configure(config):
+    """One intra-op thread: the tests' tensors are tiny, and CI machines have two cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -158,7 +158,7 @@ def test_checkpoint_from_another_model_shape(lab02, tmp_path, capsys):
         run_lab(lab02.main, [*SMALL, "--layers", "3", "--steps", "1", "--checkpoint", ckpt, "--resume"], prog="x")
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "another model shape" in err[0] and "layers 2 (file) vs 3 (now)" in err[0]
+    assert len(err) == 1 and "for another model" in err[0] and "layers 2 (file) vs 3 (now)" in err[0]
 
 
 def test_a_pickle_that_is_not_a_lab02_checkpoint(tmp_path):

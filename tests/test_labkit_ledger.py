@@ -274,3 +274,20 @@ def test_cuda_snapshot_is_written(tmp_path):
         x = torch.randn(1024, 1024, device="cuda")
         (x @ x).sum().item()
     assert path.is_file() and path.stat().st_size > 0
+
+
+def test_a_ledger_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ledger = Ledger("cpu").track_module(model).track_optimizer(opt)
+    with ledger:
+        with ledger.phase("forward"):
+            model(torch.ones(2, 64)).sum().backward()
+    alive = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert alive() is None
+    assert not any(r.alive for r in ledger.records if r.label == "parameters")  # and it saw them go

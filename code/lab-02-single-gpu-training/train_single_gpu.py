@@ -33,13 +33,14 @@ from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E4
 from labkit.plot import format_bytes, peak_table  # noqa: E402
 
 LAB = "lab-02-single-gpu-training"
+CUDA = torch.cuda.is_available()
 CHECKPOINT_FORMAT = "infralab/lab-02/v1"
 
 
 # --8<-- [start:config]
 def parse_args(argv=None):
     p = lab_parser("Train a toy GPT with AdamW and watch memory phase by phase.")
-    p.add_argument("--steps", type=positive_int, default=6, help="steps to run in this invocation")
+    p.add_argument("--steps", type=positive_int, default=6, help="steps in this run")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_float, default=3e-3)
@@ -49,10 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=positive_int, default=256)
     p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--zero-grad", choices=["none", "zeros", "skip"], default="none",
-                   help="none: set_to_none=True (default); zeros: set_to_none=False; skip: never call it")
-    p.add_argument("--checkpoint", type=Path, help="write a checkpoint here at the end of the run")
+                   help="none: set_to_none=True; zeros: set_to_none=False; skip: no call")
+    p.add_argument("--checkpoint", type=Path, help="write a checkpoint here at the end")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
+    p.add_argument("--snapshot", type=Path, help="CUDA only: a memory_viz history pickle")
     args = p.parse_args(argv)
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
@@ -70,8 +71,8 @@ def save_checkpoint(path: Path, model, optimizer, step: int, cfg: GPTConfig) -> 
         "step": step,  # the next step to run
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),  # (1)!
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},  # (2)!
+        "rng": {"cpu": torch.get_rng_state(),  # (2)!
+                "cuda": torch.cuda.get_rng_state_all() if CUDA else []},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -84,17 +85,17 @@ def load_checkpoint(path: Path, model, optimizer, cfg: GPTConfig) -> int:
         raise UsageError(f"checkpoint not found: {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # (4)!
-    except Exception as err:  # a truncated or foreign file fails in many ways; all mean "unreadable"
+    except Exception as err:  # a truncated or foreign file fails in many ways
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
         if "Weights only load failed" in reason:
-            reason = "not a weights-only PyTorch checkpoint (corrupt, truncated, or holds arbitrary objects)"
+            reason = "not a weights-only PyTorch checkpoint (corrupt, truncated, pickled)"
         raise UsageError(f"cannot read checkpoint {path}: {reason}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{path} is not a Lab 02 checkpoint")
     if state["model_config"] != cfg.to_dict():
         diff = [f"{k} {v} (file) vs {cfg.to_dict()[k]} (now)"
                 for k, v in state["model_config"].items() if cfg.to_dict().get(k) != v]
-        raise UsageError(f"checkpoint {path} is for another model shape: {', '.join(diff)}")
+        raise UsageError(f"checkpoint {path} is for another model: {', '.join(diff)}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -105,7 +106,7 @@ def load_checkpoint(path: Path, model, optimizer, cfg: GPTConfig) -> int:
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, x, y, ledger: Ledger, step: int, zero_grad: str = "none") -> float:
+def train_step(model, optimizer, x, y, ledger: Ledger, step: int, zero_grad="none"):
     with ledger.phase("zero_grad", step):
         if zero_grad != "skip":
             optimizer.zero_grad(set_to_none=(zero_grad == "none"))  # (1)!
@@ -136,7 +137,7 @@ class Run:
 def train(args) -> Run:
     device = pick_device(args.device)
     if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+        raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
                     layers=args.layers, heads=args.heads, dropout=args.dropout)
@@ -151,13 +152,16 @@ def train(args) -> Run:
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
     with record_snapshot(args.snapshot), ledger:
-        for step in progress(range(start, start + args.steps), total=args.steps, desc="train", quiet=args.json):
+        steps = range(start, start + args.steps)
+        for step in progress(steps, total=args.steps, desc="train", quiet=args.json):
             x, y = data.batch(step, args.batch_size, device)  # (2)!
-            losses.append(train_step(model, optimizer, x, y, ledger, step, args.zero_grad))
+            loss = train_step(model, optimizer, x, y, ledger, step, args.zero_grad)
+            losses.append(loss)
     wall = time.perf_counter() - t0
     if args.checkpoint:
         save_checkpoint(args.checkpoint, model, optimizer, start + args.steps, cfg)
-    return Run(losses, start, ledger, model, optimizer, cfg, device, wall, allocator_stats(device))
+    cuda = allocator_stats(device)
+    return Run(losses, start, ledger, model, optimizer, cfg, device, wall, cuda)
 # --8<-- [end:train]
 
 

@@ -76,24 +76,24 @@ def config(args) -> DiffusionConfig:
 
 # --8<-- [start:install]
 def install(mode: str, pipe: ToyDiffusionPipeline, device, args, tag, recorder) -> list:
-    """Place the pipeline's weights for ``mode``; returns the handles (remove them in reverse)."""
+    """Place the pipeline's weights for ``mode``; returns handles (remove in reverse)."""
     pinned = args.pinned == "on" or (args.pinned == "auto" and device.type == "cuda")
     parts = pipe.components()
+    kw = {"tag": tag, "recorder": recorder}
     if mode == "none":
         return [Resident(parts, device, tag)]
     if mode == "model":
-        return [ModelOffload(parts, device, pinned, tag=tag, recorder=recorder)]  # (1)!
+        return [ModelOffload(parts, device, pinned, **kw)]  # (1)!
     if mode == "sequential":
-        return [SequentialOffload(pipe, device, pinned, tag=tag, recorder=recorder)]  # (2)!
-    blocks = pipe.denoiser.blocks
-    handles = [LayerwiseOffload(blocks, device, args.prefetch_depth, pinned, tag, recorder,
-                                name="denoiser.blocks")]  # (3)!
+        return [SequentialOffload(pipe, device, pinned, **kw)]  # (2)!
+    blocks, k = pipe.denoiser.blocks, args.prefetch_depth
+    handles = [LayerwiseOffload(blocks, device, k, pinned, name="denoiser.blocks", **kw)]  # (3)!
     chain = {"denoiser": parts["denoiser"]}  # its few weights outside the blocks
     if args.encoder_offload == "on":
         chain = {"text_encoder": parts["text_encoder"], **chain}
     if args.decoder_offload == "on":
         chain["decoder"] = parts["decoder"]
-    handles.append(ModelOffload(chain, device, pinned, skip=[blocks], tag=tag, recorder=recorder))  # (4)!
+    handles.append(ModelOffload(chain, device, pinned, skip=[blocks], **kw))  # (4)!
     stay = {name: m for name, m in parts.items() if name not in chain}
     if stay:
         handles.append(Resident(stay, device, tag))
@@ -102,8 +102,8 @@ def install(mode: str, pipe: ToyDiffusionPipeline, device, args, tag, recorder) 
 
 
 # --8<-- [start:run]
-def run_pipeline(pipe, handles, prompt, noise, ledger: Ledger, recorder: Recorder) -> tuple[torch.Tensor, float]:
-    """encode -> T denoising steps -> decode; returns the output and the denoise loop's seconds."""
+def run_pipeline(pipe, handles, prompt, noise, ledger: Ledger, recorder: Recorder):
+    """encode -> T denoising steps -> decode; returns the output, the loop's seconds."""
     with ledger.phase("encode"), recorder.stage("encode"):
         text = pipe.encode(prompt)
     sync(noise.device)

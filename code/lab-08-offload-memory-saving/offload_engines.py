@@ -34,7 +34,7 @@ def _no_tag(category: str):
 
 # --8<-- [start:host-master]
 class HostMaster:
-    """The host copy of a group of parameters: ONE flat buffer, each parameter a view into it."""
+    """The host copy of some parameters: ONE flat buffer, each parameter a view."""
 
     def __init__(self, params: list[nn.Parameter], pinned: bool, tag=_no_tag) -> None:
         self.params = params
@@ -50,8 +50,9 @@ class HostMaster:
             view.copy_(p.data)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Typed, shaped views of a flat byte buffer (host or device) in parameter order."""
-        return [flat[o:o + n].view(dtype).view(shape) for o, n, dtype, shape, _ in self.layout]
+        """Typed, shaped views of a flat byte buffer (host or device), in order."""
+        return [flat[o:o + n].view(dtype).view(shape) for o, n, dtype, shape, _ in
+                self.layout]
 
     def attach(self, flat: torch.Tensor) -> None:
         for p, view in zip(self.params, self.views(flat)):
@@ -132,8 +133,8 @@ class Resident(OffloadHandle):
 class ModelOffload(OffloadHandle):
     """Whole components move in when their forward starts; the previous one is dropped."""
 
-    def __init__(self, components: dict[str, nn.Module], device, pinned=True, skip=(), tag=_no_tag,
-                 recorder=None) -> None:
+    def __init__(self, components: dict[str, nn.Module], device, pinned=True, skip=(),
+                 tag=_no_tag, recorder=None) -> None:
         super().__init__(device, pinned, tag, recorder)
         managed_elsewhere = {id(p) for m in skip for p in m.parameters()}
         self.units: dict[str, HostMaster] = {}
@@ -141,7 +142,8 @@ class ModelOffload(OffloadHandle):
             params = [p for p in module.parameters() if id(p) not in managed_elsewhere]
             self.units[name] = HostMaster(params, self.pinned, tag)
             self.units[name].detach()
-            self.hooks.append(module.register_forward_pre_hook(functools.partial(self._pre, name)))
+            pre = functools.partial(self._pre, name)
+            self.hooks.append(module.register_forward_pre_hook(pre))
         self.masters = list(self.units.values())
         self.active: str | None = None
 
@@ -161,9 +163,9 @@ class ModelOffload(OffloadHandle):
 
 # --8<-- [start:sequential]
 class SequentialOffload(OffloadHandle):
-    """Each module that owns parameters loads them just before its forward, drops them just after."""
+    """Each module that owns parameters loads them right before its forward."""
 
-    def __init__(self, root: nn.Module, device, pinned=False, tag=_no_tag, recorder=None) -> None:
+    def __init__(self, root: nn.Module, device, pinned=False, tag=_no_tag, recorder=None):
         super().__init__(device, pinned, tag, recorder)
         for name, module in root.named_modules():
             own = list(module.parameters(recurse=False))
@@ -172,9 +174,10 @@ class SequentialOffload(OffloadHandle):
             master = HostMaster(own, self.pinned, tag)
             master.detach()
             self.masters.append(master)
-            self.hooks.append(module.register_forward_pre_hook(functools.partial(self._load, name, master)))
-            self.hooks.append(module.register_forward_hook(functools.partial(self._drop, name, master),
-                                                           always_call=True))
+            load = functools.partial(self._load, name, master)
+            drop = functools.partial(self._drop, name, master)
+            self.hooks.append(module.register_forward_pre_hook(load))
+            self.hooks.append(module.register_forward_hook(drop, always_call=True))
 
     def _load(self, name: str, master: HostMaster, module, args) -> None:
         self._mark("transfer_start", name, nbytes=master.nbytes)
@@ -214,23 +217,24 @@ class LayerwiseOffload(OffloadHandle):
         if self.buffers[j] is not None:
             return  # resident already, or its copy is on the way
         master = self.masters[j]
-        if self.copy_stream is None:  # CPU: there is no second stream, the copy happens now
+        if self.copy_stream is None:  # CPU: no second stream, the copy happens now
             self._mark("prefetch_start", self.names[j], "copy", master.nbytes)
             self.buffers[j] = self._copy_in(master)
             self._mark("ready", self.names[j], "copy")
         else:
             with self.tag("parameters"):
                 buf = torch.empty(master.nbytes, dtype=torch.uint8, device=self.device)  # (1)!
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # (2)!
-            with torch.cuda.stream(self.copy_stream):
-                self._mark("prefetch_start", self.names[j], "copy", master.nbytes, self.copy_stream)
+            copy = self.copy_stream
+            copy.wait_stream(torch.cuda.current_stream(self.device))  # (2)!
+            with torch.cuda.stream(copy):
+                self._mark("prefetch_start", self.names[j], "copy", master.nbytes, copy)
                 buf.copy_(master.flat, non_blocking=self.pinned)  # (3)!
-                self._mark("ready", self.names[j], "copy", stream=self.copy_stream)
+                self._mark("ready", self.names[j], "copy", stream=copy)
                 self.ready[j] = torch.cuda.Event()
-                self.ready[j].record(self.copy_stream)
+                self.ready[j].record(copy)
             self.buffers[j] = buf
             self.h2d_bytes += master.nbytes
-        self.max_resident = max(self.max_resident, sum(b is not None for b in self.buffers))
+        self.max_resident = max(self.max_resident, self.resident())
     # --8<-- [end:prefetch]
 
     # --8<-- [start:hooks]

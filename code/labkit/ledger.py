@@ -191,8 +191,8 @@ class Ledger(TorchDispatchMode):
         self._phase_count = 0
         self._step: int | None = None
         self._category_stack: list[str] = []
-        self._modules: list[torch.nn.Module] = []
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self._modules: list[weakref.ref] = []  # weak: a ledger must not keep a model alive
+        self._optimizers: list[weakref.ref] = []
         self._handles: list = []
         self._depth = 0
         self._active_until: int | None = None
@@ -201,7 +201,7 @@ class Ledger(TorchDispatchMode):
     # ------------------------------------------------------------------ registration
     def track_module(self, module: torch.nn.Module) -> Ledger:
         """Count a module's parameters (and buffers, as ``other``); label its gradients."""
-        self._modules.append(module)
+        self._modules.append(weakref.ref(module))
         for p in module.parameters():
             self._label_tensor(p, PARAMETERS, explicit=False, adopt=True)
             if p.grad is not None:
@@ -214,7 +214,7 @@ class Ledger(TorchDispatchMode):
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> Ledger:
         """Count an optimizer's state tensors, now and after every ``step()``."""
-        self._optimizers.append(optimizer)
+        self._optimizers.append(weakref.ref(optimizer))
         self._label_optimizer_state(optimizer, adopt=True)
         if self._depth:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
@@ -267,9 +267,9 @@ class Ledger(TorchDispatchMode):
     # ------------------------------------------------------------------ mode plumbing
     def __enter__(self):
         if self._depth == 0:
-            for m in self._modules:
+            for m in _alive(self._modules):
                 self._install_hooks_for(m)
-            for opt in self._optimizers:
+            for opt in _alive(self._optimizers):
                 self._handles.append(opt.register_step_post_hook(self._after_step))
             self._active_until = None
         self._depth += 1
@@ -282,11 +282,11 @@ class Ledger(TorchDispatchMode):
                 h.remove()
             self._handles.clear()
             # Labels known at the end (gradients alive now, optimizer state) are applied once more.
-            for m in self._modules:
+            for m in _alive(self._modules):
                 for p in m.parameters():
                     if p.grad is not None:
                         self._label_tensor(p.grad, GRADIENTS, explicit=False, adopt=False)
-            for opt in self._optimizers:
+            for opt in _alive(self._optimizers):
                 self._label_optimizer_state(opt, adopt=False)
             self._active_until = len(self.events)
         return super().__exit__(*exc)
@@ -508,6 +508,10 @@ class Ledger(TorchDispatchMode):
     def live_records(self) -> Iterable[StorageRecord]:
         with self._lock:
             return [r for r in self.records if r.alive]
+
+
+def _alive(refs: list[weakref.ref]) -> list:
+    return [obj for obj in (r() for r in refs) if obj is not None]
 
 
 _AUTO_RANK = {
