@@ -193,6 +193,7 @@ def test_human_report_prints_the_scaler_and_the_skipped_step(lab03, capsys):
         (["--growth-interval", "0"], "--growth-interval"),
         (["--width", "30", "--heads", "4"], "not divisible"),
         (["--ledger-steps", "x"], "--ledger-steps"),
+        (["--ledger-steps", "0"], "--ledger-steps"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(lab03, capsys, args, fragment):

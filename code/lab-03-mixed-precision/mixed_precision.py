@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p = lab_parser("Train a toy GPT in fp32, fp16 + GradScaler and bf16 autocast; compare loss and memory.")
     p.add_argument("--recipe", choices=[*RECIPES, "all"], default="all")
     p.add_argument("--steps", type=positive_int, default=20, help="training steps per recipe")
-    p.add_argument("--ledger-steps", type=non_negative_int, default=2, help="steps under the ledger; the rest are timed")
+    p.add_argument("--ledger-steps", type=positive_int, default=2, help="steps under the ledger; the rest are timed")
     for flag, default in (("--batch-size", 8), ("--seq-len", 32), ("--width", 64), ("--layers", 2), ("--heads", 4),
                           ("--vocab", 256)):  # the model's size: tiny on a CPU, flags for a GPU-sized run
         p.add_argument(flag, type=positive_int, default=default)
