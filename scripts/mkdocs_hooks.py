@@ -175,6 +175,37 @@ def render_placeholder(name: str, page_src: str, config) -> str:
     raise PluginError(f"{page_src}: unknown placeholder infralab:{name}")
 
 
+def _front_matter(src: str) -> dict:
+    text = (ROOT / "docs" / src).read_text(encoding="utf-8")
+    return yaml.safe_load(text.split("---\n", 2)[1]) or {} if text.startswith("---\n") else {}
+
+
+def _section(nav: list, title: str) -> list:
+    for entry in nav:
+        if isinstance(entry, dict) and title in entry:
+            return entry[title]
+    raise PluginError(f"mkdocs.yml nav needs a '{title}' section")
+
+
+def on_config(config):
+    """Add every lab's chapter, page (and its extra pages) and notebook to the nav, in lab order."""
+    nav = config["nav"]
+    chapters, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
+    listed = json.dumps(nav)
+    for src, meta in lab_pages():
+        n, title = meta["lab"], _title(meta)
+        if meta.get("chapter") and meta["chapter"] not in listed:
+            chapters.append({_front_matter(meta["chapter"]).get("title", meta["chapter"]): meta["chapter"]})
+        if src not in listed:
+            labs.append({f"Lab {n} · {title}": src})
+            for extra in meta.get("extra_pages", []):
+                labs.append({_front_matter(extra).get("title", extra): extra})
+        notebook = "notebooks/" + Path(meta["notebook"]).name
+        if notebook not in listed:
+            notebooks.append({f"Lab {n} · measured": notebook})
+    return config
+
+
 PLACEHOLDER = re.compile(r"^<!-- infralab:(\w+) -->$", re.M)
 
 
