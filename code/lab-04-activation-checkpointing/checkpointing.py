@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--every", type=positive_int, default=None,
                    help="k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)))")
     p.add_argument("--steps", type=positive_int, default=5, help="timed forward+backward steps per strategy")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--width", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=4)
