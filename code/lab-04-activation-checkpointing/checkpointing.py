@@ -79,21 +79,21 @@ def parse_args(argv=None):
 # --8<-- [start:policy]
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-# Fused attention kernels and where their dropout_p argument sits (which exist depends on the build).
-ATTENTION = {getattr(aten, name).default: i for name, i in (
-    ("_scaled_dot_product_flash_attention", 3), ("_scaled_dot_product_flash_attention_for_cpu", 3),
-    ("_scaled_dot_product_efficient_attention", 5), ("_scaled_dot_product_cudnn_attention", 5),
-) if hasattr(aten, name)}
+DROPOUT_ARG = {  # fused attention kernels: the position of their dropout_p argument
+    "_scaled_dot_product_flash_attention": 3, "_scaled_dot_product_flash_attention_for_cpu": 3,
+    "_scaled_dot_product_efficient_attention": 5, "_scaled_dot_product_cudnn_attention": 5,
+}
+ATTENTION = {getattr(aten, n).default: i for n, i in DROPOUT_ARG.items() if hasattr(aten, n)}
 
 
 def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Called for every op in a checkpointed block's forward: keep its output, or redo it?"""
+    """Asked once per op of a checkpointed block's forward: keep its output, or redo it?"""
     if op in MATMULS:
         return CheckpointPolicy.MUST_SAVE  # (1)!
-    if op in ATTENTION:
+    if op in ATTENTION:  # (2)!
         i = ATTENTION[op]
         dropout_p = args[i] if len(args) > i else kwargs.get("dropout_p", 0.0)
-        return CheckpointPolicy.MUST_SAVE if dropout_p == 0 else CheckpointPolicy.MUST_RECOMPUTE  # (2)!
+        return CheckpointPolicy.MUST_SAVE if dropout_p == 0 else CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_RECOMPUTE  # (3)!
 # --8<-- [end:policy]
 
@@ -134,7 +134,8 @@ def _no_phase(name, step=None):
 
 
 # --8<-- [start:step]
-def train_step(model, x, y, strategy: str, every: int, seed: int, ledger: Ledger | None = None) -> float:
+def train_step(model, x, y, strategy: str, every: int, seed: int,
+               ledger: Ledger | None = None) -> float:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # (1)!
     phase = ledger.phase if ledger is not None else _no_phase
@@ -228,30 +229,30 @@ def build(args):
 # --8<-- [start:run]
 def run(args) -> Run:
     cfg, device, model, x, y = build(args)
-    strategies = list(STRATEGIES) if args.strategy == "all" else list(dict.fromkeys(["none", args.strategy]))
-    out = Run(args, cfg, device, model, strategies)
-    t0 = time.perf_counter()
-    train_step(model, x, y, "none", args.every, args.seed)
+    chosen = list(STRATEGIES) if args.strategy == "all" else ["none", args.strategy]
+    out = Run(args, cfg, device, model, list(dict.fromkeys(chosen)))
+    k, seed, t0 = args.every, args.seed, time.perf_counter()
+    train_step(model, x, y, "none", k, seed)
     reference = grads_of(model)  # (1)!
     with record_snapshot(args.snapshot):
-        for s in strategies:
+        for s in out.strategies:
             model.zero_grad(set_to_none=True)
             reset_peak(device)
-            out.ledgers[s], grads = measure_memory(model, x, y, s, args.every, args.seed)
-            r = out.results[s] = activation_memory(out.ledgers[s]) | {"cuda": allocator_stats(device)}
+            ledger, grads = measure_memory(model, x, y, s, k, seed)
+            r = activation_memory(ledger) | {"cuda": allocator_stats(device)}
             r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads, reference)  # (2)!
-            train_step(model, x, y, s, args.every, args.seed)
+            train_step(model, x, y, s, k, seed)
             r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
-            r["forward_flops"], r["backward_flops"] = count_flops(model, x, y, s, args.every, args.seed)
-    times = time_steps(model, x, y, strategies, args.every, args.seed, args.steps, args.json)
+            r["forward_flops"], r["backward_flops"] = count_flops(model, x, y, s, k, seed)
+            out.ledgers[s], out.results[s] = ledger, r
+    times = time_steps(model, x, y, out.strategies, k, seed, args.steps, args.json)
     base = out.results["none"]
     for s, r in out.results.items():
         r["recompute_flops"] = r["backward_flops"] - base["backward_flops"]  # (3)!
         r["recompute_flops_of_forward"] = r["recompute_flops"] / max(base["forward_flops"], 1)
         r["activation_reduction"] = 1 - r["activation_peak_bytes"] / base["activation_peak_bytes"]
-        r["step_times_s"] = times[s]
-        r["step_time_s"] = statistics.median(times[s])
-        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1 if s != "none" else 0.0
+        r["step_times_s"], r["step_time_s"] = times[s], statistics.median(times[s])
+        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1  # "none" comes first: 0
     out.wall_time_s = time.perf_counter() - t0
     return out
 # --8<-- [end:run]
@@ -291,20 +292,18 @@ def main(argv=None) -> None:
     print(f"{'strategy':<10} {'kept after fwd':>14} {'act. peak':>10} {'reduction':>9} {'recompute FLOPs':>17} "
           f"{'step (' + kind + ')':>11} {'overhead':>8}  gradients vs none")
     for s, r in result["results"].items():
-        flops = f"{r['recompute_flops'] / 1e9:.3f} G ({r['recompute_flops_of_forward']:.0%})"
         same = "reference" if s == "none" else "identical" if r["grads_equal"] else \
             f"differ by up to {r['max_abs_grad_diff']:.1e}"
         print(f"{s:<10} {format_bytes(r['kept_bytes']):>14} {format_bytes(r['activation_peak_bytes']):>10} "
-              f"{r['activation_reduction']:>9.0%} {flops:>17} {r['step_time_s'] * 1e3:>8.1f} ms "
-              f"{r['time_overhead']:>+8.0%}  {same}")
+              f"{r['activation_reduction']:>9.0%} {r['recompute_flops'] / 1e9:>9.3f} G ({r['recompute_flops_of_forward']:.0%}) "
+              f"{r['step_time_s'] * 1e3:>8.1f} ms {r['time_overhead']:>+8.0%}  {same}")
+        if r["cuda"]:
+            print(f"{'':<10} CUDA max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
+                  f"ledger peak / max allocated = {r['cuda']['ledger_peak_over_max_allocated']:.3f}")
     print("\nact. peak = highest activations + temporaries over forward and backward (ledger; recomputed "
           "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
           "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."
           + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" else ""))
-    for s, r in result["results"].items():
-        if r["cuda"]:
-            print(f"CUDA {s}: max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
-                  f"ledger peak / max allocated = {r['cuda']['ledger_peak_over_max_allocated']:.3f}")
     if args.snapshot:
         print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
 
