@@ -70,7 +70,7 @@ def plot_timeline(
     overlay: Mapping[str, Sequence[float]] | None = None,
     scope: str = "device",
     show_allocator: bool = True,
-    max_points: int = 500,
+    max_points: int = 300,
     legend: bool = True,
     unit: str | None = None,
     ymax_bytes: float | None = None,
