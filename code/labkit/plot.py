@@ -110,7 +110,8 @@ def plot_timeline(
     bottom = [0.0] * len(x)
     for c in cats:
         top = [b + columns[c][i] / size for b, i in zip(bottom, x)]
-        ax.fill_between(x, bottom, top, step="post", color=CATEGORY_COLORS[c], lw=0, label=c.replace("_", " "), zorder=2)
+        ax.fill_between(x, bottom, top, step="post", color=CATEGORY_COLORS[c], lw=0, label=c.replace("_", " "),
+                        zorder=2, rasterized=len(x) > 100)  # SVGs stay small: areas as pixels, text as text
         bottom = top
     if show_allocator and tl.cuda_allocated and scope == "device":
         ax.step(x, [tl.cuda_allocated[i] / size for i in x], where="post", color="black", lw=1.0,
@@ -162,7 +163,7 @@ def save(fig, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {"metadata": {"Date": None}} if path.suffix == ".svg" else {"metadata": {"Software": None}}
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}):
-        fig.savefig(path, bbox_inches="tight", facecolor="white", **kwargs)
+        fig.savefig(path, bbox_inches="tight", facecolor="white", dpi=160, **kwargs)
     return path
 
 
