@@ -203,7 +203,7 @@ def test_human_report_shows_formulas_and_the_measured_comparison(lab01, capsys):
     (["--inference", "--zero-stage", "1"], "--inference"),
     (["--snapshot", "s.pickle"], "--snapshot records the --measure run"),
     (["--measure", "--device", "cpu", "--snapshot", "s.pickle"], "needs a CUDA device"),
-    (["--measure", "--layers", "48", "--hidden", "4096", "--heads", "32"], "toy shapes"),
+    (["--measure", "--device", "cpu", "--layers", "48", "--hidden", "4096", "--heads", "32"], "toy shapes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(lab01, capsys, args, fragment):
     with pytest.raises(SystemExit) as exc:
