@@ -179,7 +179,7 @@ def test_human_report_shows_formulas_and_the_measured_comparison(lab01, capsys):
     out = capsys.readouterr().out
     assert "| optimizer state | 8 B x P + 4 B x 29 tensors |" in out
     assert "| parameters | 120,320 | 120,320 | +0 | formula |" in out  # 4 B x 30,080 parameters
-    assert "CPU dropout keeps noise in the data's dtype" in out
+    assert "CPU dropout keeps noise in the data's dtype, the paper 1-byte masks" in out
 
 
 @pytest.mark.parametrize(("args", "fragment"), [

@@ -50,14 +50,15 @@ RECIPES = {
     "bf16": Recipe(param=2, grad=2, master=0, moment=2, act=2),  # (3)!
 }
 MOMENTS = {"sgd": 0, "momentum": 1, "adamw": 2}  # (4)!
-STEP_COUNTER = 4  # PyTorch's Adam and AdamW keep one fp32 step count per parameter tensor
+STEP_COUNTER = 4  # Adam and AdamW keep one fp32 step count per parameter tensor
 MASK = 1  # the paper's dropout mask: one byte per element
 # --8<-- [end:recipes]
 
 
 # --8<-- [start:model_state]
-def model_state_bytes(params: int, precision: str = "fp32", optimizer: str = "adamw", tensors: int = 0) -> dict:
-    """Parameters, gradients, master weights, optimizer state (Rajbhandari et al. 2020, section 3.1)."""
+def model_state_bytes(params: int, precision: str = "fp32", optimizer: str = "adamw",
+                      tensors: int = 0) -> dict[str, int]:
+    """Parameters, gradients, master weights, optimizer state (ZeRO paper, section 3.1)."""
     r = RECIPES[precision]
     counters = STEP_COUNTER * tensors if optimizer == "adamw" else 0
     return {"parameters": r.param * params,
@@ -69,9 +70,9 @@ def model_state_bytes(params: int, precision: str = "fp32", optimizer: str = "ad
 ZERO_SHARDS = {"optimizer_state": 1, "master_weights": 1, "gradients": 2, "parameters": 3}  # (3)!
 
 
-def zero_model_state(params: int, precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
-                     dp: int = 1, tensors: int = 0) -> dict:
-    """Model-state bytes on ONE of dp ranks under ZeRO stage 0-3 (Rajbhandari et al. 2020, section 5)."""
+def zero_model_state(params: int, precision: str = "fp32", optimizer: str = "adamw",
+                     zero_stage: int = 0, dp: int = 1, tensors: int = 0) -> dict[str, int]:
+    """Model state on ONE of dp ranks under ZeRO stage 0-3 (ZeRO paper, section 5)."""
     full = model_state_bytes(params, precision, optimizer, tensors)
     shard = model_state_bytes(-(-params // dp), precision, optimizer, tensors)  # (4)!
     return {k: shard[k] if zero_stage >= ZERO_SHARDS[k] else full[k] for k in full}
@@ -81,43 +82,48 @@ def zero_model_state(params: int, precision: str = "fp32", optimizer: str = "ada
 # --8<-- [start:activations]
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, act: int = 2,
                                mask: int | None = MASK, recompute: str = "none") -> int:
-    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, section 4.1 and 5).
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 4.1 and 5).
 
-    act=2, mask=1 gives the paper's s*b*h*(34 + 5*a*s/h); mask=None means no dropout at all."""
+    act=2, mask=1: the paper's s*b*h*(34 + 5*a*s/h). mask=None: no dropout at all."""
     sbh = seq * batch * hidden
     if recompute == "full":
         return act * sbh  # (1)!
     drop = mask is not None
     per_layer = (16 * act + (2 * mask if drop else 0)) * sbh  # (2)!
     if recompute == "none":
-        per_layer += (act + (act + mask if drop else 0)) * heads * seq * seq * batch  # (3)!
+        scores = heads * seq * seq * batch  # one s x s matrix per head
+        per_layer += (act + (act + mask if drop else 0)) * scores  # (3)!
     return per_layer
 
 
 def kv_cache_bytes(shape: Shape, act: int = 2) -> int:
-    """Inference: one key and one value per layer, token and KV head (2 x L x b x s x kv_heads x head_dim)."""
+    """Inference: a key and a value per layer, token and KV head (2 x L x b x s x kv x d)."""
     kv_heads = shape.kv_heads or shape.heads
-    return 2 * shape.layers * shape.batch * shape.seq * kv_heads * (shape.hidden // shape.heads) * act  # (4)!
+    head_dim = shape.hidden // shape.heads
+    return 2 * shape.layers * shape.batch * shape.seq * kv_heads * head_dim * act  # (4)!
 # --8<-- [end:activations]
 
 
 # --8<-- [start:estimate]
-def estimate_bytes(params: int | None = None, shape: Shape | None = None, precision: str = "fp32",
-                   optimizer: str = "adamw", zero_stage: int = 0, dp: int = 1, recompute: str = "none",
-                   dropout: bool = True, inference: bool = False) -> dict[str, int]:
+def estimate_bytes(params: int | None = None, shape: Shape | None = None,
+                   precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
+                   dp: int = 1, recompute: str = "none", dropout: bool = True,
+                   inference: bool = False) -> dict[str, int]:
     """The ledger in one call: bytes per category held by ONE of dp data-parallel ranks.
 
-    Give params (a count) or shape; only a shape has activations and a KV cache."""
+    Give params (a count) or a shape; only a shape has activations and a KV cache."""
     if (params is None) == (shape is None) or (inference and shape is None):
-        raise ValueError("give params or a shape, not both (inference needs a shape: the KV cache depends on it)")
+        raise ValueError("give params or a shape, not both (inference needs a shape)")
     r = RECIPES[precision]
     if inference:  # (1)!
-        return {"parameters": r.param * param_count(shape), "kv_cache": kv_cache_bytes(shape, r.act)}
+        return {"parameters": r.param * param_count(shape),
+                "kv_cache": kv_cache_bytes(shape, r.act)}
     if shape is None:
         return zero_model_state(params, precision, optimizer, zero_stage, dp)
-    out = zero_model_state(param_count(shape), precision, optimizer, zero_stage, dp, param_tensors(shape))
-    per_layer = activation_bytes_per_layer(shape.seq, shape.batch, shape.hidden, shape.heads, r.act,
-                                           MASK if dropout else None, recompute)
+    out = zero_model_state(param_count(shape), precision, optimizer, zero_stage, dp,
+                           param_tensors(shape))
+    per_layer = activation_bytes_per_layer(shape.seq, shape.batch, shape.hidden, shape.heads,
+                                           r.act, MASK if dropout else None, recompute)
     out["activations"] = shape.layers * per_layer  # (2)!
     return out
 # --8<-- [end:estimate]
@@ -135,17 +141,20 @@ def train_step(model, optimizer, x, y, ledger: Ledger) -> float:
 
 
 def measure(args, shape: Shape) -> dict:
-    """One training step of TinyGPT with this shape under the ledger: measured bytes by category."""
+    """One training step of TinyGPT with this shape under the ledger: bytes by category."""
     device = pick_device(args.device)
     if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA feature)")
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=shape.vocab, seq_len=shape.seq, width=shape.hidden, layers=shape.layers,
-                    heads=shape.heads, dropout=args.dropout)
-    model = TinyGPT(cfg).to(device=device, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision])
-    params = list(model.parameters())
-    optimizer = (torch.optim.AdamW(params, lr=1e-3) if args.optimizer == "adamw"
-                 else torch.optim.SGD(params, lr=1e-3, momentum=0.9 if args.optimizer == "momentum" else 0.0))
+    cfg = GPTConfig(vocab=shape.vocab, seq_len=shape.seq, width=shape.hidden,
+                    layers=shape.layers, heads=shape.heads, dropout=args.dropout)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    model = TinyGPT(cfg).to(device=device, dtype=dtype)
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        momentum = 0.9 if args.optimizer == "momentum" else 0.0
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
     x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed).batch(0, shape.batch, device)
     ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
     reset_peak(device)
@@ -157,10 +166,11 @@ def measure(args, shape: Shape) -> dict:
     measured = {k: now[k] for k in ("parameters", "gradients", "optimizer_state")}
     measured["activations"] = tl.device["activations"][forward.end - 1]  # (4)!
     elem = RECIPES[args.precision].act
-    return {"device": str(device), "loss": loss, "measured": measured, "peak_bytes": ledger.peak()["total"],
+    return {"device": str(device), "loss": loss, "measured": measured,
             "tinygpt_activations": tinygpt_activation_bytes(cfg, shape.batch, elem),  # (5)!
             "gap_to_paper": gap_to_paper(cfg, shape.batch, elem),
-            "exact": device.type == "cpu", "cuda": allocator_stats(device), "ledger": ledger}
+            "peak_bytes": ledger.peak()["total"], "exact": device.type == "cpu",
+            "cuda": allocator_stats(device), "ledger": ledger}
 # --8<-- [end:measure]
 
 

@@ -54,14 +54,16 @@ def param_tensors(shape: Shape) -> int:
 
 # --8<-- [start:saved]
 def tinygpt_saved_tensors(cfg: GPTConfig, batch: int, elem: int = 4) -> list[tuple[str, str, int]]:
-    """(where, what, bytes) for every tensor TinyGPT keeps for backward on CPU, elem bytes per value."""
+    """(where, what, bytes) of every tensor TinyGPT keeps for backward on CPU.
+
+    elem: bytes per element of the model's dtype (4 for fp32, 2 for bf16)."""
     b, s, h, a, v = batch, cfg.seq_len, cfg.width, cfg.heads, cfg.vocab
     drop = cfg.dropout > 0
     scores_kept = drop or cfg.attention == "math"  # (1)!
     f = elem if cfg.attention == "math" else 4  # (2)!
-    bsh, qkv = b * s * h * elem, 3 * b * s * h * f  # a tensor shaped like the residual stream; q, k and v
+    bsh = b * s * h * elem  # one tensor shaped like the residual stream
     stats = 2 * b * s * elem  # a layer norm's mean and 1/std, one per row
-    probs = a * b * s * s * f  # one N x N tensor per head
+    probs = a * b * s * s * f  # one s x s matrix per head
     rows = [("embedding", "position indices (int64)", s * INT64)]
     if drop:
         rows.append(("embedding", "dropout noise (input dtype, not 1 byte)", bsh))  # (3)!
@@ -71,10 +73,11 @@ def tinygpt_saved_tensors(cfg: GPTConfig, batch: int, elem: int = 4) -> list[tup
                  (layer, "ln1 mean and 1/std", stats),
                  (layer, "ln1 output = qkv input", bsh)]
         if scores_kept:
-            rows += [(layer, "q, k, v copied contiguous for the matmuls", qkv),
+            rows += [(layer, "q, k, v copied contiguous for the matmuls", 3 * b * s * h * f),
                      (layer, "softmax output (the attention probabilities)", probs)]
             if drop:
-                rows += [(layer, "attention dropout noise", probs), (layer, "dropped probabilities", probs)]
+                rows += [(layer, "attention dropout noise", probs),
+                         (layer, "dropped probabilities", probs)]
             if cfg.attention == "math":
                 rows.append((layer, "causal mask (bool)", s * s))
             rows.append((layer, "attention output made contiguous = proj input", bsh))
@@ -112,9 +115,9 @@ def tinygpt_activation_bytes(cfg: GPTConfig, batch: int, elem: int = 4) -> dict[
 
 # --8<-- [start:gap]
 def gap_to_paper(cfg: GPTConfig, batch: int, elem: int = 4) -> list[tuple[str, int]]:
-    """Term by term, what TinyGPT keeps beyond the paper's formula for its layers (same element size e).
+    """Term by term, what TinyGPT keeps beyond the paper's formula (same element size).
 
-    paper formula x layers + the sum of these terms = the total of :func:`tinygpt_saved_tensors`."""
+    paper formula x layers + these terms = the total of tinygpt_saved_tensors."""
     b, s, h, a, n = batch, cfg.seq_len, cfg.width, cfg.heads, cfg.layers
     sbh, scores = b * s * h, a * b * s * s  # elements
     parts = tinygpt_activation_bytes(cfg, batch, elem)
@@ -123,17 +126,18 @@ def gap_to_paper(cfg: GPTConfig, batch: int, elem: int = 4) -> list[tuple[str, i
     f = elem if cfg.attention == "math" else 4
     out = [("outside the layers: position indices, embedding dropout", parts["embedding"]),
            ("outside the layers: final norm, head, log-softmax, targets, loss", parts["head"]),
-           ("layer norms keep a mean and 1/std per row; the paper omits them", n * 4 * b * s * elem)]
+           ("layer norms keep a mean and 1/std per row; the paper omits them",
+            n * 4 * b * s * elem)]
     if drop:  # (1)!
-        out.append(("CPU dropout keeps noise in the data's dtype where the paper keeps 1-byte masks",
+        out.append(("CPU dropout keeps noise in the data's dtype, the paper 1-byte masks",
                     n * ((elem - 1) * 2 * sbh + (f - 1) * scores)))
     if scores_kept and f != elem:  # (2)!
-        out.append(("CPU SDPA's fallback computes attention in fp32: q, k, v and probabilities upcast",
+        out.append(("CPU SDPA's fallback computes attention in fp32: q, k, v, scores upcast",
                     n * (f - elem) * (3 * sbh + 2 * scores)))
     if not scores_kept:  # (3)!
-        out.append(("CPU flash attention keeps a log-sum-exp per row instead of the N x N probabilities",
+        out.append(("CPU flash attention keeps a log-sum-exp per row, not the s x s scores",
                     n * (a * b * s * 4 - scores * elem)))
     if cfg.attention == "math":
-        out.append(("the explicit causal mask, a bool N x N tensor per layer", n * s * s))
+        out.append(("the explicit causal mask, a bool s x s tensor per layer", n * s * s))
     return out
 # --8<-- [end:gap]
