@@ -196,20 +196,34 @@ def quiet_fd2():
         os.close(devnull)
 
 
-scratch_rows = ["| N | SDPA output + log-sum-exp (ledger) | scratch inside the kernel (profiler) |", "|---:|---:|---:|"]
-scratch = {}
-if not ON_GPU:
-    for n in NS:
-        q, k, v = lab.make_qkv(n, fwd_args, DEVICE)
+def kernel_scratch(n, threads):
+    """Bytes the SDPA kernel allocated inside itself (aten::empty calls), seen by the profiler."""
+    q, k, v = lab.make_qkv(n, fwd_args, DEVICE)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
         with quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        scratch[n] = sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::empty")
+    finally:
+        torch.set_num_threads(before)
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::empty")
+
+
+scratch_rows = ["| N | SDPA output + log-sum-exp (ledger) | scratch inside the kernel (profiler) |", "|---:|---:|---:|"]
+scratch, by_threads = {}, {}
+if not ON_GPU:
+    THREADS = torch.get_num_threads()
+    for n in NS:
+        scratch[n] = kernel_scratch(n, THREADS)
         scratch_rows.append(f"| {n} | {fb(by[('sdpa', n)]['peak_bytes'])} | {fb(scratch[n])} |")
-    scratch_table = "\n".join(scratch_rows)
+    by_threads = {t: kernel_scratch(NS[-1], t) for t in sorted({1, THREADS})}
+    thread_rows = [f"| threads | scratch at N = {NS[-1]} (profiler) |", "|---:|---:|"] + [
+        f"| {t} | {fb(b)} |" for t, b in by_threads.items()]
+    scratch_table = "\n".join(scratch_rows) + "\n\n" + "\n".join(thread_rows)
     nbk.show_markdown(scratch_table)
     print(f"scratch at N={NS[-1]} over N={NS[-2]}: x{scratch[NS[-1]] / scratch[NS[-2]]:.2f}, while one N x N matrix "
           f"grows x{(NS[-1] / NS[-2]) ** 2:.0f}; at N={NS[-1]} it is {scratch[NS[-1]] / (BH * NS[-1] ** 2 * E):.1%} "
-          f"of one N x N matrix ({torch.get_num_threads()} threads: one block buffer per thread)")
+          f"of one N x N matrix, with {THREADS} threads")
 else:
     scratch_table = "GPU run: the allocator's max_memory_allocated (in the figure) already includes kernel workspaces."
     print(scratch_table)
@@ -353,7 +367,7 @@ summary = {
     "lab": lab.LAB, "config": cfg, "tolerance": fwd["tolerance"],
     "forward": {"rows": fwd["rows"], "slopes": fwd["slopes"], "sdpa_backend_ran": fwd["sdpa_backend_ran"]},
     "pinned": {pin: {"ran": r["sdpa_backend_ran"], "slope": r["slopes"]["sdpa"]} for pin, r in pinned.items()},
-    "kernel_scratch_bytes": scratch,
+    "kernel_scratch_bytes": scratch, "kernel_scratch_bytes_by_threads": by_threads,
     "backward": {"rows": bwd["rows"] + rec["rows"], "kept_slopes": kept_slopes, "peak_slopes": peak_slopes},
     "causal": causal["rows"], "slope_bands": SLOPE_BAND,
 }
