@@ -64,8 +64,8 @@ def test_model_state_stays_fp32_in_every_recipe(three):
         assert r["parameter_dtypes"] == ["float32"], name
         opt = r["peak_bytes_by_phase"]["optimizer"]
         assert opt["parameters"] == 4 * P and opt["gradients"] == 4 * P, name
-        assert run.ledger.current()["optimizer_state"] == rs["fp32"].ledger.current()["optimizer_state"]
-    assert rs["fp32"].ledger.current()["optimizer_state"] >= 8 * P
+        assert run.ledger.at_end()["optimizer_state"] == rs["fp32"].ledger.at_end()["optimizer_state"]
+    assert rs["fp32"].ledger.at_end()["optimizer_state"] >= 8 * P
 
 
 def test_activations_about_halve_within_the_band(lab03, three):

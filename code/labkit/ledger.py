@@ -496,8 +496,13 @@ class Ledger(TorchDispatchMode):
         i = max(range(len(total)), key=total.__getitem__)
         return tl.row(i) | {"total": total[i]}
 
+    def at_end(self, timeline: Timeline | None = None) -> dict[str, int]:
+        """Device bytes by category when the ledger was last exited (frees after that not counted)."""
+        tl = timeline or self.timeline()
+        return tl.row(len(tl) - 1) if len(tl) else {c: 0 for c in CATEGORIES}
+
     def current(self) -> dict[str, int]:
-        """Device bytes by category right now."""
+        """Device bytes by category right now (what is still alive, whenever you ask)."""
         out = {c: 0 for c in CATEGORIES}
         with self._lock:
             for rec in self.records:
