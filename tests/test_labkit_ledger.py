@@ -245,7 +245,8 @@ def test_counted_bytes_rounds_like_the_cuda_allocator():
 
 def test_categories_are_the_documented_ones():
     assert CATEGORIES == (
-        "parameters", "gradients", "optimizer_state", "activations", "temporaries", "host_copies", "other",
+        "parameters", "gradients", "optimizer_state", "activations", "temporaries", "host_copies",
+        "communication", "other",
     )
 
 
@@ -291,3 +292,30 @@ def test_a_ledger_does_not_keep_the_model_alive():
     gc.collect()
     assert alive() is None
     assert not any(r.alive for r in ledger.records if r.label == "parameters")  # and it saw them go
+
+
+def test_storage_resize_is_followed_while_entered():
+    original = torch.UntypedStorage.resize_
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward"):
+            t = torch.empty(256)
+            t.untyped_storage().resize_(0)  # how FSDP frees an unsharded parameter
+            freed = ledger.timeline().device_total()[-1]
+            t.untyped_storage().resize_(1024 * 4)  # ... and brings it back
+    tl = ledger.timeline()
+    assert freed == 0 and tl.device_total()[-1] == 1024 * 4
+    assert torch.UntypedStorage.resize_ is original  # unpatched on exit
+    torch.empty(1).untyped_storage().resize_(8)  # outside the ledger: nothing recorded
+    assert len(ledger.timeline()) == len(tl)
+
+
+def test_stacks_name_the_line_that_allocated():
+    ledger = Ledger("cpu", stacks=True)
+    with ledger:
+        with ledger.phase("forward"):
+            kept = torch.ones(1000)  # the line the report must name
+    rows = ledger.live_by_origin()
+    assert rows[0]["bytes"] == 4000 and rows[0]["category"] == "activations"
+    assert "test_labkit_ledger.py" in rows[0]["where"] and "kept = torch.ones(1000)" in rows[0]["where"]
+    assert kept.numel() == 1000

@@ -20,6 +20,8 @@ category                  rule
 ``temporaries``           born inside any phase and not one of the above
 ``host_copies``           labelled so by the lab (offload buffers), or any storage born inside
                           ``with ledger.category("host_copies")``
+``communication``         labelled so by the lab: gradient buckets, all-gather and
+                          reduce-scatter buffers of data-parallel training
 ``other``                 born outside every phase (input batches, buffers, ...)
 ========================  ===============================================================
 
@@ -36,9 +38,15 @@ On CUDA the counted size of a storage is rounded up to the caching allocator's 5
 and every event also samples ``torch.cuda.memory_allocated`` and ``memory_reserved`` so the two
 accounts can be compared on the same run.
 
+Storages resized in place with ``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded
+parameters that way) are followed: the ledger wraps ``resize_`` while it is entered. Tensor
+subclasses such as DTensor are looked through: their local tensors are what is counted.
+With ``stacks=True`` every storage also remembers the line of user code that allocated it, and
+:meth:`Ledger.live_by_origin` lists what is alive by category and by that line.
+
 Not seen: memory allocated outside the dispatcher (CUDA context, cuBLAS workspaces, NCCL
-buffers), storages resized in place with ``UntypedStorage.resize_``, and tensors created before the
-ledger was entered unless you register them (``track_module``, ``track_optimizer``, ``track``).
+buffers), and tensors created before the ledger was entered unless you register them
+(``track_module``, ``track_optimizer``, ``track``).
 """
 
 from __future__ import annotations
@@ -61,10 +69,12 @@ OPTIMIZER_STATE = "optimizer_state"
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
 HOST_COPIES = "host_copies"
+COMMUNICATION = "communication"
 OTHER = "other"
 
 #: Plot and table order: long-lived state first, short-lived last.
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, OTHER)
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, COMMUNICATION,
+              OTHER)
 
 #: The phase names labs use; any other name is allowed too.
 PHASES = ("forward", "backward", "optimizer", "transfer")
@@ -94,6 +104,7 @@ class StorageRecord:
     explicit: bool = False  # label given by the lab (overrides automatic labels)
     survived_forward: bool = False
     alive: bool = True
+    where: str | None = None  # "file.py:123 in fn: code", with stacks=True
 
 
 @dataclass
@@ -172,8 +183,11 @@ class Ledger(TorchDispatchMode):
     >>> ledger.peaks_by_phase()["forward"]["activations"]
     """
 
-    def __init__(self, device: str | torch.device = "cpu", sample_cuda: bool = True) -> None:
+    def __init__(self, device: str | torch.device = "cpu", sample_cuda: bool = True,
+                 stacks: bool = False) -> None:
         super().__init__()
+        self.stacks = stacks
+        self._original_resize = None
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -267,6 +281,7 @@ class Ledger(TorchDispatchMode):
     # ------------------------------------------------------------------ mode plumbing
     def __enter__(self):
         if self._depth == 0:
+            self._patch_resize()
             for m in _alive(self._modules):
                 self._install_hooks_for(m)
             for opt in _alive(self._optimizers):
@@ -289,9 +304,12 @@ class Ledger(TorchDispatchMode):
             for opt in _alive(self._optimizers):
                 self._label_optimizer_state(opt, adopt=False)
             self._active_until = len(self.events)
+            self._unpatch_resize()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTensor is not None and any(t is _DTensor for t in types):
+            return NotImplemented  # let DTensor turn itself into local ops, then count those
         out = func(*args, **(kwargs or {}))
         flat_out, _ = tree_flatten(out)
         inputs_ptrs = None
@@ -345,6 +363,7 @@ class Ledger(TorchDispatchMode):
                 op=op,
                 label=label,
                 explicit=label is not None,
+                where=_user_frame() if self.stacks else None,
             )
             self.records.append(rec)
             self._sid_of[st] = sid
@@ -398,6 +417,33 @@ class Ledger(TorchDispatchMode):
     def _grad_hook(self, param: torch.Tensor) -> None:
         if param.grad is not None:
             self._label_tensor(param.grad, GRADIENTS, explicit=False, adopt=True)
+
+    def _patch_resize(self) -> None:
+        """Follow ``UntypedStorage.resize_`` (it bypasses the dispatcher) while the ledger is entered."""
+        original = torch.UntypedStorage.resize_
+        ledger = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            with ledger._lock:
+                sid = ledger._sid_of.get(storage)
+                if sid is not None:
+                    rec = ledger.records[sid]
+                    new = counted_bytes(storage.nbytes(), rec.device)
+                    if new != rec.nbytes and rec.alive:
+                        ledger._event(("resize", sid, rec.nbytes, new))
+                        rec.nbytes = new
+                elif storage.nbytes() > 0 and storage.device.type != "meta":
+                    ledger._new_storage(storage, storage.device, "resize_")
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+
+    def _unpatch_resize(self) -> None:
+        if self._original_resize is not None:
+            torch.UntypedStorage.resize_ = self._original_resize
+            self._original_resize = None
 
     # ------------------------------------------------------------------ reading
     def category_of(self, rec: StorageRecord) -> str:
@@ -514,6 +560,20 @@ class Ledger(TorchDispatchMode):
         with self._lock:
             return [r for r in self.records if r.alive]
 
+    def live_by_origin(self) -> list[dict]:
+        """What is alive now, grouped by category and by the line that allocated it, largest first.
+
+        Needs ``Ledger(..., stacks=True)``; without it every origin reads "unknown".
+        """
+        groups: dict[tuple[str, str, str], dict] = {}
+        for rec in self.live_records():
+            key = (self.scope_of(rec), self.category_of(rec), rec.where or "unknown")
+            g = groups.setdefault(key, {"scope": key[0], "category": key[1], "where": key[2],
+                                        "bytes": 0, "tensors": 0})
+            g["bytes"] += rec.nbytes
+            g["tensors"] += 1
+        return sorted(groups.values(), key=lambda g: -g["bytes"])
+
 
 def _alive(refs: list[weakref.ref]) -> list:
     return [obj for obj in (r() for r in refs) if obj is not None]
@@ -524,10 +584,30 @@ _AUTO_RANK = {
     OPTIMIZER_STATE: 1,
     GRADIENTS: 2,
     HOST_COPIES: 3,
-    ACTIVATIONS: 4,
-    TEMPORARIES: 5,
-    OTHER: 6,
+    COMMUNICATION: 4,
+    ACTIVATIONS: 5,
+    TEMPORARIES: 6,
+    OTHER: 7,
 }
+
+
+def _user_frame() -> str | None:
+    """The innermost stack frame outside torch, labkit and the standard library."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        f = frame.filename.replace("\\", "/")
+        if "/torch/" in f or "/labkit/" in f or "/lib/python3" in f or f.startswith("<frozen"):
+            continue
+        name = f.rsplit("/", 1)[-1]
+        return f"{name}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
+
+
+try:  # DTensor is public from torch 2.5; a build without it has none to look through
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
 
 
 def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:

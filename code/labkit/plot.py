@@ -24,6 +24,7 @@ CATEGORY_COLORS = {
     "activations": "#55A868",
     "temporaries": "#C44E52",
     "host_copies": "#937860",
+    "communication": "#DA8BC3",
     "other": "#8C8C8C",
 }
 
