@@ -109,8 +109,9 @@ def test_lab_page_front_matter_names_real_files(page):
         assert meta.get(key), f"{page.name}: front matter needs {key}"
     assert (ROOT / meta["starter"]).is_file(), meta["starter"]
     assert (ROOT / meta["notebook"]).is_file(), meta["notebook"]
-    assert meta["run_cpu"].startswith(f"python {meta['starter']}") and "--device cpu" in meta["run_cpu"]
-    assert meta["run_gpu"].startswith(f"python {meta['starter']}") and "--device cuda" in meta["run_gpu"]
+    launch = rf"^(python|torchrun( --\S+)*) {re.escape(meta['starter'])}( |$)"  # plain or distributed
+    assert re.match(launch, meta["run_cpu"]) and "--device cpu" in meta["run_cpu"], meta["run_cpu"]
+    assert re.match(launch, meta["run_gpu"]) and "--device cuda" in meta["run_gpu"], meta["run_gpu"]
 
 
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
