@@ -33,7 +33,7 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "code"))
 
-from labkit.provenance import source_hash  # noqa: E402
+from labkit.provenance import LABKIT_DIR, source_hash  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.infralab")
 
@@ -75,6 +75,8 @@ def measured_badge(notebook: str) -> dict:
         return {"state": "missing", "text": "not measured yet"}
     current = source_hash(prov["lab"]) if prov.get("lab") else None
     stale = bool(current and prov.get("source_hash") and prov["source_hash"] != current)
+    labkit_now = source_hash(LABKIT_DIR)
+    bench_changed = bool(prov.get("labkit_hash") and prov["labkit_hash"] != labkit_now)
     on_gpu = prov.get("device_type") == "cuda"
     text = f"{prov.get('device_name')} · {str(prov.get('date_utc', ''))[:10]}" if on_gpu else "CPU only so far"
     return {
@@ -86,10 +88,12 @@ def measured_badge(notebook: str) -> dict:
         "source_hash": prov.get("source_hash"),
         "current_hash": current,
         "stale": stale,
+        "bench_changed": bench_changed,
         "title": (
             f"Figures measured on {prov.get('device_name')} ({prov.get('device_type')}), torch "
             f"{prov.get('torch_version')}, {str(prov.get('date_utc', ''))[:10]}, lab source "
             f"{prov.get('source_hash')}" + (f"; the lab code has changed since (now {current})" if stale else "")
+            + ("; the instruments (labkit) have changed since" if bench_changed else "")
         ),
     }
 

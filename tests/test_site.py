@@ -199,6 +199,7 @@ def test_badge_says_when_the_lab_code_changed_since_measurement(monkeypatch):
     monkeypatch.setattr(hooks, "source_hash", lambda lab: "0000000000000000")
     stale = hooks.measured_badge(notebook)
     assert stale["stale"] and stale["state"] == "stale" and "changed since" in stale["title"]
+    assert stale["bench_changed"] and "instruments (labkit) have changed" in stale["title"]
     assert fresh["current_hash"] != "0000000000000000"
 
 

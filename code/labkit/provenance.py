@@ -143,6 +143,12 @@ def describe(record: dict) -> str:
         parts.append(f"commit {record['git_commit'][:10]}{' (dirty)' if record.get('git_dirty') else ''}")
     if record.get("source_hash"):
         parts.append(f"lab source {record['source_hash']}")
+    if record.get("labkit_hash"):
+        parts.append(f"labkit {record['labkit_hash']}")
+    if record.get("cpu_threads"):
+        parts.append(f"{record['cpu_threads']} CPU thread{'s' if record['cpu_threads'] != 1 else ''}")
+    if record.get("wall_time_s") is not None:
+        parts.append(f"{record['wall_time_s']:.1f} s")
     parts.append(str(record.get("date_utc", "?"))[:10])
     return " · ".join(parts)
 
