@@ -164,6 +164,8 @@ def render_placeholder(name: str, page_src: str, config) -> str:
                 title = yaml.safe_load(text.split("---\n", 2)[1]).get("title", m["chapter"])
                 rows.append([link(title, m["chapter"]), link(f"Lab {m['lab']} · {_title(m)}", src)])
         return _table(["chapter", "lab"], rows)
+    if name == "performance":
+        return render_performance(page_src)
     if name == "interview":
         parts = []
         for src, m in labs:
@@ -208,6 +210,57 @@ def on_config(config):
         if notebook not in listed:
             notebooks.append({f"Lab {n} · measured": notebook})
     return config
+
+
+def _bench_scripts() -> list[dict]:
+    """Every bench/*.py with the BENCH name and RESULT_FILE it declares."""
+    out = []
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        text = script.read_text(encoding="utf-8")
+        bench = re.search(r'^BENCH = "([^"]+)"', text, re.M)
+        result = re.search(r'^RESULT_FILE = "([^"]+)"', text, re.M)
+        lab = re.search(r'^LAB = "([^"]+)"', text, re.M)
+        if bench and result:
+            out.append({"script": f"bench/{script.name}", "bench": bench.group(1), "result": result.group(1),
+                        "lab": lab.group(1) if lab else None})
+    return out
+
+
+def _format_value(value: float, unit: str) -> str:
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "fraction":
+        return f"{100 * value:.1f} %"
+    return f"{value:,.1f} {unit}"
+
+
+def render_performance(page_src: str) -> str:
+    """Tables from results/*.json, ratios first, each row with its device, date, commit and code state."""
+    parts, measured_on_gpu = [], set()
+    for path in sorted((ROOT / "results").glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        prov, rows = data.get("provenance"), data.get("summary_rows")
+        if not prov or not rows:
+            continue
+        if prov.get("device_type") == "cuda":
+            measured_on_gpu.add(data.get("bench"))
+        current = source_hash(prov["lab"]) if prov.get("lab") else None
+        code = "current" if not current or prov.get("source_hash") == current else f"older lab code ({prov.get('source_hash')})"
+        where = f"{prov.get('device_name')} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
+        commit = (prov.get("git_commit") or "?")[:10]
+        rows = sorted(rows, key=lambda r: (r["unit"] != "x", r["unit"] != "fraction"))
+        table = [[r["metric"], _format_value(r["value"], r["unit"]), r.get("target") or "-", where,
+                  str(prov.get("date_utc", ""))[:10], f"`{commit}`", code] for r in rows]
+        parts += [f"## {data.get('bench', path.stem)}", "",
+                  f"From `results/{path.name}`, written by the benchmark's own run "
+                  f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
+                  _table(["metric", "value", "target", "measured on", "date", "commit", "code"], table), ""]
+    pending = [b for b in _bench_scripts() if b["bench"] not in measured_on_gpu]
+    if pending:
+        parts += ["## Not measured on a GPU yet", "",
+                  _table(["benchmark", "script", "writes"],
+                         [[b["bench"], f"`{b['script']}`", f"`{b['result']}`"] for b in pending]), ""]
+    return "\n".join(parts) if parts else "No benchmark results are committed yet."
 
 
 PLACEHOLDER = re.compile(r"^<!-- infralab:(\w+) -->$", re.M)

@@ -254,3 +254,28 @@ def test_generated_indexes_list_every_lab(built_site):
             assert Path(meta["chapter"]).stem in (site / "handbook" / "index.html").read_text(encoding="utf-8")
     home = (site / "index.html").read_text(encoding="utf-8")
     assert home.count("planned") + home.count("<strong>ready</strong>") >= 12, "the whole catalogue is listed"
+
+
+def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infralab_hooks_perf", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "demo_bench.py").write_text('BENCH = "demo"\nRESULT_FILE = "results/demo.json"\n')
+    (tmp_path / "bench" / "other_bench.py").write_text('BENCH = "other"\nRESULT_FILE = "results/other.json"\n')
+    prov = {"device_type": "cuda", "device_name": "Some GPU", "date_utc": "2026-11-22T00:00:00+00:00",
+            "git_commit": "abcdef1234567", "lab": None}
+    rows = [{"metric": "bandwidth", "value": 50.0, "unit": "GB/s", "target": None},
+            {"metric": "overhead", "value": 1.02, "unit": "x", "target": "<= 1.03"}]
+    (tmp_path / "results" / "demo.json").write_text(json.dumps({"bench": "demo", "provenance": prov,
+                                                                "summary_rows": rows}))
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    text = hooks.render_performance("performance.md")
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert lines[1].startswith("| overhead | 1.02x | <= 1.03 | Some GPU (GPU) | 2026-11-22 | `abcdef1234`")
+    assert lines[2].startswith("| bandwidth | 50.0 GB/s |")
+    assert "## Not measured on a GPU yet" in text and "`bench/other_bench.py`" in text
+    assert "`bench/demo_bench.py`" not in text
