@@ -7,10 +7,13 @@
   exist, or the build fails) and attaches what the template needs: the "measured on" badge, read
   from the notebook's provenance and compared with the current lab source hash.
 * Notebook pages get the same badge through ``on_page_context``.
+* ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
+  the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
   holding ``<!-- infralab:catalogue -->``, ``<!-- infralab:labs -->``,
   ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` or ``<!-- infralab:interview -->``
-  gets that table or section built from the lab pages' front matter and ``extra.catalogue``.
+  gets that table or section built from the lab pages' front matter and ``extra.catalogue``;
+  ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
 """
@@ -18,7 +21,6 @@ Replacing mkdocs-jupyter later means changing this file and the plugin entry, no
 from __future__ import annotations
 
 import json
-import logging
 import posixpath
 import re
 import sys
@@ -34,8 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "code"))
 
 from labkit.provenance import LABKIT_DIR, source_hash  # noqa: E402
-
-log = logging.getLogger("mkdocs.hooks.infralab")
 
 STATIC_FROM_ROOT = {
     "code": ("*.py",),
