@@ -9,6 +9,7 @@ import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, run_cli
 
 from labkit import run_lab
+from labkit.ledger import CATEGORIES
 
 SCRIPT = "lab-02-single-gpu-training/train_single_gpu.py"
 SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
@@ -109,8 +110,7 @@ def test_json_summary_schema():
     assert len(data["losses"]) == 2 and all(isinstance(v, float) for v in data["losses"])
     assert {"zero_grad", "forward", "backward", "optimizer"} <= set(data["peak_bytes_by_phase"])
     for phase in data["peak_bytes_by_phase"].values():
-        assert set(phase) == {"parameters", "gradients", "optimizer_state", "activations",
-                              "temporaries", "host_copies", "other"}
+        assert set(phase) == set(CATEGORIES)
     assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
     assert proc.stderr == ""  # no progress bar under --json
 
