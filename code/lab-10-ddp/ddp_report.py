@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from labkit import Ledger
+from labkit.plot import format_bytes, peak_table
 
 
 def memory_report(ledger: Ledger, rank: int, cuda: dict | None) -> dict:
@@ -55,8 +56,6 @@ def summary(lab: str, args, run: dict, device, backend: str, buckets: dict, per_
 
 
 def report(r: dict) -> None:
-    from labkit.plot import format_bytes, peak_table  # matplotlib is slow to import: rank 0 only
-
     print(f"Lab 10 on {r['device']}: {r['world_size']} ranks ({r['backend']}), TinyGPT with {r['params']:,} "
           f"parameters, AdamW, {r['steps']} steps of {r['batch_per_rank']} sequences per rank")
     same = r["replicas_identical"]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # and the report next to this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab-02-single-gpu-training"))  # Lab 02's step
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -40,6 +41,7 @@ from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noq
 from labkit.cli import positive_float, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
 from ddp_report import compare, memory_report, report, summary  # noqa: E402
+from train_single_gpu import train_step  # noqa: E402  (Lab 02's step, unchanged: it gets the DDP model)
 
 LAB = "lab-10-ddp"
 MIB = 1024 * 1024
@@ -163,20 +165,6 @@ def replicas_identical(module: torch.nn.Module) -> bool:
     return len(set(digests)) == 1
 
 
-# --8<-- [start:step]
-def train_step(ddp: DDP, optimizer, x, y, ledger: Ledger, step: int) -> torch.Tensor:
-    with ledger.phase("zero_grad", step):
-        optimizer.zero_grad(set_to_none=True)
-    with ledger.phase("forward", step):
-        loss = ddp(x, y)[1]  # (1)!
-    with ledger.phase("backward", step):
-        loss.backward()  # (2)!
-    with ledger.phase("optimizer", step):
-        optimizer.step()  # (3)!
-    return loss.detach()
-# --8<-- [end:step]
-
-
 # --8<-- [start:train]
 def train(args, device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -204,10 +192,11 @@ def train(args, device) -> dict:
         ledger.track_optimizer(optimizer)
         for step in progress(range(args.steps), total=args.steps, desc=f"rank {rank}", quiet=args.json or rank != 0):
             x, y = data.batch(step * world + rank, args.batch_size, device)  # (5)!
-            loss = train_step(ddp, optimizer, x, y, ledger, step)
+            loss = train_step(ddp, optimizer, x, y, ledger, step)  # (6)!
             with ledger.phase("check", step):
-                dist.all_reduce(loss)  # the global loss: the mean of the ranks' means
-                losses.append(loss.item() / world)
+                total = torch.tensor([loss], device=device)
+                dist.all_reduce(total)  # the global loss: the mean of the ranks' means
+                losses.append(total.item() / world)
                 identical[f"step {step}"] = replicas_identical(ddp.module)
             if step == 0:
                 for h in hooks:
