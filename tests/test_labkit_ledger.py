@@ -294,6 +294,21 @@ def test_a_ledger_does_not_keep_the_model_alive():
     assert not any(r.alive for r in ledger.records if r.label == "parameters")  # and it saw them go
 
 
+def test_timeline_round_trips_through_a_dict():
+    import json
+
+    from labkit.ledger import Timeline
+
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward", step=0):
+            a = torch.ones(10) * 2
+    tl = ledger.timeline()
+    back = Timeline.from_dict(json.loads(json.dumps(tl.to_dict())))
+    assert back.device == tl.device and back.spans == tl.spans and back.phase == tl.phase
+    assert a.numel() == 10
+
+
 def test_storage_resize_is_followed_while_entered():
     original = torch.UntypedStorage.resize_
     ledger = Ledger("cpu")

@@ -84,7 +84,7 @@ def report(r: dict) -> None:
     rows = {f"rank {m['rank']} {what}": row for m in r["memory"]
             for what, row in (("peak", m["peak"]), ("optimizer", m["peaks_by_phase"]["optimizer"]))}
     print("\nDevice bytes per rank at its peak and in the optimizer phase (ledger, measured):")
-    print(peak_table(rows).replace("| phase |", "| rank, moment |", 1))
+    print(peak_table(rows, label="rank, moment"))
     print(f"communication = DDP's gradient buckets: {format_bytes(r['memory'][0]['at_end']['communication'])} "
           f"per rank. Not seen: {r['not_seen']}.")
     for m in r["memory"]:

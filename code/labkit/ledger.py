@@ -157,6 +157,16 @@ class Timeline:
                      if s.start >= lo and s.end <= hi]
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Timeline:
+        """The inverse of :meth:`to_dict` (e.g. a timeline another process wrote as JSON)."""
+        tl = cls(categories=tuple(d["categories"]))
+        for name in ("index", "time_s", "phase", "step", "cuda_allocated", "cuda_reserved"):
+            setattr(tl, name, list(d[name]))
+        tl.device, tl.host = dict(d["device"]), dict(d["host"])
+        tl.spans = [PhaseSpan(**s) for s in d["spans"]]
+        return tl
+
     def to_dict(self) -> dict:
         return {
             "categories": list(self.categories),

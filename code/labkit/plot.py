@@ -168,13 +168,13 @@ def save(fig, path: str | os.PathLike) -> Path:
     return path
 
 
-def peak_table(peaks: Mapping[str, Mapping[str, int]], unit: str | None = None) -> str:
-    """A Markdown table: one row per phase, one column per category present, and the total."""
+def peak_table(peaks: Mapping[str, Mapping[str, int]], unit: str | None = None, label: str = "phase") -> str:
+    """A Markdown table: one row per phase (or other ``label``), one column per category, the total."""
     cats = [c for c in CATEGORIES if any(row.get(c, 0) for row in peaks.values())]
     totals = {p: sum(row.get(c, 0) for c in CATEGORIES) for p, row in peaks.items()}
     if unit is None:
         unit, _ = pick_unit(max(totals.values(), default=1))
-    head = "| phase | " + " | ".join(c.replace("_", " ") for c in cats) + " | total |"
+    head = f"| {label} | " + " | ".join(c.replace("_", " ") for c in cats) + " | total |"
     sep = "|---|" + "---:|" * (len(cats) + 1)
     size = dict(UNITS)[unit]
 

@@ -67,7 +67,7 @@ procs = {mode: subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subpro
          for mode, cmd in commands.items()}
 import matplotlib.pyplot as plt  # noqa: E402  (while the ranks start: the plotting tools)
 import torch  # noqa: E402
-from labkit.ledger import PhaseSpan, Timeline  # noqa: E402
+from labkit.ledger import Timeline  # noqa: E402
 
 runs = {}
 for mode, proc in procs.items():
@@ -92,15 +92,6 @@ assert runs["view"]["losses"] == r["losses"], "gradient views change where gradi
 # (8 bytes per parameter + 4 per tensor) from the first optimizer step.
 
 # %%
-def timeline_from(d: dict) -> Timeline:
-    tl = Timeline(categories=tuple(d["categories"]))
-    for name in ("index", "time_s", "phase", "step", "cuda_allocated", "cuda_reserved"):
-        setattr(tl, name, d[name])
-    tl.device, tl.host = d["device"], d["host"]
-    tl.spans = [PhaseSpan(**s) for s in d["spans"]]
-    return tl
-
-
 def model_state_prediction(tl: Timeline, P: int, T: int) -> list[int]:
     """Derived bytes per row: 4P params + 4P buckets (after wrap) + 4P grads (when alive) + AdamW."""
     rows, grads, adam, wrapped = [0] * len(tl), False, False, False
@@ -119,7 +110,7 @@ def model_state_prediction(tl: Timeline, P: int, T: int) -> list[int]:
 ledgers = {rank: json.loads((LEDGERS / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 fig, axes = plt.subplots(2, 1, figsize=(10, 7.6), dpi=110, layout="constrained", sharex=True)
 for ax, (rank, data) in zip(axes, ledgers.items()):
-    tl = timeline_from(data["timeline"])
+    tl = Timeline.from_dict(data["timeline"])
     predicted = model_state_prediction(tl, P, T)
     plot.plot_timeline(tl, ax=ax, title=f"rank {rank} of 2 on {DEVICE.type} (measured by its own ledger)",
                        overlay={"derived: params + buckets + grads + AdamW": predicted}, legend=rank == 0)
@@ -179,8 +170,8 @@ for mode in ("copy", "view"):
             assert all(opt[c] == v for c, v in expect.items()), (mode, m["rank"], opt)
 memory_table = "\n".join(rows)
 nbk.show_markdown(memory_table)
-peak_table = plot.peak_table({f"{mode}, {m['rank']}": m["peak"] for mode in ("copy", "view") for m in runs[mode]["memory"]})
-peak_table = peak_table.replace("| phase |", "| run, rank |", 1)
+peak_table = plot.peak_table({f"{mode}, {m['rank']}": m["peak"] for mode in ("copy", "view") for m in runs[mode]["memory"]},
+                             label="run, rank")
 nbk.show_markdown(peak_table)
 print("Not seen by the ledger:", r["not_seen"])
 
