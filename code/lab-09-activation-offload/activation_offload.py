@@ -71,12 +71,13 @@ def parse_args(argv=None):
 
 # --8<-- [start:forward]
 def make_hooks(mode, model, batch, args, device, tag=None):
-    tag = tag or (lambda category: contextlib.nullcontext())  # the ledger's labels, or none
+    tag = tag or (lambda category: contextlib.nullcontext())  # no ledger: no labels
     if mode == "save_on_cpu":
         return LabelledSaveOnCpu(device, tag)
     if mode.endswith("streamed"):
         resident = [*model.parameters(), *batch]  # (1)!
-        return StreamedOffload(device, args.keep_last, args.min_bytes, args.prefetch, resident, tag)
+        return StreamedOffload(device, args.keep_last, args.min_bytes, args.prefetch,
+                               resident, tag)
     return None  # none, checkpoint: no hooks of ours
 
 
@@ -103,8 +104,9 @@ def forward(model: TinyGPT, idx, targets, mode: str, hooks):
 def train_step(model, x, y, mode, args, seed, ledger: Ledger | None = None):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # same dropout masks in every mode
-    phase = ledger.phase if ledger is not None else (lambda *a: contextlib.nullcontext())
-    hooks = make_hooks(mode, model, (x, y), args, x.device, ledger.category if ledger else None)
+    phase = ledger.phase if ledger else (lambda *a: contextlib.nullcontext())
+    tag = ledger.category if ledger else None
+    hooks = make_hooks(mode, model, (x, y), args, x.device, tag)
     with phase("forward", 0):
         loss = forward(model, x, y, mode, hooks)
     with phase("backward", 0):
@@ -122,7 +124,8 @@ def measure(model, x, y, mode, args, seed) -> tuple[dict, list]:
         _, hooks = train_step(model, x, y, mode, args, seed, ledger)
     tl = ledger.timeline()
     fwd = next(s for s in tl.spans if s.name == "forward")
-    act, tmp, host = tl.device["activations"], tl.device["temporaries"], tl.host["host_copies"]
+    act, tmp = tl.device["activations"], tl.device["temporaries"]
+    host = tl.host["host_copies"]
     return {
         "kept_bytes": act[fwd.end - 1],  # device activations when forward ends
         "activation_peak_bytes": max(a + t for a, t in zip(act, tmp)),  # (2)!
@@ -174,8 +177,8 @@ def build(args):
 # --8<-- [start:run]
 def run(args) -> dict:
     cfg, device, model, x, y = build(args)
-    pairs = {"all": MODES, "checkpoint+streamed": ("none", "checkpoint", "checkpoint+streamed")}
-    modes = list(dict.fromkeys(pairs.get(args.mode, ("none", args.mode))))
+    together = {"all": MODES, "checkpoint+streamed": ("none", "checkpoint", args.mode)}
+    modes = list(dict.fromkeys(together.get(args.mode, ("none", args.mode))))
     t0, results = time.perf_counter(), {}
     train_step(model, x, y, "none", args, args.seed)
     reference = grads_of(model)  # a plain step: no hooks, no checkpoint, no ledger
@@ -184,18 +187,22 @@ def run(args) -> dict:
             reset_peak(device)
             r, grads = measure(model, x, y, m, args, args.seed)
             r["cuda"] = allocator_stats(device)
-            r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads, reference)  # (1)!
+            equal, diff = grads_equal(grads, reference)  # (1)!
+            r["grads_equal"], r["max_abs_grad_diff"] = equal, diff
             train_step(model, x, y, m, args, args.seed)
             r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
             results[m] = r
     times = time_steps(model, x, y, modes, args, args.json)
+    peak = {m: r["activation_peak_bytes"] for m, r in results.items()}
+    step = {m: statistics.median(t) for m, t in times.items()}
     for m, r in results.items():
-        r["step_times_s"], r["step_time_s"] = times[m], statistics.median(times[m])
-        r["activation_reduction"] = 1 - r["activation_peak_bytes"] / results["none"]["activation_peak_bytes"]
-        r["time_overhead"] = r["step_time_s"] / statistics.median(times["none"]) - 1
-        r["baseline"] = base = "checkpoint" if m == "checkpoint+streamed" else "none"  # (2)!
-        r["reduction_vs_baseline"] = 1 - r["activation_peak_bytes"] / results[base]["activation_peak_bytes"]
-        r["overhead_vs_baseline"] = r["step_time_s"] / statistics.median(times[base]) - 1
+        r["step_times_s"], r["step_time_s"] = times[m], step[m]
+        r["activation_reduction"] = 1 - peak[m] / peak["none"]
+        r["time_overhead"] = step[m] / step["none"] - 1
+        base = "checkpoint" if m == "checkpoint+streamed" else "none"  # (2)!
+        r["baseline"] = base
+        r["reduction_vs_baseline"] = 1 - peak[m] / peak[base]
+        r["overhead_vs_baseline"] = step[m] / step[base] - 1
     return {"cfg": cfg, "device": device, "model": model, "results": results,
             "wall_time_s": time.perf_counter() - t0}
 # --8<-- [end:run]

@@ -26,33 +26,40 @@ def _no_tag(category: str):
 
 
 class Saved:
-    """One saved tensor: on the device, on its way to the host, on the host, or on its way back."""
+    """One saved tensor: on the device, on its way out, on the host, or on its way back."""
 
     __slots__ = ("index", "device", "host", "copied", "fetched", "ready", "__weakref__")
 
     def __init__(self, t: torch.Tensor, index: int | None = None) -> None:
         self.index, self.device, self.host = index, t, None
-        self.copied = self.fetched = self.ready = None  # CUDA events and the fetched device copy
+        self.copied = self.fetched = self.ready = None  # CUDA events, the fetched copy
+
+    def offloaded(self) -> bool:
+        """Off the device and not read yet: on the host, or on its way back."""
+        return self.device is None and (self.host is not None or self.fetched is not None)
 
 
 # --8<-- [start:streamed]
 class StreamedOffload(saved_tensors_hooks):
-    """Saved tensors go to pinned host buffers on a copy stream; backward fetches them ahead."""
+    """Saved tensors go to pinned host memory on a copy stream, and come back ahead."""
 
-    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2, resident=(), tag=_no_tag,
-                 in_flight=4):
+    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2, resident=(),
+                 tag=_no_tag, in_flight=4):
         super().__init__(self.pack, self.unpack)
-        self.device, self.keep_last, self.min_bytes, self.prefetch = device, keep_last, min_bytes, prefetch
-        self.tag, self.max_in_flight = tag, in_flight
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (1)!
+        self.device, self.tag = device, tag
+        self.keep_last, self.min_bytes = keep_last, min_bytes
+        self.prefetch, self.max_in_flight = prefetch, in_flight
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None  # (1)!
         self.resident = {t.untyped_storage().data_ptr() for t in resident}
-        self.queue: list[weakref.ref] = []  # offloadable saved tensors, in forward order
-        self.in_flight: deque[Saved] = deque()  # copies to the host that may not have landed
+        self.queue: list[weakref.ref] = []  # offloadable saved tensors, forward order
+        self.in_flight: deque[Saved] = deque()  # copies out that may not have landed
         self.d2h_bytes = self.h2d_bytes = self.moved = self.stayed = self.on_demand = 0
 
     def pack(self, t: torch.Tensor) -> Saved:
         nbytes = t.numel() * t.element_size()
-        elsewhere = t.device != self.device or t.untyped_storage().data_ptr() in self.resident
+        ptr = t.untyped_storage().data_ptr()
+        elsewhere = t.device != self.device or ptr in self.resident
         if nbytes < max(self.min_bytes, 1) or elsewhere:
             self.stayed += nbytes > 0
             return Saved(t.detach())  # (2)!
@@ -67,40 +74,43 @@ class StreamedOffload(saved_tensors_hooks):
     def unpack(self, saved: Saved) -> torch.Tensor:
         self._drain(self.max_in_flight)
         if saved.device is not None:
-            t = saved.device  # kept on the device (or its copy out has not landed): no transfer
+            t = saved.device  # kept, or its copy out has not landed: no transfer
         else:
-            if saved.host is None and saved.fetched is None:
-                raise RuntimeError("an offloaded saved tensor is read once: no retain_graph=True here")
+            if not saved.offloaded():
+                raise RuntimeError("an offloaded tensor is read once: no retain_graph")
             if saved.fetched is None:
                 self._fetch(saved)  # (4)!
                 self.on_demand += 1
             if saved.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(saved.ready)  # (5)!
+                self._compute().wait_event(saved.ready)  # (5)!
             t, saved.fetched, saved.ready = saved.fetched, None, None
         ahead, j = 0, (saved.index or 0) - 1
         while ahead < self.prefetch and j >= 0:  # (6)!
             nxt = self.queue[j]()
-            if nxt is not None and nxt.device is None and (nxt.host is not None or nxt.fetched is not None):
-                ahead += 1  # offloaded and not yet read
+            if nxt is not None and nxt.offloaded():
+                ahead += 1
                 if nxt.fetched is None:
                     self._fetch(nxt)
             j -= 1
         return t
 # --8<-- [end:streamed]
 
+    def _compute(self):
+        return torch.cuda.current_stream(self.device)
+
     # --8<-- [start:copies]
     def _offload(self, saved: Saved) -> None:
         """Device to host, in forward. The host never waits for it."""
-        t = saved.device
+        t, pin = saved.device, self.stream is not None
         with self.tag("host_copies"):
-            saved.host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)  # (1)!
+            saved.host = torch.empty_like(t, device="cpu", pin_memory=pin)  # (1)!
         self.d2h_bytes += t.numel() * t.element_size()
         self.moved += 1
         if self.stream is None:
             saved.host.copy_(t)  # CPU: no copy engine, the copy happens now
             saved.device = None
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (2)!
+        self.stream.wait_stream(self._compute())  # (2)!
         with torch.cuda.stream(self.stream):
             saved.host.copy_(t, non_blocking=True)  # (3)!
             saved.copied = self.stream.record_event()
@@ -108,11 +118,14 @@ class StreamedOffload(saved_tensors_hooks):
         self._drain(self.max_in_flight)
 
     def _drain(self, limit: int) -> None:
-        """Let go of device tensors whose copy has landed; wait (on the GPU) beyond ``limit``."""
-        while self.in_flight and (len(self.in_flight) > limit or self.in_flight[0].copied.query()):  # (4)!
-            saved = self.in_flight.popleft()
-            torch.cuda.current_stream(self.device).wait_event(saved.copied)  # (5)!
-            saved.device = None
+        """Let go of device tensors whose copy out has landed; past ``limit``, wait."""
+        while self.in_flight:
+            oldest = self.in_flight[0]
+            if len(self.in_flight) <= limit and not oldest.copied.query():  # (4)!
+                return
+            self._compute().wait_event(oldest.copied)  # (5)!
+            oldest.device = None
+            self.in_flight.popleft()
 
     def _fetch(self, saved: Saved) -> None:
         """Host to device, in backward, ahead of need."""
@@ -120,7 +133,7 @@ class StreamedOffload(saved_tensors_hooks):
         if self.stream is None:
             buf.copy_(saved.host)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.stream.wait_stream(self._compute())
             with torch.cuda.stream(self.stream):
                 buf.copy_(saved.host, non_blocking=True)
                 saved.ready = self.stream.record_event()  # (7)!
@@ -131,7 +144,7 @@ class StreamedOffload(saved_tensors_hooks):
 
 # --8<-- [start:save-on-cpu]
 class LabelledSaveOnCpu(saved_tensors_hooks):
-    """PyTorch's save_on_cpu, its own two hooks, with the host copies it makes labelled."""
+    """PyTorch's save_on_cpu, its own two hooks, its host copies labelled."""
 
     def __init__(self, device, tag=_no_tag):
         inner = save_on_cpu(pin_memory=True)  # (1)!
