@@ -41,10 +41,10 @@ class Saved:
 
 # --8<-- [start:streamed]
 class StreamedOffload(saved_tensors_hooks):
-    """Saved tensors go to pinned host memory on a copy stream, and come back ahead."""
+    """Saved tensors wait in pinned host memory and come back ahead of need."""
 
-    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2, resident=(),
-                 tag=_no_tag, in_flight=4):
+    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2,
+                 resident=(), tag=_no_tag, in_flight=4):
         super().__init__(self.pack, self.unpack)
         self.device, self.tag = device, tag
         self.keep_last, self.min_bytes = keep_last, min_bytes
@@ -52,9 +52,10 @@ class StreamedOffload(saved_tensors_hooks):
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # (1)!
         self.resident = {t.untyped_storage().data_ptr() for t in resident}
-        self.queue: list[weakref.ref] = []  # offloadable saved tensors, forward order
-        self.in_flight: deque[Saved] = deque()  # copies out that may not have landed
-        self.d2h_bytes = self.h2d_bytes = self.moved = self.stayed = self.on_demand = 0
+        self.queue: list[weakref.ref] = []  # offloadable tensors, forward order
+        self.in_flight: deque[Saved] = deque()  # copies out, maybe not landed
+        self.d2h_bytes = self.h2d_bytes = 0
+        self.moved = self.stayed = self.on_demand = 0
 
     def pack(self, t: torch.Tensor) -> Saved:
         nbytes = t.numel() * t.element_size()
@@ -74,10 +75,10 @@ class StreamedOffload(saved_tensors_hooks):
     def unpack(self, saved: Saved) -> torch.Tensor:
         self._drain(self.max_in_flight)
         if saved.device is not None:
-            t = saved.device  # kept, or its copy out has not landed: no transfer
+            t = saved.device  # kept, or its copy out not landed: no transfer
         else:
             if not saved.offloaded():
-                raise RuntimeError("an offloaded tensor is read once: no retain_graph")
+                raise RuntimeError("offloaded tensors are read once")
             if saved.fetched is None:
                 self._fetch(saved)  # (4)!
                 self.on_demand += 1
@@ -118,7 +119,7 @@ class StreamedOffload(saved_tensors_hooks):
         self._drain(self.max_in_flight)
 
     def _drain(self, limit: int) -> None:
-        """Let go of device tensors whose copy out has landed; past ``limit``, wait."""
+        """Drop device tensors whose copy has landed; past ``limit``, wait."""
         while self.in_flight:
             oldest = self.in_flight[0]
             if len(self.in_flight) <= limit and not oldest.copied.query():  # (4)!
