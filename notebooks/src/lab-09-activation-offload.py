@@ -68,8 +68,8 @@ print(f"{n} blocks; keep-last {K}, prefetch {P}, min-bytes {args.min_bytes}; one
       f"wall time {out['wall_time_s']:.1f} s")
 
 # %%
-rows = ["| mode | kept after forward | activation peak | against its baseline | step's device peak "
-        "| host copies (peak) | moved each way | tensors moved |" + (" step | overhead |" if ON_GPU else ""),
+rows = ["| mode | kept after fwd | activation peak | vs baseline | step's peak | host copies "
+        "| moved | tensors |" + (" step | overhead |" if ON_GPU else ""),
         "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ON_GPU else "")]
 for m, r in R.items():
     versus = "reference" if m == "none" else f"{-r['reduction_vs_baseline']:+.0%} ({r['baseline']})"
