@@ -26,18 +26,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and the hooks next to this file
+CODE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CODE))  # makes code/labkit importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the hooks next to this file
+sys.path.insert(0, str(CODE / "lab-04-activation-checkpointing"))  # Lab 04's model set-up
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
+from labkit import Ledger, TinyGPT, UsageError, emit_json  # noqa: E402
+from labkit import lab_parser, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import non_negative_int, positive_int, probability  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
+from checkpointing import build, grads_equal  # noqa: E402  (Lab 04's model, batch, gradient check)
 from offload_hooks import LabelledSaveOnCpu, StreamedOffload  # noqa: E402
 
 LAB = "lab-09-activation-offload"
@@ -146,10 +149,6 @@ def grads_of(model) -> list[torch.Tensor]:
     return [p.grad.detach().to("cpu", copy=True) for p in model.parameters()]  # a copy, off the device
 
 
-def grads_equal(a: list, b: list) -> tuple[bool, float]:
-    return all(torch.equal(u, v) for u, v in zip(a, b)), max(float((u - v).abs().max()) for u, v in zip(a, b))
-
-
 def time_steps(model, x, y, modes, args, quiet: bool) -> dict[str, list[float]]:
     """Seconds per forward+backward step, modes interleaved so that drift hits all alike."""
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -161,18 +160,6 @@ def time_steps(model, x, y, modes, args, quiet: bool) -> dict[str, list[float]]:
             train_step(model, x, y, m, args, args.seed)  # .item() inside waits for the device
             times[m].append(time.perf_counter() - t0)
     return times
-
-
-def build(args):
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
-                    layers=args.layers, heads=args.heads, dropout=args.dropout)
-    model = TinyGPT(cfg).to(device).train()
-    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed).batch(0, args.batch_size, device)
-    return cfg, device, model, x, y
 
 
 # --8<-- [start:run]
