@@ -31,10 +31,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from labkit import notebook as nbk  # noqa: E402
-from labkit import plot, provenance  # noqa: E402
+from labkit import pick_device, plot, provenance  # noqa: E402
 
 lab = nbk.load_lab("lab-09-activation-offload/activation_offload.py")
-DEVICE = lab.pick_device(nbk.device_name())
+DEVICE = pick_device(nbk.device_name())
 OUT = nbk.results_dir(lab.LAB)
 ON_GPU = DEVICE.type == "cuda"
 if not ON_GPU:
