@@ -270,7 +270,9 @@ def test_cuda_forward_and_backward_never_wait_for_the_host(lab09, hooks_module):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        assert hooks.moved > 0 and hooks.on_demand == 0, mode
+        assert hooks.moved > 0, mode
+        if mode == "checkpoint+streamed":
+            assert hooks.on_demand == 0  # every block input was fetched ahead of its recompute
 
 
 @pytest.mark.cuda
