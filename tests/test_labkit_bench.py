@@ -186,3 +186,11 @@ def test_the_synthetic_task_is_learnable():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_source_hash_covers_the_labs_a_lab_imports_from():
+    from labkit.provenance import lab_dir, lab_folders
+
+    names = [p.name for p in lab_folders(lab_dir("lab-09-activation-offload"))]
+    assert names[0] == "lab-09-activation-offload" and "lab-04-activation-checkpointing" in names
+    assert [p.name for p in lab_folders(lab_dir("lab-02-single-gpu-training"))] == ["lab-02-single-gpu-training"]

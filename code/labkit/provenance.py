@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -43,15 +44,35 @@ def source_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*.py") if "__pycache__" not in f.parts)
 
 
+LAB_NAME = re.compile(rb"lab-\d\d-[a-z0-9-]+")
+
+
+def lab_folders(folder: Path) -> list[Path]:
+    """The lab's folder and every other lab folder its code names (it imports from them)."""
+    seen, todo = [], [folder]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        for f in source_files(current):
+            for name in LAB_NAME.findall(f.read_bytes()):
+                other = CODE_DIR / name.decode()
+                if other.is_dir() and other not in seen:
+                    todo.append(other)
+    return [seen[0], *sorted(seen[1:])]
+
+
 def source_hash(lab: str | os.PathLike) -> str:
-    """SHA-256 (first 16 hex digits) over the lab's ``*.py`` files: names and contents."""
+    """SHA-256 (first 16 hex digits) over the ``*.py`` files of the lab and of the labs it uses."""
     folder = lab_dir(lab)
     h = hashlib.sha256()
-    for f in source_files(folder):
-        h.update(f.relative_to(folder).as_posix().encode())
-        h.update(b"\0")
-        h.update(f.read_bytes().replace(b"\r\n", b"\n"))
-        h.update(b"\0")
+    for root in lab_folders(folder) if folder.parent == CODE_DIR else [folder]:
+        for f in source_files(root):
+            h.update(f.relative_to(CODE_DIR if root != folder else folder).as_posix().encode())
+            h.update(b"\0")
+            h.update(f.read_bytes().replace(b"\r\n", b"\n"))
+            h.update(b"\0")
     return h.hexdigest()[:16]
 
 
