@@ -246,6 +246,13 @@ def test_cpu_adam_bench_bad_input(bench, capsys, args, fragment):
     assert_usage_error_in_process(bench.main, args, capsys, fragment)
 
 
+def test_committed_cpu_adam_bench_result_has_provenance():
+    data = json.loads((ROOT / "results" / "cpu_adam_bench.json").read_text())
+    assert data["provenance"]["lab"] == "lab-07-optimizer-offload" and data["provenance"]["git_commit"]
+    assert {"fused", "foreach", "forloop"} == set(data["sets"][0]["impls"])
+    assert (ROOT / "results" / "cpu_adam_bench.md").read_text().startswith("| parameters |")
+
+
 # ------------------------------------------------------------------ GPU only
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["optimizer", "gradients"])
