@@ -250,7 +250,7 @@ def test_committed_cpu_adam_bench_result_has_provenance():
     data = json.loads((ROOT / "results" / "cpu_adam_bench.json").read_text())
     assert data["provenance"]["lab"] == "lab-07-optimizer-offload" and data["provenance"]["git_commit"]
     assert {"fused", "foreach", "forloop"} == set(data["sets"][0]["impls"])
-    assert (ROOT / "results" / "cpu_adam_bench.md").read_text().startswith("| parameters |")
+    assert (ROOT / "results" / "cpu_adam_bench.md").read_text().startswith("| parameters (tensors) |")
 
 
 # ------------------------------------------------------------------ GPU only
