@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab-08-offload-memory-saving"))  # Lab 08's HostMaster
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab-02-single-gpu-training"))  # Lab 02's train_step
 
 import torch  # noqa: E402
 
@@ -36,6 +37,7 @@ from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E4
 from labkit.ledger import NullLedger  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
 from offload_engines import HostMaster  # noqa: E402
+from train_single_gpu import train_step  # noqa: E402  (zero_grad, forward, backward, step: each a ledger phase)
 
 LAB = "lab-07-optimizer-offload"
 MODES = ("none", "optimizer", "gradients")
@@ -176,20 +178,6 @@ def install(mode: str, model: TinyGPT, args, ledger):
                             offload_grads=mode == "gradients", overlap=args.overlap == "on",
                             tag=ledger.category)  # (2)!
 # --8<-- [end:install]
-
-
-# --8<-- [start:train-step]
-def train_step(model, optimizer, x, y, ledger, step: int) -> float:
-    with ledger.phase("zero_grad", step):
-        optimizer.zero_grad(set_to_none=True)
-    with ledger.phase("forward", step):
-        loss = model(x, y)[1]
-    with ledger.phase("backward", step):
-        loss.backward()  # (1)!
-    with ledger.phase("optimizer", step):
-        optimizer.step()  # (2)!
-    return loss.item()
-# --8<-- [end:train-step]
 
 
 @dataclass
