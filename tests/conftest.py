@@ -50,6 +50,7 @@ def lab02():
 def run_cli(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a lab's starter file as a user would, from the repository root."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny CPU runs: one thread, like the tests themselves
     return subprocess.run(
         [sys.executable, str(CODE / script), *args],
         cwd=ROOT,

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from labkit.ledger import CATEGORIES
 
 from labkit import GPTConfig, SyntheticTokens, TinyGPT
 
@@ -152,8 +153,7 @@ def test_json_summary_schema():
     assert [m["mode"] for m in data["modes"]] == ["none", "optimizer", "gradients"]
     for m in data["modes"]:
         assert len(m["losses"]) == 2 and m["max_abs_diff_vs_device_adamw"] == 0.0
-        assert set(m["device_after_step"]) == {"parameters", "gradients", "optimizer_state", "activations",
-                                               "temporaries", "host_copies", "other"}
+        assert set(m["device_after_step"]) == set(CATEGORIES)
     assert data["impl"] == "fused" and data["provenance"]["source_hash"]
     assert data["provenance"]["device_type"] == "cpu"
     assert proc.stderr == ""
