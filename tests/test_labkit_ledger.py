@@ -334,3 +334,17 @@ def test_stacks_name_the_line_that_allocated():
     assert rows[0]["bytes"] == 4000 and rows[0]["category"] == "activations"
     assert "test_labkit_ledger.py" in rows[0]["where"] and "kept = torch.ones(1000)" in rows[0]["where"]
     assert kept.numel() == 1000
+
+
+def test_fake_tensors_own_no_memory():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ledger = Ledger("cpu")
+    with ledger:
+        with ledger.phase("forward"):
+            with FakeTensorMode():
+                fake = torch.empty(1 << 20)
+                (fake * 2).sum()
+            real = torch.ones(10)
+    assert [r.nbytes for r in ledger.records] == [40]
+    assert fake.shape == (1 << 20,) and real.numel() == 10

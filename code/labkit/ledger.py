@@ -327,6 +327,8 @@ class Ledger(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
+            if st.device.type == "meta":
+                continue  # a fake tensor (e.g. DTensor's sharding propagation): it owns no memory
             sid = self._sid_of.get(st)
             nbytes = st.nbytes()
             if sid is not None:
@@ -396,7 +398,9 @@ class Ledger(TorchDispatchMode):
         return freed
 
     def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
-        if t.device.type == "meta":
+        if _DTensor is not None and isinstance(t, _DTensor):
+            t = t._local_tensor  # this rank's shard is what occupies its memory
+        if t.device.type == "meta" or t.untyped_storage().device.type == "meta":
             return
         st = t.untyped_storage()
         sid = self._sid_of.get(st)
