@@ -180,14 +180,14 @@ plot.save(fig3, OUT / "timelines.svg")
 
 # %%
 steps = train["config"]["steps"]
-rows = ["| stage | collective | calls per step | output bytes per step | input bytes per step |",
+rows = [f"| stage | collective | calls in {steps} steps | output bytes per step | input bytes per step |",
         "|---|---|---:|---:|---:|"]
 volume = {}
 for n, s in stages.items():
     ops = s["ranks"][0]["traffic"]["collectives"]
     volume[n] = ops
     for op, v in ops.items():
-        rows.append(f"| {n} · {s['name']} | `{op}` | {v['calls'] / steps:g} | {plot.format_bytes(v['out_bytes'] / steps)} | "
+        rows.append(f"| {n} · {s['name']} | `{op}` | {v['calls']} | {plot.format_bytes(v['out_bytes'] / steps)} | "
                     f"{plot.format_bytes(v['in_bytes'] / steps)} |")
 traffic_table = "\n".join(rows)
 nbk.show_markdown(traffic_table)
