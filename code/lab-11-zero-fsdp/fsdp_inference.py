@@ -36,7 +36,7 @@ from labkit.cli import non_negative_int, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, reset_peak  # noqa: E402
 from labkit.diffusion import DTYPES, DiffusionConfig, ToyDiffusionPipeline, param_bytes  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
-from ranks import Traffic, gather, local, speak_once, start  # noqa: E402
+from ranks import Traffic, gather, local, ranked, start  # noqa: E402
 
 LAB = "lab-11-zero-fsdp"
 PLACEMENTS = ("sharded", "sharded+offload")
@@ -192,15 +192,10 @@ def print_report(result: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        result = infer(args)
-        if result["rank"] != 0:
-            return
+    result = infer(args)
+    if result["rank"] == 0:
         emit_json(result) if args.json else print_report(result)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run_lab(speak_once(main))
+    run_lab(ranked(main))

@@ -8,7 +8,7 @@ This is instrument, not lesson (the lessons are ``zero_fsdp.py`` and ``fsdp_infe
   FSDP2's copy-in/copy-out ops (``fsdp::``) pass through PyTorch's dispatcher like any other op, so
   it can count their bytes and label the buffers they fill as ``communication``.
 * ``gather`` collects one object from every rank (``all_gather_object``): rank 0 prints for all.
-* ``speak_once`` wraps a lab's ``main`` so that only rank 0 reports bad input.
+* ``ranked`` wraps a lab's ``main``: only rank 0 reports bad input; every rank leaves the group.
 """
 
 from __future__ import annotations
@@ -61,27 +61,32 @@ def gather(obj) -> list:
     return out
 
 
-def speak_once(main):
-    """Rank 0 reports bad input (one line, exit 2); the other ranks exit 2 without a word.
+def ranked(main):
+    """Run a lab's ``main`` on every rank: only rank 0 reports bad input (one line, exit 2), the
+    other ranks exit 2 without a word; every rank leaves the process group at the end.
 
     Anything else (a real error) still surfaces on every rank, with what it had printed.
     """
     def wrapped(argv=None):
-        if int(os.environ.get("RANK", "0")) == 0:
-            return main(argv)
-        buf = io.StringIO()
         try:
-            with contextlib.redirect_stderr(buf):
+            if int(os.environ.get("RANK", "0")) == 0:
                 return main(argv)
-        except UsageError:
-            raise SystemExit(2) from None
-        except SystemExit as err:
-            if err.code == 2:
+            buf = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(buf):
+                    return main(argv)
+            except UsageError:
                 raise SystemExit(2) from None
-            raise
-        except BaseException:
-            print(buf.getvalue(), end="", file=sys.stderr)
-            raise
+            except SystemExit as err:
+                if err.code == 2:
+                    raise SystemExit(2) from None
+                raise
+            except BaseException:
+                print(buf.getvalue(), end="", file=sys.stderr)
+                raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return wrapped
 
 

@@ -40,7 +40,7 @@ from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noq
 from labkit.cli import positive_float, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
 from memory_accounting import zero_model_state  # noqa: E402  (Lab 01: the formulas we check)
-from ranks import Traffic, cut, gather, local, speak_once, start  # noqa: E402
+from ranks import Traffic, cut, gather, local, ranked, start  # noqa: E402
 
 LAB = "lab-11-zero-fsdp"
 STAGES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 reshard_after_forward=False",
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=positive_int, default=128)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--timelines", action="store_true", help="--json: add rank 0's ledger timeline of the last step")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: memory history, one pickle per rank (NAME.rankR.pickle)")
+    p.add_argument("--snapshot", type=Path, help="CUDA only: memory history, one pickle per stage and rank (NAME.stageS.rankR.pickle)")
     args = p.parse_args(argv)
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
@@ -210,22 +210,15 @@ def print_report(result: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        result = train(args)
-        if result["rank"] != 0:
-            return
-        for s in result["stages"]:
-            bad = s["max_loss_rel_diff_vs_ddp"]
-            if bad is not None and (bad > LOSS_RTOL or s["max_param_abs_diff_vs_ddp"] > LOSS_RTOL):
-                print(f"warning: stage {s['stage']} differs from DDP beyond {LOSS_RTOL}", file=sys.stderr)
-        if args.json:
-            emit_json(result)
-        else:
-            print_report(result)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = train(args)
+    if result["rank"] != 0:
+        return
+    for s in result["stages"]:
+        bad = s["max_loss_rel_diff_vs_ddp"]
+        if bad is not None and (bad > LOSS_RTOL or s["max_param_abs_diff_vs_ddp"] > LOSS_RTOL):
+            print(f"warning: stage {s['stage']} differs from DDP beyond {LOSS_RTOL}", file=sys.stderr)
+    emit_json(result) if args.json else print_report(result)
 
 
 if __name__ == "__main__":
-    run_lab(speak_once(main))
+    run_lab(ranked(main))
