@@ -122,7 +122,8 @@ UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 #: (name, pattern, what the number is). Both wordings: PyTorch >= 2.1, and the older one.
 CLAUSES = [
-    ("request", rf"Tried to allocate {SIZE}", "the one allocation that failed"),  # (1)!
+    ("request", rf"Tried to allocate {SIZE}",
+     "the segment the allocator failed to get: the request rounded up"),  # (1)!
     ("capacity", rf"total capacity of {SIZE}", "all the memory the GPU has"),
     ("free", rf"of which {SIZE} is free", "free on the GPU for anyone, as the driver sees it"),
     ("other_process", rf"Process \d+ has {SIZE} memory in use", "held by another process"),
