@@ -1,0 +1,272 @@
+"""Lab 12: leaks measured to the byte, the live-tensor tool, the OOM reader, the CUDA scenarios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+
+SCRIPT = "lab-12-memory-debugging/memory_debugging.py"
+SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+         "--vocab", "64", "--batch-size", "4", "--steps", "3"]
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def lab12():
+    return load_lab(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def scenarios(lab12):
+    return load_lab("lab-12-memory-debugging/cuda_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def runs(lab12):
+    """The three leak scenarios on CPU, each read while what it kept is still alive."""
+    args = lab12.parse_args([*SMALL, "--json"])
+    out = {}
+    for name in lab12.LEAKS:
+        run = lab12.run_scenario(args, name, torch.device("cpu"))
+        out[name] = (run, lab12.summary(run, args))
+    return args, out
+
+
+def test_leak_losses_grows_by_one_monitoring_graph_per_step(lab12, runs):
+    args, out = runs
+    run, s = out["leak-losses"]
+    from toy_gpt import tinygpt_activation_bytes  # Lab 01's count of what TinyGPT saves on CPU
+
+    one_graph = tinygpt_activation_bytes(run.cfg, args.batch_size)["total"]
+    assert s["growth_per_step_bytes"] == [one_graph + 4] * (args.steps - 1)  # + the 4-byte training loss
+    assert s["expected_growth_per_step_bytes"] == one_graph + 4
+
+
+def test_leak_activations_grows_by_one_block_output_per_layer(runs):
+    args, out = runs
+    run, s = out["leak-activations"]
+    per_step = args.layers * args.batch_size * args.seq_len * args.width * 4
+    assert s["growth_per_step_bytes"] == [per_step] * (args.steps - 1)
+    debug = run.kept[1]
+    assert len(debug) == args.layers * args.steps and all(isinstance(t, torch.Tensor) for t in debug)
+
+
+def test_the_fixed_loop_is_flat_and_trains_identically(runs):
+    args, out = runs
+    fixed, s = out["fixed"]
+    assert s["growth_per_step_bytes"] == [0] * (args.steps - 1) and not s["grew_in_last_step"]
+    leaky = [(a.item(), b.item()) for a, b in out["leak-losses"][0].kept[0]]
+    assert leaky == fixed.kept[0] == out["leak-activations"][0].kept[0]  # the leak costs memory, not results
+    assert all(isinstance(v, float) for v in fixed.kept[1])  # the hook kept numbers, not tensors
+
+
+def test_the_growth_points_at_the_line_that_allocated_it(runs):
+    args, out = runs
+    top = out["leak-losses"][1]["grew_in_last_step"]
+    assert top[0]["category"] == "activations" and "val_loss = model(*val)[1]" in top[0]["where"]
+    assert top[0]["where"].startswith("memory_debugging.py:") and "in run_loop" in top[0]["where"]
+    assert top[1]["where"].endswith("loss = model(x, y)[1]") and top[1]["bytes"] == 4  # the training loss
+    top = out["leak-activations"][1]["grew_in_last_step"]
+    assert len(top) == 1 and top[0]["tensors"] == args.layers and "loss = model(x, y)[1]" in top[0]["where"]
+    alive = out["leak-losses"][1]["live_at_end"][0]
+    assert alive["bytes"] == args.steps * (out["leak-losses"][1]["growth_per_step_bytes"][0] - 4)
+
+
+def test_what_grew_and_the_table(lab12):
+    before = [{"scope": "device", "category": "activations", "where": "a.py:1 in f: x", "bytes": 10, "tensors": 1},
+              {"scope": "device", "category": "other", "where": "a.py:2 in f: y", "bytes": 5, "tensors": 1}]
+    after = [{"scope": "device", "category": "activations", "where": "a.py:1 in f: x", "bytes": 30, "tensors": 3},
+             {"scope": "device", "category": "other", "where": "a.py:2 in f: y", "bytes": 5, "tensors": 1},
+             {"scope": "device", "category": "temporaries", "where": "a.py:3 in f: a | b", "bytes": 7, "tensors": 1}]
+    grew = lab12.what_grew(before, after)
+    assert [(r["where"], r["bytes"], r["tensors"]) for r in grew] == [("a.py:1 in f: x", 20, 2),
+                                                                    ("a.py:3 in f: a | b", 7, 1)]
+    table = lab12.origin_table(grew, top=1).splitlines()
+    assert len(table) == 3 and table[2] == "| activations | `a.py:1 in f: x` | 2 | 20 |"
+    assert "a \\| b" in lab12.origin_table(grew, top=5)  # a pipe in the code cannot break the table
+    assert lab12.live_total(after) == 42
+
+
+def test_changing_batch_keeps_what_the_formula_says(scenarios):
+    from labkit import Ledger
+
+    ledger = Ledger("cpu")
+    with ledger:
+        out = scenarios.changing_batch(iters=3, first=1, layers=2, unit_mb=1, wide=2, device="cpu")
+    last = 1 + 3 - 1  # the batch size of the last iteration
+    assert [row["batch"] for row in out["rows"]] == [1, 2, 3]
+    assert ledger.peak()["total"] == 2 * (last * MiB + last * MiB * 2) == out["rows"][-1]["live"]
+    assert ledger.current()["other"] == 0  # everything freed: on CUDA it would stay reserved
+
+
+def test_a_fresh_process_gets_the_allocator_setting(scenarios, monkeypatch):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.6")  # must not leak into it
+    out = scenarios.in_fresh_process("changing_batch", "expandable_segments:True", device="cpu",
+                                     iters=1, first=1, layers=1, unit_mb=1, wide=1)
+    assert out["conf_seen"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert out["alloc_conf"] == "expandable_segments:True"
+    assert out["rows"][0]["live"] == 2 * MiB and out["rows"][0]["reserved"] is None
+    monkeypatch.setattr(scenarios.sys, "executable", "false")  # a worker that dies says so
+    with pytest.raises(RuntimeError, match="changing_batch with the default allocator failed: no output"):
+        scenarios.in_fresh_process("changing_batch")
+
+
+# An OOM message assembled from the caching allocator's format string (c10/cuda/CUDACachingAllocator.cpp)
+# with numbers chosen for the test: it checks the reader, it is not a measurement.
+def oom_message(request="40.00 MiB", allowed="1024.00 MiB allowed; ", allocated="500.00 MiB",
+                unallocated="520.00 MiB", procs="Including non-PyTorch memory, this process has 1.50 GiB memory in use. "):
+    return (f"CUDA out of memory. Tried to allocate {request}. GPU 0 has a total capacity of 79.19 GiB of which "
+            f"77.60 GiB is free. {procs}{allowed}Of the allocated memory {allocated} is allocated by PyTorch, and "
+            f"{unallocated} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+            "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+            "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+
+def test_the_reader_splits_the_message_and_names_every_number(scenarios):
+    reading = scenarios.read_oom(oom_message())
+    texts = [line["text"] for line in reading["lines"]]
+    assert texts[:3] == ["CUDA out of memory.", "Tried to allocate 40.00 MiB.",
+                         "GPU 0 has a total capacity of 79.19 GiB of which 77.60 GiB is free."]
+    assert "1024.00 MiB allowed;" in texts
+    v = reading["values"]
+    assert v["request"] == 40 * MiB and v["allowed"] == 1024 * MiB and v["allocated"] == 500 * MiB
+    assert v["unallocated"] == 520 * MiB and v["reserved"] == 1020 * MiB and v["process"] == round(1.5 * 2**30)
+    assert v["capacity"] == round(79.19 * 2**30) and v["free"] == round(77.60 * 2**30)
+    assert "other_process" not in v
+
+
+def test_the_reader_knows_the_wording_before_pytorch_2_1(scenarios):
+    old = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.56 GiB already "
+           "allocated; 11.75 MiB free; 14.71 GiB reserved in total by PyTorch) If reserved memory is >> allocated "
+           "memory try setting max_split_size_mb to avoid fragmentation.")
+    v = scenarios.read_oom(old)["values"]
+    assert v["request"] == 20 * MiB and v["capacity"] == round(15.78 * 2**30) and v["free"] == round(11.75 * MiB)
+    assert v["allocated"] == round(14.56 * 2**30) and v["reserved"] == round(14.71 * 2**30)
+    assert v["unallocated"] == v["reserved"] - v["allocated"]
+
+
+def patterns(scenarios, message):
+    return [lever["pattern"].split(":")[0] for lever in scenarios.next_levers(scenarios.read_oom(message)["values"])]
+
+
+def test_each_pattern_gets_its_lever(scenarios):
+    frag = patterns(scenarios, oom_message())
+    assert frag == ["a cap stopped it while the GPU still had free memory", "fragmentation"]
+    full = patterns(scenarios, oom_message(allocated="1000.00 MiB", unallocated="0 bytes"))
+    assert full == ["a cap stopped it while the GPU still had free memory", "live tensors fill most of the memory"]
+    assert patterns(scenarios, oom_message(request="120.00 GiB", allowed="")) == [
+        "one tensor larger than all the memory there is"]
+    busy = oom_message(allowed="", procs="Process 7 has 60.00 GiB memory in use. Including non-PyTorch memory, "
+                                         "this process has 4.00 GiB memory in use. ", unallocated="2.00 MiB")
+    assert patterns(scenarios, busy) == ["another process holds memory on this GPU",
+                                         "memory outside PyTorch's allocator"]
+    # in a container the driver may name this very process by its host pid: it is not another process
+    alone = oom_message(allowed="", procs="Process 9 has 1.50 GiB memory in use. ", unallocated="2.00 MiB")
+    assert scenarios.read_oom(alone)["values"]["process"] == round(1.5 * 2**30)
+    assert "another process holds memory on this GPU" not in patterns(scenarios, alone)
+
+
+def test_json_summary_schema():
+    proc = run_cli(SCRIPT, *SMALL, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    assert set(data["scenarios"]) == {"leak-losses", "leak-activations", "fixed"}
+    assert data["skipped_cuda_only"] == ["fragmentation", "oom"]
+    for name, r in data["scenarios"].items():
+        assert len(r["live_bytes_after_step"]) == 3 and len(r["growth_per_step_bytes"]) == 2
+        assert set(r["growth_per_step_bytes"]) == {r["expected_growth_per_step_bytes"]}, name
+        assert {"category", "where", "bytes", "tensors"} <= set(r["live_at_end"][0]) and r["cuda"] is None
+    assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
+    assert proc.stderr == ""
+
+
+def test_human_report_prints_the_tables(lab12, capsys):
+    lab12.main([*SMALL, "--scenario", "leak-activations", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "growth per step: 16,384 B measured; 16,384 B derived" in out  # 2 x 4 x 16 x 32 x 4 B
+    assert "what grew in the last step, by the line that allocated it:" in out
+    assert "| activations | `memory_debugging.py:" in out and "skipped" not in out
+    alive = out.split("alive at the end of the last step (top 3):", 1)[1].strip().splitlines()
+    assert len(alive) == 2 + 3
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--steps", "1"], "--steps must be at least 2"),
+        (["--steps", "zero"], "--steps"),
+        (["--top", "0"], "--top"),
+        (["--scenario", "leaks"], "--scenario"),
+        (["--width", "30", "--heads", "4"], "not divisible"),
+        (["--cap-mb", "64"], "--cap-mb 64 is too small"),
+        (["--scenario", "fragmentation"], "needs a CUDA GPU"),
+        (["--snapshot", "x.pickle"], "--snapshot needs a CUDA device"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(lab12, capsys, args, fragment):
+    assert_usage_error_in_process(lab12.main, [*SMALL, *args], capsys, fragment)
+
+
+def test_a_cuda_only_scenario_on_cpu_is_one_clear_line():
+    proc = run_cli(SCRIPT, "--device", "cpu", "--scenario", "oom")
+    assert_clean_usage_error(proc, "--scenario oom needs a CUDA GPU", "on CPU choose leak-losses")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu_is_one_line():
+    proc = run_cli(SCRIPT, "--device", "cuda", "--scenario", "fixed")
+    assert_clean_usage_error(proc, "no CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------- GPU only
+CUDA_SMALL = ["--device", "cuda", "--json", "--steps", "3", "--width", "256", "--layers", "4",
+              "--heads", "4", "--seq-len", "256", "--batch-size", "8"]
+
+
+@pytest.mark.cuda
+def test_cuda_leaks_agree_with_the_allocator_and_write_snapshots(lab12, tmp_path):
+    args = lab12.parse_args([*CUDA_SMALL, "--snapshot", str(tmp_path / "leak.pickle")])
+    result = lab12.run_all(args, torch.device("cuda"))
+    for name in lab12.LEAKS:
+        r = result["scenarios"][name]
+        ledger_growth = r["growth_per_step_bytes"]
+        cuda = r["cuda"]["allocated_after_step"]
+        alloc_growth = [b - a for a, b in zip(cuda, cuda[1:])]
+        if name == "fixed":  # the ledger exactly; the allocator also holds cuBLAS workspaces and the like
+            assert ledger_growth == [0, 0] and all(abs(a) < MiB for a in alloc_growth), alloc_growth
+        else:
+            assert len(set(ledger_growth)) == 1 and ledger_growth[0] > 0
+            for a, g in zip(alloc_growth, ledger_growth):
+                assert abs(a - g) <= 0.05 * g, (name, a, g)
+        assert (tmp_path / f"leak-{name}.pickle").stat().st_size > 0
+    per_step = 4 * 8 * 256 * 256 * 4
+    assert result["scenarios"]["leak-activations"]["growth_per_step_bytes"] == [per_step, per_step]
+
+
+@pytest.mark.cuda
+def test_expandable_segments_close_the_gap(scenarios):
+    runs = scenarios.fragmentation(iters=8, layers=4)
+    ratio = {}
+    for run in runs:
+        default = run["alloc_conf"] == "default"
+        assert run["conf_seen"] == ({} if default else {"PYTORCH_CUDA_ALLOC_CONF": run["alloc_conf"]})
+        ratio[run["alloc_conf"]] = max(r["reserved"] for r in run["rows"]) / max(r["allocated"] for r in run["rows"])
+    assert ratio["default"] > 1.5 and ratio["expandable_segments:True"] < 1.2, ratio
+
+
+@pytest.mark.cuda
+def test_oom_is_caught_and_read(scenarios):
+    pressure, fragmented, expandable = scenarios.oom_experiments(cap_mb=512)
+    for run in (pressure, fragmented):
+        assert run["oom"] and run["message"].startswith("CUDA out of memory")
+        v = run["reading"]["values"]
+        assert abs(v["allocated"] - run["allocated"]) <= 0.01 * run["allocated"] + MiB  # 2 decimals in the text
+        assert v["allowed"] == pytest.approx(512 * MiB, rel=0.01)
+    assert pressure["reading"]["values"]["unallocated"] < pressure["reading"]["values"]["request"]
+    assert fragmented["reading"]["values"]["unallocated"] >= fragmented["reading"]["values"]["request"]
+    assert any(lv["pattern"].startswith("fragmentation") for lv in fragmented["levers"])
+    assert not any(lv["pattern"].startswith("fragmentation") for lv in pressure["levers"])
+    assert not expandable["oom"], expandable  # the same pattern fits once holes can be unmapped
