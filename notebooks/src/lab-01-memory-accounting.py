@@ -331,7 +331,9 @@ write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE)
 tables = {"recipes": recipes_table, "zero_stages": zero_table, "activations_7b": act_table, "kv_cache": kv_table,
           "kv_claim": kv_claim, "toy_config": toy_config, "measure": measure_table, "gap": gap_table,
           "saved": saved_table, "sweep": sweep_table}
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"kv_claim", "toy_config"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))

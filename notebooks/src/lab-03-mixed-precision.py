@@ -368,7 +368,9 @@ write_results(OUT / "summary.json", summary,
               provenance.collect(lab.LAB, DEVICE, sum(r.wall_time_s for r in runs.values())))
 tables = {"recipes": recipes_table, "saved": saved_table, "checks": checks_table, "ops": ops_table,
           "scaler": scaler_table, "inject": inject_table, "band": band_text}
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"band"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))

@@ -330,7 +330,9 @@ write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE,
 tables = {"strategies": strategies_table, "checks": checks_table, "segments": segments_table,
           "ratio": ratio_text, "gpu_targets": gpu_targets_text, "full_reduction": full_text,
           "save_matmuls_time": save_matmuls_text}
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"ratio", "gpu_targets", "full_reduction", "save_matmuls_time"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))

@@ -385,7 +385,9 @@ tables = {"forward": forward_table, "forward_derived": derived_table, "slopes": 
           "backward": backward_table, "backward_peak": backward_peak_table, "backward_slopes": backward_slope_table, "causal": causal_table}
 if cuda_table:
     tables["cuda"] = cuda_table
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"slope_bands"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))
