@@ -231,4 +231,7 @@ def test_cuda_measure_rounds_each_tensor_to_512_bytes(lab01):
     rounded = sum(counted_bytes(p.numel() * 4, device) for p in model.parameters())
     assert run["measured"]["parameters"] == rounded  # the formula, rounded up to 512-byte blocks per tensor
     assert run["measured"]["gradients"] == rounded
+    # AdamW keeps its step counters on the host for CUDA parameters unless capturable or fused
+    # (torch/optim/adam.py): the device holds the two moments only, not 8 B x P + 4 B x tensors.
+    assert run["measured"]["optimizer_state"] == 2 * rounded
     assert run["cuda"]["max_memory_allocated"] >= run["peak_bytes"] - run["measured"]["activations"]

@@ -10,8 +10,8 @@
 #
 # What to look for:
 #
-# 1. Mixed-precision AdamW costs 16 bytes per parameter, the same as fp32 AdamW: mixed precision saves
-#    activation memory, not model-state memory.
+# 1. Mixed-precision AdamW costs 16 bytes per parameter, the same as fp32 AdamW: mixed precision shrinks
+#    the activations that run in 16 bits (Lab 03 measures by how much), not model-state memory.
 # 2. ZeRO divides that model state by the number of ranks, one category per stage.
 # 3. Activations grow with the sequence, and with stored attention scores they grow with its square.
 # 4. On CPU the ledger agrees with the formulas to the byte for parameters, gradients and optimizer
@@ -141,25 +141,39 @@ assert act["selective"][s2048] == 32 * 34 * 2048 * 4096 and act["full"][s2048] =
 # ## KV cache for inference (derived)
 #
 # `kv_cache_bytes`: a key and a value per layer, token and KV head, in bf16. Grouped-query attention
-# (8 KV heads for 32 query heads) divides it by 4.
+# (8 KV heads for 32 query heads) divides it by 4. Each cache is set against the bf16 weights of a 7B
+# model, 2 B × 7e9. Sizes in GB (1e9 bytes), like the other 7B tables.
 
 # %%
-rows = ["| sequence | batch | 32 KV heads (MHA) | 8 KV heads (GQA) |", "|---:|---:|---:|---:|"]
+weights_bf16 = 2 * P7
+rows = ["| sequence | batch | 32 KV heads (MHA) | 8 KV heads (GQA) | MHA ÷ bf16 weights | GQA ÷ bf16 weights |",
+        "|---:|---:|---:|---:|---:|---:|"]
+kv = {}
 for s, b in ((4096, 1), (4096, 8), (32768, 1), (32768, 8)):
     mha, gqa = (lab.kv_cache_bytes(toy.Shape(layers=32, hidden=4096, heads=32, seq=s, batch=b, vocab=32000,
                                              kv_heads=k), act=2) for k in (32, 8))
-    rows.append(f"| {s} | {b} | {mha / 2**30:,.1f} GiB | {gqa / 2**30:,.1f} GiB |")
+    kv[(s, b)] = (mha, gqa)
+    rows.append(f"| {s:,} | {b} | {mha / GB:,.2f} GB | {gqa / GB:,.2f} GB | {mha / weights_bf16:.2f}× "
+                f"| {gqa / weights_bf16:.2f}× |")
 kv_table = "\n".join(rows)
 nbk.show_markdown(kv_table)
+mha, gqa = kv[(32768, 8)]
+assert mha == 4 * gqa
+kv_claim = (f"At 32,768 tokens and batch 8 the cache takes {mha / GB:,.1f} GB with all 32 KV heads and "
+            f"{gqa / GB:,.1f} GB with 8, against {weights_bf16 / GB:,.0f} GB of bf16 weights (2 B × 7e9): "
+            f"grouped-query attention divides the cache by 4, and it is still {gqa / weights_bf16:.1f} times "
+            f"{'the weights' if gqa > weights_bf16 else 'smaller than the weights'}.")
+nbk.show_markdown(kv_claim)
 
 # %% [markdown]
 # ## One step of TinyGPT under the ledger (measured)
 #
-# `lab.measure` is what the `--measure` flag calls: the toy GPT of the default shape (2 layers, hidden 128,
-# 4 heads, sequence 64, batch 8, vocabulary 256, dropout 0.1), fp32, one AdamW step. On CPU the ledger
-# counts `storage.nbytes()` of every tensor, so formula and measurement must agree to the byte for
-# parameters, gradients and optimizer state. For activations there are two derivations: the paper's
-# formula, and the list in `toy_gpt.py` of what each op of TinyGPT saves.
+# `lab.measure` is what the `--measure` flag calls: the toy GPT of the default shape, fp32, one AdamW
+# step. On CPU the ledger counts `storage.nbytes()` of every tensor, so formula and measurement must agree
+# to the byte for parameters, gradients and optimizer state. For activations there are two derivations:
+# the paper's formula, and the list in `toy_gpt.py` of what each op of TinyGPT saves. On a GPU, AdamW keeps
+# its `step` counters on the host unless `capturable` or `fused` is set (`torch/optim/adam.py`), so the
+# device's optimizer state is derived as 8 B × P there.
 
 # %%
 SIZE = (["--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "512", "--batch", "8", "--vocab", "8192"]
@@ -171,10 +185,15 @@ run = lab.measure(args, shape)
 m, tiny = run["measured"], run["tinygpt_activations"]
 P = toy.param_count(shape)
 print(f"TinyGPT {shape}: {P:,} parameters in {toy.param_tensors(shape)} tensors, loss {run['loss']:.4f}")
+toy_config = (f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, sequence {shape.seq}, "
+              f"batch {shape.batch}, vocabulary {shape.vocab}, dropout {args.dropout:g}, {args.precision}")
 
 rows = ["| category | measured (B) | derived (B) | gap (B) | derived by |", "|---|---:|---:|---:|---|"]
+T = toy.param_tensors(shape)
+opt_check = ((est["optimizer_state"] - 4 * T, "8 B × P (the 4 B × T step counters sit on the host)") if ON_GPU
+             else (est["optimizer_state"], f"8 B × P + 4 B × {T} tensors"))
 checks = [("parameters", est["parameters"], "4 B × P"), ("gradients", est["gradients"], "4 B × P"),
-          ("optimizer_state", est["optimizer_state"], f"8 B × P + 4 B × {toy.param_tensors(shape)} tensors"),
+          ("optimizer_state", *opt_check),
           ("activations", est["activations"], "the paper's formula, layers only, e=4, m=1"),
           ("activations", tiny["total"], "TinyGPT's saved tensors, op by op")]
 for cat, derived, how in checks:
@@ -207,8 +226,9 @@ if run["exact"]:
 # %% [markdown]
 # ### What one layer saves, op by op
 #
-# `tinygpt_saved_tensors` for layer 0 of the same run, next to the paper's terms. The sixteen
-# `s·b·h` tensors are there (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4 of them); with dropout on, the CPU keeps
+# `tinygpt_saved_tensors` for layer 0 of the same run, next to the paper's terms. The paper's sixteen
+# `s·b·h` units are there: eight h-wide tensors and two 4h-wide ones (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4);
+# with dropout on, the CPU keeps
 # noise tensors in fp32 where the paper keeps 1-byte masks, and the attention probabilities are
 # materialised because PyTorch's CPU flash kernel does not do dropout.
 
@@ -309,8 +329,11 @@ summary = {
 }
 write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE))
 tables = {"recipes": recipes_table, "zero_stages": zero_table, "activations_7b": act_table, "kv_cache": kv_table,
-          "measure": measure_table, "gap": gap_table, "saved": saved_table, "sweep": sweep_table}
+          "kv_claim": kv_claim, "toy_config": toy_config, "measure": measure_table, "gap": gap_table,
+          "saved": saved_table, "sweep": sweep_table}
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"kv_claim", "toy_config"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))

@@ -167,6 +167,10 @@ if not ON_GPU:
     assert lo <= fwd["slopes"]["naive"] <= hi
     lo, hi = SLOPE_BAND["linear"]
     assert lo <= fwd["slopes"]["chunked"] <= hi and lo <= fwd["slopes"]["sdpa"] <= hi
+(q_lo, q_hi), (l_lo, l_hi) = SLOPE_BAND["quadratic"], SLOPE_BAND["linear"]
+slope_band_text = (f"The notebook and `tests/test_lab05.py` assert a fitted slope of {q_lo:g} to {q_hi:g} for naive "
+                   f"and {l_lo:g} to {l_hi:g} for chunked and SDPA on a CPU.")
+nbk.show_markdown(slope_band_text)
 
 # %% [markdown]
 # ## What the ledger cannot see: the fused kernel's own scratch
@@ -174,7 +178,8 @@ if not ON_GPU:
 # The ledger sees every tensor an op *returns*. A fused kernel may also allocate working buffers
 # inside itself and free them before it returns. On a CPU, `torch.profiler` with
 # `profile_memory=True` sees those allocations too (the `aten::empty` calls made inside the
-# kernel), so we can check that the SDPA line above is not hiding a quadratic buffer.
+# kernel), so we can check that the SDPA line above is not hiding a quadratic buffer. The second
+# table repeats the largest N with 1, 2 and 4 threads: the kernel's scratch is per thread.
 
 # %%
 import contextlib  # noqa: E402
@@ -216,11 +221,12 @@ if not ON_GPU:
     for n in NS:
         scratch[n] = kernel_scratch(n, THREADS)
         scratch_rows.append(f"| {n} | {fb(by[('sdpa', n)]['peak_bytes'])} | {fb(scratch[n])} |")
-    by_threads = {t: kernel_scratch(NS[-1], t) for t in sorted({1, THREADS})}
-    thread_rows = [f"| threads | scratch at N = {NS[-1]} (profiler) |", "|---:|---:|"] + [
-        f"| {t} | {fb(b)} |" for t, b in by_threads.items()]
+    by_threads = {t: kernel_scratch(NS[-1], t) for t in (1, 2, 4)}
+    thread_rows = [f"| threads | scratch at N = {NS[-1]} (profiler) | ÷ one thread's |", "|---:|---:|---:|"] + [
+        f"| {t} | {fb(b)} | {b / by_threads[1]:.2f}× |" for t, b in by_threads.items()]
     scratch_table = "\n".join(scratch_rows) + "\n\n" + "\n".join(thread_rows)
     nbk.show_markdown(scratch_table)
+    assert by_threads[1] < by_threads[2] < by_threads[4], by_threads  # the page says it grows with threads
     print(f"scratch at N={NS[-1]} over N={NS[-2]}: x{scratch[NS[-1]] / scratch[NS[-2]]:.2f}, while one N x N matrix "
           f"grows x{(NS[-1] / NS[-2]) ** 2:.0f}; at N={NS[-1]} it is {scratch[NS[-1]] / (BH * NS[-1] ** 2 * E):.1%} "
           f"of one N x N matrix, with {THREADS} threads")
@@ -299,7 +305,7 @@ if not ON_GPU:
     assert lo <= peak_slopes["chunked + recompute"] <= hi and lo <= peak_slopes["sdpa"] <= hi
 
 # %%
-fig, (ax_k, ax_p) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=110, layout="constrained")
+fig, (ax_k, ax_p) = plt.subplots(2, 1, figsize=(7, 8.5), dpi=110, layout="constrained")  # stacked: phones
 # wide pale lines under thin dashed ones, so that series which coincide stay visible
 looks = {"naive": dict(color="#C44E52", marker="o", lw=5, ms=10, alpha=0.55),
          "chunked": dict(color="#4C72B0", marker="s", ls="--", lw=1.5, ms=5),
@@ -316,7 +322,8 @@ for ax in (ax_k, ax_p):
     ax.grid(which="both", alpha=0.25)
     ax.legend(fontsize=7.5)
     ax.set_xlabel("sequence length N (log)")
-ax_k.set(ylabel="bytes (log)", title="kept after forward, for backward (measured)")
+    ax.set_ylabel("bytes (log)")
+ax_k.set(title="kept after forward, for backward (measured)")
 ax_p.set(title="peak of forward + backward (measured)")
 plot.save(fig, OUT / "backward_vs_seq.svg")
 
@@ -373,11 +380,14 @@ summary = {
 }
 wall = sum(r["provenance"]["wall_time_s"] for r in (fwd, bwd, rec, causal, *pinned.values()))
 write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE, wall))
-tables = {"forward": forward_table, "forward_derived": derived_table, "slopes": slope_table, "backends": backend_table, "scratch": scratch_table,
+tables = {"forward": forward_table, "forward_derived": derived_table, "slopes": slope_table, "backends": backend_table,
+          "scratch": scratch_table, "slope_bands": slope_band_text,
           "backward": backward_table, "backward_peak": backward_peak_table, "backward_slopes": backward_slope_table, "causal": causal_table}
 if cuda_table:
     tables["cuda"] = cuda_table
+# sentences a page includes mid-paragraph: a final newline would end its paragraph there
+PROSE = {"slope_bands"}
 for name, text in tables.items():
-    (OUT / f"{name}.md").write_text(text + "\n")
+    (OUT / f"{name}.md").write_text(text if name in PROSE else text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
 print(sorted(p.name for p in OUT.iterdir()))

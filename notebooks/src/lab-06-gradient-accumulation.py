@@ -152,7 +152,7 @@ ax.plot(B, [v / size for v in large_line], "--", color="#C44E52", lw=1,
         label="derived: linear in B (slope from the first two points)")
 ax.plot(B, [acc_peak[k]["total"] / size for k in KS], "o", color="#4C72B0", ms=7,
         label=f"accumulation, micro-batch {MICRO} (measured)")
-ax.axhline(acc_line / size, color="#4C72B0", lw=1, ls="--", label="derived: flat at the k = 2 peak")
+ax.axhline(acc_line / size, color="#4C72B0", lw=1.2, ls="-.", label="derived: flat at the k = 2 peak")
 ax.axhline(floor / size, color="#8172B3", lw=1, ls=":", label="derived: model state, 16 B/param + 4 B/tensor")
 ax.set_xticks(B, [str(b) for b in B])
 ax.set_xlim(0, B[-1] * 1.05)
