@@ -606,15 +606,23 @@ _AUTO_RANK = {
 
 
 def _user_frame() -> str | None:
-    """The innermost stack frame outside torch, labkit and the standard library."""
-    import traceback
+    """The innermost stack frame outside torch, labkit and the standard library.
 
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        f = frame.filename.replace("\\", "/")
+    Walks the live frames and reads a source line only for the one it returns: with
+    ``stacks=True`` this runs on every allocation, so it must stay cheap.
+    """
+    import linecache
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        f = frame.f_code.co_filename.replace("\\", "/")
         if "/torch/" in f or "/labkit/" in f or "/lib/python3" in f or f.startswith("<frozen"):
+            frame = frame.f_back
             continue
         name = f.rsplit("/", 1)[-1]
-        return f"{name}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
     return None
 
 
