@@ -129,11 +129,14 @@ def time_external(kind: str, args, device: torch.device) -> dict:
                 p.data = p.data.to("cpu")
             apply_group_offloading(pipe.denoiser, onload_device=device, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda")
-            label = "diffusers group offloading (block level, stream)"
+            label = "diffusers group offloading (block level" + (", stream)" if device.type == "cuda" else ")")
     except Exception as err:  # an API that moved between versions is a note, not a crash
         return {"mode": kind, "skipped": f"{kind} could not be applied: {type(err).__name__}: {err}"}
     prompt, noise = pipe.inputs(args.seed, device)
-    return {"mode": kind, "label": label, **time_denoise(pipe, prompt, noise, device, args.repeats)}
+    timed = time_denoise(pipe, prompt, noise, device, args.repeats)
+    with torch.no_grad():
+        timed["output"] = pipe.decode(timed["output"])  # the pipeline's output, as the modes report it
+    return {"mode": kind, "label": label, **timed}
 
 
 def time_denoise(pipe, prompt, noise, device, repeats: int) -> dict:

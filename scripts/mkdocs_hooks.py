@@ -234,6 +234,17 @@ def _format_value(value: float, unit: str) -> str:
     return f"{value:,.1f} {unit}"
 
 
+def _code_state(data: dict, lab: str | None) -> str:
+    """'current', or which older lab code a row was measured on. A benchmark that runs several labs
+    records each one's source hash (``source_hashes``); otherwise the provenance's lab is the one."""
+    prov = data["provenance"]
+    lab = lab or prov.get("lab")
+    recorded = (data.get("source_hashes") or {}).get(lab) or (prov.get("source_hash") if lab == prov.get("lab") else None)
+    if not lab or not recorded or source_hash(lab) == recorded:
+        return "current"
+    return f"older lab code ({recorded})"
+
+
 def render_performance(page_src: str) -> str:
     """Tables from results/*.json, ratios first, each row with its device, date, commit and code state."""
     parts, measured_on_gpu = [], set()
@@ -244,13 +255,11 @@ def render_performance(page_src: str) -> str:
             continue
         if prov.get("device_type") == "cuda":
             measured_on_gpu.add(data.get("bench"))
-        current = source_hash(prov["lab"]) if prov.get("lab") else None
-        code = "current" if not current or prov.get("source_hash") == current else f"older lab code ({prov.get('source_hash')})"
         where = f"{prov.get('device_name')} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
         commit = (prov.get("git_commit") or "?")[:10]
         rows = sorted(rows, key=lambda r: (r["unit"] != "x", r["unit"] != "fraction"))
         table = [[r["metric"], _format_value(r["value"], r["unit"]), r.get("target") or "-", where,
-                  str(prov.get("date_utc", ""))[:10], f"`{commit}`", code] for r in rows]
+                  str(prov.get("date_utc", ""))[:10], f"`{commit}`", _code_state(data, r.get("lab"))] for r in rows]
         parts += [f"## {data.get('bench', path.stem)}", "",
                   f"From `results/{path.name}`, written by the benchmark's own run "
                   f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",

@@ -9,8 +9,8 @@ import sys
 from conftest import ROOT, assert_clean_usage_error
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "offload_bench.py"), *args], cwd=ROOT,
+def run_bench(*args: str, script: str = "offload_bench.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -24,8 +24,8 @@ def test_offload_bench_smoke_run_writes_results(tmp_path):
     assert "no GPU speed or bandwidth claim" in data["note"]
     modes = {m["mode"]: m for m in data["modes"]}
     assert {"none", "model", "sequential", "layerwise k=1", "accelerate", "diffusers"} <= set(modes)
-    for name in ("none", "model", "sequential", "layerwise k=1"):
-        assert modes[name]["max_abs_diff"] == 0.0 and modes[name]["step_time_vs_resident"] > 0
+    for name in ("none", "model", "sequential", "layerwise k=1", "accelerate", "diffusers"):
+        assert modes[name]["max_abs_diff"] == 0.0 and modes[name]["step_time_vs_resident"] > 0, modes[name]
     assert modes["none"]["step_time_vs_resident"] == 1.0
     assert data["bandwidth"] is None  # no host-device link on a CPU-only machine
     assert data["crossover"][0]["width"] == 32
@@ -34,3 +34,30 @@ def test_offload_bench_smoke_run_writes_results(tmp_path):
 
 def test_offload_bench_bad_input():
     assert_clean_usage_error(run_bench("--depths", "1,x"), "comma-separated")
+
+
+def test_training_bench_smoke_run_writes_each_labs_rows(tmp_path):
+    """Labs 03, 04 and 09 measured by their own code in one process; every target row present."""
+    out = tmp_path / "training.json"
+    proc = run_bench("--device", "cpu", "--out", str(out), "--steps", "1", script="training_bench.py")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["provenance"]["device_type"] == "cpu" and "no GPU speed claim" in data["note"]
+    labs = ["lab-03-mixed-precision", "lab-04-activation-checkpointing", "lab-09-activation-offload"]
+    assert sorted(data["source_hashes"]) == labs
+    rows = {r["metric"]: r for r in data["summary_rows"]}
+    assert {r["lab"] for r in rows.values()} == set(labs)
+    assert rows["bf16 autocast: step speed against fp32"]["target"].startswith(">= 1.8")
+    assert rows["full checkpointing: activation peak reduction"]["target"] == ">= 0.60"
+    assert rows["save-matmuls checkpointing: step-time overhead"]["target"] == "<= 0.10"
+    assert rows["checkpoint + streamed offload against checkpoint alone: activation peak reduction"]["target"] == ">= 0.50"
+    for r in rows.values():
+        assert isinstance(r["value"], float) and r["unit"] in ("x", "fraction"), r
+    ck = data["labs"]["lab-04-activation-checkpointing"]["results"]
+    assert all(r["grads_equal"] for r in ck.values())  # the ratios come from runs held to the plain gradients
+    assert rows["full checkpointing: activation peak reduction"]["value"] == ck["full"]["activation_reduction"]
+    assert "fp32" in data["labs"]["lab-03-mixed-precision"]["recipes"]
+
+
+def test_training_bench_bad_input():
+    assert_clean_usage_error(run_bench("--steps", "0", script="training_bench.py"), "--steps")

@@ -70,6 +70,19 @@ def test_provenance_record_has_every_field():
     json.dumps(record)
 
 
+def test_provenance_takes_the_commit_from_the_environment_without_git(monkeypatch):
+    """A tree copied to a GPU machine has no .git: scripts/gpu_kit passes the commit along."""
+    monkeypatch.setattr(prov, "_git", lambda *args: None)
+    monkeypatch.delenv("INFRALAB_GIT_COMMIT", raising=False)
+    assert prov.collect(None, "cpu")["git_commit"] is None
+    monkeypatch.setenv("INFRALAB_GIT_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("INFRALAB_GIT_DIRTY", "1")
+    record = prov.collect(None, "cpu")
+    assert record["git_commit"] == "0123456789abcdef" and record["git_dirty"] is True
+    monkeypatch.setattr(prov, "_git", lambda *args: "fedcba" if args[0] == "rev-parse" else "")
+    assert prov.collect(None, "cpu")["git_commit"] == "fedcba"  # git, where there is one, wins
+
+
 def test_source_hash_follows_the_source(tmp_path):
     lab = tmp_path / "lab-99-demo"
     lab.mkdir()

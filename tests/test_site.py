@@ -279,3 +279,26 @@ def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypat
     assert lines[2].startswith("| bandwidth | 50.0 GB/s |")
     assert "## Not measured on a GPU yet" in text and "`bench/other_bench.py`" in text
     assert "`bench/demo_bench.py`" not in text
+    assert all(line.endswith("| current |") for line in lines[1:3])
+
+
+def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infralab_hooks_perf2", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "bench").mkdir()
+    lab03, lab04 = "lab-03-mixed-precision", "lab-04-activation-checkpointing"
+    prov = {"device_type": "cuda", "device_name": "Some GPU", "date_utc": "2026-11-22T00:00:00+00:00",
+            "git_commit": "abcdef1234567", "lab": None}
+    rows = [{"metric": "bf16 speed", "value": 2.0, "unit": "x", "lab": lab03},
+            {"metric": "full overhead", "value": 0.3, "unit": "fraction", "lab": lab04}]
+    hashes = {lab03: hooks.source_hash(lab03), lab04: "0000000000000000"}  # Lab 04 changed since
+    (tmp_path / "results" / "multi.json").write_text(json.dumps({"bench": "multi", "provenance": prov,
+                                                                 "source_hashes": hashes, "summary_rows": rows}))
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    lines = [line for line in hooks.render_performance("performance.md").splitlines() if line.startswith("| ")]
+    assert lines[1].startswith("| bf16 speed | 2.00x |") and lines[1].endswith("| current |")
+    assert lines[2].startswith("| full overhead | 30.0 % |") and lines[2].endswith("| older lab code (0000000000000000) |")

@@ -27,14 +27,20 @@ def snapshot_supported() -> bool:
 
 
 @contextlib.contextmanager
-def record_snapshot(path: str | os.PathLike | None, max_entries: int = 100_000) -> Iterator[Path | None]:
-    """Record allocator history inside the block and dump it to ``path`` (CUDA only)."""
+def record_snapshot(path: str | os.PathLike | None, max_entries: int = 20_000) -> Iterator[Path | None]:
+    """Record allocator history inside the block and dump it to ``path`` (CUDA only).
+
+    Only Python frames are kept with each event (``stacks="python"``): C++ frames make the pickle
+    several times larger and are symbolized when it is dumped, which can take minutes. The history
+    keeps the last ``max_entries`` events, enough for a few training steps of the labs' models and
+    small enough for a file readers download and drop on memory_viz.
+    """
     if path is None or not snapshot_supported():
         yield None
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         yield path
     finally:

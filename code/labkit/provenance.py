@@ -136,6 +136,11 @@ def collect(lab: str | os.PathLike | None = None, device: Any = None, wall_time_
     }
     status = _git("status", "--porcelain", "--", "code")
     record["git_dirty"] = None if status is None else bool(status)
+    if record["git_commit"] is None and os.environ.get("INFRALAB_GIT_COMMIT"):
+        # a copy of the tree without .git (a rented GPU machine): scripts/gpu_kit wrote down the commit
+        # the copy was made from, and whether code/ differed from it, before the tree was sent
+        record["git_commit"] = os.environ["INFRALAB_GIT_COMMIT"]
+        record["git_dirty"] = os.environ.get("INFRALAB_GIT_DIRTY", "").lower() in ("1", "true", "yes")
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         record["device_name"] = torch.cuda.get_device_name(index)
