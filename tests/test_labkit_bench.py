@@ -51,6 +51,41 @@ def test_run_lab_turns_usage_errors_into_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err == "lab.py: error: steps must be positive\n"
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--rate", "inf"], "must be a finite number, got inf"),
+    (["--rate", "nan"], "must be a finite number, got nan"),
+    (["--rate", "-1"], "must be a positive number"),
+    (["--seed", "-1"], "in [0, 2**32)"),
+    (["--seed", "99999999999999999999"], "in [0, 2**32)"),
+])
+def test_numbers_are_finite_and_seeds_in_range(argv, fragment, capsys):
+    from labkit.cli import positive_float
+
+    parser = lab_parser("test", prog="lab.py")
+    parser.add_argument("--rate", type=positive_float, default=1.0)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    assert exc.value.code == 2 and fragment in capsys.readouterr().err
+    assert parser.parse_args(["--seed", str(2**32 - 1)]).seed == 2**32 - 1
+
+
+def test_run_lab_reports_out_of_memory_in_one_line(capsys):
+    def cpu_oom(argv):
+        torch.empty(1 << 62, dtype=torch.uint8)  # 4 EiB: the CPU allocator refuses
+
+    with pytest.raises(SystemExit) as exc:
+        run_lab(cpu_oom, [], prog="lab.py")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("lab.py: error: out of memory (") and err.rstrip().endswith("ask for smaller sizes")
+
+    def other(argv):
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):  # anything else is not swallowed
+        run_lab(other, [], prog="lab.py")
+
+
 def test_progress_bar_is_silent_when_quiet(capsys):
     assert list(progress(range(3), total=3, quiet=True)) == [0, 1, 2]
     assert capsys.readouterr().err == ""

@@ -3,7 +3,8 @@
 * ``lab_parser`` gives the common flags (``--device {auto,cpu,cuda}``, ``--json``, ``--seed``) and
   a parser whose errors are one line on stderr with exit code 2 (argparse's usage block is left out).
 * ``run_lab(main)`` runs a lab's ``main`` and turns a :class:`UsageError` into that same one line
-  and exit code 2, never a traceback.
+  and exit code 2, never a traceback; so too an out-of-memory error, whose cause is sizes asked
+  for that the machine cannot hold.
 * ``pick_device`` resolves ``auto`` and refuses ``cuda`` on a machine without a GPU.
 * ``progress`` is a tqdm bar that only appears on runs longer than a couple of seconds and is
   silent under ``--json``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,6 +40,8 @@ def _number(convert, ok, what: str):
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
@@ -49,6 +53,7 @@ positive_int = _number(int, lambda v: v > 0, "a positive whole number")
 non_negative_int = _number(int, lambda v: v >= 0, "0 or more")
 positive_float = _number(float, lambda v: v > 0, "a positive number")
 probability = _number(float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+seed_int = _number(int, lambda v: 0 <= v < 2**32, "a whole number in [0, 2**32)")
 
 
 def lab_parser(description: str, prog: str | None = None) -> LabArgumentParser:
@@ -63,7 +68,7 @@ def lab_parser(description: str, prog: str | None = None) -> LabArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON summary object and nothing else on stdout"
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     return parser
 
 
@@ -91,12 +96,31 @@ def run_lab(main: Callable[[list[str] | None], Any], argv: list[str] | None = No
     try:
         main(argv)
     except UsageError as err:
-        name = prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
-        print(f"{name}: error: {err}", file=sys.stderr)
+        print(f"{_prog(prog)}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{_prog(prog)}: error: out of memory ({first[:160]}); ask for smaller sizes", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _prog(prog: str | None) -> str:
+    return prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """The allocator could not serve a request: CUDA's OutOfMemoryError, or the CPU allocator's."""
+    if isinstance(err, MemoryError):
+        return True
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(err, oom) or "can't allocate memory" in str(err)
 
 
 def emit_json(obj: Any) -> None:
