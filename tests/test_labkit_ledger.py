@@ -333,7 +333,36 @@ def test_stacks_name_the_line_that_allocated():
     rows = ledger.live_by_origin()
     assert rows[0]["bytes"] == 4000 and rows[0]["category"] == "activations"
     assert "test_labkit_ledger.py" in rows[0]["where"] and "kept = torch.ones(1000)" in rows[0]["where"]
+    assert rows[0]["called_from"] is None  # allocated by the caller's own line: nothing further to name
     assert kept.numel() == 1000
+
+
+def test_stacks_name_the_line_inside_labkits_model_and_the_line_that_called_the_model():
+    """labkit's model code is where a tensor is born; only its measuring modules are skipped."""
+    import inspect
+
+    from labkit import models
+
+    cfg = GPTConfig(vocab=32, seq_len=8, width=16, layers=1, heads=2, attention="math", dropout=0.0)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    idx, targets = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 2)
+    ledger = Ledger("cpu", stacks=True).track_module(model)
+    with ledger:
+        with ledger.phase("forward"):
+            loss = model(idx, targets)[1]  # the lab line every saved tensor must name
+    rows = [r for r in ledger.live_by_origin() if r["category"] == "activations"]
+    model_lines = inspect.getsource(models)
+    assert len({r["called_from"] for r in rows}) == 1  # one lab line called the model
+    caller = rows[0]["called_from"]
+    assert caller.startswith("test_labkit_ledger.py:") and "loss = model(idx, targets)[1]" in caller
+    assert all(r["where"].startswith("models.py:") for r in rows)  # inside the model, never ledger.py
+    assert all(r["where"].split(": ", 1)[1] in model_lines for r in rows)  # the code as it is in models.py
+    scores = next(r for r in rows if "scores.softmax" in r["where"])  # the T x T attention probabilities
+    assert scores["bytes"] == scores["tensors"] * len(idx) * cfg.heads * cfg.seq_len**2 * F32  # batch x heads x T x T
+    params = [r for r in ledger.live_by_origin() if r["category"] == "parameters"]
+    assert len(params) == 1 and "track_module(model)" in params[0]["where"] and params[0]["called_from"] is None
+    assert loss.grad_fn is not None  # the graph, and every row above, still alive
 
 
 def test_fake_tensors_own_no_memory():

@@ -41,8 +41,9 @@ accounts can be compared on the same run.
 Storages resized in place with ``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded
 parameters that way) are followed: the ledger wraps ``resize_`` while it is entered. Tensor
 subclasses such as DTensor are looked through: their local tensors are what is counted.
-With ``stacks=True`` every storage also remembers the line of user code that allocated it, and
-:meth:`Ledger.live_by_origin` lists what is alive by category and by that line.
+With ``stacks=True`` every storage also remembers the line of code that allocated it and, when
+that line is in labkit's own model code (``models.py``, ``diffusion.py``), the lab line that
+called the model; :meth:`Ledger.live_by_origin` lists what is alive by category and by both.
 
 Not seen: memory allocated outside the dispatcher (CUDA context, cuBLAS workspaces, NCCL
 buffers), and tensors created before the ledger was entered unless you register them
@@ -105,6 +106,7 @@ class StorageRecord:
     survived_forward: bool = False
     alive: bool = True
     where: str | None = None  # "file.py:123 in fn: code", with stacks=True
+    called_from: str | None = None  # the lab line that called labkit's model code, when ``where`` is in it
 
 
 @dataclass
@@ -375,7 +377,7 @@ class Ledger(TorchDispatchMode):
                 op=op,
                 label=label,
                 explicit=label is not None,
-                where=_user_frame() if self.stacks else None,
+                **(_origin() if self.stacks else {}),
             )
             self.records.append(rec)
             self._sid_of[st] = sid
@@ -575,15 +577,16 @@ class Ledger(TorchDispatchMode):
             return [r for r in self.records if r.alive]
 
     def live_by_origin(self) -> list[dict]:
-        """What is alive now, grouped by category and by the line that allocated it, largest first.
+        """What is alive now, grouped by category, by the line that allocated it and by the lab line
+        that called it there (``called_from``, None when that line is the lab's own), largest first.
 
         Needs ``Ledger(..., stacks=True)``; without it every origin reads "unknown".
         """
-        groups: dict[tuple[str, str, str], dict] = {}
+        groups: dict[tuple, dict] = {}
         for rec in self.live_records():
-            key = (self.scope_of(rec), self.category_of(rec), rec.where or "unknown")
+            key = (self.scope_of(rec), self.category_of(rec), rec.where or "unknown", rec.called_from)
             g = groups.setdefault(key, {"scope": key[0], "category": key[1], "where": key[2],
-                                        "bytes": 0, "tensors": 0})
+                                        "called_from": key[3], "bytes": 0, "tensors": 0})
             g["bytes"] += rec.nbytes
             g["tensors"] += 1
         return sorted(groups.values(), key=lambda g: -g["bytes"])
@@ -605,25 +608,41 @@ _AUTO_RANK = {
 }
 
 
-def _user_frame() -> str | None:
-    """The innermost stack frame outside torch, labkit and the standard library.
+# labkit's measuring modules: their frames are never where a tensor comes from. Its model code
+# (models.py, diffusion.py) is: a tensor born there is named by that line and by the lab's call.
+_INSTRUMENTS = frozenset({"__init__.py", "cli.py", "cuda.py", "ledger.py", "notebook.py", "plot.py",
+                          "provenance.py", "schedule.py"})
 
-    Walks the live frames and reads a source line only for the one it returns: with
+
+def _origin() -> dict[str, str | None]:
+    """``where``: the innermost frame outside torch, the standard library and labkit's instruments;
+    ``called_from``: when that frame is labkit's model code, the first frame outside labkit.
+
+    Walks the live frames and reads a source line only for the frames it returns: with
     ``stacks=True`` this runs on every allocation, so it must stay cheap.
     """
-    import linecache
     import sys
 
+    where = None
     frame = sys._getframe(1)
     while frame is not None:
         f = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" in f or "/labkit/" in f or "/lib/python3" in f or f.startswith("<frozen"):
-            frame = frame.f_back
-            continue
-        name = f.rsplit("/", 1)[-1]
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
-    return None
+        library = "/torch/" in f or "/lib/python3" in f or f.startswith("<frozen")
+        if not library and "/labkit/" not in f:  # the lab's own code (or a test's)
+            line = _frame_line(frame)
+            return {"where": where or line, "called_from": line if where else None}
+        if not library and where is None and f.rsplit("/", 1)[-1] not in _INSTRUMENTS:
+            where = _frame_line(frame)  # labkit's model code: walk on to the lab line that called it
+        frame = frame.f_back
+    return {"where": where, "called_from": None}
+
+
+def _frame_line(frame) -> str:
+    import linecache
+
+    name = frame.f_code.co_filename.replace("\\", "/").rsplit("/", 1)[-1]
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
 
 
 try:  # DTensor is public from torch 2.5; a build without it has none to look through
