@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -63,31 +64,65 @@ def test_the_fixed_loop_is_flat_and_trains_identically(runs):
     assert all(isinstance(v, float) for v in fixed.kept[1])  # the hook kept numbers, not tensors
 
 
-def test_the_growth_points_at_the_line_that_allocated_it(runs):
+def test_the_fixed_loop_holds_no_graph_between_steps(runs):
+    """After every step only the two 4-byte losses are activations: nothing saved for a backward."""
+    _, out = runs
+    for rows in out["fixed"][0].after_step:
+        kept = sorted((r["called_from"].split(": ", 1)[1], r["bytes"], r["tensors"])
+                      for r in rows if r["category"] == "activations")
+        assert kept == [("loss = model(x, y)[1]", 4, 1), ("val_loss = model(*val)[1]", 4, 1)]
+        assert not any(r["category"] in ("gradients", "temporaries") for r in rows)
+
+
+def block_output_line() -> int:
+    """The line of labkit's Block.forward that returns the block's output."""
+    from labkit.models import Block
+
+    lines, start = inspect.getsourcelines(Block.forward)
+    return start + len(lines) - 1
+
+
+def test_the_growth_points_inside_the_model_and_at_the_lab_line_that_called_it(lab12, runs):
+    from toy_gpt import tinygpt_activation_bytes
+
     args, out = runs
-    top = out["leak-losses"][1]["grew_in_last_step"]
-    assert top[0]["category"] == "activations" and "val_loss = model(*val)[1]" in top[0]["where"]
-    assert top[0]["where"].startswith("memory_debugging.py:") and "in run_loop" in top[0]["where"]
-    assert top[1]["where"].endswith("loss = model(x, y)[1]") and top[1]["bytes"] == 4  # the training loss
-    top = out["leak-activations"][1]["grew_in_last_step"]
-    assert len(top) == 1 and top[0]["tensors"] == args.layers and "loss = model(x, y)[1]" in top[0]["where"]
-    alive = out["leak-losses"][1]["live_at_end"][0]
-    assert alive["bytes"] == args.steps * (out["leak-losses"][1]["growth_per_step_bytes"][0] - 4)
+    run = out["leak-losses"][0]
+    grew = lab12.what_grew(run.after_step[-2], run.after_step[-1])
+    assert all(r["category"] == "activations" and r["where"].startswith("models.py:") for r in grew)
+    graph = [r for r in grew if "val_loss = model(*val)[1]" in r["called_from"]]  # the monitoring forward
+    (train,) = [r for r in grew if r not in graph]
+    assert len(graph) > 3 and len({r["where"] for r in graph}) == len(graph)  # split by the model's lines
+    assert all(r["called_from"].startswith("memory_debugging.py:") and " in run_loop: " in r["called_from"]
+               for r in grew)
+    assert sum(r["bytes"] for r in graph) == tinygpt_activation_bytes(run.cfg, args.batch_size)["total"]
+    assert train["called_from"].endswith("loss = model(x, y)[1]") and train["bytes"] == 4  # the training loss
+    assert "F.cross_entropy" in train["where"]
+    alive = [r for r in run.after_step[-1] if "val_loss" in (r["called_from"] or "")]
+    assert sum(r["bytes"] for r in alive) == args.steps * sum(r["bytes"] for r in graph)
+    (kept,) = lab12.what_grew(*out["leak-activations"][0].after_step[-2:])
+    assert kept["tensors"] == args.layers and kept["where"].startswith(f"models.py:{block_output_line()} in forward")
+    assert kept["called_from"].endswith("loss = model(x, y)[1]")  # the training forward, where the hook ran
 
 
 def test_what_grew_and_the_table(lab12):
-    before = [{"scope": "device", "category": "activations", "where": "a.py:1 in f: x", "bytes": 10, "tensors": 1},
-              {"scope": "device", "category": "other", "where": "a.py:2 in f: y", "bytes": 5, "tensors": 1}]
-    after = [{"scope": "device", "category": "activations", "where": "a.py:1 in f: x", "bytes": 30, "tensors": 3},
-             {"scope": "device", "category": "other", "where": "a.py:2 in f: y", "bytes": 5, "tensors": 1},
-             {"scope": "device", "category": "temporaries", "where": "a.py:3 in f: a | b", "bytes": 7, "tensors": 1}]
+    def row(category, where, called_from, nbytes, tensors):
+        return {"scope": "device", "category": category, "where": where, "called_from": called_from,
+                "bytes": nbytes, "tensors": tensors}
+
+    before = [row("activations", "m.py:1 in f: x", "lab.py:7 in g: a = f()", 10, 1),
+              row("other", "a.py:2 in f: y", None, 5, 1)]
+    after = [row("activations", "m.py:1 in f: x", "lab.py:7 in g: a = f()", 30, 3),
+             row("activations", "m.py:1 in f: x", "lab.py:8 in g: b = f()", 6, 1),  # same line, another caller
+             row("other", "a.py:2 in f: y", None, 5, 1),
+             row("temporaries", "a.py:3 in f: a | b", None, 7, 1)]
     grew = lab12.what_grew(before, after)
-    assert [(r["where"], r["bytes"], r["tensors"]) for r in grew] == [("a.py:1 in f: x", 20, 2),
-                                                                    ("a.py:3 in f: a | b", 7, 1)]
+    assert [(r["where"], r["called_from"], r["bytes"], r["tensors"]) for r in grew] == [
+        ("m.py:1 in f: x", "lab.py:7 in g: a = f()", 20, 2), ("a.py:3 in f: a | b", None, 7, 1),
+        ("m.py:1 in f: x", "lab.py:8 in g: b = f()", 6, 1)]
     table = lab12.origin_table(grew, top=1).splitlines()
-    assert len(table) == 3 and table[2] == "| activations | `a.py:1 in f: x` | 2 | 20 |"
-    assert "a \\| b" in lab12.origin_table(grew, top=5)  # a pipe in the code cannot break the table
-    assert lab12.live_total(after) == 42
+    assert len(table) == 3 and table[2] == "| activations | `m.py:1 in f: x` | `lab.py:7 in g: a = f()` | 2 | 20 |"
+    assert "| temporaries | `a.py:3 in f: a \\| b` | - | 1 | 7 |" in lab12.origin_table(grew, top=5)  # a pipe cannot break it
+    assert lab12.live_total(after) == 48
 
 
 def test_changing_batch_keeps_what_the_formula_says(scenarios):
@@ -178,7 +213,8 @@ def test_json_summary_schema():
     for name, r in data["scenarios"].items():
         assert len(r["live_bytes_after_step"]) == 3 and len(r["growth_per_step_bytes"]) == 2
         assert set(r["growth_per_step_bytes"]) == {r["expected_growth_per_step_bytes"]}, name
-        assert {"category", "where", "bytes", "tensors"} <= set(r["live_at_end"][0]) and r["cuda"] is None
+        assert {"category", "where", "called_from", "bytes", "tensors"} <= set(r["live_at_end"][0])
+        assert r["cuda"] is None
     assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
     assert proc.stderr == ""
 
@@ -188,7 +224,7 @@ def test_human_report_prints_the_tables(lab12, capsys):
     out = capsys.readouterr().out
     assert "growth per step: 16,384 B measured; 16,384 B derived" in out  # 2 x 4 x 16 x 32 x 4 B
     assert "what grew in the last step, by the line that allocated it:" in out
-    assert "| activations | `memory_debugging.py:" in out and "skipped" not in out
+    assert "| activations | `models.py:" in out and "| `memory_debugging.py:" in out and "skipped" not in out
     alive = out.split("alive at the end of the last step (top 3):", 1)[1].strip().splitlines()
     assert len(alive) == 2 + 3
 

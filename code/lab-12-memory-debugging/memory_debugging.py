@@ -3,15 +3,16 @@
 Five reproducible scenarios, each with its diagnosis:
 
     leak-losses       the loop keeps every loss as a tensor; the monitoring loss, computed with
-                      autograd on, pins its whole graph (fix: loss.item())
+                      autograd on, pins its whole graph (fix: torch.no_grad(), then loss.item())
     leak-activations  a forward hook keeps each block's output "for debugging" (fix: keep a number)
-    fixed             both fixes: the live bytes stay flat from step to step
+    fixed             all the fixes: flat from step to step, and no graph outlives its step
     fragmentation     CUDA only: allocated against reserved, with and without expandable_segments
     oom               CUDA only: torch.OutOfMemoryError caught and its message read line by line
 
 The memory ledger (labkit) runs with stacks=True, so every live tensor remembers the line of code
-that allocated it: the report lists what grew in the last step and what is alive at the end, by
-category and by that line. The CUDA-only scenarios live in cuda_scenarios.py next to this file.
+that allocated it (inside the model, for the toy GPT) and the line of this file that called the
+model: the report lists what grew in the last step and what is alive at the end, by category and
+by both lines. The CUDA-only scenarios live in cuda_scenarios.py next to this file.
 
 Run it:
     python code/lab-12-memory-debugging/memory_debugging.py --device cpu
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all",
                    help="all: every scenario this device can run")
     p.add_argument("--steps", type=positive_int, default=6, help="training steps per leak scenario (>= 2)")
-    p.add_argument("--top", type=positive_int, default=8, help="rows of each live-tensor table")
+    p.add_argument("--top", type=positive_int, default=12, help="rows of each live-tensor table")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--width", type=positive_int, default=128)
@@ -97,13 +98,14 @@ def run_loop(model, optimizer, data, val, args, ledger: Ledger, leak: str | None
             optimizer.zero_grad(set_to_none=True)
         with ledger.phase("forward", step):  # monitoring: the loss on a held-out batch
             model.eval()  # (3)!
-            val_loss = model(*val)[1]
+            with torch.set_grad_enabled(leak == "losses"):  # (4)!
+                val_loss = model(*val)[1]
             model.train()
         if leak == "losses":
-            losses.append((loss, val_loss))  # (4)!
+            losses.append((loss, val_loss))  # (5)!
         else:
-            losses.append((loss.item(), val_loss.item()))  # (5)!
-        after_step.append(ledger.live_by_origin())  # (6)!
+            losses.append((loss.item(), val_loss.item()))  # (6)!
+        after_step.append(ledger.live_by_origin())  # (7)!
     for hook in hooks:
         hook.remove()
     return (losses, debug), after_step
@@ -115,25 +117,36 @@ def live_total(rows: list[dict]) -> int:
     return sum(r["bytes"] for r in rows if r["scope"] == "device")
 
 
+def origin(row: dict) -> tuple:
+    """Where a group of live tensors came from: its category, the line that allocated it and, when
+    that line is inside the model (labkit's models.py), the lab line that called the model."""
+    return row["category"], row["where"], row.get("called_from")
+
+
 def what_grew(before: list[dict], after: list[dict]) -> list[dict]:
-    """The (category, line) groups whose live bytes grew between two readings, largest first."""
-    old = {(r["category"], r["where"]): r for r in before}
+    """The groups (by origin) whose live bytes grew between two readings, largest first."""
+    old = {origin(r): r for r in before}
     grew = []
     for r in after:
-        o = old.get((r["category"], r["where"]), {"bytes": 0, "tensors": 0})
+        o = old.get(origin(r), {"bytes": 0, "tensors": 0})
         if r["bytes"] > o["bytes"]:  # (1)!
             grew.append(r | {"bytes": r["bytes"] - o["bytes"], "tensors": r["tensors"] - o["tensors"]})
     return sorted(grew, key=lambda r: -r["bytes"])
 
 
 def origin_table(rows: list[dict], top: int) -> str:
-    """Live tensors by category and by the line of code that allocated them, as Markdown."""
-    out = ["| category | allocated at (file:line in function: code) | tensors | bytes |",
-           "|---|---|---:|---:|"]
+    """Live tensors by category, by the line that allocated them and by the lab line that called it."""
+    out = ["| category | allocated at (file:line in function: code) | called from | tensors | bytes |",
+           "|---|---|---|---:|---:|"]
     for r in rows[:top]:
-        where = r["where"].replace("|", "\\|")
-        out.append(f"| {r['category']} | `{where}` | {r['tensors']:,} | {r['bytes']:,} |")  # (2)!
+        where, caller = code_cell(r["where"]), code_cell(r.get("called_from"))
+        out.append(f"| {r['category']} | {where} | {caller} | {r['tensors']:,} | {r['bytes']:,} |")  # (2)!
     return "\n".join(out)
+
+
+def code_cell(line: str | None) -> str:
+    """A line of code as a Markdown table cell (a pipe in the code cannot break the table)."""
+    return "`" + line.replace("|", "\\|") + "`" if line else "-"
 # --8<-- [end:tool]
 
 
