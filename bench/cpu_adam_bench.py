@@ -6,7 +6,8 @@
 One process measures:
 1. ``torch.optim.AdamW`` on CPU with ``fused=True``, ``foreach=True`` and ``foreach=False`` (the
    for-loop), each on its own copy of the same fp32 parameters and gradients (TinyGPT's tensor shapes
-   at a few sizes). After a warm-up step that allocates the moments, every round steps each
+   at a few sizes), with one optimizer over all the tensors, as Lab 07's trainer steps its host
+   parameters. After a warm-up step that allocates the moments, every round steps each
    implementation once, in turn, so that a noisy neighbour on a shared machine slows all of them
    alike. On one thread (the default) each step is timed by the thread's CPU time, which leaves out
    the time slices other processes take. The median over the rounds is reported, with the ratio to
@@ -84,7 +85,7 @@ def measure(width: int, layers: int, rounds: int, seed: int = 0) -> dict:
         copies = [torch.nn.Parameter(p.clone()) for p in params]
         for c, g in zip(copies, grads):
             c.grad = g.clone()
-        optimizer = torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, **kwargs)
+        optimizer = torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, **kwargs)  # one for all, as in Lab 07
         optimizer.step()  # warm-up: allocates both moments
         runs[name] = (copies, optimizer, [])
     # one thread: its CPU time leaves out a busy neighbour's time slices (not its memory traffic)

@@ -140,6 +140,29 @@ def test_every_gradient_reaches_the_host_during_backward(lab07, offload_grads):
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+@pytest.mark.parametrize("impl", ["fused", "forloop"])
+def test_one_host_step_leaves_a_parameter_without_gradient_alone_like_device_adamw(lab07, impl):
+    """One AdamW over every host parameter: a parameter that backward did not reach this step must
+    not be stepped (not even decayed), exactly as device AdamW skips a parameter whose .grad is None."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"always": torch.nn.Linear(8, 4), "once": torch.nn.Linear(8, 4)})
+    twin = torch.nn.ModuleDict({"always": torch.nn.Linear(8, 4), "once": torch.nn.Linear(8, 4)})
+    twin.load_state_dict(model.state_dict())
+    engine = lab07.OptimizerOffload(model.parameters(), 1e-2, 0.1, impl)
+    device = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, **lab07.IMPLS[impl])
+    for step in range(4):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, opt in ((model, engine), (twin, device)):
+            opt.zero_grad()
+            y = m["always"](x) + (m["once"](x) if step in (0, 3) else 0)  # "once": no gradient in steps 1, 2
+            y.square().sum().backward()
+            opt.step()
+    assert len(engine.optimizer.param_groups[0]["params"]) == 4  # one optimizer for all of them
+    for p, q, host in zip(model.parameters(), twin.parameters(), engine.host):
+        assert torch.equal(p, q) and torch.equal(host, p)  # the host master was not stepped in steps 1, 2
+    engine.remove()
+
+
 def test_transfer_bytes_per_step(lab07, fused_runs):
     n, _ = sizes(fused_runs["none"].model)
     s = lab07.summary(fused_runs["gradients"], fused_runs["none"])
@@ -181,6 +204,8 @@ def test_human_report(lab07, capsys):
         (["--impl", "adam8bit"], "--impl"),
         (["--overlap", "maybe"], "--overlap"),
         (["--weight-decay", "-1"], "--weight-decay"),
+        (["--weight-decay", "nan"], "--weight-decay: must be a finite number"),
+        (["--weight-decay", "inf"], "--weight-decay: must be a finite number"),
         (["--width", "30", "--heads", "4"], "not divisible"),
         (["--lr", "0"], "--lr"),
         (["--snapshot", "x.pickle"], "needs a CUDA device"),
@@ -207,6 +232,10 @@ def test_cuda_without_gpu_is_one_line():
 
 def test_bad_impl_from_the_command_line():
     assert_clean_usage_error(run_cli(SCRIPT, "--impl", "apex"), "--impl")
+
+
+def test_nan_weight_decay_from_the_command_line():
+    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--weight-decay", "nan"), "finite number")
 
 
 # ------------------------------------------------------------------ the CPU AdamW benchmark

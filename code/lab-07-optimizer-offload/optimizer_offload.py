@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_float, positive_int, probability  # noqa: E402
+from labkit.cli import _number, positive_float, positive_int, probability  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
 from labkit.ledger import NullLedger  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
@@ -43,6 +43,7 @@ LAB = "lab-07-optimizer-offload"
 MODES = ("none", "optimizer", "gradients")
 IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
+non_negative_float = _number(float, lambda v: v >= 0, "0 or more")  # labkit's check: finite, then >= 0
 
 
 @functools.cache
@@ -67,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
     p.add_argument("--width", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=2)
     p.add_argument("--heads", type=positive_int, default=4)
@@ -77,8 +78,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.weight_decay < 0:
-        raise UsageError(f"--weight-decay must be 0 or more, got {args.weight_decay}")
     if args.impl == "fused" and not fused_cpu_adamw_available():
         raise UsageError(f"torch {torch.__version__} has no fused CPU AdamW (torch >= 2.4): use --impl foreach")
     return args
@@ -93,7 +92,8 @@ def _no_tag(category: str):
 class OptimizerOffload:
     """AdamW with fp32 master parameters and both moments on the host (ZeRO-Offload on one device).
 
-    One backward per step: the hooks copy (not add) each gradient into its host buffer.
+    One backward per step: the hooks copy (not add) each gradient into its host buffer; then one
+    AdamW step over every host parameter that received a gradient.
     """
 
     def __init__(self, params, lr: float, weight_decay: float, impl: str = "fused",
@@ -105,13 +105,10 @@ class OptimizerOffload:
         self.master = HostMaster(self.params, pinned=cuda, tag=tag)  # (1)!
         with tag("host_copies"):
             self.grad_flat = torch.zeros(self.master.nbytes, dtype=torch.uint8, pin_memory=cuda)  # (2)!
-        self.host = self.master.views(self.master.flat)
-        for h, g in zip(self.host, self.master.views(self.grad_flat)):
-            h.grad = g
-        self.optimizers = [torch.optim.AdamW([h], lr=lr, weight_decay=weight_decay, **IMPLS[impl])
-                           for h in self.host]  # (3)!
+        self.host, self.host_grads = self.master.views(self.master.flat), self.master.views(self.grad_flat)
+        self.optimizer = torch.optim.AdamW(self.host, lr=lr, weight_decay=weight_decay, **IMPLS[impl])  # (3)!
         self.stream = torch.cuda.Stream(self.device) if cuda and overlap else None  # (4)!
-        self.landed: list = [None] * len(self.params)  # CUDA events: "gradient i is on the host"
+        self.landed = None  # CUDA event: "every gradient copy queued so far is on the host"
         self.arrived: list[int] = []  # parameter indices, in the order backward finished them
         self.d2h_bytes = self.h2d_bytes = 0
         self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -120,40 +117,46 @@ class OptimizerOffload:
 
     # --8<-- [start:hook]
     def _grad_ready(self, i: int, param: torch.Tensor) -> None:
-        host_grad = self.host[i].grad
+        host_grad = self.host_grads[i]
         if self.stream is None:  # CPU, or --overlap off: the copy happens now and the host waits
             host_grad.copy_(param.grad)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (1)!
             with torch.cuda.stream(self.stream):
                 host_grad.copy_(param.grad, non_blocking=True)  # (2)!
-            self.landed[i] = self.stream.record_event()  # (3)!
+            self.landed = self.stream.record_event()  # (3)!
             if self.offload_grads:
                 param.grad.record_stream(self.stream)  # (4)!
         if self.offload_grads:
             param.grad = None  # (5)!
+        self.host[i].grad = host_grad  # (6)!
         self.arrived.append(i)
         self.d2h_bytes += host_grad.nbytes
     # --8<-- [end:hook]
 
     # --8<-- [start:step]
     def step(self) -> None:
-        for i in self.arrived:  # (1)!
-            if self.landed[i] is not None:
-                self.landed[i].synchronize()  # (2)!
-            with self.tag("host_copies"):
-                self.optimizers[i].step()  # (3)!
+        if self.stream is not None:
+            # The copies up overwrite device parameters. The copy stream last waited for the compute
+            # stream in the last gradient hook; a kernel queued since may still read a parameter.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (1)!
+        if self.landed is not None:
+            self.landed.synchronize()  # (2)!
+        with self.tag("host_copies"):
+            self.optimizer.step()  # (3)!
+        self.optimizer.zero_grad()  # (4)!
+        for i in self.arrived:
             param, host = self.params[i].detach(), self.host[i]
             if self.stream is None:
                 param.copy_(host)
             else:
                 with torch.cuda.stream(self.stream):
-                    param.copy_(host, non_blocking=True)  # (4)!
+                    param.copy_(host, non_blocking=True)  # (5)!
             self.h2d_bytes += host.nbytes
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # (5)!
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # (6)!
         self.arrived.clear()
-        self.landed = [None] * len(self.params)
+        self.landed = None
     # --8<-- [end:step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
