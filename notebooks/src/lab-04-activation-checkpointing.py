@@ -305,7 +305,7 @@ exact = all(row["kept"] == models[name][0][kk]["kept_bytes"] and row["peak"] == 
 chain_text = (f"For the chain, a block keeps a = {rc['a'] / rc['b']:.2f}·b (measured), so k\\* = √(n·b/a) = "
               f"{rc['k_star']:.2f} (derived), and its measured activation peak is lowest at k = {rc['best_measured']}, "
               f"{1 - cmem[rc['best_measured']]['activation_peak_bytes'] / cmem[1]['activation_peak_bytes']:.0%} "
-              f"below k = 1. For the TinyGPT, a = {rt['a'] / rt['b']:.1f}·b, k\\* = {rt['k_star']:.2f} (derived), and "
+              f"below k = 1. For the TinyGPT, a = {rt['a'] / rt['b']:.1f}·b (measured), k\\* = {rt['k_star']:.2f} (derived), and "
               f"the lowest measured peak is at k = {rt['best_measured']}. G is {rt['G']:+,.0f} B for the TinyGPT and "
               f"{rc['G']:+,.0f} B for the chain (measured at k = 1, so that point matches by construction). At every "
               f"other k the worst gap between prediction and measurement is {worst:.1%}"
