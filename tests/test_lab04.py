@@ -81,6 +81,53 @@ def test_kept_bytes_follow_the_segment_count(lab04):
         assert full - kept[k] == (5 - math.ceil(5 / k)) * b, k
 
 
+@pytest.fixture(scope="module")
+def segments():
+    return load_lab("lab-04-activation-checkpointing/segments.py")
+
+
+TOLERANCE = 0.01  # measured against predicted; on a CPU both agree to the byte
+
+
+def assert_rule_holds(rule: dict, mem: dict):
+    for k, row in rule["rows"].items():
+        assert abs(row["kept_error"]) <= TOLERANCE and abs(row["peak_error"]) <= TOLERANCE, (k, row, mem[k])
+
+
+def test_segment_rule_on_a_chain_of_simple_blocks(segments):
+    """Linear + ReLU blocks keep their input's size (a = b): the measured peak is lowest at k = sqrt(n)."""
+    n, width, batch = 16, 16, 8
+    b = batch * width * 4
+    torch.manual_seed(0)
+    model, x, y = segments.chain(n, width), torch.randn(batch, width), torch.randn(batch, width)
+    mem = segments.sweep(model, x, y, [1, 2, 4, 8, 16], segments.chain_loss)
+    rule = segments.compare(mem, n, b)
+    assert rule["a"] == b and rule["k_star"] == 4.0
+    assert_rule_holds(rule, mem)
+    assert rule["best_measured"] == rule["best_predicted"] == math.isqrt(n)
+    assert mem[4]["activation_peak_bytes"] < 0.6 * mem[1]["activation_peak_bytes"]  # a real minimum
+    uneven = segments.sweep(model, x, y, [1, 3, 5, 6, 7], segments.chain_loss)  # short last segments
+    assert_rule_holds(segments.compare(uneven, n, b), uneven)
+
+
+def test_segment_rule_on_tinygpt(lab04, segments):
+    """A transformer block keeps ~20 times its input (the Korthikanti count): k* < 1, so k = 1 wins."""
+    args, cfg, device, model, x, y = setup(lab04, "--layers", "8")
+    B, T, w, h = args.batch_size, args.seq_len, args.width, args.heads
+    mem = segments.sweep(model, x, y, [1, 2, 4, 8])
+    rule = segments.compare(mem, 8, 4 * B * T * w)
+    assert rule["a"] == 72 * B * T * w + 12 * B * h * T * T + 16 * B * T and rule["k_star"] < 1
+    assert_rule_holds(rule, mem)
+    assert rule["best_measured"] == rule["best_predicted"] == 1
+
+
+def test_segment_rule_predicts_short_last_segments(segments):
+    """k that does not divide n: the last segment is short, and the busiest segment may be another."""
+    assert segments.predict(16, 4, 1, 1) == (4, 8)  # 4 inputs, then 4 + 4 at the last segment
+    assert segments.predict(16, 5, 1, 1) == (4, 8)  # segments 5, 5, 5, 1: 3 + 5 beats 4 + 1
+    assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)
+
+
 class OutputBytes(TorchDispatchMode):
     """Sums the output bytes of the ops the save-matmuls policy saves."""
 

@@ -13,7 +13,8 @@ checkpointing keeps fewer and recomputes the rest during backward. Four strategi
 
 For each one the lab measures activation memory (labkit's memory ledger), the recompute cost
 (extra FLOPs counted by ``FlopCounterMode``, time per step measured) and checks that the
-gradients equal the no-checkpointing gradients bit for bit, dropout included.
+gradients equal the no-checkpointing gradients bit for bit, dropout included. How many blocks a
+segment should hold is measured in ``segments.py``, next to this file.
 
 Run it:
     python code/lab-04-activation-checkpointing/checkpointing.py --device cpu
@@ -23,7 +24,6 @@ Run it:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import sys
@@ -43,6 +43,7 @@ from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_int, probability  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
+from labkit.ledger import NullLedger  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
 
 LAB = "lab-04-activation-checkpointing"
@@ -59,7 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="all",
                    help="which strategy to measure against 'none' (default: all of them)")
     p.add_argument("--every", type=positive_int, default=None,
-                   help="k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)))")
+                   help="k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the "
+                        "textbook rule, kept to show its cost: a block here keeps a, many times its input b, "
+                        "so k = 1 peaks lower until --layers passes 2*a/b; see segments.py)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed forward+backward steps per strategy")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--seq-len", type=positive_int, default=64)
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
     if args.every is None:
-        args.every = max(1, round(math.sqrt(args.layers)))  # the textbook sqrt(n) rule
+        args.every = max(1, round(math.sqrt(args.layers)))  # the textbook sqrt(n) rule, on purpose (--help)
     if args.every > args.layers:
         raise UsageError(f"--every {args.every} is larger than --layers {args.layers}: a segment cannot "
                          f"hold more blocks than the model has")
@@ -134,19 +137,16 @@ def forward(model: TinyGPT, idx, targets, strategy: str, every: int):
 # --8<-- [end:blocks]
 
 
-def _no_phase(name, step=None):
-    return contextlib.nullcontext()
-
 
 # --8<-- [start:step]
 def train_step(model, x, y, strategy: str, every: int, seed: int,
-               ledger: Ledger | None = None) -> float:
+               ledger: Ledger | None = None, loss_of=forward) -> float:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # (1)!
-    phase = ledger.phase if ledger is not None else _no_phase
-    with phase("forward", 0):
-        loss = forward(model, x, y, strategy, every)
-    with phase("backward", 0):
+    ledger = NullLedger() if ledger is None else ledger  # timing runs: no ledger, no phases
+    with ledger.phase("forward", 0):
+        loss = loss_of(model, x, y, strategy, every)
+    with ledger.phase("backward", 0):
         loss.backward()  # (2)!
     return loss.item()
 # --8<-- [end:step]
@@ -165,12 +165,12 @@ def activation_memory(ledger: Ledger) -> dict:
     }
 
 
-def measure_memory(model, x, y, strategy: str, every: int, seed: int) -> tuple[Ledger, list]:
+def measure_memory(model, x, y, strategy: str, every: int, seed: int, loss_of=forward) -> tuple[Ledger, list]:
     ledger = Ledger(x.device)
     ledger.track_module(model)
     ledger.track((x, y), "other")
     with ledger:  # checkpoint's own dispatch modes nest inside the ledger's  (3)!
-        train_step(model, x, y, strategy, every, seed, ledger)
+        train_step(model, x, y, strategy, every, seed, ledger, loss_of)
     return ledger, grads_of(model)
 
 
