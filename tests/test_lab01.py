@@ -101,16 +101,59 @@ def measure(lab01, *extra):
 @pytest.mark.parametrize("extra", [
     [], ["--dropout", "0"], ["--optimizer", "sgd"], ["--optimizer", "momentum", "--dropout", "0.2"],
     ["--precision", "bf16"], ["--precision", "bf16", "--dropout", "0", "--optimizer", "momentum"],
+    ["--precision", "mixed"], ["--precision", "mixed", "--dropout", "0", "--optimizer", "sgd"],
 ])
 def test_measured_bytes_equal_the_formulas_exactly_on_cpu(lab01, toy, extra):
     run, est = measure(lab01, *extra)
     m = run["measured"]
-    for cat in ("parameters", "gradients", "optimizer_state"):
+    for cat in ("parameters", "gradients", "master_weights", "optimizer_state"):
         assert m[cat] == est[cat], cat  # the ledger counts storage.nbytes(): no rounding on CPU
+    assert m["optimizer_state_on_host"] == 0  # on CPU the step counters live on the compute device
     assert m["activations"] == run["tinygpt_activations"]["total"]  # every saved tensor accounted for
     # the paper's formula for the layers plus the listed differences is the same number
     assert est["activations"] + sum(n for _, n in run["gap_to_paper"]) == m["activations"]
     assert run["exact"] and run["cuda"] is None
+
+
+def test_mixed_precision_measures_a_16_bit_working_copy_and_fp32_masters(lab01, toy):
+    run, est = measure(lab01, "--precision", "mixed")
+    m, shape = run["measured"], lab01.Shape(**{n: getattr(lab01.parse_args(SMALL), n) for n in lab01.SHAPE_FLAGS})
+    P, T = toy.param_count(shape), toy.param_tensors(shape)
+    assert (m["parameters"], m["gradients"], m["master_weights"]) == (2 * P, 2 * P, 4 * P)
+    assert m["optimizer_state"] == 8 * P + 4 * T  # fp32 moments: AdamW updates the fp32 masters
+    assert sum(m[c] for c in ("parameters", "gradients", "master_weights", "optimizer_state")) == 16 * P + 4 * T
+    assert m["activations"] == run["tinygpt_activations"]["total"] == toy.tinygpt_activation_bytes(
+        GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=4, dropout=0.1), 2, 2)["total"]
+
+
+def test_the_mixed_step_updates_the_master_and_copies_it_back(lab01):
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=4)).to(torch.bfloat16)
+    masters = [p.detach().float() for p in model.parameters()]
+    before = [m.clone() for m in masters]
+    x, y = SyntheticTokens(64, 16).batch(0, 2)
+    lab01.train_step(model, torch.optim.AdamW(masters, lr=1e-2), x, y, Ledger("cpu"), masters)
+    assert all(not torch.equal(a, b) for a, b in zip(before, masters))  # every master moved
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters))
+    assert all(m.grad is None for m in masters)  # the fp32 gradient copies were temporaries
+
+
+@pytest.mark.parametrize(("dropout", "recompute", "formula"), [
+    ("0.1", "none", "L x [sbh(16e+2m) + as^2b(2e+m)], e=4, m=1"),
+    ("0", "none", "L x [sbh x 16e + as^2b x e], e=4, no dropout"),
+    ("0.1", "selective", "L x sbh(16e+2m), e=4, m=1"),
+    ("0", "selective", "L x sbh x 16e, e=4, no dropout"),
+    ("0", "full", "L x sbh x e, e=4"),
+])
+def test_the_printed_activation_formula_is_the_one_used(lab01, capsys, dropout, recompute, formula):
+    run_lab(lab01.main, [*SMALL, "--dropout", dropout, "--recompute", recompute, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["formulas"]["activations"] == formula
+    L, s, b, h, a, e, m = 2, 16, 2, 32, 4, 4, 1  # SMALL, fp32, 1-byte masks: the formula by hand
+    by_hand = {"0.1none": L * (s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)),
+               "0none": L * (s * b * h * 16 * e + a * s * s * b * e), "0.1selective": L * s * b * h * (16 * e + 2 * m),
+               "0selective": L * s * b * h * 16 * e, "0full": L * s * b * h * e}[dropout + recompute]
+    assert data["bytes"]["activations"] == by_hand
 
 
 def test_adamw_state_is_two_moments_and_a_step_counter_per_tensor(lab01):
@@ -198,7 +241,6 @@ def test_human_report_shows_formulas_and_the_measured_comparison(lab01, capsys):
     (["--zero-stage", "4"], "--zero-stage"),
     (["--precision", "fp8"], "--precision"),
     (["--optimizer", "lion"], "--optimizer"),
-    (["--measure", "--precision", "mixed"], "--measure runs one process"),
     (["--measure", "--dp", "2"], "--measure runs one process"),
     (["--inference", "--zero-stage", "1"], "--inference"),
     (["--snapshot", "s.pickle"], "--snapshot records the --measure run"),
@@ -234,4 +276,5 @@ def test_cuda_measure_rounds_each_tensor_to_512_bytes(lab01):
     # AdamW keeps its step counters on the host for CUDA parameters unless capturable or fused
     # (torch/optim/adam.py): the device holds the two moments only, not 8 B x P + 4 B x tensors.
     assert run["measured"]["optimizer_state"] == 2 * rounded
+    assert run["measured"]["optimizer_state_on_host"] == 4 * len(list(model.parameters()))  # the counters, on the host
     assert run["cuda"]["max_memory_allocated"] >= run["peak_bytes"] - run["measured"]["activations"]

@@ -126,6 +126,52 @@ def test_injected_inf_skips_the_step_and_backs_off_the_scale(lab03):
     assert hit.scaler.state_dict()["scale"] == 2.0**15 and hit.scaler.state_dict()["_growth_tracker"] == 2
 
 
+def _one_fp16_step(lab03, scaler, inject_inf):
+    from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = SyntheticTokens(64, 16).batch(0, 4)
+    rec = lab03.train_step(model, optimizer, scaler, "fp16", x, y, Ledger("cpu"), 0, inject_inf=inject_inf)
+    return rec, all(map(torch.equal, before, model.parameters()))
+
+
+def test_skipped_is_decided_by_the_step_not_by_the_scale(lab03):
+    """A scaler whose scale cannot fall (here: update() does nothing) still skips the step on inf."""
+    frozen = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    frozen.update = lambda *args, **kwargs: None
+    rec, unchanged = _one_fp16_step(lab03, frozen, inject_inf=True)
+    assert rec["scale_after"] == rec["scale_before"]  # the old rule (scale went down) would say: not skipped
+    assert rec["skipped"] and unchanged
+    rec, unchanged = _one_fp16_step(lab03, torch.amp.GradScaler("cpu", init_scale=2.0**10), inject_inf=False)
+    assert not rec["skipped"] and not unchanged
+
+
+def test_an_infinite_scale_skips_every_step_and_says_so(lab03):
+    rec, unchanged = _one_fp16_step(lab03, torch.amp.GradScaler("cpu", init_scale=float("inf")), inject_inf=False)
+    assert rec["scale_after"] == rec["scale_before"] == float("inf")  # inf x 0.5 is still inf
+    assert rec["skipped"] and unchanged
+
+
+def test_with_an_injected_inf_fp16_is_compared_up_to_the_injected_step(lab03):
+    """The update of the injected step is lost on purpose: later fp16 losses are another run's."""
+    rs = runs(lab03, "--steps", "6", "--inject-inf-at", "2")
+    s = lab03.summary(rs)
+    c, fp32, fp16 = s["vs_fp32"]["fp16"], s["recipes"]["fp32"]["losses"], s["recipes"]["fp16"]["losses"]
+    assert c["compared_steps"] == 3  # steps 0, 1, 2: the loss of step 2 was computed before its update was lost
+    assert c["max_rel_loss_diff"] == max(abs(a - b) / b for a, b in zip(fp16[:3], fp32[:3]))
+    assert c["losses_within_tolerance"]
+    assert s["vs_fp32"]["bf16"]["compared_steps"] == 6
+
+
+def test_the_report_says_which_steps_were_compared(lab03, capsys):
+    run_lab(lab03.main, [*SMALL, "--steps", "4", "--inject-inf-at", "1"])
+    out = capsys.readouterr().out
+    assert "within, steps 0-1 (the update of step 1 was lost on purpose)" in out
+
+
 def test_scaler_state_machine_on_real_fp16_overflows(lab03):
     """A huge first scale overflows fp16 for real (no injection): skip and halve until it fits; double
     after every `growth_interval` clean steps."""
@@ -148,10 +194,12 @@ def test_scaler_state_is_visible_and_only_fp16_has_one(three):
     fp16 = s["recipes"]["fp16"]
     assert set(fp16["scaler_state"]) >= {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
     assert fp16["scaler_state"]["backoff_factor"] == 0.5
-    tensors = fp16["scaler_tensors"]
-    if tensors:  # private attributes, read only when this torch has them
-        assert tensors["_scale"]["dtype"] == "float32" and tensors["_growth_tracker"]["dtype"] == "int32"
-        assert tensors["_scale"]["value"] == fp16["scaler_state"]["scale"]
+    tensors = fp16["scaler_tensors"]  # private attributes: this torch (2.11 to 2.13) has both, on CPU too
+    assert set(tensors) == {"_scale", "_growth_tracker"}, tensors
+    assert tensors["_scale"]["dtype"] == "float32" and tensors["_growth_tracker"]["dtype"] == "int32"
+    assert tensors["_scale"]["device"] == tensors["_growth_tracker"]["device"] == "cpu"
+    assert tensors["_scale"]["value"] == fp16["scaler_state"]["scale"]
+    assert tensors["_growth_tracker"]["value"] == fp16["scaler_state"]["_growth_tracker"] == 8  # 8 clean steps
     for name in ("fp32", "bf16"):
         assert s["recipes"][name]["scaler_state"] is None and not s["recipes"][name]["grad_scaler"]
 

@@ -175,9 +175,9 @@ def test_resize_of_an_out_tensor_is_tracked():
     assert any(e[0] == "resize" for e in ledger.events)
 
 
-def gpt_steps(tracker, register, reset=lambda t: None, steps=2, device="cpu"):
+def gpt_steps(tracker, register, reset=lambda t: None, steps=2, device="cpu", cfg=None):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=2, dropout=0.1)
+    cfg = cfg or GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=2, dropout=0.1)
     model = TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 4, device)
@@ -252,14 +252,25 @@ def test_categories_are_the_documented_ones():
 
 @pytest.mark.cuda
 def test_cuda_ledger_peak_within_5_percent_of_max_memory_allocated():
+    """The ledger's peak against the allocator's, on the same run, within DESIGN's 5 %.
+
+    The baseline subtracted from max_memory_allocated is what was allocated before the run and
+    after a warm-up of the same workload: the cuBLAS workspaces (one per thread and stream, several
+    MiB each, no tensor, so the ledger cannot see them; backward runs on autograd's own thread)
+    and anything an earlier test left alive. The model is sized so that its peak is several hundred
+    MiB: 5 % of that is far more than 512-byte rounding or a kernel's internal buffers.
+    """
     device = torch.device("cuda")
+    cfg = GPTConfig(vocab=8192, seq_len=512, width=512, layers=4, heads=8, dropout=0.1)
+    gpt_steps(Ledger(device), _register_ledger, device=device, cfg=cfg, steps=1)  # warm-up, thrown away
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ledger = gpt_steps(Ledger(device), _register_ledger, device=device)
+    ledger = gpt_steps(Ledger(device), _register_ledger, device=device, cfg=cfg)
     torch.cuda.synchronize()
     peak_alloc = torch.cuda.max_memory_allocated() - base
+    assert peak_alloc > 2**28, peak_alloc  # the size the 5 % is meant for (about 1 GiB on CPU)
     ours = ledger.peak()["total"]
     assert abs(ours - peak_alloc) / peak_alloc <= 0.05, (ours, peak_alloc)
     tl = ledger.timeline()

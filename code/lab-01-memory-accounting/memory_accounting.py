@@ -28,6 +28,7 @@ from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit
 from labkit import lab_parser, pick_device, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_int, probability  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
+from labkit.ledger import counted_bytes  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
 from toy_gpt import Shape, gap_to_paper, param_count, param_tensors, tinygpt_activation_bytes  # noqa: E402
 
@@ -130,13 +131,19 @@ def estimate_bytes(params: int | None = None, shape: Shape | None = None,
 
 
 # --8<-- [start:measure]
-def train_step(model, optimizer, x, y, ledger: Ledger) -> float:
+def train_step(model, optimizer, x, y, ledger: Ledger, masters=()) -> float:
     with ledger.phase("forward", 0):
         loss = model(x, y)[1]  # (1)!
     with ledger.phase("backward", 0):
         loss.backward()
     with ledger.phase("optimizer", 0):
-        optimizer.step()  # (2)!
+        for p, master in zip(model.parameters(), masters):  # (2)!
+            master.grad = p.grad.float()
+        optimizer.step()  # (3)!
+        with torch.no_grad():
+            for p, master in zip(model.parameters(), masters):
+                p.copy_(master)  # the updated master, rounded into the 16-bit working copy
+                master.grad = None
     return loss.item()
 
 
@@ -148,26 +155,28 @@ def measure(args, shape: Shape) -> dict:
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab=shape.vocab, seq_len=shape.seq, width=shape.hidden,
                     layers=shape.layers, heads=shape.heads, dropout=args.dropout)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
-    model = TinyGPT(cfg).to(device=device, dtype=dtype)
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        momentum = 0.9 if args.optimizer == "momentum" else 0.0
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
+    model = TinyGPT(cfg).to(device=device, dtype=torch.float32 if args.precision == "fp32" else torch.bfloat16)
+    masters = [p.detach().float() for p in model.parameters()] if args.precision == "mixed" else []  # (4)!
+    trained = masters or list(model.parameters())  # mixed: the optimizer updates the fp32 masters
+    optimizer = (torch.optim.AdamW(trained, lr=1e-3) if args.optimizer == "adamw" else
+                 torch.optim.SGD(trained, lr=1e-3, momentum=0.9 if args.optimizer == "momentum" else 0.0))
     x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed).batch(0, shape.batch, device)
     ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
+    ledger.track(masters, "parameters")  # the ledger has no master category: counted apart below
     reset_peak(device)
     with record_snapshot(args.snapshot), ledger:
-        loss = train_step(model, optimizer, x, y, ledger)
+        loss = train_step(model, optimizer, x, y, ledger, masters)
     tl = ledger.timeline()
     forward = next(s for s in tl.spans if s.name == "forward")
-    now = ledger.current()  # (3)!
+    now = ledger.current()  # (5)!
     measured = {k: now[k] for k in ("parameters", "gradients", "optimizer_state")}
-    measured["activations"] = tl.device["activations"][forward.end - 1]  # (4)!
+    measured["master_weights"] = sum(counted_bytes(m.untyped_storage().nbytes(), device) for m in masters)
+    measured["parameters"] -= measured["master_weights"]
+    measured["optimizer_state_on_host"] = tl.host["optimizer_state"][-1]  # (6)!
+    measured["activations"] = tl.device["activations"][forward.end - 1]  # (7)!
     elem = RECIPES[args.precision].act
     return {"device": str(device), "loss": loss, "measured": measured,
-            "tinygpt_activations": tinygpt_activation_bytes(cfg, shape.batch, elem),  # (5)!
+            "tinygpt_activations": tinygpt_activation_bytes(cfg, shape.batch, elem),  # (8)!
             "gap_to_paper": gap_to_paper(cfg, shape.batch, elem),
             "peak_bytes": ledger.peak()["total"], "exact": device.type == "cpu",
             "cuda": allocator_stats(device), "ledger": ledger}
@@ -222,9 +231,8 @@ def parse_args(argv=None):
         raise UsageError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
     if args.inference and (args.zero_stage or args.measure):
         raise UsageError("--inference counts weights and KV cache; it takes no --zero-stage or --measure")
-    if args.measure and (args.precision == "mixed" or args.dp > 1 or args.zero_stage):
-        raise UsageError("--measure runs one process in fp32 or bf16: drop --precision mixed, --dp and --zero-stage "
-                         "(mixed precision is Lab 03, ZeRO per rank is Lab 11)")
+    if args.measure and (args.dp > 1 or args.zero_stage):
+        raise UsageError("--measure runs one process: drop --dp and --zero-stage (ZeRO per rank is Lab 11)")
     if args.snapshot and not args.measure:
         raise UsageError("--snapshot records the --measure run: add --measure --device cuda")
     return args
@@ -234,10 +242,12 @@ def parse_args(argv=None):
 def formula_text(category: str, args, shape: Shape | None) -> str:
     """The formula behind one category of the report, with this run's numbers in it."""
     r = RECIPES[args.precision]
-    e, m = f"e={r.act}", (f"m={MASK}" if args.dropout else "no dropout")
+    e, m = f"e={r.act}", f"m={MASK}"
+    kept = {"none": f"L x [sbh(16e+2m) + as^2b(2e+m)], {e}, {m}", "selective": f"L x sbh(16e+2m), {e}, {m}"}
+    if not args.dropout:  # no masks: 16 units of sbh and one s x s matrix per head (activations, (3))
+        kept = {"none": f"L x [sbh x 16e + as^2b x e], {e}, no dropout", "selective": f"L x sbh x 16e, {e}, no dropout"}
     fixed = {"kv_cache": f"2 x L x b x s x kv_heads x head_dim x {r.act} B",
-             "activations": {"none": f"L x [sbh(16e+2m) + as^2b(2e+m)], {e}, {m}", "full": f"L x sbh x e, {e}",
-                             "selective": f"L x sbh(16e+2m), {e}, {m}"}[args.recompute]}
+             "activations": (kept | {"full": f"L x sbh x e, {e}"})[args.recompute]}
     if category in fixed:
         return fixed[category]
     coeff = {"parameters": r.param, "gradients": r.grad, "master_weights": r.master,
@@ -277,18 +287,22 @@ def main(argv=None) -> None:
     for k, v in [*est.items(), ("total", result["total_bytes"])]:
         print(f"| {k.replace('_', ' ')} | {result['formulas'].get(k, '')} | {v:,} | {v / 1e9:,.3f} | {v / 2**30:,.3f} |")
     if run:
-        report_measure(run, est, shape)
+        report_measure(run, est, shape, args)
 
 
-def report_measure(run: dict, est: dict, shape: Shape) -> None:
+def report_measure(run: dict, est: dict, shape: Shape, args) -> None:
     m, tiny = run["measured"], run["tinygpt_activations"]
+    host = STEP_COUNTER * param_tensors(shape) if run["device"] != "cpu" and args.optimizer == "adamw" else 0
     print(f"\nMeasured on {run['device']}: one step of TinyGPT of this shape under the ledger")
     print("| category | measured | derived | measured - derived | derived by |\n|---|---:|---:|---:|---|")
     for name, want, how in [("parameters", est["parameters"], "formula"), ("gradients", est["gradients"], "formula"),
-                            ("optimizer_state", est["optimizer_state"], "formula"),
+                            ("master_weights", est["master_weights"], "formula"),
+                            ("optimizer_state", est["optimizer_state"] - host, "formula" + ", less the counters" * bool(host)),
+                            ("optimizer_state_on_host", host, "4 B x tensors: AdamW's step counters, on the host"),
                             ("activations", est["activations"], "paper formula, transformer layers only"),
                             ("activations", tiny["total"], "TinyGPT's saved tensors (toy_gpt.py)")]:
-        print(f"| {name.replace('_', ' ')} | {m[name]:,} | {want:,} | {m[name] - want:+,} | {how} |")
+        if want or m[name] or name not in ("master_weights", "optimizer_state_on_host"):  # no rows of zeros
+            print(f"| {name.replace('_', ' ')} | {m[name]:,} | {want:,} | {m[name] - want:+,} | {how} |")
     print("\nTinyGPT's saved tensors minus the paper's formula, term by term (derived" + (")" if run["exact"] else
           ", for CPU kernels)") + ":")
     for why, nbytes in run["gap_to_paper"]:
@@ -296,8 +310,9 @@ def report_measure(run: dict, est: dict, shape: Shape) -> None:
     print(f"Peak of the step {run['peak_bytes']:,} B: activations die in backward as gradients are born, "
           "and temporaries sit on top, so the peak is not the sum of the categories.")
     if run["cuda"]:
-        print(f"CUDA max allocated {run['cuda']['max_memory_allocated']:,} B. The ledger rounds every tensor up to "
-              "512-byte blocks, as the caching allocator does: small gaps above are that rounding.")
+        print(f"CUDA max allocated {run['cuda']['max_memory_allocated']:,} B. The ledger rounds every tensor up to 512-byte "
+              "blocks, as the caching allocator does: the small device gaps above are that rounding." + (" AdamW keeps "
+              "its step counters on the host for CUDA parameters (torch/optim/adam.py): their own row." if host else ""))
 
 
 if __name__ == "__main__":

@@ -87,9 +87,11 @@ def make_scaler(recipe: str, device: torch.device, args) -> torch.amp.GradScaler
 
 def check_autocast(recipe: str, device: torch.device) -> None:
     """Ask this torch whether it can autocast to the recipe's dtype here, instead of assuming."""
+    weight = torch.ones(2, 2, device=device, requires_grad=True)
     with autocast(recipe, device):
-        got = (torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)).dtype
-    if got != DTYPES[recipe]:
+        out = weight @ torch.ones(2, 2, device=device)
+    out.float().sum().backward()  # on CUDA this also makes cuBLAS take its workspaces, backward's thread too
+    if out.dtype != DTYPES[recipe]:
         raise UsageError(f"torch {torch.__version__} does not autocast matmuls to {recipe} on {device.type}")
 # --8<-- [end:recipes]
 
@@ -105,13 +107,17 @@ def train_step(model, optimizer, scaler, recipe, x, y, ledger: Ledger, step: int
         scaler.scale(loss).backward()  # (2)!
         if inject_inf:
             model.head.weight.grad[0, 0] = float("inf")  # (3)!
-    scale_before = scaler.get_scale()
+    scale_before, updates_before = scaler.get_scale(), updates(optimizer)
     with ledger.phase("optimizer", step):
         scaler.step(optimizer)  # (4)!
         scaler.update()  # (5)!
-    scale_after = scaler.get_scale()
-    return {"step": step, "loss": loss.item(), "scale_before": scale_before, "scale_after": scale_after,
-            "skipped": scale_after < scale_before}  # (6)!
+    return {"step": step, "loss": loss.item(), "scale_before": scale_before, "scale_after": scaler.get_scale(),
+            "skipped": updates(optimizer) == updates_before}  # (6)!
+
+
+def updates(optimizer) -> int:
+    """Updates AdamW has made: the step counter it keeps with each parameter (0 before the first)."""
+    return int(optimizer.state.get(optimizer.param_groups[0]["params"][0], {}).get("step", 0))
 # --8<-- [end:step]
 
 
@@ -168,7 +174,7 @@ class Run:
 def train(args, recipe: str) -> Run:
     device = pick_device(args.device)
     check_autocast(recipe, device)
-    before_run = (allocator_stats(device) or {}).get("memory_allocated", 0)  # earlier recipes' leftovers
+    before_run = (allocator_stats(device) or {}).get("memory_allocated", 0)  # cuBLAS workspaces, leftovers
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
                     layers=args.layers, heads=args.heads, dropout=args.dropout)
@@ -223,23 +229,18 @@ def recipe_summary(run: Run) -> dict:
     # GradScaler keeps its state in two one-element tensors on the device (private names: read, not written)
     tensors = {n: getattr(run.scaler, n, None) for n in ("_scale", "_growth_tracker")} if run.scaler.is_enabled() else {}
     out = {
-        "autocast_dtype": None if run.recipe == "fp32" else run.recipe,
-        "grad_scaler": run.scaler.is_enabled(),
-        "losses": [s["loss"] for s in run.steps],
-        "steps": run.steps,
+        "autocast_dtype": None if run.recipe == "fp32" else run.recipe, "grad_scaler": run.scaler.is_enabled(),
+        "losses": [s["loss"] for s in run.steps], "steps": run.steps,
         "skipped_steps": [s["step"] for s in run.steps if s["skipped"]],
-        "parameter_dtypes": run.param_dtypes,
-        "activation_bytes": max(tl.device["activations"], default=0),
-        "peak_bytes": run.ledger.peak(tl),
-        "peak_bytes_by_phase": run.ledger.peaks_by_phase(tl),
+        "parameter_dtypes": run.param_dtypes, "activation_bytes": max(tl.device["activations"], default=0),
+        "peak_bytes": run.ledger.peak(tl), "peak_bytes_by_phase": run.ledger.peaks_by_phase(tl),
         "saved_for_backward": run.saved,
         "weight_copy_bytes_derived": 0 if run.recipe == "fp32" else 2 * run.linear_weights,
         "step_time_s": statistics.median(run.step_times_s) if run.step_times_s else None,
         "scaler_state": run.scaler.state_dict() if run.scaler.is_enabled() else None,
         "scaler_tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "value": t.item()}
                            for n, t in tensors.items() if isinstance(t, torch.Tensor)},
-        "inject": run.inject,
-        "cuda": run.cuda,
+        "inject": run.inject, "cuda": run.cuda,
     }
     if run.cuda:
         run_peak = run.cuda["max_memory_allocated"] - run.cuda["allocated_before_run"]
@@ -248,11 +249,14 @@ def recipe_summary(run: Run) -> dict:
 
 
 def compare(base: dict, other: dict) -> dict:
-    rel = max(abs(a - b) / abs(b) for a, b in zip(other["losses"], base["losses"]))
+    # An injected inf loses that step's update on purpose: from the next step on, fp16 trains another run.
+    n = other["inject"]["step"] + 1 if other["inject"] else len(other["losses"])
+    rel = max(abs(a - b) / abs(b) for a, b in zip(other["losses"][:n], base["losses"][:n]))
     ratio = other["activation_bytes"] / base["activation_bytes"] if base["activation_bytes"] else None
     speed = base["step_time_s"] / other["step_time_s"] if base["step_time_s"] and other["step_time_s"] else None
-    return {"max_rel_loss_diff": rel, "losses_within_tolerance": rel <= LOSS_RTOL, "activation_ratio": ratio,
-            "in_band": ratio is not None and ACTIVATION_BAND[0] <= ratio <= ACTIVATION_BAND[1], "speedup_vs_fp32": speed}
+    return {"max_rel_loss_diff": rel, "losses_within_tolerance": rel <= LOSS_RTOL, "compared_steps": n,
+            "activation_ratio": ratio, "in_band": ratio is not None and ACTIVATION_BAND[0] <= ratio <= ACTIVATION_BAND[1],
+            "speedup_vs_fp32": speed}
 
 
 def summary(runs: dict[str, Run]) -> dict:
@@ -260,10 +264,7 @@ def summary(runs: dict[str, Run]) -> dict:
     recipes = {name: recipe_summary(run) for name, run in runs.items()}
     base = recipes.get("fp32")
     return {
-        "lab": LAB,
-        "device": str(first.ledger.device),
-        "config": first.cfg.to_dict(),
-        "params": first.params,
+        "lab": LAB, "device": str(first.ledger.device), "config": first.cfg.to_dict(), "params": first.params,
         "recipes": recipes,
         "vs_fp32": {n: compare(base, r) for n, r in recipes.items() if n != "fp32"} if base else {},
         "tolerances": {"loss_rtol": LOSS_RTOL, "activation_ratio_band": list(ACTIVATION_BAND)},
@@ -291,6 +292,8 @@ def main(argv=None) -> None:
         c = result["vs_fp32"].get(name)
         ratio = f"{c['activation_ratio']:.3f}x, {'in' if c['in_band'] else 'OUT'}" if c else "-"
         diff = f"{c['max_rel_loss_diff']:.2%}, {'within' if c['losses_within_tolerance'] else 'over'}" if c else "-"
+        if c and r["inject"]:
+            diff += f", steps 0-{c['compared_steps'] - 1} (the update of step {r['inject']['step']} was lost on purpose)"
         t = f"{r['step_time_s'] * 1e3:.1f} ms" if r["step_time_s"] else "-"
         print(f"| {name} | {','.join(r['parameter_dtypes'])} | {format_bytes(r['activation_bytes'])} | {ratio} | {diff} "
               f"| {len(r['skipped_steps'])} | {t} |")
@@ -298,7 +301,8 @@ def main(argv=None) -> None:
         print(f"saved for backward ({name}): " + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["saved_for_backward"].items()))
         if c := r["cuda"]:
             print(f"  CUDA allocator: max allocated {format_bytes(c['max_memory_allocated'])}, reserved "
-                  f"{format_bytes(c['max_memory_reserved'])}; ledger peak / max allocated {c['ledger_peak_over_max_allocated']:.3f}")
+                  f"{format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - before the run) "
+                  f"{c['ledger_peak_over_max_allocated']:.3f}")
     if fp16 := result["recipes"].get("fp16"):
         print(f"\nGradScaler.state_dict(): {fp16['scaler_state']}")
         for name, t in fp16["scaler_tensors"].items():

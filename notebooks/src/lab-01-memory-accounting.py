@@ -173,7 +173,7 @@ nbk.show_markdown(kv_claim)
 # to the byte for parameters, gradients and optimizer state. For activations there are two derivations:
 # the paper's formula, and the list in `toy_gpt.py` of what each op of TinyGPT saves. On a GPU, AdamW keeps
 # its `step` counters on the host unless `capturable` or `fused` is set (`torch/optim/adam.py`), so the
-# device's optimizer state is derived as 8 B × P there.
+# device's optimizer state is derived as 8 B × P there, and the counters get a row of their own.
 
 # %%
 SIZE = (["--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "512", "--batch", "8", "--vocab", "8192"]
@@ -193,7 +193,9 @@ T = toy.param_tensors(shape)
 opt_check = ((est["optimizer_state"] - 4 * T, "8 B × P (the 4 B × T step counters sit on the host)") if ON_GPU
              else (est["optimizer_state"], f"8 B × P + 4 B × {T} tensors"))
 checks = [("parameters", est["parameters"], "4 B × P"), ("gradients", est["gradients"], "4 B × P"),
-          ("optimizer_state", *opt_check),
+          ("optimizer_state", *opt_check)]
+checks += [("optimizer_state_on_host", 4 * T, f"4 B × {T} step counters, on the host")] if ON_GPU else []
+checks += [
           ("activations", est["activations"], "the paper's formula, layers only, e=4, m=1"),
           ("activations", tiny["total"], "TinyGPT's saved tensors, op by op")]
 for cat, derived, how in checks:
@@ -204,6 +206,38 @@ if run["exact"]:
     for cat in ("parameters", "gradients", "optimizer_state"):
         assert m[cat] == est[cat], cat
     assert m["activations"] == tiny["total"]
+
+# %% [markdown]
+# ### The mixed recipe, measured
+#
+# `--measure --precision mixed` runs the recipe the `mixed` row describes, on the same shape: a bf16
+# working copy of the model (forward and backward run on it, so parameters, gradients and activations are
+# 16-bit), an fp32 master copy of every parameter, and AdamW stepping the masters with fp32 moments. In the
+# optimizer phase each bf16 gradient is copied to fp32 for its master (a temporary), and after the step
+# each master is rounded back into the working copy. Model state should come to 2 + 2 + 4 + 8 = 16 bytes
+# per parameter, plus the step counters.
+
+# %%
+mixed_args = lab.parse_args(["--device", DEVICE.type, "--measure", "--precision", "mixed", *SIZE])
+mixed_est = lab.estimate_bytes(shape=shape, precision="mixed", optimizer=mixed_args.optimizer,
+                               dropout=mixed_args.dropout > 0)
+mixed = lab.measure(mixed_args, shape)
+mm = mixed["measured"]
+rows = ["| category | measured (B) | derived (B) | bytes per parameter | derived by |", "|---|---:|---:|---:|---|"]
+mixed_checks = [("parameters", "2 B × P (bf16 working copy)"), ("gradients", "2 B × P (bf16)"),
+                ("master_weights", "4 B × P (fp32)"), ("optimizer_state", f"8 B × P + 4 B × {T} tensors (fp32)")]
+for cat, how in mixed_checks:
+    rows.append(f"| {cat.replace('_', ' ')} | {mm[cat]:,} | {mixed_est[cat]:,} | {mm[cat] / P:.2f} | {how} |")
+state_sum = sum(mm[cat] for cat, _ in mixed_checks)
+rows.append(f"| **model state** | **{state_sum:,}** | **{sum(mixed_est[c] for c, _ in mixed_checks):,}** | "
+            f"**{state_sum / P:.2f}** | 16 B × P + 4 B × {T} |")
+mixed_table = "\n".join(rows)
+nbk.show_markdown(mixed_table)
+print(f"mixed: loss {mixed['loss']:.4f}; activations {mm['activations']:,} B against {m['activations']:,} B in fp32")
+if mixed["exact"]:
+    for cat, _ in mixed_checks:
+        assert mm[cat] == mixed_est[cat], cat
+    assert state_sum == 16 * P + 4 * T
 
 # %% [markdown]
 # ### Why TinyGPT keeps more than the paper's formula says (derived, term by term)
@@ -323,14 +357,15 @@ from labkit.provenance import write_results  # noqa: E402
 summary = {
     "lab": lab.LAB, "device": str(DEVICE), "shape": dataclasses.asdict(shape),
     "params": P, "measured": m, "derived": est, "tinygpt_activations": tiny,
+    "mixed": {"measured": mm, "derived": mixed_est, "peak_bytes": mixed["peak_bytes"]},
     "gap_to_paper": run["gap_to_paper"], "peak_bytes": run["peak_bytes"], "cuda": run["cuda"],
     "sweep": {str(k): v for k, v in curves.items()},
     "derived_7b": {"mixed_adamw_bytes": sum(stages[0].values()), "zero3_dp8_bytes_per_rank": sum(stages[3].values())},
 }
 write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE))
 tables = {"recipes": recipes_table, "zero_stages": zero_table, "activations_7b": act_table, "kv_cache": kv_table,
-          "kv_claim": kv_claim, "toy_config": toy_config, "measure": measure_table, "gap": gap_table,
-          "saved": saved_table, "sweep": sweep_table}
+          "kv_claim": kv_claim, "toy_config": toy_config, "measure": measure_table, "measure_mixed": mixed_table,
+          "gap": gap_table, "saved": saved_table, "sweep": sweep_table}
 # sentences a page includes mid-paragraph: a final newline would end its paragraph there
 PROSE = {"kv_claim", "toy_config"}
 for name, text in tables.items():

@@ -230,7 +230,8 @@ if run.cuda:
     c = result["cuda"]
     print(f"max allocated {plot.format_bytes(c['max_memory_allocated'])}, max reserved "
           f"{plot.format_bytes(c['max_memory_reserved'])}, ledger peak {plot.format_bytes(result['peak_bytes']['total'])}")
-    print(f"ledger peak / max_memory_allocated = {c['ledger_peak_over_max_allocated']:.4f}")
+    print(f"allocated before the run (cuBLAS workspaces after a warm-up): {plot.format_bytes(c['allocated_before_run'])}")
+    print(f"ledger peak / (max_memory_allocated - before) = {c['ledger_peak_over_max_allocated']:.4f}")
     print("snapshot:", snapshot, f"({snapshot.stat().st_size / 2**20:.1f} MiB)")
 else:
     print("CPU run: no CUDA allocator here, so no allocated/reserved lines and no snapshot.")
