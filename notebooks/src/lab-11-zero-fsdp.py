@@ -38,7 +38,7 @@ ranks = nbk.load_lab("lab-11-zero-fsdp/ranks.py")
 DEVICE = pick_device(nbk.device_name())
 OUT = nbk.results_dir(lab.LAB)
 ON_GPU = DEVICE.type == "cuda"
-NPROC = min(2, torch.cuda.device_count()) if ON_GPU else 2  # NCCL: one GPU per rank
+NPROC = 2  # NCCL with a GPU per rank; on one GPU the two ranks share it through gloo
 TRAIN_SIZE = (["--width", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--vocab", "32000",
                "--batch-size", "4"] if ON_GPU else [])
 INFER_SIZE = (["--width", "1024", "--heads", "16", "--denoiser-layers", "16", "--latent-tokens", "4096",
