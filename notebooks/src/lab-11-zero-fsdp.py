@@ -1,9 +1,9 @@
 # %% [markdown]
 # # Lab 11 · ZeRO and FSDP, measured per rank
 #
-# This notebook launches the two Lab 11 starters with `torchrun` (two processes: gloo on a CPU,
-# NCCL on GPUs), reads the one JSON summary rank 0 prints, and draws what every rank's memory
-# ledger recorded:
+# This notebook launches the two Lab 11 starters with `torchrun` (two processes: gloo on a CPU;
+# NCCL on two GPUs, gloo when both ranks share one), reads the one JSON summary rank 0 prints, and
+# draws what every rank's memory ledger recorded:
 #
 # 1. `code/lab-11-zero-fsdp/zero_fsdp.py` trains one small GPT at ZeRO stages 0 to 3 (DDP,
 #    `ZeroRedundancyOptimizer`, FSDP2 with `reshard_after_forward=False` and `True`). Its bytes per
