@@ -1,8 +1,9 @@
 """Lab 10: DDP under torchrun with 2 CPU processes (gloo): buckets, identical replicas, the match
-with one process on the concatenated batch, memory per rank; bad input.
+with one process on the concatenated batch, memory per rank; bad input; broken promises.
 
-Two torchrun launches (buckets copied, gradients as bucket views) run at the same time in one
-module fixture: each is mostly process start-up, so together they take the time of about one.
+Three torchrun launches (buckets copied, gradients as bucket views, an unwritable --ledger-dir) run
+at the same time in one module fixture: each is mostly process start-up, so together they take the
+time of about one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import pytest
 import torch
 from conftest import CODE, ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+
+from labkit import run_lab
 
 SCRIPT = "lab-10-ddp/train_ddp.py"
 TINY = ["--device", "cpu", "--steps", "3", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
@@ -35,10 +38,11 @@ def launch(*args: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launched(tmp_path_factory):
     base = tmp_path_factory.mktemp("lab10")
     procs = {mode: launch(*TINY, "--json", "--ledger-dir", str(base / mode), *extra)
              for mode, extra in (("copy", []), ("view", ["--grad-as-bucket-view"]))}
+    procs["bad path"] = launch(*TINY, "--ledger-dir", "/proc/lab10/x")
     out = {}
     for mode, proc in procs.items():
         try:
@@ -46,10 +50,19 @@ def runs(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-        assert proc.returncode == 0, stderr[-3000:]
-        lines = [line for line in stdout.splitlines() if line.strip()]
-        assert len(lines) == 1, stdout  # rank 0 prints one JSON object, rank 1 nothing
-        out[mode] = {"summary": json.loads(lines[0]), "dir": base / mode, "stderr": stderr}
+        out[mode] = {"proc": proc, "stdout": stdout, "stderr": stderr, "dir": base / mode}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    out = {}
+    for mode in ("copy", "view"):
+        run = launched[mode]
+        assert run["proc"].returncode == 0, run["stderr"][-3000:]
+        lines = [line for line in run["stdout"].splitlines() if line.strip()]
+        assert len(lines) == 1, run["stdout"]  # rank 0 prints one JSON object, rank 1 nothing
+        out[mode] = {"summary": json.loads(lines[0]), "dir": run["dir"], "stderr": run["stderr"]}
     return out
 
 
@@ -165,6 +178,8 @@ def test_without_torchrun_is_one_line_and_exit_2(monkeypatch):
         (["--width", "30", "--heads", "4"], "not divisible"),
         (["--backend", "mpi"], "--backend"),
         (["--device", "tpu"], "--device"),
+        (["--ledger-dir", "/proc/lab10/x"], "--ledger-dir /proc/lab10/x: cannot write there"),
+        (["--ledger-dir", "/dev/null"], "--ledger-dir /dev/null: cannot write there"),
         ([], "launch with torchrun"),
     ],
 )
@@ -183,13 +198,69 @@ def test_cpu_only_refusals_come_before_the_process_group(lab10, capsys, monkeypa
     assert not torch.distributed.is_initialized()
 
 
+def test_under_torchrun_bad_input_is_reported_by_rank_0_alone(launched):
+    """Both ranks refuse the path before training; only rank 0 says so. Its exit code 2 becomes
+    torchrun's own failure report and exit code 1."""
+    run = launched["bad path"]
+    assert run["proc"].returncode == 1 and run["stdout"] == ""
+    ours = [line for line in run["stderr"].splitlines() if line.startswith("train_ddp.py:")]
+    assert ours == ["train_ddp.py: error: --ledger-dir /proc/lab10/x: cannot write there (No such file or directory)"]
+    assert "exitcode  : 2" in run["stderr"]  # torchrun names the rank that failed and its code
+
+
+def test_the_other_ranks_refuse_bad_input_in_silence(lab10, capsys, monkeypatch):
+    from labkit import dist as labdist
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(labdist, "QUIET_EXIT_DELAY_S", 0)
+    with pytest.raises(SystemExit) as exc:
+        run_lab(labdist.ranked(lab10.main), ["--device", "cpu", "--steps", "1"])
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """The environment torchrun gives a world of one, so that main() runs in this process."""
+    from labkit.dist import world_of_one
+
+    for key, value in world_of_one().items():
+        monkeypatch.setenv(key, value)
+    yield
+    assert not torch.distributed.is_initialized()  # ranked() left the process group
+
+
+@pytest.mark.parametrize(("broken", "fragment"), [
+    ("tolerance", "DDP differs from one process beyond the stated tolerance: loss"),
+    ("replicas", "the replicas are not bit-identical at: after DDP(), step 0, step 1, step 2"),
+])
+def test_a_broken_promise_is_one_line_and_exit_1(lab10, one_rank, capsys, monkeypatch, broken, fragment):
+    """A real run in this process (one rank): with a tolerance no result can meet, or replicas
+    that never compare equal, the report is printed and the check fails in one line, exit code 1."""
+    from labkit import dist as labdist
+
+    if broken == "tolerance":
+        monkeypatch.setattr(lab10, "TOLERANCE", {"loss": -1.0, "grads": -1.0, "params": -1.0})
+    else:
+        monkeypatch.setattr(lab10, "replicas_identical", lambda module: False)
+    with pytest.raises(SystemExit) as exc:
+        run_lab(labdist.ranked(lab10.main), [*TINY, "--json"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 1
+    assert json.loads(out)["world_size"] == 1  # the numbers that broke it are reported first
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "check failed: " + fragment in lines[0], lines
+
+
 @pytest.mark.cuda
 def test_cuda_run_per_rank_agrees_with_the_allocator():
+    """Two ranks: NCCL with two GPUs, gloo when they share one. Over the last step, every byte the
+    allocator adds is one the ledger saw, within 5 %."""
     proc = launch("--device", "cuda", "--json", "--steps", "3")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     s = json.loads(stdout)
     assert s["device"].startswith("cuda") and all(s["replicas_identical"][f"step {i}"] for i in range(3))
+    assert s["backend"] == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
     assert all(s["reference"][k]["within"] for k in ("loss", "grads", "params"))
     for m in s["memory"]:
-        assert 0.95 <= m["cuda"]["ledger_peak_over_max_allocated"] <= 1.05, m["cuda"]
+        assert 0.95 <= m["cuda"]["ledger_over_allocator"] <= 1.05, m["cuda"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,10 +39,12 @@ from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_float, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
+from labkit.dist import CheckFailed, against_allocator, ranked, start, writable_dir  # noqa: E402
 from ddp_report import compare, memory_report, report, summary  # noqa: E402
 from train_single_gpu import train_step  # noqa: E402  (Lab 02's step, unchanged: it gets the DDP model)
 
 LAB = "lab-10-ddp"
+SCRIPT = "code/lab-10-ddp/train_ddp.py"
 MIB = 1024 * 1024
 # DDP against one process is not bit-exact (see single_process_reference). Allowed differences:
 # losses and last gradients, max |diff| / max |value| (a few fp32 roundings); parameters,
@@ -77,29 +78,13 @@ def parse_args(argv=None):
         raise UsageError("--steps must be at least 2: DDP rebuilds its buckets after the first backward")
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
+    if args.snapshot and pick_device(args.device).type != "cuda":
+        raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
+    for flag, folder in (("--ledger-dir", args.ledger_dir), ("--snapshot", args.snapshot and args.snapshot.parent)):
+        if folder:
+            writable_dir(folder, flag)  # before training: a bad path must not cost a run
     return args
 # --8<-- [end:config]
-
-
-def launch(args) -> tuple[torch.device, str]:
-    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR in the environment)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UsageError("RANK/WORLD_SIZE are not set: launch with torchrun, e.g. "
-                         "torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu")
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    backend = args.backend
-    if backend == "auto":  # NCCL refuses two ranks on one GPU; gloo stages CUDA tensors through the host
-        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= local_world else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("--backend nccl needs --device cuda (NCCL only moves GPU memory)")
-    dist.init_process_group(backend)
-    return device, backend
 
 
 # --8<-- [start:hook]
@@ -191,6 +176,8 @@ def train(args, device) -> dict:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
         ledger.track_optimizer(optimizer)
         for step in progress(range(args.steps), total=args.steps, desc=f"rank {rank}", quiet=args.json or rank != 0):
+            if step == args.steps - 1:
+                reset_peak(device)  # CUDA: the allocator's peak over the last step, as the ledger's below
             x, y = data.batch(step * world + rank, args.batch_size, device)  # (5)!
             loss = train_step(ddp, optimizer, x, y, ledger, step)  # (6)!
             with ledger.phase("check", step):
@@ -202,8 +189,11 @@ def train(args, device) -> dict:
                 for h in hooks:
                     h.remove()  # the ready order is learned once, in the first backward
     wall = time.perf_counter() - t0
+    tl = ledger.timeline()
+    last = min(s.start for s in tl.spans if s.step == args.steps - 1)
     return {"cfg": cfg, "ddp": ddp, "ledger": ledger, "log": log, "ready": ready, "names": names,
-            "losses": losses, "identical": identical, "wall": wall, "cuda": allocator_stats(device)}
+            "losses": losses, "identical": identical, "wall": wall,
+            "cuda": against_allocator(tl, last, allocator_stats(device))}
 # --8<-- [end:train]
 
 
@@ -252,36 +242,43 @@ def bucket_report(run: dict, args) -> dict:
                 reported["bytes"] == [b["bytes"] for b in seen] and reported["params"] == [b["params"] for b in seen])}
 
 
+def check(result: dict) -> None:
+    """The lab's two promises, checked after the report so that the numbers that broke them are on
+    screen. A broken promise is not bad input: CheckFailed is one line and exit code 1, not 2."""
+    differ = [k for k, same in result["replicas_identical"].items() if k != "before DDP" and not same]
+    if differ:
+        raise CheckFailed(f"the replicas are not bit-identical at: {', '.join(differ)}")
+    ref = result["reference"] or {}
+    over = [f"{k} {ref[k]['ratio']:.1e} (allowed {ref['tolerance'][k]:.0e})"
+            for k in ("loss", "grads", "params") if k in ref and not ref[k]["within"]]
+    if over:
+        raise CheckFailed(f"DDP differs from one process beyond the stated tolerance: {'; '.join(over)}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device, backend = launch(args)
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        run = train(args, device)
-        mine = memory_report(run["ledger"], rank, run["cuda"])
-        if args.ledger_dir:
-            args.ledger_dir.mkdir(parents=True, exist_ok=True)
-            timeline = run["ledger"].timeline().to_dict()
-            (args.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": timeline}))
-        per_rank, buckets = [None] * world, bucket_report(run, args)
-        dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})
-        assert all(v for k, v in run["identical"].items() if k != "before DDP"), run["identical"]
-        if rank == 0:
-            reference = None
-            if not args.no_reference:
-                ref_model, ref_start, ref_losses = single_process_reference(args, run["cfg"], device, world)
-                reference = compare(run["ddp"].module, run["losses"], ref_model, ref_start, ref_losses, TOLERANCE)
-                assert all(reference[k]["within"] for k in ("loss", "grads", "params")), reference
-            result = summary(LAB, args, run, device, backend, buckets, per_rank, reference)
-            result["provenance"] = provenance.collect(LAB, device, run["wall"])
-            if args.json:
-                emit_json(result)
-            else:
-                report(result)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    device, backend = start(SCRIPT, args.device, args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = train(args, device)
+    mine = memory_report(run["ledger"], rank, run["cuda"])
+    if args.ledger_dir:
+        timeline = run["ledger"].timeline().to_dict()
+        (args.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": timeline}))
+    per_rank, buckets = [None] * world, bucket_report(run, args)
+    dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})
+    result = None
+    if rank == 0:
+        reference = None
+        if not args.no_reference:
+            ref_model, ref_start, ref_losses = single_process_reference(args, run["cfg"], device, world)
+            reference = compare(run["ddp"].module, run["losses"], ref_model, ref_start, ref_losses, TOLERANCE)
+        result = summary(LAB, args, run, device, backend, buckets, per_rank, reference)
+        result["provenance"] = provenance.collect(LAB, device, run["wall"])
+        emit_json(result) if args.json else report(result)
+    dist.barrier()  # the ranks leave together: gloo aborts a process whose peer has already gone
+    if result:
+        check(result)
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    run_lab(ranked(main))

@@ -12,7 +12,7 @@ bytes (a GPU run; on CPU they are derived), and the output against the unsharded
 also runs Lab 08's single-device engines on the same pipeline (``offload.py``: all resident, and
 layerwise offload with prefetch) for the comparison.
 
-Run it (gloo on CPU, NCCL on CUDA with one GPU per rank):
+Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
     torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/fsdp_inference.py --device cpu
 """
 
@@ -35,8 +35,9 @@ from labkit import Ledger, UsageError, emit_json, lab_parser, provenance, run_la
 from labkit.cli import non_negative_int, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, reset_peak  # noqa: E402
 from labkit.diffusion import DTYPES, DiffusionConfig, ToyDiffusionPipeline, param_bytes  # noqa: E402
+from labkit.dist import CheckFailed, ranked, start  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
-from ranks import Traffic, gather, local, ranked, start  # noqa: E402
+from ranks import Traffic, gather, local  # noqa: E402
 
 LAB = "lab-11-zero-fsdp"
 PLACEMENTS = ("sharded", "sharded+offload")
@@ -148,7 +149,8 @@ def single_device(args, device) -> dict:
 
 
 def infer(args) -> dict:
-    device, rank, world = start("code/lab-11-zero-fsdp/fsdp_inference.py", args.device)
+    device, _ = start("code/lab-11-zero-fsdp/fsdp_inference.py", args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     t0 = time.perf_counter()
     placements = {}
@@ -190,11 +192,22 @@ def print_report(result: dict) -> None:
               "each rank's shard goes to the device before it is sent)")
 
 
+def check(result: dict) -> None:
+    """Sharding must not change the image beyond the stated tolerance. Checked after the report, so
+    the numbers are on screen; a broken tolerance is not bad input: one line and exit code 1, not 2."""
+    for placement, ranks in result["placements"].items():
+        worst = max(m["max_abs_diff"] for m in ranks)
+        if not worst <= OUTPUT_ATOL:  # also catches NaN
+            raise CheckFailed(f"{placement}: the output differs from the unsharded pipeline by {worst:.1e} "
+                              f"(allowed {OUTPUT_ATOL:.0e})")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     result = infer(args)
     if result["rank"] == 0:
         emit_json(result) if args.json else print_report(result)
+        check(result)
 
 
 if __name__ == "__main__":

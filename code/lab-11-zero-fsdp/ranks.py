@@ -1,22 +1,17 @@
-"""Lab 11's bench for torchrun: start the process group, see the communication, gather what each rank measured.
+"""Lab 11's bench for torchrun: see the communication, gather what each rank measured.
 
-This is instrument, not lesson (the lessons are ``zero_fsdp.py`` and ``fsdp_inference.py``):
+This is instrument, not lesson (the lessons are ``zero_fsdp.py`` and ``fsdp_inference.py``).
+Joining the process group and speaking with one voice (``start``, ``ranked``) are in
+``labkit.dist``, shared with Lab 10.
 
-* ``start`` reads the variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), picks gloo
-  on CPU and NCCL on CUDA, and refuses, in one line, to run without them.
 * ``Traffic`` is a dispatch mode entered inside the memory ledger. Collectives (``c10d::``) and
   FSDP2's copy-in/copy-out ops (``fsdp::``) pass through PyTorch's dispatcher like any other op, so
   it can count their bytes and label the buffers they fill as ``communication``.
 * ``gather`` collects one object from every rank (``all_gather_object``): rank 0 prints for all.
-* ``ranked`` wraps a lab's ``main``: only rank 0 reports bad input; every rank leaves the group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import sys
 import warnings
 from collections import defaultdict
 
@@ -26,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from labkit import UsageError, pick_device
 from labkit.ledger import PhaseSpan, Timeline
 
 # DTensor's sharding propagation runs each op it has not seen before once on fake tensors (no data).
@@ -35,59 +29,11 @@ from labkit.ledger import PhaseSpan, Timeline
 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
 
-def start(script: str, device_name: str) -> tuple[torch.device, int, int]:
-    """Join the process group torchrun prepared; returns (device, rank, world size)."""
-    device = pick_device(device_name)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UsageError(f"RANK and WORLD_SIZE are not set: launch with "
-                         f"torchrun --nproc_per_node=2 {script} --device {device.type}")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.type == "cuda":
-        local, per_node = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if torch.cuda.device_count() < per_node:
-            raise UsageError(f"NCCL needs one GPU per rank: {per_node} ranks on this node, "
-                             f"{torch.cuda.device_count()} GPU(s) (use --device cpu, or fewer ranks)")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device, rank, world
-
-
 def gather(obj) -> list:
     """``obj`` from every rank, in rank order (a collective: every rank must call it)."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def ranked(main):
-    """Run a lab's ``main`` on every rank: only rank 0 reports bad input (one line, exit 2), the
-    other ranks exit 2 without a word; every rank leaves the process group at the end.
-
-    Anything else (a real error) still surfaces on every rank, with what it had printed.
-    """
-    def wrapped(argv=None):
-        try:
-            if int(os.environ.get("RANK", "0")) == 0:
-                return main(argv)
-            buf = io.StringIO()
-            try:
-                with contextlib.redirect_stderr(buf):
-                    return main(argv)
-            except UsageError:
-                raise SystemExit(2) from None
-            except SystemExit as err:
-                if err.code == 2:
-                    raise SystemExit(2) from None
-                raise
-            except BaseException:
-                print(buf.getvalue(), end="", file=sys.stderr)
-                raise
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return wrapped
 
 
 # --8<-- [start:traffic]
@@ -106,7 +52,8 @@ class Traffic(TorchDispatchMode):
     def __init__(self, ledger) -> None:
         super().__init__()
         self.ledger = ledger
-        self.ops: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "out_bytes": 0, "in_bytes": 0})
+        self.ops: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"calls": 0, "out_bytes": 0, "in_bytes": 0, "largest_in_bytes": 0})
         self.h2d_bytes = 0  # host-to-device copies (CPU offload on a GPU)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,7 +66,8 @@ class Traffic(TorchDispatchMode):
             row = self.ops[name]
             row["calls"] += 1
             row["out_bytes"] += _nbytes(args[0])
-            row["in_bytes"] += _nbytes(args[1]) if len(args) > 1 and isinstance(args[1], torch.Tensor) else 0
+            sent = _nbytes(args[1]) if len(args) > 1 and isinstance(args[1], torch.Tensor) else 0
+            row["in_bytes"], row["largest_in_bytes"] = row["in_bytes"] + sent, max(row["largest_in_bytes"], sent)
             if name in BUFFER_ARG:
                 self.ledger.track(args[BUFFER_ARG[name]], "communication")  # (1)!
         elif func.namespace == "fsdp":  # FSDP2's copy-in / copy-out around its collectives

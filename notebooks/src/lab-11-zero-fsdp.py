@@ -1,9 +1,9 @@
 # %% [markdown]
 # # Lab 11 · ZeRO and FSDP, measured per rank
 #
-# This notebook launches the two Lab 11 starters with `torchrun` (two processes: gloo on a CPU,
-# NCCL on GPUs), reads the one JSON summary rank 0 prints, and draws what every rank's memory
-# ledger recorded:
+# This notebook launches the two Lab 11 starters with `torchrun` (two processes: gloo on a CPU;
+# NCCL on two GPUs, gloo when both ranks share one), reads the one JSON summary rank 0 prints, and
+# draws what every rank's memory ledger recorded:
 #
 # 1. `code/lab-11-zero-fsdp/zero_fsdp.py` trains one small GPT at ZeRO stages 0 to 3 (DDP,
 #    `ZeroRedundancyOptimizer`, FSDP2 with `reshard_after_forward=False` and `True`). Its bytes per
@@ -38,7 +38,7 @@ ranks = nbk.load_lab("lab-11-zero-fsdp/ranks.py")
 DEVICE = pick_device(nbk.device_name())
 OUT = nbk.results_dir(lab.LAB)
 ON_GPU = DEVICE.type == "cuda"
-NPROC = min(2, torch.cuda.device_count()) if ON_GPU else 2  # NCCL: one GPU per rank
+NPROC = 2  # NCCL with a GPU per rank; on one GPU the two ranks share it through gloo
 TRAIN_SIZE = (["--width", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--vocab", "32000",
                "--batch-size", "4"] if ON_GPU else [])
 INFER_SIZE = (["--width", "1024", "--heads", "16", "--denoiser-layers", "16", "--latent-tokens", "4096",
