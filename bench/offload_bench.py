@@ -10,7 +10,8 @@ One process measures, on the same pipeline and the same inputs:
    several prefetch depths), and of accelerate's ``cpu_offload`` and diffusers' group offloading
    on the same denoiser when those packages are installed (skipped with a note otherwise);
 3. a sweep of the denoiser's width, so the report shows where the per-block transfer time
-   overtakes the per-block compute time and prefetching can no longer hide the copy.
+   (one block's bytes over the measured pinned bandwidth) overtakes the per-block compute time and
+   prefetching can no longer hide the copy: the ``crossover`` field names that width.
 
 Everything is reported as ratios against the all-resident run of the same process, with the
 provenance record. Timing runs do not use the memory ledger (its dispatch mode costs time per op);
@@ -34,9 +35,10 @@ import torch  # noqa: E402
 from labkit import emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import UsageError, positive_int  # noqa: E402
 from labkit.cuda import allocator_stats, reset_peak  # noqa: E402
-from labkit.diffusion import ToyDiffusionPipeline  # noqa: E402
+from labkit.diffusion import DTYPES, DenoiserBlock, ToyDiffusionPipeline  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
 import offload  # noqa: E402
+from offload_engines import HostMaster  # noqa: E402
 
 LAB = "lab-08-offload-memory-saving"
 BENCH = "offload"
@@ -183,23 +185,44 @@ def mode_rows(args, device) -> list[dict]:
 
 
 # ------------------------------------------------------------------ 3. the crossover sweep
-def crossover(args, device, bandwidth: dict | None) -> list[dict]:
+def block_bytes(args) -> int:
+    """One denoiser block's flat host buffer, from the block itself (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        block = DenoiserBlock(args.width, args.heads).to(DTYPES[args.dtype])
+    return HostMaster.plan(list(block.parameters()))[1]
+
+
+def crossover(args, device, bandwidth: dict | None) -> tuple[list[dict], dict]:
     """Per width: per-block compute time (resident) against per-block copy time, and the overhead."""
     widths = args.sweep_widths or ([512, 1024, 2048, 4096] if device.type == "cuda" else [32, 64])
     rows = []
     for w in progress(widths, total=len(widths), desc="sweep", quiet=args.json):
         a = lab_args(args, device, width=w, heads=max(1, w // 64))
         none = offload.run_mode("none", a, device, ledger_on=False).summary
-        layer = offload.run_mode("layerwise", a, device, ledger_on=False)
-        n = layer.summary["denoiser_blocks"]
-        block_bytes = layer.summary["h2d_bytes"] / (a.steps * n + layer.summary["max_resident_blocks"] - 1)
-        row = {"width": w, "block_bytes": int(block_bytes), "compute_ms_per_block": none["step_ms"] / n,
-               "step_ms_resident": none["step_ms"], "step_ms_layerwise": layer.summary["step_ms"],
-               "overhead": layer.summary["step_ms"] / none["step_ms"] - 1}
-        if bandwidth:
-            row["copy_ms_per_block"] = block_bytes / (bandwidth["h2d_pinned_gbps"] * 1e9) * 1e3
-        rows.append(row)
-    return rows
+        layer = offload.run_mode("layerwise", a, device, ledger_on=False).summary
+        n = none["denoiser_blocks"]
+        rows.append({"width": w, "block_bytes": block_bytes(a), "compute_ms_per_block": none["step_ms"] / n,
+                     "step_ms_resident": none["step_ms"], "step_ms_layerwise": layer["step_ms"],
+                     "overhead": layer["step_ms"] / none["step_ms"] - 1})
+    return rows, find_crossover(rows, bandwidth)
+
+
+def find_crossover(rows: list[dict], bandwidth: dict | None) -> dict:
+    """The first width whose block takes longer to copy (at the measured pinned bandwidth) than to
+    compute: from there on prefetching cannot hide the copy. Adds each row's copy time."""
+    found = {"width": None, "copy_ms_per_block": None, "compute_ms_per_block": None,
+             "rule": "the first width whose block copy (block bytes / measured pinned H2D bandwidth) takes "
+                     "longer than its compute (resident step time / blocks)"}
+    if not bandwidth:
+        return found | {"note": "no host-device link measured (CPU run): no crossover"}
+    for r in rows:
+        r["copy_ms_per_block"] = r["block_bytes"] / (bandwidth["h2d_pinned_gbps"] * 1e9) * 1e3
+        r["copy_bound"] = r["copy_ms_per_block"] > r["compute_ms_per_block"]
+        if r["copy_bound"] and found["width"] is None:
+            found |= {k: r[k] for k in ("width", "copy_ms_per_block", "compute_ms_per_block")}
+    if found["width"] is None:
+        found["note"] = "every width swept was compute-bound: the crossover lies above the widest"
+    return found
 
 
 def summary_rows(modes: list[dict], bandwidth: dict | None) -> list[dict]:
@@ -231,6 +254,9 @@ def summary_rows(modes: list[dict], bandwidth: dict | None) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = pick_device(args.device)
+    layers = lab_args(args, device).denoiser_layers
+    if max(args.depths) >= layers:
+        raise UsageError(f"--depths: a prefetch depth must be below the {layers} denoiser blocks")
     t0 = time.perf_counter()
     bandwidth = copy_bandwidth(device, args.copy_mib, args.repeats)
     modes = mode_rows(args, device)
@@ -244,9 +270,10 @@ def main(argv=None) -> None:
                 achieved = r["h2d_bytes"] / (r["transfer_ms"] / 1e3) / 1e9
                 r["achieved_h2d_gbps"] = achieved
                 r["fraction_of_pinned_bandwidth"] = achieved / bandwidth["h2d_pinned_gbps"]
-    sweep = crossover(args, device, bandwidth)
+    sweep, found = crossover(args, device, bandwidth)
     result = {"bench": BENCH, "config": vars(lab_args(args, device)) | {"device": device.type},
-              "bandwidth": bandwidth, "modes": modes, "crossover": sweep, "summary_rows": summary_rows(modes, bandwidth),
+              "bandwidth": bandwidth, "modes": modes, "sweep": sweep, "crossover": found,
+              "summary_rows": summary_rows(modes, bandwidth),
               "note": None if device.type == "cuda" else "CPU run: times are CPU times and transfers are memcpy; "
                                                            "no GPU speed or bandwidth claim comes from it"}
     record = provenance.collect(LAB, device, time.perf_counter() - t0)
@@ -269,6 +296,7 @@ def main(argv=None) -> None:
         extra = f", copy {r['copy_ms_per_block']:.3f} ms/block" if "copy_ms_per_block" in r else ""
         print(f"  width {r['width']:>5}: compute {r['compute_ms_per_block']:.3f} ms/block{extra}, "
               f"layerwise overhead {100 * r['overhead']:+.1f}%")
+    print(f"  crossover: width {found['width']}" if found["width"] else f"  crossover: none ({found['note']})")
 
 
 if __name__ == "__main__":

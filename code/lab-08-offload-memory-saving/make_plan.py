@@ -91,6 +91,8 @@ def plan(runs: list[ModeRun], args) -> str:
         f"{args.prefetch_depth}. Measured: {describe(prov)}.",
         "",
     ]
+    out += ["Bytes come from a run under the memory ledger; transfer times from a second run without it "
+            "(the ledger's dispatch mode costs time on every op).", ""]
     if cpu:
         out += ["On a CPU-only machine the \"device\" and the host are the same RAM: the bytes are exact "
                 "(the ledger tells the two sides apart), the transfer times are memcpy times, not PCIe.", ""]
@@ -100,7 +102,9 @@ def plan(runs: list[ModeRun], args) -> str:
         out += [f"## {title}", "", *mode_table(run, args.steps), "",
                 f"Peak device bytes {format_bytes(s['peak_device_bytes'])}; at most {s['max_resident_blocks']} of "
                 f"{s['denoiser_blocks']} denoiser blocks resident; {format_bytes(s['h2d_bytes'])} host to device "
-                f"and {s['d2h_bytes']} B device to host per pipeline run.", ""]
+                f"and {s['d2h_bytes']} B device to host per pipeline run"
+                + (f"; host masters {format_bytes(s['host_bytes'])} (power-of-two arena chunks) for "
+                   f"{format_bytes(s['host_weight_bytes'])} of weights." if s["host_weight_bytes"] else "."), ""]
     return "\n".join(out)
 
 

@@ -31,7 +31,7 @@ OUT = nbk.results_dir(lab.LAB)
 ON_GPU = DEVICE.type == "cuda"
 SIZE = (["--width", "1024", "--heads", "16", "--denoiser-layers", "16", "--latent-tokens", "4096",
          "--steps", "4", "--dtype", "bfloat16", "--repeats", "3"]
-        if ON_GPU else ["--repeats", "1"])
+        if ON_GPU else ["--repeats", "2"])  # the timed run: one warm-up, one measured
 BASE = ["--device", DEVICE.type, *SIZE]
 print("device:", DEVICE, "| results go to:", OUT.relative_to(OUT.parents[1]))
 
@@ -49,9 +49,11 @@ nbk.show_provenance(record)
 args = lab.parse_args([*BASE, "--mode", "all"])
 runs = {r.mode: r for r in lab.run_all(args)}
 none = runs["none"].summary
-# Step times are reported from GPU runs only: on a CPU the "transfers" are memcpy on the same cores.
+# Step times come from a second run of each mode without the memory ledger (the ledger's dispatch
+# mode costs time on every op); they are shown from GPU runs only: on a CPU the "transfers" are
+# memcpy on the same cores.
 rows = ["| mode | peak device bytes | vs resident | denoiser blocks resident | host to device per run | "
-        "device to host | max abs diff |" + (" time per denoising step |" if ON_GPU else ""),
+        "device to host | max abs diff |" + (" time per denoising step (run without the ledger) |" if ON_GPU else ""),
         "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if ON_GPU else "")]
 for mode, run in runs.items():
     s = run.summary
@@ -68,18 +70,54 @@ assert peak["sequential"] <= peak["layerwise"] < peak["model"] < peak["none"], p
 assert all(r.summary["d2h_bytes"] == 0 for r in runs.values())
 
 # %% [markdown]
+# ## Host memory: what the masters cost
+#
+# PyTorch's pinned (caching host) allocator rounds every request up to the next power of two, and a
+# transformer block's weights sit just above one. Pinned one buffer per block, the host would hold
+# nearly twice the weights. Each engine instead packs its units (blocks, component pieces, modules)
+# into a `PinnedArena` of power-of-two chunks, which the allocator has nothing to round. On a CPU
+# the same chunks are allocated unpinned, so the ledger's `host_copies` bytes are exactly what a
+# GPU run pins.
+
+# %%
+host_rows = ["| mode | weights on the host | arena (measured: ledger `host_copies`) | vs weights | "
+             "one pinned buffer per unit would take | vs weights |", "|---|---:|---:|---:|---:|---:|"]
+for mode, run in runs.items():
+    s = run.summary
+    if not s["host_weight_bytes"]:
+        continue
+    host_rows.append(f"| {mode} | {plot.format_bytes(s['host_weight_bytes'])} | {plot.format_bytes(s['host_bytes'])} | "
+                     f"{s['host_bytes'] / s['host_weight_bytes']:.2f}x | "
+                     f"{plot.format_bytes(s['host_bytes_one_buffer_per_unit'])} | "
+                     f"{s['host_bytes_one_buffer_per_unit'] / s['host_weight_bytes']:.2f}x |")
+host_table = "\n".join(host_rows)
+nbk.show_markdown(host_table)
+if not ON_GPU:  # on a GPU the masters are pinned and the ledger sees them too; on a CPU it is exact
+    assert all(r.summary["peak_host_copy_bytes"] == r.summary["host_bytes"] for r in runs.values())
+assert all(r.summary["host_bytes"] < r.summary["host_bytes_one_buffer_per_unit"] for m, r in runs.items() if m != "none")
+
+# %% [markdown]
 # ## Memory timelines, one per mode
 #
 # Each panel is the ledger's record of one pipeline run (encode, the denoising steps, decode),
-# device bytes by category on the same scale. Host masters are not drawn: they live on the host.
+# device bytes by category on the same scale. The engines open the ledger's `transfer` phase around
+# every copy to the device: the ticks along the bottom mark them. Host masters are not drawn: they
+# live on the host.
 
 # %%
+import dataclasses  # noqa: E402
+
 fig, axes = plt.subplots(2, 2, figsize=(12, 6.4), dpi=110, layout="constrained")
 for ax, (mode, run) in zip(axes.flat, runs.items()):
     tl = run.ledger.timeline().window("encode", "denoise", "decode")
-    plot.plot_timeline(tl, ax=ax, legend=(mode == "model"), max_points=160, unit="MiB",
+    copies = [span.start for span in tl.spans if span.name == "transfer"]
+    bands = dataclasses.replace(tl, spans=[span for span in tl.spans if span.name != "transfer"])
+    ax.vlines(copies, 0.0, 0.05, transform=ax.get_xaxis_transform(), color="#2b6a2b", lw=0.8, zorder=5,
+              label="a copy in (ledger phase: transfer)")  # drawn first, so the legend lists it
+    plot.plot_timeline(bands, ax=ax, legend=(mode == "model"), max_points=160, unit="MiB",
                        ymax_bytes=none["peak_device_bytes"],
-                       title=f"{mode}: peak {plot.format_bytes(run.summary['peak_device_bytes'])}")
+                       title=f"{mode}: peak {plot.format_bytes(run.summary['peak_device_bytes'])}, "
+                             f"{len(copies)} copies in")
     ax.set_xlabel("ledger events")
 plot.save(fig, OUT / "timelines.svg")
 
@@ -109,7 +147,9 @@ for ax, mode in ((ax_seq, "sequential"), (ax_layer, "layerwise")):
     plot.plot_gantt(bars, ax=ax, title=f"{mode}: the denoising steps ({DEVICE.type})")
 plot.save(fig2, OUT / "gantt.svg")
 overlap = {m: runs[m].recorder.overlap_ms() for m in ("sequential", "layerwise")}
-print("copy/compute overlap (ms):", {m: round(v, 3) for m, v in overlap.items()})
+copy_ms = {m: sum(b.ms for b in runs[m].recorder.intervals() if b.lane == "copy") for m in overlap}
+print("copy-stream transfer time (ms):", {m: round(v, 3) for m, v in copy_ms.items()},
+      "| of it overlapped with compute (ms):", {m: round(v, 3) for m, v in overlap.items()})
 
 # %% [markdown]
 # ## Prefetch depth: memory against depth
@@ -127,16 +167,15 @@ for k in depths:
     a = lab.parse_args([*BASE, "--mode", "layerwise", "--prefetch-depth", str(k),
                         "--encoder-offload", "off", "--decoder-offload", "off"])
     sweep[k] = lab.run_mode("layerwise", a, DEVICE, runs["none"].output).summary
-engines = sys.modules["offload_engines"]
+layout = sys.modules["offload_engines"].HostMaster.plan  # (layout, bytes) of a flat buffer
 probe = lab.ToyDiffusionPipeline(lab.config(args), seed=args.seed)
-block_bytes = engines.HostMaster(list(probe.denoiser.blocks[0].parameters()), pinned=False).nbytes
+block_bytes = layout(list(probe.denoiser.blocks[0].parameters()))[1]
 block_ids = {id(p) for p in probe.denoiser.blocks.parameters()}
-shell_bytes = engines.HostMaster([p for p in probe.denoiser.parameters() if id(p) not in block_ids],
-                                 pinned=False).nbytes
+shell_bytes = layout([p for p in probe.denoiser.parameters() if id(p) not in block_ids])[1]
 resident = sum(p.numel() * p.element_size() for m in (probe.text_encoder, probe.decoder) for p in m.parameters())
 tl_none = runs["none"].ledger.timeline().window("denoise")
 acts = max(sum(tl_none.device[c][i] for c in ("activations", "temporaries", "other")) for i in range(len(tl_none)))
-derived = [resident + shell_bytes + (min(k, probe.cfg.denoiser_layers - 1) + 1) * block_bytes + acts for k in depths]
+derived = [resident + shell_bytes + (k + 1) * block_bytes + acts for k in depths]
 measured = [sweep[k]["peak_device_bytes_by_stage"]["denoise"] for k in depths]
 fig3, ax = plt.subplots(figsize=(6.5, 3.4), dpi=110, layout="constrained")
 ax.plot(depths, [m / 2**20 for m in measured], "o-", label="measured: peak device bytes while denoising")
@@ -152,7 +191,7 @@ depth_table = "\n".join(
        f"{plot.format_bytes(sweep[k]['h2d_bytes'])} |" for k, m, d in zip(depths, measured, derived)])
 nbk.show_markdown(depth_table)
 if not ON_GPU:
-    assert all(sweep[k]["max_resident_blocks"] == min(k, probe.cfg.denoiser_layers - 1) + 1 for k in depths)
+    assert all(sweep[k]["max_resident_blocks"] == k + 1 for k in depths)
     assert all(abs(m - d) <= 4096 for m, d in zip(measured, derived)), list(zip(measured, derived))
 
 # %% [markdown]
@@ -162,9 +201,11 @@ if not ON_GPU:
 from labkit.provenance import write_results  # noqa: E402
 
 summary = {"modes": [r.summary for r in runs.values()], "depth_sweep": {str(k): v for k, v in sweep.items()},
-           "overlap_ms": overlap, "block_bytes": block_bytes, "shell_bytes": shell_bytes}
-write_results(OUT / "summary.json", summary, record)
-tables = {"modes": modes_table, "residency": residency_table, "depth": depth_table}
+           "overlap_ms": overlap, "copy_lane_transfer_ms": copy_ms, "block_bytes": block_bytes,
+           "shell_bytes": shell_bytes}
+wall = sum(s["provenance"]["wall_time_s"] for s in [*summary["modes"], *sweep.values()])
+write_results(OUT / "summary.json", summary, provenance.collect(lab.LAB, DEVICE, wall))
+tables = {"modes": modes_table, "host": host_table, "residency": residency_table, "depth": depth_table}
 for name, text in tables.items():
     (OUT / f"{name}.md").write_text(text + "\n")
 (OUT / "provenance.md").write_text(nbk.provenance_markdown(record))
