@@ -37,7 +37,7 @@ PHASE_COLORS = {
     "forward": "#9ecae1",
     "backward": "#fdae6b",
     "optimizer": "#bcbddc",
-    "transfer": "#c7e9c0",
+    "transfer": "#fee391",  # its own colour: decode is green
     "zero_grad": "#d9d9d9",
 }
 
