@@ -388,3 +388,29 @@ def test_fake_tensors_own_no_memory():
             real = torch.ones(10)
     assert [r.nbytes for r in ledger.records] == [40]
     assert fake.shape == (1 << 20,) and real.numel() == 10
+
+
+def test_ledger_vs_allocator_sets_aside_what_the_ledger_never_saw():
+    """The arithmetic the cuda tests rely on, on a made-up timeline: the allocator held 32 MiB of
+    workspaces before the window, which must not count against the ledger."""
+    from labkit.cuda import ledger_vs_allocator
+    from labkit.ledger import Timeline
+
+    mib = 1 << 20
+    tl = Timeline(categories=("parameters", "activations"), index=[0, 1, 2, 3])
+    tl.device = {"parameters": [100 * mib] * 4, "activations": [0, 50 * mib, 80 * mib, 10 * mib]}
+    tl.cuda_allocated = [132 * mib, 182 * mib, 212 * mib, 142 * mib]  # ledger + 32 MiB unseen
+    stats = {"max_memory_allocated": 214 * mib}  # the allocator's own peak: 2 MiB above the ledger's rows
+    out = ledger_vs_allocator(tl, stats)
+    assert out["unseen_before_window"] == 32 * mib and out["ledger_peak"] == 180 * mib
+    assert out["ledger_over_allocator"] == 180 / 182
+    assert ledger_vs_allocator(tl, stats, start=2)["ledger_peak"] == 180 * mib
+    assert ledger_vs_allocator(tl, None) is None  # CPU: no allocator stats
+    assert ledger_vs_allocator(Timeline(categories=()), stats) is None  # the ledger sampled no CUDA counters
+
+
+def test_warm_up_and_reset_peak_do_nothing_on_cpu():
+    from labkit.cuda import reset_peak, warm_up
+
+    assert warm_up(torch.device("cpu")) == 0
+    reset_peak(torch.device("cpu"))

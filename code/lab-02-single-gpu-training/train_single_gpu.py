@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_float, positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
+from labkit.cuda import allocator_stats, record_snapshot, reset_peak, warm_up  # noqa: E402
 from labkit.plot import format_bytes, peak_table  # noqa: E402
 
 LAB = "lab-02-single-gpu-training"
@@ -161,24 +161,6 @@ class Run:
     device: torch.device
     wall_time_s: float
     cuda: dict | None
-
-
-def warm_up(device: torch.device) -> int:
-    """CUDA: one tiny forward and backward, then the bytes allocated; 0 on CPU.
-
-    PyTorch gives each cuBLAS handle and stream a workspace the first time it runs a matmul
-    (several MiB, up to 32 MiB on Hopper; the size depends on the PyTorch and CUDA versions). It
-    stays allocated and is no tensor, so the ledger cannot see it; backward runs on autograd's own
-    thread, with its own handle. Allocated here, before the baseline, the workspaces are left out
-    of the comparison of the ledger's peak with ``max_memory_allocated``."""
-    if device.type != "cuda":
-        return 0
-    tiny = TinyGPT(GPTConfig(vocab=8, seq_len=8, width=8, layers=1, heads=2, dropout=0.1)).to(device)
-    idx = torch.zeros(2, 8, dtype=torch.long, device=device)
-    tiny(idx, idx)[1].backward()
-    del tiny, idx
-    torch.cuda.synchronize(device)
-    return torch.cuda.memory_allocated(device)
 
 
 # --8<-- [start:train]

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import _number, positive_float, positive_int, probability  # noqa: E402
+from labkit.cli import non_negative_float, positive_float, positive_int, probability  # noqa: E402
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
 from labkit.ledger import NullLedger  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
@@ -43,7 +43,6 @@ LAB = "lab-07-optimizer-offload"
 MODES = ("none", "optimizer", "gradients")
 IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
-non_negative_float = _number(float, lambda v: v >= 0, "0 or more")  # labkit's check: finite, then >= 0
 
 
 @functools.cache

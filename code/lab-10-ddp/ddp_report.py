@@ -13,7 +13,7 @@ from labkit.plot import format_bytes, peak_table
 
 def memory_report(ledger: Ledger, rank: int, cuda: dict | None) -> dict:
     """One rank's device bytes by category: at its peak, at each phase's peak, at the end; on CUDA,
-    the ledger against the allocator over the last step (``labkit.dist.against_allocator``)."""
+    the ledger against the allocator over the last step (``labkit.cuda.ledger_vs_allocator``)."""
     tl = ledger.timeline()
     return {"rank": rank, "peak": ledger.peak(tl), "peaks_by_phase": ledger.peaks_by_phase(tl),
             "at_end": ledger.at_end(tl), "events": len(tl), "cuda": cuda}

@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_float, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
-from labkit.dist import CheckFailed, against_allocator, ranked, start, writable_dir  # noqa: E402
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
+from labkit.dist import CheckFailed, ranked, start, writable_dir  # noqa: E402
 from ddp_report import compare, memory_report, report, summary  # noqa: E402
 from train_single_gpu import train_step  # noqa: E402  (Lab 02's step, unchanged: it gets the DDP model)
 
@@ -193,7 +193,7 @@ def train(args, device) -> dict:
     last = min(s.start for s in tl.spans if s.step == args.steps - 1)
     return {"cfg": cfg, "ddp": ddp, "ledger": ledger, "log": log, "ready": ready, "names": names,
             "losses": losses, "identical": identical, "wall": wall,
-            "cuda": against_allocator(tl, last, allocator_stats(device))}
+            "cuda": ledger_vs_allocator(tl, allocator_stats(device), last)}
 # --8<-- [end:train]
 
 

@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_float, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
-from labkit.dist import CheckFailed, against_allocator, ranked, start, writable_dir  # noqa: E402
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
+from labkit.dist import CheckFailed, ranked, start, writable_dir  # noqa: E402
 from memory_accounting import zero_model_state  # noqa: E402  (Lab 01: the formulas we check)
 from ranks import Traffic, cut, gather, local  # noqa: E402
 
@@ -153,7 +153,7 @@ def run_stage(stage: int, args, device, mesh, rank: int, world: int) -> dict:
     hidden = scatter if dist.get_backend() == "gloo" else 0  # gloo copies each reduce-scatter input
     return {"losses": losses, "at_end": ledger.at_end(), "peak_last_step": ledger.peak(steady),
             "peaks_by_phase_last_step": ledger.peaks_by_phase(steady), "traffic": moved,
-            "cuda": against_allocator(tl, lo, allocator_stats(device), hidden),  # (4)!
+            "cuda": ledger_vs_allocator(tl, allocator_stats(device), lo, hidden),  # (4)!
             "wall_time_s": time.perf_counter() - t0,
             "final_params": full_params(model), "timeline": steady.to_dict() if rank == 0 and args.timelines else None}
 # --8<-- [end:run]

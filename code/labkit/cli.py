@@ -52,6 +52,7 @@ def _number(convert, ok, what: str):
 positive_int = _number(int, lambda v: v > 0, "a positive whole number")
 non_negative_int = _number(int, lambda v: v >= 0, "0 or more")
 positive_float = _number(float, lambda v: v > 0, "a positive number")
+non_negative_float = _number(float, lambda v: v >= 0, "0 or more")
 probability = _number(float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 seed_int = _number(int, lambda v: 0 <= v < 2**32, "a whole number in [0, 2**32)")
 

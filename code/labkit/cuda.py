@@ -1,6 +1,8 @@
 """CUDA-only instruments: the allocator's memory-history snapshot and peak counters.
 
-``record_snapshot(path)`` wraps a block in ``torch.cuda.memory._record_memory_history`` and
+``ledger_vs_allocator`` holds the ledger's peak against ``torch.cuda.max_memory_allocated`` over
+the same window, leaving out what the allocator held unseen by the ledger when the window began
+(cuBLAS workspaces, for one). ``record_snapshot(path)`` wraps a block in ``torch.cuda.memory._record_memory_history`` and
 writes the pickle that https://pytorch.org/memory_viz opens. These are private PyTorch APIs (the
 ones the "Understanding CUDA Memory Usage" page documents), so every call is guarded: on a CPU
 run, or a torch without them, the block runs and no file is written.
@@ -50,8 +52,34 @@ def record_snapshot(path: str | os.PathLike | None, max_entries: int = 20_000) -
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
+_warmed: set[torch.device] = set()
+
+
+def warm_up(device: torch.device) -> int:
+    """CUDA: one tiny forward and backward, once per device; then the bytes allocated. 0 on CPU.
+
+    PyTorch gives each cuBLAS (and cuBLASLt) handle and stream a workspace the first time it runs a
+    matmul, and keeps it (https://pytorch.org/docs/stable/notes/cuda.html#cublas-workspaces). A
+    workspace is no tensor, so the ledger cannot see it; backward runs on autograd's own thread,
+    with its own handle. Taken here, before a measurement starts, the workspaces are part of what
+    the allocator held when the window began, which the comparisons with the ledger set aside.
+    """
+    if device.type != "cuda":
+        return 0
+    if device not in _warmed:
+        layer = torch.nn.Linear(64, 64, device=device)  # addmm with a bias: the cuBLASLt path
+        x = torch.randn(8, 64, device=device, requires_grad=True)
+        (layer(x) @ x.T).sum().backward()  # a plain matmul too, and both again in backward
+        del layer, x
+        _warmed.add(device)
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def reset_peak(device: torch.device) -> None:
+    """Start a measurement window: workspaces taken (:func:`warm_up`), the allocator's peak reset."""
     if device.type == "cuda":
+        warm_up(device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -67,3 +95,25 @@ def allocator_stats(device: torch.device) -> dict[str, int] | None:
         "memory_reserved": torch.cuda.memory_reserved(device),
         "max_memory_reserved": torch.cuda.max_memory_reserved(device),
     }
+
+
+def ledger_vs_allocator(timeline, stats: dict | None, start: int = 0, hidden: int = 0) -> dict | None:
+    """The ledger's peak against the allocator's over the same window: timeline rows ``start:``.
+
+    ``stats`` are :func:`allocator_stats` read after the window, with the allocator's peak reset
+    (:func:`reset_peak`) just before it. The allocator also holds bytes the ledger never sees:
+    memory a library allocates inside a call and keeps, such as the workspace cuBLAS takes for each
+    handle and stream at its first matmul (several MiB; up to 32 MiB on Hopper). What it held
+    beyond the ledger when the window began (``cuda_allocated`` minus the ledger's device bytes on
+    the row before ``start``, or on row 0) is set aside; ``hidden`` is memory a backend allocates
+    inside the window and the ledger cannot see (a collective's copies, say). None on CPU.
+    """
+    if stats is None or not timeline.cuda_allocated:
+        return None
+    before = max(start - 1, 0)
+    unseen = timeline.cuda_allocated[before] - sum(col[before] for col in timeline.device.values())
+    peak = max(timeline.device_total()[start:])
+    allocator = max(stats["max_memory_allocated"] - unseen, 1)
+    return stats | {"ledger_peak": peak, "unseen_before_window": unseen, "hidden_in_backend": hidden,
+                    "ledger_over_allocator": peak / allocator,
+                    "ledger_and_hidden_over_allocator": (peak + hidden) / allocator}

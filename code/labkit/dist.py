@@ -1,5 +1,5 @@
 """What the torchrun labs (10 and 11) share: joining the process group, one voice for errors,
-checks that fail loudly, and the ledger held against the CUDA allocator on each rank.
+and checks that fail loudly.
 
 Instrument, not lesson:
 
@@ -12,7 +12,6 @@ Instrument, not lesson:
   leaves the process group.
 * ``CheckFailed`` is what a lab raises when a result breaks the tolerance it states.
 * ``writable_dir`` refuses an output folder that cannot be written, before any training.
-* ``against_allocator`` compares a rank's ledger with ``torch.cuda.max_memory_allocated``.
 * ``world_of_one`` is the environment torchrun would give a single rank: a lab's ``main`` then runs
   in the calling process (the tests use it).
 """
@@ -114,26 +113,6 @@ def writable_dir(path: Path, flag: str) -> Path:
     except OSError as err:
         raise UsageError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
     return path
-
-
-def against_allocator(timeline, start: int, stats: dict | None, hidden: int = 0) -> dict | None:
-    """The ledger's peak against the allocator's over the same window: timeline rows ``start:``.
-
-    ``stats`` are ``labkit.cuda.allocator_stats`` read after the window, with the allocator's peak
-    reset just before it. The allocator also holds bytes the ledger never sees (memory a library
-    allocates inside a kernel call and keeps, such as a matmul workspace); what it held beyond the
-    ledger just before the window is set aside. ``hidden`` is memory a backend allocates inside a
-    collective, also unseen.
-    """
-    if stats is None:
-        return None
-    before = max(start - 1, 0)
-    unseen = timeline.cuda_allocated[before] - sum(col[before] for col in timeline.device.values())
-    peak = max(timeline.device_total()[start:])
-    allocator = max(stats["max_memory_allocated"] - unseen, 1)
-    return stats | {"ledger_peak": peak, "unseen_before_window": unseen, "hidden_in_backend": hidden,
-                    "ledger_over_allocator": peak / allocator,
-                    "ledger_and_hidden_over_allocator": (peak + hidden) / allocator}
 
 
 def world_of_one() -> dict[str, str]:

@@ -331,7 +331,7 @@ if ON_GPU:
     for s, r in R.items():
         c = r["cuda"]
         print(f"{s}: ledger peak {fmt(r['peak_bytes'])}, max allocated {fmt(c['max_memory_allocated'])}, "
-              f"ratio {c['ledger_peak_over_max_allocated']:.3f}")
+              f"ratio {c['ledger_over_allocator']:.3f}")
 else:
     print("CPU run: no CUDA allocator here, so no allocated/reserved figures and no snapshot.")
 
