@@ -215,7 +215,8 @@ def test_ledger_is_deterministic_on_cpu():
     assert a.phase == b.phase
 
 
-def test_peak_agrees_with_pytorch_memtracker_within_5_percent():
+def memtracker_peak() -> dict[str, int]:
+    """PyTorch's own MemTracker on the same steps: its peak by category ('Parameter', ..., 'Total')."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -224,7 +225,11 @@ def test_peak_agrees_with_pytorch_memtracker_within_5_percent():
             lambda t, model, opt, x, y: t.track_external(model, opt, x, y),
             reset=lambda t: t.reset_mod_stats(),
         )
-    mt_peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return {getattr(k, "value", k): v for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+
+
+def test_peak_agrees_with_pytorch_memtracker_within_5_percent():
+    mt_peak = memtracker_peak()["Total"]
     ledger = gpt_steps(Ledger("cpu"), _register_ledger)
     ours = ledger.peak()["total"]
     assert mt_peak > 0
@@ -235,15 +240,7 @@ def test_categories_at_the_peak_agree_with_pytorch_memtracker():
     """With phases marked, the ledger's split of the peak matches MemTracker's category by category:
     parameters and AdamW state exactly; activations and temporaries within 0.1 % (the two tools
     may file the 4-byte loss differently)."""
-    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mt = gpt_steps(
-            mem_tracker.MemTracker(),
-            lambda t, model, opt, x, y: t.track_external(model, opt, x, y),
-            reset=lambda t: t.reset_mod_stats(),
-        )
-    theirs = {getattr(k, "value", k): v for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    theirs = memtracker_peak()
     ours = gpt_steps(Ledger("cpu"), _register_ledger, phases=True).peak()
     assert ours["parameters"] == theirs["Parameter"] and ours["optimizer_state"] == theirs["Optstate"]
     assert ours["gradients"] == theirs["Gradient"] and ours["total"] == theirs["Total"]

@@ -256,14 +256,20 @@ def test_generated_indexes_list_every_lab(built_site):
     assert home.count("planned") + home.count("<strong>ready</strong>") >= 12, "the whole catalogue is listed"
 
 
-def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypatch):
+def hooks_on(tmp_path):
+    """A fresh copy of the site hooks, with empty results/ and bench/ folders made under tmp_path."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("infralab_hooks_perf", ROOT / "scripts" / "mkdocs_hooks.py")
+    spec = importlib.util.spec_from_file_location(f"infralab_hooks_{tmp_path.name}", ROOT / "scripts" / "mkdocs_hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
     (tmp_path / "results").mkdir()
     (tmp_path / "bench").mkdir()
+    return hooks
+
+
+def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypatch):
+    hooks = hooks_on(tmp_path)
     (tmp_path / "bench" / "demo_bench.py").write_text('BENCH = "demo"\nRESULT_FILE = "results/demo.json"\n')
     (tmp_path / "bench" / "other_bench.py").write_text('BENCH = "other"\nRESULT_FILE = "results/other.json"\n')
     prov = {"device_type": "cuda", "device_name": "Some GPU", "date_utc": "2026-11-22T00:00:00+00:00",
@@ -283,13 +289,7 @@ def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypat
 
 
 def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp_path, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("infralab_hooks_perf2", ROOT / "scripts" / "mkdocs_hooks.py")
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
-    (tmp_path / "results").mkdir()
-    (tmp_path / "bench").mkdir()
+    hooks = hooks_on(tmp_path)
     lab03, lab04 = "lab-03-mixed-precision", "lab-04-activation-checkpointing"
     prov = {"device_type": "cuda", "device_name": "Some GPU", "date_utc": "2026-11-22T00:00:00+00:00",
             "git_commit": "abcdef1234567", "lab": None}
