@@ -5,7 +5,8 @@
 * ``run_lab(main)`` runs a lab's ``main`` and turns a :class:`UsageError` into that same one line
   and exit code 2, never a traceback; so too an out-of-memory error, whose cause is sizes asked
   for that the machine cannot hold.
-* ``pick_device`` resolves ``auto`` and refuses ``cuda`` on a machine without a GPU.
+* ``pick_device`` resolves ``auto`` and refuses ``cuda`` on a machine without a GPU; on a GPU it
+  lets cuBLAS take its workspaces at once (``labkit.cuda.warm_up``), before anything is measured.
 * ``progress`` is a tqdm bar that only appears on runs longer than a couple of seconds and is
   silent under ``--json``.
 """
@@ -78,7 +79,7 @@ def pick_device(name: str):
     import torch
 
     if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if name.startswith("cuda"):
@@ -88,7 +89,11 @@ def pick_device(name: str):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
-        return torch.device("cuda", index)
+        from labkit.cuda import warm_up
+
+        device = torch.device("cuda", index)
+        warm_up(device)  # cuBLAS workspaces taken now, before any measurement (see labkit.cuda)
+        return device
     raise UsageError(f"unknown device {name!r}: choose auto, cpu or cuda")
 
 

@@ -1,11 +1,14 @@
 """CUDA-only instruments: the allocator's memory-history snapshot and peak counters.
 
-``ledger_vs_allocator`` holds the ledger's peak against ``torch.cuda.max_memory_allocated`` over
-the same window, leaving out what the allocator held unseen by the ledger when the window began
-(cuBLAS workspaces, for one). ``record_snapshot(path)`` wraps a block in ``torch.cuda.memory._record_memory_history`` and
+``record_snapshot(path)`` wraps a block in ``torch.cuda.memory._record_memory_history`` and
 writes the pickle that https://pytorch.org/memory_viz opens. These are private PyTorch APIs (the
 ones the "Understanding CUDA Memory Usage" page documents), so every call is guarded: on a CPU
 run, or a torch without them, the block runs and no file is written.
+
+``reset_peak`` starts a measurement window (after ``warm_up`` has made cuBLAS take its
+workspaces); ``ledger_vs_allocator`` then holds the ledger's peak against
+``torch.cuda.max_memory_allocated`` over that window, leaving out what the allocator held unseen
+by the ledger when the window began.
 """
 
 from __future__ import annotations
@@ -63,13 +66,17 @@ def warm_up(device: torch.device) -> int:
     workspace is no tensor, so the ledger cannot see it; backward runs on autograd's own thread,
     with its own handle. Taken here, before a measurement starts, the workspaces are part of what
     the allocator held when the window began, which the comparisons with the ledger set aside.
+
+    ``labkit.pick_device`` (and ``labkit.dist.start`` for a rank's own GPU) call it as soon as a GPU
+    is chosen, before any ledger is entered, so that these tensors are never in a measurement.
     """
     if device.type != "cuda":
         return 0
     if device not in _warmed:
-        layer = torch.nn.Linear(64, 64, device=device)  # addmm with a bias: the cuBLASLt path
-        x = torch.randn(8, 64, device=device, requires_grad=True)
-        (layer(x) @ x.T).sum().backward()  # a plain matmul too, and both again in backward
+        with torch.enable_grad():  # a caller inside no_grad still needs the backward handle warmed
+            layer = torch.nn.Linear(64, 64, device=device)  # addmm with a bias: the cuBLASLt path
+            x = torch.randn(8, 64, device=device, requires_grad=True)
+            (layer(x) @ x.T).sum().backward()  # a plain matmul too, and both again in backward
         del layer, x
         _warmed.add(device)
     torch.cuda.synchronize(device)
@@ -77,7 +84,8 @@ def warm_up(device: torch.device) -> int:
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start a measurement window: workspaces taken (:func:`warm_up`), the allocator's peak reset."""
+    """Start a measurement window: the allocator's peak reset (workspaces taken first, if the device
+    was not chosen through ``pick_device``)."""
     if device.type == "cuda":
         warm_up(device)
         torch.cuda.synchronize(device)

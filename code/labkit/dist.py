@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.cli import UsageError, _prog, pick_device
+from labkit.cuda import warm_up
 
 
 #: seconds a silent rank waits before it exits 2: torchrun stops every rank once one has failed,
@@ -60,6 +61,7 @@ def start(script: str, device_name: str, backend: str = "auto") -> tuple[torch.d
     if device.type == "cuda":
         device = torch.device("cuda", local % gpus)  # ranks beyond the GPU count share them
         torch.cuda.set_device(device)
+        warm_up(device)  # this rank's GPU: cuBLAS workspaces taken before anything is measured
     if not dist.is_initialized():
         dist.init_process_group(backend)
     return device, backend

@@ -608,15 +608,15 @@ _AUTO_RANK = {
 }
 
 
-# labkit's measuring modules: their frames are never where a tensor comes from. Its model code
-# (models.py, diffusion.py) is: a tensor born there is named by that line and by the lab's call.
-_INSTRUMENTS = frozenset({"__init__.py", "cli.py", "cuda.py", "ledger.py", "notebook.py", "plot.py",
-                          "provenance.py", "schedule.py"})
+# labkit's model code: a tensor born there is named by that line and by the lab line that called
+# it. Every other labkit module is an instrument, never where a tensor comes from.
+_MODEL_CODE = frozenset({"models.py", "diffusion.py"})
 
 
 def _origin() -> dict[str, str | None]:
-    """``where``: the innermost frame outside torch, the standard library and labkit's instruments;
-    ``called_from``: when that frame is labkit's model code, the first frame outside labkit.
+    """``where``: the innermost frame outside torch, the standard library and labkit's instruments
+    (labkit's model code counts); ``called_from``: when that frame is labkit's model code, the first
+    frame outside labkit.
 
     Walks the live frames and reads a source line only for the frames it returns: with
     ``stacks=True`` this runs on every allocation, so it must stay cheap.
@@ -631,7 +631,7 @@ def _origin() -> dict[str, str | None]:
         if not library and "/labkit/" not in f:  # the lab's own code (or a test's)
             line = _frame_line(frame)
             return {"where": where or line, "called_from": line if where else None}
-        if not library and where is None and f.rsplit("/", 1)[-1] not in _INSTRUMENTS:
+        if not library and where is None and f.rsplit("/", 1)[-1] in _MODEL_CODE:
             where = _frame_line(frame)  # labkit's model code: walk on to the lab line that called it
         frame = frame.f_back
     return {"where": where, "called_from": None}
