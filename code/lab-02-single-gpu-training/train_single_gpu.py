@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import positive_float, positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak, warm_up  # noqa: E402
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
 from labkit.plot import format_bytes, peak_table  # noqa: E402
 
 LAB = "lab-02-single-gpu-training"
@@ -168,31 +168,28 @@ def train(args) -> Run:
     device = pick_device(args.device)
     if args.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
-    before_run = warm_up(device)  # (1)!
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
                     layers=args.layers, heads=args.heads, dropout=args.dropout)
     model = TinyGPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if args.checkpoint:
-        check_writable(args.checkpoint)  # (2)!
+        check_writable(args.checkpoint)  # (1)!
     start = load_checkpoint(args.checkpoint, model, optimizer, cfg) if args.resume else 0
     data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed)
 
     ledger = Ledger(device)
     ledger.track_module(model)
-    ledger.track_optimizer(optimizer)  # (3)!
+    ledger.track_optimizer(optimizer)  # (2)!
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
     with record_snapshot(args.snapshot), ledger:
         steps = range(start, start + args.steps)
         for step in progress(steps, total=args.steps, desc="train", quiet=args.json):
-            x, y = data.batch(step, args.batch_size, device)  # (4)!
+            x, y = data.batch(step, args.batch_size, device)  # (3)!
             loss = train_step(model, optimizer, x, y, ledger, step, args.zero_grad)
             losses.append(loss)
-    wall, cuda = time.perf_counter() - t0, allocator_stats(device)
-    if cuda:
-        cuda["allocated_before_run"] = before_run  # the workspaces and whatever else was there
+    wall, cuda = time.perf_counter() - t0, ledger_vs_allocator(ledger.timeline(), allocator_stats(device))
     if args.checkpoint:
         save_checkpoint(args.checkpoint, model, optimizer, start + args.steps, cfg)
     return Run(losses, start, ledger, model, optimizer, cfg, device, wall, cuda)
@@ -228,9 +225,6 @@ def summary(run: Run) -> dict:
         "cuda": run.cuda,
         "provenance": provenance.collect(LAB, run.device, run.wall_time_s),
     }
-    if run.cuda:  # the run's own peak: the allocator's peak minus what was allocated before the run
-        run_peak = run.cuda["max_memory_allocated"] - run.cuda["allocated_before_run"]
-        out["cuda"]["ledger_peak_over_max_allocated"] = peak["total"] / max(run_peak, 1)
     return out
 
 
@@ -255,9 +249,9 @@ def main(argv=None) -> None:
     if run.cuda:
         c = run.cuda
         print(f"CUDA allocator: max allocated {format_bytes(c['max_memory_allocated'])} ("
-              f"{format_bytes(c['allocated_before_run'])} of it before the run: cuBLAS workspaces), reserved "
-              f"{format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - before) = "
-              f"{c['ledger_peak_over_max_allocated']:.3f}")
+              f"{format_bytes(c['unseen_before_window'])} of it unseen by the ledger before the run: cuBLAS workspaces), "
+              f"reserved {format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - unseen) = "
+              f"{c['ledger_over_allocator']:.3f}")
     if args.snapshot:
         print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
     if args.checkpoint:

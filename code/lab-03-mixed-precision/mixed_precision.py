@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
 from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
 from labkit.cli import non_negative_int, positive_float, positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
 from labkit.plot import format_bytes  # noqa: E402
 
 LAB = "lab-03-mixed-precision"
@@ -87,11 +87,9 @@ def make_scaler(recipe: str, device: torch.device, args) -> torch.amp.GradScaler
 
 def check_autocast(recipe: str, device: torch.device) -> None:
     """Ask this torch whether it can autocast to the recipe's dtype here, instead of assuming."""
-    weight = torch.ones(2, 2, device=device, requires_grad=True)
     with autocast(recipe, device):
-        out = weight @ torch.ones(2, 2, device=device)
-    out.float().sum().backward()  # on CUDA this also makes cuBLAS take its workspaces, backward's thread too
-    if out.dtype != DTYPES[recipe]:
+        got = (torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)).dtype
+    if got != DTYPES[recipe]:
         raise UsageError(f"torch {torch.__version__} does not autocast matmuls to {recipe} on {device.type}")
 # --8<-- [end:recipes]
 
@@ -174,7 +172,6 @@ class Run:
 def train(args, recipe: str) -> Run:
     device = pick_device(args.device)
     check_autocast(recipe, device)
-    before_run = (allocator_stats(device) or {}).get("memory_allocated", 0)  # cuBLAS workspaces, leftovers
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
                     layers=args.layers, heads=args.heads, dropout=args.dropout)
@@ -205,9 +202,7 @@ def train(args, recipe: str) -> Run:
             one_step(step, ledger)
     for step in progress(range(n_ledger, args.steps), total=args.steps - n_ledger, desc=recipe, quiet=args.json):
         one_step(step, bare)
-    wall, cuda = time.perf_counter() - t0, allocator_stats(device)
-    if cuda:
-        cuda["allocated_before_run"] = before_run
+    wall, cuda = time.perf_counter() - t0, ledger_vs_allocator(ledger.timeline(), allocator_stats(device))
     saved = saved_for_backward(model, recipe, *data.batch(0, args.batch_size, device))  # (3)!
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -242,9 +237,6 @@ def recipe_summary(run: Run) -> dict:
                            for n, t in tensors.items() if isinstance(t, torch.Tensor)},
         "inject": run.inject, "cuda": run.cuda,
     }
-    if run.cuda:
-        run_peak = run.cuda["max_memory_allocated"] - run.cuda["allocated_before_run"]
-        out["cuda"]["ledger_peak_over_max_allocated"] = out["peak_bytes"]["total"] / max(run_peak, 1)
     return out
 
 
@@ -301,8 +293,8 @@ def main(argv=None) -> None:
         print(f"saved for backward ({name}): " + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["saved_for_backward"].items()))
         if c := r["cuda"]:
             print(f"  CUDA allocator: max allocated {format_bytes(c['max_memory_allocated'])}, reserved "
-                  f"{format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - before the run) "
-                  f"{c['ledger_peak_over_max_allocated']:.3f}")
+                  f"{format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - unseen by the ledger "
+                  f"when the run began) {c['ledger_over_allocator']:.3f}")
     if fp16 := result["recipes"].get("fp16"):
         print(f"\nGradScaler.state_dict(): {fp16['scaler_state']}")
         for name, t in fp16["scaler_tensors"].items():

@@ -230,8 +230,9 @@ if run.cuda:
     c = result["cuda"]
     print(f"max allocated {plot.format_bytes(c['max_memory_allocated'])}, max reserved "
           f"{plot.format_bytes(c['max_memory_reserved'])}, ledger peak {plot.format_bytes(result['peak_bytes']['total'])}")
-    print(f"allocated before the run (cuBLAS workspaces after a warm-up): {plot.format_bytes(c['allocated_before_run'])}")
-    print(f"ledger peak / (max_memory_allocated - before) = {c['ledger_peak_over_max_allocated']:.4f}")
+    print(f"held by the allocator beyond the ledger when the run began (cuBLAS workspaces): "
+          f"{plot.format_bytes(c['unseen_before_window'])}")
+    print(f"ledger peak / (max_memory_allocated - that) = {c['ledger_over_allocator']:.4f}")
     print("snapshot:", snapshot, f"({snapshot.stat().st_size / 2**20:.1f} MiB)")
 else:
     print("CPU run: no CUDA allocator here, so no allocated/reserved lines and no snapshot.")

@@ -350,7 +350,7 @@ if ON_GPU:
     for name, r in R.items():
         c = r["cuda"]
         print(f"{name}: max allocated {fmt(c['max_memory_allocated'])}, ledger peak / (max allocated - before the run) "
-              f"{c['ledger_peak_over_max_allocated']:.4f}, step {r['step_time_s'] * 1e3:.1f} ms")
+              f"{c['ledger_over_allocator']:.4f}, step {r['step_time_s'] * 1e3:.1f} ms")
     print(f"bf16 speed-up over fp32: {result['vs_fp32']['bf16']['speedup_vs_fp32']:.2f}× (target: ≥ 1.8× on H100 class)")
 else:
     print("CPU run: no CUDA allocator and no GPU speed figure. Step times above are CPU timing only.")
