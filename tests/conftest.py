@@ -100,3 +100,17 @@ def assert_usage_error_in_process(main, argv: list[str], capsys, *fragments: str
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """The environment torchrun gives a world of one, so that a torchrun lab's main() runs in this
+    process (Labs 10 and 11)."""
+    import torch
+
+    from labkit.dist import world_of_one
+
+    for key, value in world_of_one().items():
+        monkeypatch.setenv(key, value)
+    yield
+    assert not torch.distributed.is_initialized()  # ranked() left the process group

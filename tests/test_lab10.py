@@ -218,17 +218,6 @@ def test_the_other_ranks_refuse_bad_input_in_silence(lab10, capsys, monkeypatch)
     assert exc.value.code == 2 and capsys.readouterr().err == ""
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    """The environment torchrun gives a world of one, so that main() runs in this process."""
-    from labkit.dist import world_of_one
-
-    for key, value in world_of_one().items():
-        monkeypatch.setenv(key, value)
-    yield
-    assert not torch.distributed.is_initialized()  # ranked() left the process group
-
-
 @pytest.mark.parametrize(("broken", "fragment"), [
     ("tolerance", "DDP differs from one process beyond the stated tolerance: loss"),
     ("replicas", "the replicas are not bit-identical at: after DDP(), step 0, step 1, step 2"),

@@ -18,7 +18,6 @@ from conftest import CODE, ROOT, assert_clean_usage_error, assert_usage_error_in
 
 from labkit import run_lab
 from labkit.dist import ranked
-from test_lab10 import one_rank  # noqa: F401  (a fixture: main() in this process, as a world of one)
 
 TRAIN = "lab-11-zero-fsdp/zero_fsdp.py"
 INFER = "lab-11-zero-fsdp/fsdp_inference.py"

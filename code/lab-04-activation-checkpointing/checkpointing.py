@@ -305,7 +305,7 @@ def main(argv=None) -> None:
               f"{r['step_time_s'] * 1e3:>8.1f} ms {r['time_overhead']:>+8.0%}  {same}")
         if r["cuda"]:
             print(f"{'':<12} CUDA max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
-                  f"ledger peak / max allocated = {r['cuda']['ledger_over_allocator']:.3f}")
+                  f"ledger peak / (max allocated - unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nact. peak = highest activations + temporaries over forward and backward (ledger; recomputed "
           "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
           "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."

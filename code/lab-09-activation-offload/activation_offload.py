@@ -239,7 +239,7 @@ def main(argv=None) -> None:
                   f"step {r['overhead_vs_baseline']:+.0%}")
         if r["cuda"]:
             print(f"{'':<20} CUDA max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
-                  f"ledger peak / max allocated = {r['cuda']['ledger_over_allocator']:.3f}")
+                  f"ledger peak / (max allocated - unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nact. peak = highest device activations + temporaries over forward and backward (ledger); host copies = "
           "highest\nbytes labelled host_copies. reduction and overhead: against 'none'."
           + (" On CPU the host and the 'device'\nare the same RAM: the ledger keeps them apart by label, and step "
