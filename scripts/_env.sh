@@ -1,5 +1,7 @@
-# Sourced by scripts/serve and scripts/test: make .venv hold exactly requirements.txt.
-# Creates the virtual environment on first use and reinstalls only when requirements.txt changes.
+# Sourced by scripts/serve and scripts/test: make .venv hold exactly requirements.txt, and labkit
+# (code/labkit) installed in editable mode, so that labs, notebooks, benchmarks and tests import it
+# without touching sys.path. Creates the virtual environment on first use and reinstalls only when
+# requirements.txt or pyproject.toml changes.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -25,11 +27,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 
-want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 have="$(cat "$VENV/.requirements.sha256" 2>/dev/null || true)"
 if [ "$want" != "$have" ]; then
   echo "installing pinned dependencies into $VENV (first run only; torch is the large one)" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+  # labkit, editable: the venv's own setuptools builds it (torch requires setuptools), no download
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
   echo "$want" > "$VENV/.requirements.sha256"
 fi
 

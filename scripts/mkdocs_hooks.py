@@ -5,8 +5,15 @@
   mkdocs-jupyter), lab sources and results as plain files a page can link to or embed.
 * ``on_page_markdown`` checks a lab page's front matter (the starter and notebook it names must
   exist, or the build fails) and attaches what the template needs: the "measured on" badge, read
-  from the notebook's provenance and compared with the current lab source hash.
-* Notebook pages get the same badge through ``on_page_context``.
+  from the provenance in the lab's ``results/<lab>/summary.json`` and compared with the current lab
+  source hash. Notebook pages get the same badge through ``on_page_context``.
+* Numbers become text here, and only here. A notebook publishes numbers and tables into
+  ``results/<lab>/summary.json`` (``labkit.notebook.publish``); a page shows them with
+  ``<!-- infralab:table lab-NN NAME -->`` (a table, rendered by ``labkit.table``),
+  ``<!-- infralab:provenance lab-NN -->`` (where they were measured) and, inside a sentence,
+  ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
+  ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
+  fails the build. Every value is escaped: nothing in a results file becomes HTML.
 * ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
   the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
@@ -23,19 +30,20 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-import sys
+from functools import cache
 from pathlib import Path
 
 import yaml
-
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "code"))
+from labkit import labs
+from labkit.notebook import provenance_table
+from labkit.provenance import labkit_hash, source_hash
+from labkit.table import Table, escape
 
-from labkit.provenance import LABKIT_DIR, source_hash  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STATIC_FROM_ROOT = {
     "code": ("*.py",),
@@ -60,25 +68,38 @@ def on_files(files: Files, config) -> Files:
     return files
 
 
-def notebook_provenance(notebook: str) -> dict | None:
-    path = ROOT / notebook
+@cache
+def results(name: str) -> dict:
+    """A results file: ``lab-NN`` (or a lab's slug) -> ``results/<slug>/summary.json``; any other
+    name -> ``results/<name>.json`` (a benchmark's)."""
+    if re.match(r"^lab-\d\d", name):
+        path = ROOT / "results" / labs.slug(name[:6]) / "summary.json"
+    else:
+        path = ROOT / "results" / f"{name}.json"
     if not path.is_file():
+        raise PluginError(f"no results file {path.relative_to(ROOT)} (run the notebook or benchmark that writes it)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def lab_provenance(notebook: str) -> dict | None:
+    """The provenance of a lab's published results; its notebook is ``notebooks/<slug>.ipynb``."""
+    try:
+        return results(Path(notebook).stem).get("provenance")
+    except PluginError:
         return None
-    meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {}).get("infralab", {})
-    return meta.get("provenance")
 
 
 def measured_badge(notebook: str) -> dict:
-    """What the "measured on" badge says for a notebook (see overrides/main.html)."""
-    prov = notebook_provenance(notebook)
+    """What the "measured on" badge says for a lab's notebook and page (see overrides/main.html)."""
+    prov = lab_provenance(notebook)
     if not prov:
         return {"state": "missing", "text": "not measured yet"}
     current = source_hash(prov["lab"]) if prov.get("lab") else None
     stale = bool(current and prov.get("source_hash") and prov["source_hash"] != current)
-    labkit_now = source_hash(LABKIT_DIR)
+    labkit_now = labkit_hash()
     bench_changed = bool(prov.get("labkit_hash") and prov["labkit_hash"] != labkit_now)
     on_gpu = prov.get("device_type") == "cuda"
-    text = f"{prov.get('device_name')} · {str(prov.get('date_utc', ''))[:10]}" if on_gpu else "CPU only so far"
+    text = f"{escape(prov.get('device_name'))} · {str(prov.get('date_utc', ''))[:10]}" if on_gpu else "CPU only so far"
     return {
         "state": "stale" if stale else ("gpu" if on_gpu else "cpu"),
         "text": text,
@@ -195,6 +216,7 @@ def _section(nav: list, title: str) -> list:
 
 def on_config(config):
     """Add every lab's chapter, page (and its extra pages) and notebook to the nav, in lab order."""
+    results.cache_clear()  # `mkdocs serve` rebuilds after a notebook wrote new results
     nav = config["nav"]
     chapters, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
     listed = json.dumps(nav)
@@ -255,12 +277,12 @@ def render_performance(page_src: str) -> str:
             continue
         if prov.get("device_type") == "cuda":
             measured_on_gpu.add(data.get("bench"))
-        where = f"{prov.get('device_name')} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
-        commit = (prov.get("git_commit") or "?")[:10]
+        where = f"{escape(prov.get('device_name'))} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
+        commit = escape((prov.get("git_commit") or "?")[:10])
         rows = sorted(rows, key=lambda r: (r["unit"] != "x", r["unit"] != "fraction"))
-        table = [[r["metric"], _format_value(r["value"], r["unit"]), r.get("target") or "-", where,
+        table = [[escape(r["metric"]), escape(_format_value(r["value"], r["unit"])), escape(r.get("target") or "-"), where,
                   str(prov.get("date_utc", ""))[:10], f"`{commit}`", _code_state(data, r.get("lab"))] for r in rows]
-        parts += [f"## {data.get('bench', path.stem)}", "",
+        parts += [f"## {escape(data.get('bench', path.stem))}", "",
                   f"From `results/{path.name}`, written by the benchmark's own run "
                   f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
                   _table(["metric", "value", "target", "measured on", "date", "commit", "code"], table), ""]
@@ -272,11 +294,56 @@ def render_performance(page_src: str) -> str:
     return "\n".join(parts) if parts else "No benchmark results are committed yet."
 
 
-PLACEHOLDER = re.compile(r"^<!-- infralab:(\w+) -->$", re.M)
+PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
+VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+
+
+def _lookup(name: str, path: str, page_src: str):
+    data = results(name)
+    node = data.get("numbers", data) if name.startswith("lab-") else data
+    for key in path.split("."):
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            raise PluginError(f"{page_src}: {name} has no number {path} (looked in results for {name})")
+    return node
+
+
+def render_value(m: re.Match, page_src: str) -> str:
+    value = _lookup(m.group("file"), m.group("path"), page_src)
+    if isinstance(value, (dict, list)):
+        raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
+    return Table([("", m.group("kind") or "text")]).cell(value, m.group("kind") or "text")
+
+
+def render_results_placeholder(name: str, args: str, page_src: str) -> str:
+    parts = args.split()
+    if name == "table" and len(parts) == 2:
+        tables = results(parts[0]).get("tables", {})
+        if parts[1] not in tables:
+            raise PluginError(f"{page_src}: {parts[0]} published no table {parts[1]!r} (has: {', '.join(tables)})")
+        return Table.from_dict(tables[parts[1]]).markdown()
+    if name == "provenance" and len(parts) == 1:
+        prov = results(parts[0]).get("provenance")
+        if not prov:
+            raise PluginError(f"{page_src}: results of {parts[0]} carry no provenance")
+        how = "`scripts/run_notebooks.py`" if parts[0].startswith("lab-") else "its benchmark"
+        return provenance_table(prov).markdown() + f"\n\nWritten by {how}; the badge under the title says whether the code has changed since."
+    raise PluginError(f"{page_src}: bad placeholder infralab:{name} {args}")
+
+
+def _placeholder(m: re.Match, page_src: str, config) -> str:
+    name, args = m.group("name"), m.group("args")
+    text = render_results_placeholder(name, args, page_src) if args else render_placeholder(name, page_src, config)
+    return "\n".join(m.group("indent") + line if line else line for line in text.split("\n"))
 
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
-    markdown = PLACEHOLDER.sub(lambda m: render_placeholder(m.group(1), page.file.src_uri, config), markdown)
+    src = page.file.src_uri
+    markdown = PLACEHOLDER.sub(lambda m: _placeholder(m, src, config), markdown)
+    markdown = VALUE.sub(lambda m: render_value(m, src), markdown)
     meta = page.meta
     if "lab" not in meta:
         return markdown

@@ -1,23 +1,23 @@
 """Execute the notebooks: notebooks/src/NAME.py (jupytext percent format) -> notebooks/NAME.ipynb.
 
 Notebooks are never edited by hand. Their source is a plain Python file in ``notebooks/src/``;
-this script turns it into a notebook, executes every cell in order with a fresh kernel, copies the
-provenance the notebook printed (the output of the cell tagged ``provenance``) into the
-notebook's metadata, and writes the executed notebook next to the others. The site's "measured on"
-badge and the tests read that metadata.
+this script turns it into a notebook, executes every cell in order with a fresh kernel, and writes
+the executed notebook next to the others. What the notebook measured, with its provenance, it
+publishes itself into ``results/<lab>/summary.json`` (``labkit.notebook.publish``): the site's
+"measured on" badge reads it there.
 
     python scripts/run_notebooks.py                       # all notebooks, device auto
     python scripts/run_notebooks.py --device cuda lab-02-single-gpu-training
     python scripts/run_notebooks.py --output-dir /tmp/nb --results-dir /tmp/results   # dry run
 
-The notebook code reads ``INFRALAB_DEVICE`` (cpu|cuda|auto), ``INFRALAB_ROOT`` and
-``INFRALAB_RESULTS_DIR`` from the environment this script sets.
+The notebook code reads ``INFRALAB_DEVICE`` (cpu|cuda|auto) and ``INFRALAB_RESULTS_DIR`` from the
+environment this script sets. The kernel imports labkit and the labs from this checkout's
+``code/`` (PYTHONPATH), whatever labkit the environment has installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "notebooks" / "src"
-PROVENANCE_MIME = "application/vnd.infralab.provenance+json"
 
 
 def build(src: Path):
@@ -40,24 +39,12 @@ def build(src: Path):
     return nb
 
 
-def find_provenance(nb) -> dict | None:
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "provenance" in cell.metadata.get("tags", []):
-            for out in cell.get("outputs", []):
-                data = out.get("data", {})
-                if PROVENANCE_MIME in data:
-                    value = data[PROVENANCE_MIME]
-                    return json.loads(value) if isinstance(value, str) else dict(value)
-    return None
-
-
 def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, timeout: int) -> Path:
     import nbformat
     from nbclient import NotebookClient
 
     nb = build(src)
     env = dict(os.environ)
-    env["INFRALAB_ROOT"] = str(ROOT)
     env["INFRALAB_DEVICE"] = device
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "code"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -77,15 +64,11 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
     t0 = time.perf_counter()
     client.execute(env=env)
     wall = time.perf_counter() - t0
-    prov = find_provenance(nb)
-    if prov is None:
-        raise SystemExit(f"{src.name}: no cell tagged 'provenance' printed a provenance record")
-    prov["wall_time_s"] = round(wall, 2)  # the whole notebook, every measurement in it
     nb.metadata["infralab"] = {
         "lab": src.stem,
         "source": src.relative_to(ROOT).as_posix(),
-        "provenance": prov,
         "executed_by": "scripts/run_notebooks.py",
+        "device": device,
         "execution_wall_time_s": round(wall, 2),
     }
     target = out_dir / f"{src.stem}.ipynb"

@@ -1,4 +1,7 @@
-"""Shared fixtures: repository paths, lab loading, CLI runs, and the `cuda` marker's skip rule."""
+"""Shared fixtures: repository paths, lab loading, CLI runs, and the `cuda` marker's skip rule.
+
+Labs are loaded the way they load each other (``labkit.labs.load``); labkit is the one installed in
+the virtual environment (editable: ``scripts/_env.sh``)."""
 
 from __future__ import annotations
 
@@ -36,15 +39,19 @@ def root() -> Path:
     return ROOT
 
 
-def load_lab(relative: str):
-    from labkit.notebook import load_lab as _load
+def load_lab(lab: int | str, module: str | None = None):
+    """A lab's starter (or its file ``module``) as a module: ``load_lab(8)``."""
+    from labkit import labs
 
-    return _load(relative)
+    if isinstance(lab, str) and "/" in lab:  # transitional (issue 12): "lab-NN-slug/file.py"
+        lab, _, file = lab.partition("/")
+        module = file.removesuffix(".py")
+    return labs.load(lab, module)
 
 
 @pytest.fixture(scope="session")
 def lab02():
-    return load_lab("lab-02-single-gpu-training/train_single_gpu.py")
+    return load_lab(2)
 
 
 def run_cli(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -88,12 +95,16 @@ def built_site(tmp_path_factory):
     return {"dir": out, "seconds": seconds, "log": proc.stdout + proc.stderr}
 
 
-def assert_usage_error_in_process(main, argv: list[str], capsys, *fragments: str) -> str:
-    """Run a lab's ``main`` through ``run_lab`` in this process: exit 2 and one stderr line."""
-    from labkit import run_lab
+def assert_usage_error_in_process(lab, argv: list[str], capsys, *fragments: str) -> str:
+    """Run a lab's command line (``cli.main`` with its Config, run and report) in this process:
+    exit 2 and one stderr line that holds every fragment."""
+    from labkit import cli
 
     with pytest.raises(SystemExit) as exc:
-        run_lab(main, argv, prog="lab")
+        if callable(lab):  # transitional (issue 12): a lab's old main(argv)
+            cli.run_lab(lab, argv, prog="lab")
+        else:
+            cli.main(lab.Config, lab.run, lab.report, argv, prog="lab")
     assert exc.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1, lines

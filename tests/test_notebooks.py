@@ -1,5 +1,6 @@
-"""Notebooks: executed by scripts/run_notebooks.py from their source, in order, without errors,
-with a figure and provenance; and they still run on CPU today (re-executed in a temporary copy)."""
+"""Notebooks: executed by scripts/run_notebooks.py from their source, in order, without errors or
+stray outputs, with a figure; their results published with provenance; and they still run on CPU
+today (re-executed in a temporary copy)."""
 
 from __future__ import annotations
 
@@ -44,22 +45,40 @@ def test_notebook_hygiene(path):
           if line.startswith("# ")]
     assert len(h1) == 1, h1
     assert path.stat().st_size < 3_000_000, "keep notebooks small"
+    shown = json.dumps([o for c in code for o in c.outputs if o.output_type != "display_data"
+                        or "image/png" not in o.get("data", {})])
+    if not thin(path):
+        return
+    for leak in ("PosixPath(", "/work/", "/tmp/", "/home/", "/root/"):
+        assert leak not in shown, f"{path.name} shows {leak!r}: a repr or a machine path leaked into an output"
+    assert meta_of(path)["executed_by"] == "scripts/run_notebooks.py"
+
+
+def thin(path) -> bool:
+    """Transitional (issue 12): a notebook already on labkit.notebook's setup() and publish()."""
+    return "notebook.setup(" in (ROOT / "notebooks" / "src" / f"{path.stem}.py").read_text(encoding="utf-8")
+
+
+def meta_of(path):
+    return nbformat.read(path, as_version=4).metadata["infralab"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_provenance(path):
-    nb = nbformat.read(path, as_version=4)
-    meta = nb.metadata["infralab"]
-    prov = meta["provenance"]
+def test_notebook_published_its_results_with_provenance(path):
+    """One route for provenance: the notebook's publish() writes it beside its numbers, and the
+    page's badge reads it from there."""
+    if not thin(path):
+        pytest.skip("transitional (issue 12): not yet on notebook.publish()")
+    summary = json.loads((ROOT / "results" / path.stem / "summary.json").read_text())
+    prov = summary["provenance"]
     for key in ("device_type", "device_name", "torch_version", "python_version", "git_commit",
                 "source_hash", "labkit_hash", "date_utc", "lab"):
         assert prov.get(key), key
-    assert prov["lab"] == path.stem
-    assert meta["executed_by"] == "scripts/run_notebooks.py"
-    printed = run_notebooks.find_provenance(nb)
-    assert {k: v for k, v in prov.items() if k != "wall_time_s"} == {
-        k: v for k, v in printed.items() if k != "wall_time_s"}, "metadata copies the provenance cell's output"
-    assert prov["wall_time_s"] > 0
+    assert prov["lab"] == path.stem and prov["wall_time_s"] > 0
+    assert prov["device_type"] == meta_of(path)["device"] or meta_of(path)["device"] == "auto"
+    assert summary["tables"] or summary["numbers"]
+    for name in summary["figures"]:
+        assert (ROOT / "results" / path.stem / name).is_file()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -79,13 +98,13 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
     for cell in fresh.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    env = dict(os.environ, INFRALAB_ROOT=str(ROOT), INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1",
-               INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
+    env = dict(os.environ, INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1", INFRALAB_RESULTS_DIR=str(tmp_path / "results"),
+               INFRALAB_ROOT=str(ROOT))  # transitional (issue 12): the notebooks not yet on notebook.setup()
     (tmp_path / path.name).write_text(json.dumps(fresh))
     client = NotebookClient(fresh, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}, allow_errors=False)
     client.execute(env=env)
     errors = [o for c in fresh.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    assert list((tmp_path / "results").rglob("*")), "the notebook wrote its results"
+    assert (tmp_path / "results" / path.stem / "summary.json").is_file(), "the notebook published its results"
     assert not any((ROOT / "results").rglob("*.tmp"))

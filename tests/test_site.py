@@ -109,7 +109,7 @@ def test_lab_page_front_matter_names_real_files(page):
         assert meta.get(key), f"{page.name}: front matter needs {key}"
     assert (ROOT / meta["starter"]).is_file(), meta["starter"]
     assert (ROOT / meta["notebook"]).is_file(), meta["notebook"]
-    launch = rf"^(python|torchrun( --\S+)*) {re.escape(meta['starter'])}( |$)"  # plain or distributed
+    launch = rf"^(\.venv/bin/)?(python|torchrun( --\S+)*) {re.escape(meta['starter'])}( |$)"  # plain or distributed
     assert re.match(launch, meta["run_cpu"]) and "--device cpu" in meta["run_cpu"], meta["run_cpu"]
     assert re.match(launch, meta["run_gpu"]) and "--device cuda" in meta["run_gpu"], meta["run_gpu"]
 
@@ -178,8 +178,8 @@ def test_rendered_lab_page_links_its_starter_and_notebook(built_site, page):
 def test_badge_reflects_notebook_provenance(built_site):
     for page in LAB_PAGES:
         meta = front_matter(page)
-        nb = json.loads((ROOT / meta["notebook"]).read_text())
-        device_type = nb["metadata"]["infralab"]["provenance"]["device_type"]
+        summary = json.loads((ROOT / "results" / Path(meta["notebook"]).stem / "summary.json").read_text())
+        device_type = summary["provenance"]["device_type"]
         html = (built_site["dir"] / "labs" / page.stem / "index.html").read_text(encoding="utf-8")
         state = re.search(r'data-il-badge="(\w+)"', html).group(1)
         if state != "stale":
@@ -281,7 +281,7 @@ def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypat
     monkeypatch.setattr(hooks, "ROOT", tmp_path)
     text = hooks.render_performance("performance.md")
     lines = [line for line in text.splitlines() if line.startswith("| ")]
-    assert lines[1].startswith("| overhead | 1.02x | <= 1.03 | Some GPU (GPU) | 2026-11-22 | `abcdef1234`")
+    assert lines[1].startswith("| overhead | 1.02x | &lt;= 1.03 | Some GPU (GPU) | 2026-11-22 | `abcdef1234`")
     assert lines[2].startswith("| bandwidth | 50.0 GB/s |")
     assert "## Not measured on a GPU yet" in text and "`bench/other_bench.py`" in text
     assert "`bench/demo_bench.py`" not in text

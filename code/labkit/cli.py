@@ -1,28 +1,36 @@
-"""The one command-line pattern every lab uses.
+"""The one command-line pattern every lab uses: flags built from the lab's ``Config``.
 
-* ``lab_parser`` gives the common flags (``--device {auto,cpu,cuda}``, ``--json``, ``--seed``) and
-  a parser whose errors are one line on stderr with exit code 2 (argparse's usage block is left out).
-* ``run_lab(main)`` runs a lab's ``main`` and turns a :class:`UsageError` into that same one line
-  and exit code 2, never a traceback; so too an out-of-memory error, whose cause is sizes asked
-  for that the machine cannot hold.
-* ``pick_device`` resolves ``auto`` and refuses ``cuda`` on a machine without a GPU; on a GPU it
-  lets cuBLAS take its workspaces at once (``labkit.cuda.warm_up``), before anything is measured.
-* ``progress`` is a tqdm bar that only appears on runs longer than a couple of seconds and is
-  silent under ``--json``.
+A lab ends with::
+
+    if __name__ == "__main__":
+        cli.main(Config, run, report)
+
+:func:`main` builds an argparse parser from the dataclass (one ``--flag`` per field, its help and
+choices from the field, plus ``--json``), makes the ``Config`` (whose ``__post_init__`` holds every
+rule), calls ``run(config)``, and prints ``report(result)`` or, under ``--json``, the one JSON object
+``result.summary()``. Bad input of any kind, a :class:`UsageError` raised anywhere in the run, and
+an out-of-memory error (sizes the machine cannot hold) are one line on stderr and exit code 2, never
+a traceback.
+
+Also here: :func:`pick_device` (``auto|cpu|cuda``; it only resolves, it launches nothing) and
+:func:`progress`, a bar that appears only on runs longer than two seconds and never under
+``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import sys
+import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+from labkit.config import UsageError, choices_of, fields_of, flag, split_optional
 
-class UsageError(Exception):
-    """Bad input from the user: reported as one line on stderr, exit code 2."""
+__all__ = ["UsageError", "main", "parser", "parse", "pick_device", "progress", "emit_json"]
 
 
 class LabArgumentParser(argparse.ArgumentParser):
@@ -32,8 +40,182 @@ class LabArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _reader(kind, meta, name: str):
+    """The argparse ``type=`` for a field: reads the text; the bounds are the Config's to check."""
+    parse = meta.get("parse")
+    if parse is not None:
+        def read(text: str):
+            try:
+                return parse(text)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return read
+    if typing.get_origin(kind) is tuple:
+        item = _reader(typing.get_args(kind)[0], {}, name)
+        return lambda text: tuple(item(part.strip()) for part in text.split(",") if part.strip())
+    if kind in (int, float):
+        what = "a whole number" if kind is int else "a number"
+
+        def number(text: str):
+            try:
+                return kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        return number
+    if kind is Path:
+        def path(text: str) -> Path:
+            if not text.strip():
+                raise argparse.ArgumentTypeError("expected a path, got an empty one")
+            return Path(text)
+        return path
+    return str
+
+
+_METAVAR = {int: "N", float: "X", Path: "PATH", str: "TEXT", tuple: "A,B,..."}
+
+
+def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
+    """A parser with one flag per field of ``config_cls``, and ``--json``."""
+    doc = (config_cls.__doc__ or "").strip().split("\n\n")[0]
+    p = LabArgumentParser(prog=prog, description=" ".join(doc.split()) or None)
+    for f, kind in fields_of(config_cls):
+        meta = f.metadata
+        base, _ = split_optional(kind)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = default if not isinstance(default, tuple) else ",".join(map(str, default))
+        help_text = meta.get("help", "")
+        if base is bool:
+            p.add_argument(flag(f.name), action="store_true", dest=f.name, help=help_text)
+            continue
+        choices = choices_of(base)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "metavar": meta.get("metavar") or _METAVAR.get(
+            typing.get_origin(base) or base, "TEXT")}
+        if choices is not None:
+            kwargs["choices"] = list(choices)
+            kwargs["type"] = type(choices[0])
+            kwargs.pop("metavar")
+        else:
+            kwargs["type"] = _reader(base, meta, f.name)
+        if shown is not None and "default:" not in help_text:
+            help_text = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
+        p.add_argument(flag(f.name), help=help_text, **kwargs)
+    p.add_argument("--json", action="store_true", help="print one JSON summary object and nothing else on stdout")
+    return p
+
+
+def parse(config_cls, argv: list[str] | None = None, prog: str | None = None):
+    """``(config, as_json)`` from the command line; bad input exits 2 with one line."""
+    args = vars(parser(config_cls, prog).parse_args(argv))
+    as_json = args.pop("json")
+    return config_cls(**args), as_json
+
+
+def main(config_cls, run: Callable, report: Callable | None = None, argv: list[str] | None = None,
+         prog: str | None = None) -> None:
+    """The command line of a lab.
+
+    ``config_cls``: the lab's ``Config`` dataclass; ``run(config)``: the lab, returning a result
+    with a ``summary()`` (a JSON-ready dict) or the dict itself; ``report(result)``: prints the
+    result for a human (without it, the summary is printed as JSON); ``argv``: the arguments
+    (default ``sys.argv[1:]``); ``prog``: the name in error messages (default: the script's).
+    """
+    global _quiet
+    name = _prog(prog)
+    try:
+        config, as_json = parse(config_cls, argv, name)
+        _quiet = as_json
+        result = run(config)
+        if as_json or report is None:
+            emit_json(result.summary() if hasattr(result, "summary") else result)
+        else:
+            report(result)
+    except UsageError as err:
+        print(f"{name}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{name}: error: out of memory ({first[:160]}); ask for smaller sizes", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _prog(prog: str | None) -> str:
+    return prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """The allocator could not serve a request: CUDA's OutOfMemoryError, or the CPU allocator's."""
+    if isinstance(err, MemoryError):
+        return True
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(err, oom) or "can't allocate memory" in str(err)
+
+
+def pick_device(name: str):
+    """Resolve ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device``; UsageError if impossible.
+
+    It only resolves: nothing runs on the GPU here (the ledger and ``labkit.cuda.reset_peak`` warm
+    the GPU up when a measurement begins)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu or auto)")
+        device = torch.device(name)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return torch.device("cuda", index)
+    raise UsageError(f"unknown device {name!r}: choose auto, cpu or cuda")
+
+
+def emit_json(obj: Any) -> None:
+    """Print the single machine-readable summary of a run."""
+    print(json.dumps(obj, indent=None, sort_keys=False, default=_json_default))
+
+
+def _json_default(obj: Any):
+    if isinstance(obj, Path):
+        return str(obj)
+    try:
+        import torch
+
+        if isinstance(obj, torch.device):
+            return str(obj)
+        if isinstance(obj, torch.dtype):
+            return str(obj).replace("torch.", "")
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+_quiet = False  # set by main() under --json
+
+
+def progress(iterable: Iterable, total: int | None = None, desc: str = "", quiet: bool = False):
+    """A progress bar on stderr that shows itself only if the run lasts more than two seconds, and
+    never under ``--json``."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=_quiet or quiet, delay=2.0, leave=False,
+                file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- transitional (issue 12)
+# The argparse helpers the labs used before each had a Config. Removed once every lab is converted.
 def _number(convert, ok, what: str):
-    """An argparse ``type=`` that converts and checks, with a message that says what is wrong."""
+    import math
+
     kind = "a whole number" if convert is int else "a number"
 
     def parse(text: str):
@@ -59,46 +241,15 @@ seed_int = _number(int, lambda v: 0 <= v < 2**32, "a whole number in [0, 2**32)"
 
 
 def lab_parser(description: str, prog: str | None = None) -> LabArgumentParser:
-    """A parser with the flags every lab shares."""
     parser = LabArgumentParser(prog=prog, description=description)
-    parser.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where to run: auto picks cuda when a GPU is present, else cpu (default: auto)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON summary object and nothing else on stdout"
-    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run: auto picks cuda when a GPU is present, else cpu (default: auto)")
+    parser.add_argument("--json", action="store_true", help="print one JSON summary object and nothing else on stdout")
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     return parser
 
 
-def pick_device(name: str):
-    """Resolve ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device``; UsageError if impossible."""
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda was asked for, but no CUDA GPU is available (use --device cpu or auto)")
-        device = torch.device(name)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
-        from labkit.cuda import warm_up
-
-        device = torch.device("cuda", index)
-        warm_up(device)  # cuBLAS workspaces taken now, before any measurement (see labkit.cuda)
-        return device
-    raise UsageError(f"unknown device {name!r}: choose auto, cpu or cuda")
-
-
-def run_lab(main: Callable[[list[str] | None], Any], argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Run ``main(argv)``; a UsageError becomes one line on stderr and exit code 2."""
+def run_lab(main: Callable, argv: list[str] | None = None, prog: str | None = None) -> None:
     try:
         main(argv)
     except UsageError as err:
@@ -113,42 +264,3 @@ def run_lab(main: Callable[[list[str] | None], Any], argv: list[str] | None = No
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
-
-
-def _prog(prog: str | None) -> str:
-    return prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
-
-
-def _out_of_memory(err: BaseException) -> bool:
-    """The allocator could not serve a request: CUDA's OutOfMemoryError, or the CPU allocator's."""
-    if isinstance(err, MemoryError):
-        return True
-    import torch
-
-    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(err, oom) or "can't allocate memory" in str(err)
-
-
-def emit_json(obj: Any) -> None:
-    """Print the single machine-readable summary of a run."""
-    print(json.dumps(obj, indent=None, sort_keys=False, default=_json_default))
-
-
-def _json_default(obj: Any):
-    try:
-        import torch
-
-        if isinstance(obj, torch.device):
-            return str(obj)
-        if isinstance(obj, torch.dtype):
-            return str(obj).replace("torch.", "")
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-def progress(iterable: Iterable, total: int | None = None, desc: str = "", quiet: bool = False):
-    """A progress bar that shows itself only if the run lasts more than two seconds."""
-    from tqdm import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, disable=quiet, delay=2.0, leave=False, file=sys.stderr)

@@ -67,8 +67,9 @@ def warm_up(device: torch.device) -> int:
     with its own handle. Taken here, before a measurement starts, the workspaces are part of what
     the allocator held when the window began, which the comparisons with the ledger set aside.
 
-    ``labkit.pick_device`` (and ``labkit.dist.start`` for a rank's own GPU) call it as soon as a GPU
-    is chosen, before any ledger is entered, so that these tensors are never in a measurement.
+    A :class:`labkit.ledger.Ledger` calls it when first entered (before it records anything),
+    :func:`reset_peak` when a measurement window opens, and ``labkit.dist.start`` for a rank's own
+    GPU; so these tensors are never in a measurement. Choosing a device launches nothing.
     """
     if device.type != "cuda":
         return 0
@@ -84,8 +85,8 @@ def warm_up(device: torch.device) -> int:
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start a measurement window: the allocator's peak reset (workspaces taken first, if the device
-    was not chosen through ``pick_device``)."""
+    """Start a measurement window: cuBLAS workspaces taken (once per device), the allocator's peak
+    reset. Nothing on CPU."""
     if device.type == "cuda":
         warm_up(device)
         torch.cuda.synchronize(device)

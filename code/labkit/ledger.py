@@ -18,10 +18,10 @@ category                  rule
 ``activations``           born in a ``forward`` phase and still alive when that phase ended,
                           i.e. kept for backward
 ``temporaries``           born inside any phase and not one of the above
-``host_copies``           labelled so by the lab (offload buffers), or any storage born inside
-                          ``with ledger.category("host_copies")``
-``communication``         labelled so by the lab: gradient buckets, all-gather and
-                          reduce-scatter buffers of data-parallel training
+``host_copies``           labelled so from outside (``ledger.track(engine.host_tensors(),
+                          "host_copies")``), or born inside ``marks.category("host_copies")``
+``communication``         labelled so by an instrument (``labkit.traffic``): gradient buckets,
+                          all-gather and reduce-scatter buffers of data-parallel training
 ``other``                 born outside every phase (input batches, buffers, ...)
 ========================  ===============================================================
 
@@ -42,8 +42,13 @@ Storages resized in place with ``UntypedStorage.resize_`` (FSDP frees and re-all
 parameters that way) are followed: the ledger wraps ``resize_`` while it is entered. Tensor
 subclasses such as DTensor are looked through: their local tensors are what is counted.
 With ``stacks=True`` every storage also remembers the line of code that allocated it and, when
-that line is in labkit's own model code (``models.py``, ``diffusion.py``), the lab line that
-called the model; :meth:`Ledger.live_by_origin` lists what is alive by category and by both.
+that line is in labkit's own model code, the lab line that called the model
+(:mod:`labkit.stacks`, whose ``live_by_origin`` lists what is alive by category and by both).
+
+The ledger is the recorder only. What it records is read as a :class:`labkit.timeline.Timeline`
+(torch-free: peaks, windows, step peaks). Phases and categories come from the lab's ambient marks
+(:mod:`labkit.marks`): while entered, the ledger watches them, so the code it measures passes no
+ledger around.
 
 Not seen: memory allocated outside the dispatcher (CUDA context, cuBLAS workspaces, NCCL
 buffers), and tensors created before the ledger was entered unless you register them
@@ -57,28 +62,17 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-PARAMETERS = "parameters"
-GRADIENTS = "gradients"
-OPTIMIZER_STATE = "optimizer_state"
-ACTIVATIONS = "activations"
-TEMPORARIES = "temporaries"
-HOST_COPIES = "host_copies"
-COMMUNICATION = "communication"
-OTHER = "other"
-
-#: Plot and table order: long-lived state first, short-lived last.
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, COMMUNICATION,
-              OTHER)
-
-#: The phase names labs use; any other name is allowed too.
-PHASES = ("forward", "backward", "optimizer", "transfer")
+from labkit import marks, stacks
+from labkit.timeline import (  # noqa: F401  (the categories are re-exported for the labs)
+    ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, HOST_COPIES, OPTIMIZER_STATE, OTHER, PARAMETERS, PHASES,
+    TEMPORARIES, PhaseSpan, Timeline)
 
 CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
@@ -109,90 +103,19 @@ class StorageRecord:
     called_from: str | None = None  # the lab line that called labkit's model code, when ``where`` is in it
 
 
-@dataclass
-class PhaseSpan:
-    name: str
-    step: int | None
-    start: int  # first timeline row inside the phase
-    end: int  # one past the last row inside the phase
-
-
-@dataclass
-class Timeline:
-    """Rows of the ledger replayed with final categories: one row per allocation or free."""
-
-    categories: tuple[str, ...]
-    index: list[int] = field(default_factory=list)
-    time_s: list[float] = field(default_factory=list)
-    phase: list[str | None] = field(default_factory=list)
-    step: list[int | None] = field(default_factory=list)
-    device: dict[str, list[int]] = field(default_factory=dict)
-    host: dict[str, list[int]] = field(default_factory=dict)
-    cuda_allocated: list[int] = field(default_factory=list)
-    cuda_reserved: list[int] = field(default_factory=list)
-    spans: list[PhaseSpan] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def device_total(self) -> list[int]:
-        return [sum(col[i] for col in self.device.values()) for i in range(len(self))]
-
-    def host_total(self) -> list[int]:
-        return [sum(col[i] for col in self.host.values()) for i in range(len(self))]
-
-    def row(self, i: int) -> dict[str, int]:
-        return {cat: self.device[cat][i] for cat in self.categories}
-
-    def window(self, *phases: str) -> Timeline:
-        """The rows from the first span of any of ``phases`` to the end of the last one."""
-        spans = [s for s in self.spans if s.name in phases]
-        if not spans:
-            raise ValueError(f"no phase named {', '.join(phases)} in this timeline")
-        lo, hi = min(s.start for s in spans), max(s.end for s in spans)
-        out = Timeline(categories=self.categories)
-        for name in ("index", "time_s", "phase", "step", "cuda_allocated", "cuda_reserved"):
-            setattr(out, name, getattr(self, name)[lo:hi])
-        out.device = {c: v[lo:hi] for c, v in self.device.items()}
-        out.host = {c: v[lo:hi] for c, v in self.host.items()}
-        out.spans = [PhaseSpan(s.name, s.step, s.start - lo, s.end - lo) for s in self.spans
-                     if s.start >= lo and s.end <= hi]
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Timeline:
-        """The inverse of :meth:`to_dict` (e.g. a timeline another process wrote as JSON)."""
-        tl = cls(categories=tuple(d["categories"]))
-        for name in ("index", "time_s", "phase", "step", "cuda_allocated", "cuda_reserved"):
-            setattr(tl, name, list(d[name]))
-        tl.device, tl.host = dict(d["device"]), dict(d["host"])
-        tl.spans = [PhaseSpan(**s) for s in d["spans"]]
-        return tl
-
-    def to_dict(self) -> dict:
-        return {
-            "categories": list(self.categories),
-            "index": self.index,
-            "time_s": [round(t, 6) for t in self.time_s],
-            "phase": self.phase,
-            "step": self.step,
-            "device": self.device,
-            "host": self.host,
-            "cuda_allocated": self.cuda_allocated,
-            "cuda_reserved": self.cuda_reserved,
-            "spans": [s.__dict__ for s in self.spans],
-        }
-
-
 class Ledger(TorchDispatchMode):
     """Records live tensor bytes by category while entered.
 
     >>> ledger = Ledger("cpu")
     >>> ledger.track_module(model); ledger.track_optimizer(opt)
     >>> with ledger:
-    ...     with ledger.phase("forward", step=0):
+    ...     with marks.phase("forward", step=0):  # the lab's own mark: the ledger watches it
     ...         loss = model(x).sum()
-    >>> ledger.peaks_by_phase()["forward"]["activations"]
+    >>> ledger.timeline().peaks_by_phase()["forward"]["activations"]
+
+    ``device``: the compute device; storages elsewhere count as host memory. ``sample_cuda``: also
+    read ``torch.cuda.memory_allocated``/``memory_reserved`` at every event. ``stacks``: remember
+    the line that allocated each storage (slower; see :mod:`labkit.stacks`).
     """
 
     def __init__(self, device: str | torch.device = "cpu", sample_cuda: bool = True,
@@ -260,7 +183,7 @@ class Ledger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def category(self, name: str) -> Iterator[None]:
-        """Storages allocated inside this block get category ``name`` (e.g. ``host_copies``)."""
+        """Storages allocated inside this block get category ``name`` (``marks.category`` calls it)."""
         self._check_category(name)
         self._category_stack.append(name)
         try:
@@ -270,7 +193,7 @@ class Ledger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-        """Mark a phase (``forward``, ``backward``, ``optimizer``, ``transfer`` or your own)."""
+        """Mark a phase (``marks.phase`` calls it for every ledger that is entered)."""
         with self._lock:
             if step is not None:
                 self._step = step
@@ -293,18 +216,23 @@ class Ledger(TorchDispatchMode):
     # ------------------------------------------------------------------ mode plumbing
     def __enter__(self):
         if self._depth == 0:
+            from labkit.cuda import warm_up
+
+            warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
             self._patch_resize()
             for m in _alive(self._modules):
                 self._install_hooks_for(m)
             for opt in _alive(self._optimizers):
                 self._handles.append(opt.register_step_post_hook(self._after_step))
             self._active_until = None
+            marks.watch(self)
         self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
+            marks.unwatch(self)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -377,7 +305,7 @@ class Ledger(TorchDispatchMode):
                 op=op,
                 label=label,
                 explicit=label is not None,
-                **(_origin() if self.stacks else {}),
+                **(stacks.origin() if self.stacks else {}),
             )
             self.records.append(rec)
             self._sid_of[st] = sid
@@ -483,7 +411,7 @@ class Ledger(TorchDispatchMode):
             events = self.events[:n_events]
             cats = [self.category_of(r) for r in self.records]
             scopes = [self.scope_of(r) for r in self.records]
-            marks = list(self._phase_marks)
+            phase_marks = list(self._phase_marks)
             initial = list(self._initial)
             initial_sizes = {sid: self._initial_size(sid) for sid in initial}
         tl = Timeline(categories=CATEGORIES)
@@ -491,8 +419,8 @@ class Ledger(TorchDispatchMode):
         tl.host = {c: [] for c in CATEGORIES}
 
         # Phase spans in rows: a phase covers the events recorded between its start and end marks.
-        starts = {pid: (name, step, at) for kind, pid, name, step, at in marks if kind == "start"}
-        ends = {pid: at for kind, pid, _name, _step, at in marks if kind == "end"}
+        starts = {pid: (name, step, at) for kind, pid, name, step, at in phase_marks if kind == "start"}
+        ends = {pid: at for kind, pid, _name, _step, at in phase_marks if kind == "end"}
         phase_at: list[tuple[str | None, int | None]] = [(None, None)] * n_events
         for pid in sorted(starts, key=lambda p: (starts[p][2], p)):  # outer phases first
             name, step, start = starts[pid]
@@ -538,30 +466,19 @@ class Ledger(TorchDispatchMode):
         return self.records[sid].nbytes
 
     def peaks_by_phase(self, timeline: Timeline | None = None) -> dict[str, dict[str, int]]:
-        """For each phase name: the device bytes by category at that phase's highest moment."""
-        tl = timeline or self.timeline()
-        total = tl.device_total()
-        best: dict[str, int] = {}
-        for span in tl.spans:
-            # row i is the state after event i: a phase sees its entry state (row start-1) too
-            for i in range(max(span.start - 1, 0), min(span.end, len(total))):
-                if span.name not in best or total[i] > total[best[span.name]]:
-                    best[span.name] = i
-        return {name: tl.row(i) for name, i in best.items()}
+        """Shorthand for ``timeline().peaks_by_phase()``."""
+        return (timeline or self.timeline()).peaks_by_phase()
 
     def peak(self, timeline: Timeline | None = None) -> dict[str, int]:
-        """Device bytes by category at the highest moment of the whole run, plus ``total``."""
-        tl = timeline or self.timeline()
-        if not len(tl):
-            return {c: 0 for c in CATEGORIES} | {"total": 0}
-        total = tl.device_total()
-        i = max(range(len(total)), key=total.__getitem__)
-        return tl.row(i) | {"total": total[i]}
+        """Shorthand for ``timeline().peak()``."""
+        return (timeline or self.timeline()).peak()
 
+    # transitional (issue 12): removed once every lab reads the timeline
     def at_end(self, timeline: Timeline | None = None) -> dict[str, int]:
-        """Device bytes by category when the ledger was last exited (frees after that not counted)."""
-        tl = timeline or self.timeline()
-        return tl.row(len(tl) - 1) if len(tl) else {c: 0 for c in CATEGORIES}
+        return (timeline or self.timeline()).at_end()
+
+    def live_by_origin(self) -> list[dict]:
+        return stacks.live_by_origin(self)
 
     def current(self) -> dict[str, int]:
         """Device bytes by category right now (what is still alive, whenever you ask)."""
@@ -575,21 +492,6 @@ class Ledger(TorchDispatchMode):
     def live_records(self) -> Iterable[StorageRecord]:
         with self._lock:
             return [r for r in self.records if r.alive]
-
-    def live_by_origin(self) -> list[dict]:
-        """What is alive now, grouped by category, by the line that allocated it and by the lab line
-        that called it there (``called_from``, None when that line is the lab's own), largest first.
-
-        Needs ``Ledger(..., stacks=True)``; without it every origin reads "unknown".
-        """
-        groups: dict[tuple, dict] = {}
-        for rec in self.live_records():
-            key = (self.scope_of(rec), self.category_of(rec), rec.where or "unknown", rec.called_from)
-            g = groups.setdefault(key, {"scope": key[0], "category": key[1], "where": key[2],
-                                        "called_from": key[3], "bytes": 0, "tensors": 0})
-            g["bytes"] += rec.nbytes
-            g["tensors"] += 1
-        return sorted(groups.values(), key=lambda g: -g["bytes"])
 
 
 def _alive(refs: list[weakref.ref]) -> list:
@@ -608,43 +510,6 @@ _AUTO_RANK = {
 }
 
 
-# labkit's model code: a tensor born there is named by that line and by the lab line that called
-# it. Every other labkit module is an instrument, never where a tensor comes from.
-_MODEL_CODE = frozenset({"models.py", "diffusion.py"})
-
-
-def _origin() -> dict[str, str | None]:
-    """``where``: the innermost frame outside torch, the standard library and labkit's instruments
-    (labkit's model code counts); ``called_from``: when that frame is labkit's model code, the first
-    frame outside labkit.
-
-    Walks the live frames and reads a source line only for the frames it returns: with
-    ``stacks=True`` this runs on every allocation, so it must stay cheap.
-    """
-    import sys
-
-    where = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        f = frame.f_code.co_filename.replace("\\", "/")
-        library = "/torch/" in f or "/lib/python3" in f or f.startswith("<frozen")
-        if not library and "/labkit/" not in f:  # the lab's own code (or a test's)
-            line = _frame_line(frame)
-            return {"where": where or line, "called_from": line if where else None}
-        if not library and where is None and f.rsplit("/", 1)[-1] in _MODEL_CODE:
-            where = _frame_line(frame)  # labkit's model code: walk on to the lab line that called it
-        frame = frame.f_back
-    return {"where": where, "called_from": None}
-
-
-def _frame_line(frame) -> str:
-    import linecache
-
-    name = frame.f_code.co_filename.replace("\\", "/").rsplit("/", 1)[-1]
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
-
-
 try:  # DTensor is public from torch 2.5; a build without it has none to look through
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover
@@ -661,15 +526,15 @@ def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:
 
 
 class NullLedger:
-    """The Ledger's interface doing nothing: for timing runs, where a dispatch mode would cost time."""
+    """Transitional (issue 12): the Ledger's interface doing nothing."""
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device="cpu") -> None:
         self.device = torch.device(device)
 
-    def track_module(self, module) -> NullLedger:
+    def track_module(self, module):
         return self
 
-    def track_optimizer(self, optimizer) -> NullLedger:
+    def track_optimizer(self, optimizer):
         return self
 
     def track(self, tensors, category: str) -> None:
@@ -678,10 +543,10 @@ class NullLedger:
     def category(self, name: str):
         return contextlib.nullcontext()
 
-    def phase(self, name: str, step: int | None = None):
+    def phase(self, name: str, step=None):
         return contextlib.nullcontext()
 
-    def __enter__(self) -> NullLedger:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,72 +1,154 @@
-"""Helpers for the executed notebooks: where to write results, how to show provenance.
+"""The first and the last cell of every notebook: :func:`setup` and :func:`publish`.
 
-``scripts/run_notebooks.py`` executes the notebooks with ``INFRALAB_DEVICE``, ``INFRALAB_ROOT``
-and ``INFRALAB_RESULTS_DIR`` set; a reader running a notebook by hand gets the defaults (device
-auto, results under the repository's ``results/``).
+A notebook is thin. It calls its lab's ``run(Config(...))``, draws what the ledger recorded, and
+publishes numbers, tables and figures; the lab holds the formulas, the tests hold the asserts, and
+the site's build hook turns the published numbers into a page's tables and sentences. ::
+
+    nb = notebook.setup(2)                       # the lab, the device, where results go
+    result = nb.lab.run(nb.lab.Config(device=nb.device.type, steps=3))
+    notebook.publish(nb, tables={"peaks": ...}, figures={"timeline": fig}, growth=...)
+
+``scripts/run_notebooks.py`` executes the notebooks with ``INFRALAB_DEVICE`` and
+``INFRALAB_RESULTS_DIR`` set; a reader running one by hand gets the defaults (device auto, results
+under the repository's ``results/``).
+
+Provenance has one route: :func:`publish` writes it into ``results/<lab>/summary.json``, and the
+page's "measured on" badge and the notebook page read it from there.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from labkit.provenance import CODE_DIR, REPO_ROOT, describe
+from labkit import labs
+from labkit.provenance import REPO_ROOT, collect
+from labkit.table import Table
 
+
+@dataclass
+class Notebook:
+    """What a notebook works with: its lab's starter module, the device, its results folder."""
+
+    lab: ModuleType
+    slug: str
+    device: Any  # torch.device
+    results: Path
+    provenance: dict
+    started: float
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def setup(lab: int | str) -> Notebook:
+    """Load lab ``lab``'s starter, choose the device (``INFRALAB_DEVICE``, default auto), and show
+    where and on which code this notebook measures, as a small table."""
+    from labkit.cli import pick_device
+
+    module = labs.load(lab)
+    slug = labs.slug(lab)
+    device = pick_device(os.environ.get("INFRALAB_DEVICE", "auto"))
+    base = Path(os.environ.get("INFRALAB_RESULTS_DIR") or REPO_ROOT / "results")
+    out = base / slug
+    out.mkdir(parents=True, exist_ok=True)
+    record = collect(lab, device)
+    _display_markdown(provenance_table(record).markdown())
+    return Notebook(module, slug, device, out, record, time.perf_counter())
+
+
+def provenance_table(record: dict) -> Table:
+    """Where a measurement was made, as rows a reader scans (the badge's long form)."""
+    gpu = record.get("device_type") == "cuda"
+    rows = [
+        ["measured on", record.get("device_name") or "?"],
+        ["kind", "CUDA GPU" if gpu else "CPU only: exact bytes, no GPU speed or allocator claim"],
+    ]
+    if gpu:
+        rows.append(["driver, CUDA", f"{record.get('driver_version')}, {record.get('cuda_version')}"])
+    rows += [
+        ["torch, Python", f"{record.get('torch_version')}, {record.get('python_version')}"],
+        ["commit", (record.get("git_commit") or "?")[:10] + (" (with local changes)" if record.get("git_dirty") else "")],
+        ["lab source", record.get("source_hash") or "-"],
+        ["labkit", record.get("labkit_hash") or "-"],
+        ["date (UTC)", str(record.get("date_utc", "?"))[:10]],
+    ]
+    if record.get("wall_time_s") is not None:
+        rows.append(["wall time", f"{record['wall_time_s']:.1f} s"])
+    return Table(["", "value"], rows)
+
+
+def publish(nb: Notebook, tables: dict[str, Table] | None = None, figures: dict[str, Any] | None = None,
+            **numbers: Any) -> None:
+    """Write what the notebook measured into ``results/<lab>/``.
+
+    ``tables``: name -> :class:`Table` (a page shows one with ``<!-- infralab:table lab-NN name -->``);
+    ``figures``: name -> matplotlib figure, saved as ``name.svg``; ``numbers``: any JSON-ready
+    values (a page quotes one with ``{{ lab-NN:name | kind }}``; a lab result's ``summary()`` is
+    one, less its own provenance).
+    """
+    from labkit.plot import save
+    from labkit.provenance import write_results
+
+    record = dict(nb.provenance, wall_time_s=round(time.perf_counter() - nb.started, 3))
+    # a lab's summary() carries its own provenance: the file's one record, at the top, is the one
+    numbers = {k: {kk: vv for kk, vv in v.items() if kk != "provenance"} if isinstance(v, dict) else v
+               for k, v in numbers.items()}
+    written = []
+    for name, fig in (figures or {}).items():
+        written.append(save(fig, nb.results / f"{name}.svg").name)
+    payload = {"numbers": numbers, "tables": {k: t.to_dict() for k, t in (tables or {}).items()},
+               "figures": written}
+    path = write_results(nb.results / "summary.json", payload, record)
+    print(f"wrote {path.name} ({len(numbers)} numbers, {len(tables or {})} tables) and "
+          f"{', '.join(written) or 'no figures'} to results/{nb.slug}/")
+
+
+def _display_markdown(text: str) -> None:
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:  # outside Jupyter: plain text
+        print(text)
+        return
+    display(Markdown(text))
+
+
+# ---------------------------------------------------------------------- transitional (issue 12)
 PROVENANCE_MIME = "application/vnd.infralab.provenance+json"
 
 
 def device_name() -> str:
-    """The device the notebook should use: ``INFRALAB_DEVICE`` or ``auto``."""
     return os.environ.get("INFRALAB_DEVICE", "auto")
 
 
 def results_dir(lab: str) -> Path:
-    base = Path(os.environ.get("INFRALAB_RESULTS_DIR") or REPO_ROOT / "results")
-    out = base / lab
+    out = Path(os.environ.get("INFRALAB_RESULTS_DIR") or REPO_ROOT / "results") / lab
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
 def load_lab(relative: str) -> ModuleType:
-    """Import a lab's starter file, e.g. ``load_lab("lab-02-single-gpu-training/train_single_gpu.py")``."""
-    path = CODE_DIR / relative
-    name = "lab_" + path.parent.name.replace("-", "_") + "_" + path.stem
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    folder, _, file = relative.partition("/")
+    return labs.load(folder, file.removesuffix(".py") or None)
 
 
 def show_provenance(record: dict) -> None:
-    """Display the provenance for readers and hand it to run_notebooks.py (a MIME bundle)."""
-    from IPython.display import display
-
-    text = "Measured on: " + describe(record)
-    if record.get("device_type") != "cuda":
-        text += "\n(CPU run: byte counts are exact; no GPU speed or transfer claim is made from it)"
-    display(
-        {PROVENANCE_MIME: json.dumps(record), "text/plain": text + "\n" + json.dumps(record, indent=1)},
-        raw=True,
-    )
+    _display_markdown(provenance_table(record).markdown())
 
 
 def show_markdown(text: str) -> None:
-    from IPython.display import Markdown, display
-
-    display(Markdown(text))
+    _display_markdown(text)
 
 
 def provenance_markdown(record: dict) -> str:
-    """One line for a page: where and on which code a lab's figures were measured."""
-    if record.get("device_type") == "cuda":
-        where = "Measured on a CUDA GPU"
-    else:
-        where = "Measured on CPU (exact bytes; no GPU speed or allocator claim)"
-    return f"{where}: {describe(record)}. Written by the lab's notebook, `scripts/run_notebooks.py`.\n"
+    from labkit.provenance import describe
+
+    return f"Measured: {describe(record)}. Written by the lab's notebook, `scripts/run_notebooks.py`.\n"

@@ -1,4 +1,4 @@
-"""One plotting path for every lab: ledger timelines, peak tables, byte formatting.
+"""One plotting path for every lab: ledger timelines and residency schedules.
 
 ``plot_timeline`` draws device bytes as a stacked area by category over the ledger's events, with
 the phases as coloured bands, the CUDA allocator's own counters as lines when they were sampled,
@@ -15,7 +15,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from labkit.ledger import CATEGORIES, Timeline
+from labkit.table import UNITS, pick_unit
+from labkit.timeline import CATEGORIES, Timeline
 
 CATEGORY_COLORS = {
     "parameters": "#4C72B0",
@@ -40,29 +41,6 @@ PHASE_COLORS = {
     "transfer": "#fee391",  # its own colour: decode is green
     "zero_grad": "#d9d9d9",
 }
-
-UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
-
-
-def pick_unit(max_bytes: float) -> tuple[str, int]:
-    for name, size in UNITS:
-        if max_bytes >= size:
-            return name, size
-    return "B", 1
-
-
-def format_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
-    """``format_bytes(3 * 2**20) == '3.00 MiB'``; exact integers below 1 KiB."""
-    if unit is None:
-        unit, size = pick_unit(abs(n))
-    else:
-        size = dict(UNITS)[unit]
-    if n == 0:
-        return "0"
-    if size == 1:
-        return f"{int(n)} B"
-    return f"{n / size:.{digits}f} {unit}"
-
 
 def plot_timeline(
     tl: Timeline,
@@ -168,24 +146,6 @@ def save(fig, path: str | os.PathLike) -> Path:
     return path
 
 
-def peak_table(peaks: Mapping[str, Mapping[str, int]], unit: str | None = None, label: str = "phase") -> str:
-    """A Markdown table: one row per phase (or other ``label``), one column per category, the total."""
-    cats = [c for c in CATEGORIES if any(row.get(c, 0) for row in peaks.values())]
-    totals = {p: sum(row.get(c, 0) for c in CATEGORIES) for p, row in peaks.items()}
-    if unit is None:
-        unit, _ = pick_unit(max(totals.values(), default=1))
-    head = f"| {label} | " + " | ".join(c.replace("_", " ") for c in cats) + " | total |"
-    sep = "|---|" + "---:|" * (len(cats) + 1)
-    size = dict(UNITS)[unit]
-
-    def cell(n: int) -> str:  # a value too small for the table's unit keeps its own unit
-        return format_bytes(n, unit) if n == 0 or n >= size / 100 else format_bytes(n)
-
-    rows = [f"| {p} | " + " | ".join(cell(row.get(c, 0)) for c in cats) + f" | **{cell(totals[p])}** |"
-            for p, row in peaks.items()]
-    return "\n".join([head, sep, *rows])
-
-
 def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str, str] | None = None):
     """Compute stream against copy stream: one row per lane, one bar per transfer or compute.
 
@@ -217,3 +177,13 @@ def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return fig
+
+
+# transitional (issue 12): removed once every lab renders tables with labkit.table
+from labkit.table import format_bytes  # noqa: E402,F401
+
+
+def peak_table(peaks, unit=None, label="phase") -> str:
+    from labkit.table import by_category
+
+    return by_category(peaks, label=label, unit=unit).markdown()

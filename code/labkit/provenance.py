@@ -16,63 +16,36 @@ import hashlib
 import json
 import os
 import platform
-import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from labkit import labs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CODE_DIR = REPO_ROOT / "code"
 LABKIT_DIR = Path(__file__).resolve().parent
 
 
-def lab_dir(lab: str | os.PathLike) -> Path:
-    """``"lab-02-single-gpu-training"`` or a path inside it -> the lab's folder under code/."""
-    p = Path(lab)
-    if not p.is_absolute():
-        candidate = CODE_DIR / p
-        p = candidate if candidate.exists() else (REPO_ROOT / p)
-    p = p.resolve()
-    if p.is_file():
-        p = p.parent
-    if not p.is_dir():
-        raise FileNotFoundError(f"no lab folder at {p}")
-    return p
+def source_hash(lab: str | os.PathLike | int) -> str:
+    """SHA-256 (first 16 hex digits) over a lab's source files: every ``*.py`` of its folder and
+    every lab file they import (:func:`labkit.labs.sources`)."""
+    return _hash(labs.sources(lab), CODE_DIR)
 
 
-def source_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*.py") if "__pycache__" not in f.parts)
+def labkit_hash() -> str:
+    """The same hash over labkit's own files: the instruments a measurement was made with."""
+    return _hash(sorted(f for f in LABKIT_DIR.rglob("*.py") if "__pycache__" not in f.parts), LABKIT_DIR)
 
 
-LAB_NAME = re.compile(rb"lab-\d\d-[a-z0-9-]+")
-
-
-def lab_folders(folder: Path) -> list[Path]:
-    """The lab's folder and every other lab folder its code names (it imports from them)."""
-    seen, todo = [], [folder]
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.append(current)
-        for f in source_files(current):
-            for name in LAB_NAME.findall(f.read_bytes()):
-                other = CODE_DIR / name.decode()
-                if other.is_dir() and other not in seen:
-                    todo.append(other)
-    return [seen[0], *sorted(seen[1:])]
-
-
-def source_hash(lab: str | os.PathLike) -> str:
-    """SHA-256 (first 16 hex digits) over the ``*.py`` files of the lab and of the labs it uses."""
-    folder = lab_dir(lab)
+def _hash(files: list[Path], base: Path) -> str:
     h = hashlib.sha256()
-    for root in lab_folders(folder) if folder.parent == CODE_DIR else [folder]:
-        for f in source_files(root):
-            h.update(f.relative_to(CODE_DIR if root != folder else folder).as_posix().encode())
-            h.update(b"\0")
-            h.update(f.read_bytes().replace(b"\r\n", b"\n"))
-            h.update(b"\0")
+    for f in files:
+        h.update(f.relative_to(base).as_posix().encode())
+        h.update(b"\0")
+        h.update(f.read_bytes().replace(b"\r\n", b"\n"))
+        h.update(b"\0")
     return h.hexdigest()[:16]
 
 
@@ -111,8 +84,11 @@ def _nvidia_driver() -> str | None:
     return lines[0].strip() if lines else None
 
 
-def collect(lab: str | os.PathLike | None = None, device: Any = None, wall_time_s: float | None = None) -> dict:
-    """The provenance record of a measurement made now, on ``device``, by ``lab``'s code."""
+def collect(lab: str | os.PathLike | int | None = None, device: Any = None, wall_time_s: float | None = None) -> dict:
+    """The provenance record of a measurement made now, on ``device``, by ``lab``'s code.
+
+    ``lab``: a lab number, slug, or a path inside its folder (a starter passes ``__file__``);
+    ``device``: where it ran; ``wall_time_s``: how long the measurement took."""
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -130,7 +106,7 @@ def collect(lab: str | os.PathLike | None = None, device: Any = None, wall_time_
         "git_dirty": None,
         "lab": None,
         "source_hash": None,
-        "labkit_hash": source_hash(LABKIT_DIR),
+        "labkit_hash": labkit_hash(),
         "date_utc": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         "wall_time_s": None if wall_time_s is None else round(float(wall_time_s), 3),
     }
@@ -150,9 +126,8 @@ def collect(lab: str | os.PathLike | None = None, device: Any = None, wall_time_
     else:
         record["device_name"] = record["cpu"]
     if lab is not None:
-        folder = lab_dir(lab)
-        record["lab"] = folder.name
-        record["source_hash"] = source_hash(folder)
+        record["lab"] = labs.slug(lab)
+        record["source_hash"] = source_hash(lab)
     return record
 
 
@@ -183,7 +158,27 @@ def write_results(path: str | os.PathLike, payload: dict, record: dict) -> Path:
     """Write ``payload`` plus its provenance as JSON (parents created, written atomically)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"provenance": record, **payload}, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps({"provenance": record, **payload}, indent=1, sort_keys=False, default=_plain) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def _plain(obj):
+    """JSON for the few non-JSON values a result holds: paths, devices, dtypes."""
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if type(obj).__module__.startswith("torch"):
+        return str(obj).replace("torch.", "")
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+# transitional (issue 12)
+def lab_dir(lab) -> Path:
+    return labs.folder(lab)

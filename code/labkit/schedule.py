@@ -1,7 +1,10 @@
 """Residency schedules: a recorder of transfer and compute events, per stream.
 
-An offload engine calls ``recorder.mark(kind, unit, lane)`` at each moment that matters: a
-prefetch starts, its copy is ready, a block's compute starts and ends, a block is evicted. On CUDA
+An offload engine marks each moment that matters with ``labkit.marks.event(kind, unit, lane)``: a
+prefetch starts, its copy is ready, a block's compute starts and ends, a block is evicted. Those
+marks cost nothing unless a :class:`Recorder` is entered (``with Recorder(device) as rec:``); then
+each one becomes a :class:`Mark`, filed under the *stage* it happened in: the outermost
+``marks.phase`` open at the time (``encode``, ``denoise``, ``decode``). On CUDA
 every mark also records a ``torch.cuda.Event`` on the stream where the work is queued, so the
 times are *GPU* times (when the stream reached that point), read back once at the end with no
 synchronisation in between. On CPU the times are host clock times.
@@ -19,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from labkit import marks
 
 PAIRS = {"prefetch_start": "ready", "transfer_start": "transfer_end", "compute_start": "compute_end"}
 BAR_KIND = {"prefetch_start": "transfer", "transfer_start": "transfer", "compute_start": "compute"}
@@ -52,33 +57,50 @@ class Bar:
 
 
 class Recorder:
-    """Collects marks; call :meth:`finish` once the work is done, then read bars and summaries."""
+    """Collects the schedule marks made while it is entered; then read bars and summaries."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.marks: list[Mark] = []
-        self._stage: str | None = None
+        self._phases: list[str] = []
         self._t0 = time.perf_counter()
         self._origin = None
         if self.cuda:
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record(torch.cuda.current_stream(self.device))
 
+    def __enter__(self) -> Recorder:
+        marks.watch(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        marks.unwatch(self)
+        self.finish()
+
     @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        outer, self._stage = self._stage, name
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        """``marks.phase`` while entered: the outermost open phase names the stage."""
+        self._phases.append(name)
         try:
             yield
         finally:
-            self._stage = outer
+            self._phases.pop()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Transitional (issue 12): a stage by hand, for engines not yet on marks."""
+        with self.phase(name):
+            yield
 
     def mark(self, kind: str, unit: str, lane: str = "compute", nbytes: int = 0, stream=None) -> None:
+        """``marks.event`` while entered."""
         event = None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
-        self.marks.append(Mark(kind, unit, lane, int(nbytes), self._stage, time.perf_counter(), event))
+        stage = self._phases[0] if self._phases else None
+        self.marks.append(Mark(kind, unit, lane, int(nbytes), stage, time.perf_counter(), event))
 
     def finish(self) -> Recorder:
         """Resolve every mark to milliseconds since the recorder started (one sync on CUDA)."""

@@ -1,0 +1,350 @@
+"""labkit's bench beside the ledger: the typed Config and the command line built from it, how labs
+load each other, provenance, the one table renderer, plots, the toy models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from conftest import ROOT
+
+from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, cli, labs, marks
+from labkit import provenance as prov
+from labkit.cli import pick_device, progress
+from labkit.config import LabConfig, UsageError, option
+from labkit.models import gpt_param_count
+from labkit.plot import decimate, plot_timeline, save
+from labkit.table import Table, by_category, format_bytes
+
+
+# ---------------------------------------------------------------- device and CLI
+def test_auto_and_cpu_devices():
+    assert pick_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device("auto").type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_a_usage_error():
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        pick_device("cuda")
+
+
+def test_unknown_device_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown device"):
+        pick_device("tpu")
+
+
+@dataclass
+class Demo(LabConfig):
+    """A demo lab."""
+
+    steps: int = option(3, "steps", min=1)
+    rate: float = option(1.0, "a rate", above=0)
+    mode: Literal["a", "b"] = option("a", "a mode")
+    sizes: tuple[int, ...] = option((1, 2), "sizes", min=1)
+    out: Path | None = option(None, "where to write")
+    fast: bool = option(False, "a switch")
+
+
+def test_config_fields_are_checked_and_converted():
+    d = Demo(out="x.json", rate=2)
+    assert d.out == Path("x.json") and d.rate == 2.0 and isinstance(d.rate, float)
+    for fields, fragment in [({"steps": 0}, "--steps must be 1 or more, got 0"), ({"steps": 1.5}, "whole number"),
+                             ({"steps": True}, "whole number"), ({"steps": 10**30}, "does not fit a 64-bit"),
+                             ({"rate": float("nan")}, "finite"), ({"rate": 0}, "--rate must be above 0"),
+                             ({"mode": "c"}, "--mode must be one of a, b"), ({"sizes": ()}, "at least one"),
+                             ({"sizes": (1, 0)}, "--sizes must be 1 or more"), ({"seed": -1}, "--seed must be in"),
+                             ({"device": "tpu"}, "--device must be one of"), ({"fast": 1}, "switch")]:
+        with pytest.raises(UsageError, match=fragment.replace("(", r"\(")):
+            Demo(**fields)
+
+
+def test_the_command_line_is_built_from_the_config(capsys):
+    seen = []
+
+    def run(config):
+        seen.append(config)
+        return config
+
+    cli.main(Demo, run, lambda config: print("report", config.steps), ["--steps", "5", "--mode", "b",
+                                                                      "--sizes", "3,4", "--fast"])
+    assert seen[0] == Demo(steps=5, mode="b", sizes=(3, 4), fast=True)
+    assert capsys.readouterr().out == "report 5\n"
+    cli.main(Demo, lambda config: {"steps": config.steps}, None, ["--json"])
+    assert json.loads(capsys.readouterr().out) == {"steps": 3}
+    help_text = cli.parser(Demo, "demo.py").format_help()
+    assert "A demo lab." in help_text and "--sizes A,B,..." in help_text and "(default: 1,2)" in help_text
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--device", "tpu"], "argument --device: invalid choice"),
+    (["--steps", "0"], "--steps must be 1 or more, got 0"),
+    (["--rate", "inf"], "--rate must be a finite number, got inf"),
+    (["--steps", "many"], "argument --steps: expected a whole number, got 'many'"),
+    (["--out", ""], "argument --out: expected a path"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(Demo, lambda c: pytest.fail("ran"), None, argv, prog="demo.py")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("demo.py: error:") and fragment in err
+
+
+def test_a_usage_error_raised_by_the_run_is_one_line(capsys):
+    def run(config):
+        raise UsageError("the checkpoint does not fit")
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(Demo, run, None, [], prog="demo.py")
+    assert exc.value.code == 2 and capsys.readouterr().err == "demo.py: error: the checkpoint does not fit\n"
+
+
+def test_out_of_memory_is_one_line(capsys):
+    def cpu_oom(config):
+        torch.empty(1 << 62, dtype=torch.uint8)  # 4 EiB: the CPU allocator refuses
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(Demo, cpu_oom, None, [], prog="lab.py")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("lab.py: error: out of memory (") and err.rstrip().endswith("ask for smaller sizes")
+
+    def other(config):
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):  # anything else is not swallowed
+        cli.main(Demo, other, None, [], prog="lab.py")
+
+
+def test_progress_bar_is_silent_under_json(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_quiet", True)
+    assert list(progress(range(3), total=3)) == [0, 1, 2]
+    assert capsys.readouterr().err == ""
+
+
+def test_choosing_a_device_launches_nothing(monkeypatch):
+    """Parsing a lab's arguments must not touch a GPU: the ledger warms it up when it starts."""
+    from labkit import cuda
+
+    monkeypatch.setattr(cuda, "warm_up", lambda device: pytest.fail("warmed up while choosing a device"))
+    assert pick_device("auto").type in ("cpu", "cuda")
+
+
+# ---------------------------------------------------------------- labs load each other one way
+def test_labs_are_found_by_number_and_slug():
+    assert labs.slug(8) == labs.slug("08") == labs.slug("lab-08") == "lab-08-offload-memory-saving"
+    assert labs.slug(labs.starter(8)) == "lab-08-offload-memory-saving"
+    assert set(labs.STARTERS) == set(labs.folders())  # every lab names its starter, every starter a lab
+    for n in labs.folders():
+        assert labs.starter(n).is_file()
+    with pytest.raises(LookupError):
+        labs.folder(99)
+    with pytest.raises(LookupError):
+        labs.folder("lab-08-not-this-one")
+
+
+def test_load_returns_the_module_a_sibling_import_would():
+    lab02 = labs.load(2)
+    assert lab02 is labs.load("lab-02-single-gpu-training") and lab02.__name__ == "train_single_gpu"
+    import train_single_gpu  # what a file next to it writes
+
+    assert train_single_gpu is lab02
+
+
+def test_every_lab_file_has_a_unique_importable_name():
+    """A lab file is imported by its stem: no two may share one, and none may shadow a package."""
+    import importlib.util
+
+    for stem, path in labs.modules().items():
+        spec = importlib.util.find_spec(stem)
+        assert spec is not None and Path(spec.origin).resolve() == path.resolve(), (stem, spec)
+
+
+@pytest.mark.parametrize("n", sorted(labs.STARTERS))
+def test_the_files_a_lab_is_hashed_over_are_the_files_it_imports(n):
+    """The provenance hash reads a lab's imports from its source (ast); loading the starter in a
+    fresh interpreter must import exactly those lab files, no more and no fewer."""
+    code = (f"import sys; from labkit import labs; labs.load({n}); "
+            "print('\\n'.join(sorted(m.__file__ for m in list(sys.modules.values()) "
+            "if getattr(m, '__file__', None) and '/code/lab-' in m.__file__)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    loaded = {Path(line).resolve() for line in out.stdout.split()}
+    assert loaded == set(labs.closure([labs.starter(n)]))
+
+
+
+
+
+# ---------------------------------------------------------------- provenance
+def test_provenance_record_has_every_field():
+    record = prov.collect("lab-02-single-gpu-training", "cpu", wall_time_s=1.23456)
+    for key in ("device_type", "device_name", "driver_version", "cuda_version", "torch_version",
+                "python_version", "git_commit", "source_hash", "labkit_hash", "date_utc", "wall_time_s"):
+        assert key in record, key
+    assert record["device_type"] == "cpu"
+    assert record["torch_version"] == torch.__version__
+    assert record["lab"] == "lab-02-single-gpu-training"
+    assert len(record["source_hash"]) == 16
+    assert record["wall_time_s"] == 1.235
+    json.dumps(record)
+
+
+def test_provenance_takes_the_commit_from_the_environment_without_git(monkeypatch):
+    """A tree copied to a GPU machine has no .git: scripts/gpu_kit passes the commit along."""
+    monkeypatch.setattr(prov, "_git", lambda *args: None)
+    monkeypatch.delenv("INFRALAB_GIT_COMMIT", raising=False)
+    assert prov.collect(None, "cpu")["git_commit"] is None
+    monkeypatch.setenv("INFRALAB_GIT_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("INFRALAB_GIT_DIRTY", "1")
+    record = prov.collect(None, "cpu")
+    assert record["git_commit"] == "0123456789abcdef" and record["git_dirty"] is True
+    monkeypatch.setattr(prov, "_git", lambda *args: "fedcba" if args[0] == "rev-parse" else "")
+    assert prov.collect(None, "cpu")["git_commit"] == "fedcba"  # git, where there is one, wins
+
+
+def test_source_hash_follows_the_source_and_the_labs_it_imports(tmp_path, monkeypatch):
+    code = tmp_path / "code"
+    for name, text in [("lab-97-base/base_lab.py", "X = 1\n"),
+                       ("lab-98-user/user_lab.py", "from labkit import labs\nbase = labs.load(97)\n"),
+                       ("lab-99-alone/alone_lab.py", "Y = 2\n")]:
+        (code / name).parent.mkdir(parents=True)
+        (code / name).write_text(text)
+    monkeypatch.setattr(labs, "CODE_DIR", code)
+    monkeypatch.setattr(prov, "CODE_DIR", code)
+    monkeypatch.setitem(labs.STARTERS, 97, "base_lab.py")
+    labs.modules.cache_clear()
+    try:
+        assert labs.sources(98) == [code / "lab-97-base/base_lab.py", code / "lab-98-user/user_lab.py"]
+        before = {n: prov.source_hash(n) for n in (98, 99)}
+        (code / "lab-97-base/base_lab.py").write_text("X = 2\n")
+        assert prov.source_hash(98) != before[98] and prov.source_hash(99) == before[99]
+    finally:
+        labs.modules.cache_clear()
+
+
+def test_write_results_is_json_with_provenance(tmp_path):
+    record = prov.collect(None, "cpu")
+    path = prov.write_results(tmp_path / "deep" / "r.json", {"value": 3}, record)
+    data = json.loads(path.read_text())
+    assert data["value"] == 3 and data["provenance"]["device_type"] == "cpu"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# ---------------------------------------------------------------- plots
+def _small_timeline():
+    ledger = Ledger("cpu")
+    w = torch.ones(1000)
+    ledger.track(w, "parameters")
+    with ledger:
+        for step in range(2):
+            with marks.phase("forward", step):
+                a = w * 2
+                b = a + 1
+            with marks.phase("backward", step):
+                del a, b
+    return ledger
+
+
+def test_timeline_plot_writes_png_and_svg(tmp_path):
+    ledger = _small_timeline()
+    tl = ledger.timeline()
+    fig = plot_timeline(tl, title="t", overlay={"prediction": [4000] * len(tl)})
+    png = save(fig, tmp_path / "t.png")
+    svg = save(fig, tmp_path / "t.svg")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text and "prediction" in text
+
+
+def test_peak_table_has_a_row_per_phase_and_a_total():
+    ledger = _small_timeline()
+    table = by_category(ledger.peaks_by_phase())
+    lines = table.markdown().splitlines()
+    assert lines[0].startswith("| phase | parameters |") and lines[0].endswith("| total |")
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["forward", "backward"]
+    assert "**11.72 KiB**" in lines[2]  # 1000 params + two 1000-float temporaries, 4 B each
+    console = table.text().splitlines()
+    assert console[0].split()[0] == "phase" and console[2].split()[0] == "forward" and "11.72 KiB" in console[2]
+
+
+def test_one_table_renders_the_same_numbers_everywhere_and_escapes_text():
+    t = Table(["what", ("bytes", "B"), ("share", "pct:1"), ("speed", "x:2"), ("ok", "yes")],
+              [["<script>alert(1)</script> | x", 3149824, 0.614, 2.849, True], ["plain", None, 0.0, 1, False]])
+    md = t.markdown()
+    assert "<script>" not in md and "&lt;script&gt;" in md and "\\| x" in md
+    assert "3,149,824 B | 61.4 % | 2.85x | yes" in md and "| plain | - | 0.0 % | 1.00x | no |" in md
+    back = Table.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.markdown() == md and back.text() == t.text()
+    assert "3,149,824 B" in t.text().splitlines()[2]
+
+
+def test_decimate_keeps_every_local_peak():
+    values = [0] * 10_000
+    values[4321] = 7
+    kept = decimate(values, 100)
+    assert 4321 in kept and len(kept) <= 102
+    assert decimate([1, 2, 3], 100) == [0, 1, 2]
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(3 * 2**20, unit="KiB") == "3072.00 KiB"
+
+
+# ---------------------------------------------------------------- toy models
+@pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(width=48, layers=3, heads=6, vocab=97, seq_len=20)])
+def test_gpt_parameter_count_matches_its_formula(cfg):
+    assert sum(p.numel() for p in TinyGPT(cfg).parameters()) == gpt_param_count(cfg)
+
+
+def test_gpt_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(width=10, heads=3)
+    with pytest.raises(ValueError, match="dropout"):
+        GPTConfig(dropout=1.0)
+
+
+def test_math_and_sdpa_attention_agree():
+    torch.manual_seed(0)
+    a = TinyGPT(GPTConfig(attention="sdpa")).eval()
+    b = TinyGPT(GPTConfig(attention="math")).eval()
+    b.load_state_dict(a.state_dict())
+    x, y = SyntheticTokens(256, 64).batch(0, 2)
+    torch.testing.assert_close(a(x, y)[0], b(x, y)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_synthetic_tokens_are_deterministic_and_shifted():
+    data = SyntheticTokens(vocab=50, seq_len=12, seed=3)
+    x1, y1 = data.batch(7, 4)
+    x2, y2 = SyntheticTokens(vocab=50, seq_len=12, seed=3).batch(7, 4)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])
+    assert not torch.equal(x1, data.batch(8, 4)[0])
+    follows_rule = (data.perm[x1] == y1).float().mean().item()
+    assert follows_rule > 0.75  # 10 % of positions restart at a random token
+
+
+def test_the_synthetic_task_is_learnable():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=32, seq_len=16, width=32, layers=1, heads=2)
+    model = TinyGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = SyntheticTokens(cfg.vocab, cfg.seq_len)
+    losses = []
+    for step in range(40):
+        x, y = data.batch(step, 16)
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
