@@ -8,23 +8,24 @@ import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, run_cli
 
-from labkit import run_lab
-from labkit.ledger import CATEGORIES
+from labkit import marks
+from labkit.timeline import CATEGORIES
 
 SCRIPT = "lab-02-single-gpu-training/train_single_gpu.py"
+SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4}
 SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
-         "--vocab", "64", "--batch-size", "4"]
+         "--vocab", "64", "--batch-size", "4"]  # the same, as a user types it
 
 
-def train(lab02, *extra):
-    return lab02.train(lab02.parse_args([*SMALL, "--json", *extra]))
+def train(lab02, **extra):
+    return lab02.run(lab02.Config(**SIZE, **extra))
 
 
 def test_resume_gives_identical_losses(lab02, tmp_path):
-    ckpt = str(tmp_path / "ckpt.pt")
-    full = train(lab02, "--steps", "6").losses
-    first = train(lab02, "--steps", "3", "--checkpoint", ckpt).losses
-    second = train(lab02, "--steps", "3", "--checkpoint", ckpt, "--resume")
+    ckpt = tmp_path / "ckpt.pt"
+    full = train(lab02, steps=6).losses
+    first = train(lab02, steps=3, checkpoint=ckpt).losses
+    second = train(lab02, steps=3, checkpoint=ckpt, resume=True)
     assert second.start_step == 3
     assert full == first + second.losses  # bit for bit on CPU, dropout included
 
@@ -40,7 +41,7 @@ def test_resume_through_the_command_line(tmp_path):
 
 def test_checkpoint_is_atomic_and_loads_with_weights_only(lab02, tmp_path):
     ckpt = tmp_path / "sub" / "ckpt.pt"
-    train(lab02, "--steps", "1", "--checkpoint", str(ckpt))
+    train(lab02, steps=1, checkpoint=ckpt)
     assert ckpt.is_file() and not list(ckpt.parent.glob("*.tmp"))
     state = torch.load(ckpt, weights_only=True)
     assert set(state) >= {"model", "optimizer", "step", "rng", "model_config"}
@@ -50,7 +51,7 @@ def test_checkpoint_is_atomic_and_loads_with_weights_only(lab02, tmp_path):
 
 
 def test_adam_state_appears_at_the_first_step_and_gradients_in_backward(lab02):
-    run = train(lab02, "--steps", "2")
+    run = train(lab02, steps=2)
     tl = run.ledger.timeline()
     first_optimizer = next(s for s in tl.spans if s.name == "optimizer" and s.step == 0)
     assert not any(tl.device["optimizer_state"][: first_optimizer.start])
@@ -59,23 +60,35 @@ def test_adam_state_appears_at_the_first_step_and_gradients_in_backward(lab02):
     assert run.ledger.current()["optimizer_state"] == 8 * n + 4 * len(params)
     first_grad = next(i for i, v in enumerate(tl.device["gradients"]) if v)
     assert tl.phase[first_grad] == "backward" and tl.step[first_grad] == 0
-    summary = lab02.summary(run)
+    summary = run.summary()
     assert summary["optimizer_state_first_seen"]["phase"] == "optimizer"
     assert summary["optimizer_state_first_seen"]["step"] == 0
     assert summary["peak_bytes_by_phase"]["optimizer"]["gradients"] == 4 * n
 
 
 def test_second_step_peaks_higher_by_exactly_the_adam_state(lab02):
-    run = train(lab02, "--steps", "2")
+    run = train(lab02, steps=2)
+    peak = run.ledger.timeline().step_peaks()
+    assert peak[1]["total"] - peak[0]["total"] == run.ledger.current()["optimizer_state"]
+
+
+def test_the_model_state_formulas_equal_the_ledger(lab02):
+    run = train(lab02, steps=2)
+    for quantity, formula, derived, measured in lab02.checks(run).rows:
+        assert derived == measured, (quantity, formula)
+    # the derived curve is the model state at every row where no activation or temporary is
+    # alive, outside zero_grad (which frees the gradients one by one; the curve drops at once)
     tl = run.ledger.timeline()
-    total = tl.device_total()
-    peak = {s: max(total[i] for i in range(len(tl)) if tl.step[i] == s) for s in (0, 1)}
-    assert peak[1] - peak[0] == run.ledger.current()["optimizer_state"]
+    predicted = lab02.predicted_model_state(tl, run.params, run.tensors)
+    state = ("parameters", "gradients", "optimizer_state")
+    rows = [i for i in range(len(tl)) if tl.phase[i] != "zero_grad"
+            and not tl.device["activations"][i] and not tl.device["temporaries"][i]]
+    assert rows and all(predicted[i] == sum(tl.device[c][i] for c in state) for i in rows)
 
 
 def test_zero_grad_modes(lab02):
-    none = train(lab02, "--steps", "3", "--zero-grad", "none")
-    zeros = train(lab02, "--steps", "3", "--zero-grad", "zeros")
+    none = train(lab02, steps=3, zero_grad="none")
+    zeros = train(lab02, steps=3, zero_grad="zeros")
     assert none.losses == zeros.losses  # same training, different memory
     for run, drops in ((none, True), (zeros, False)):
         tl = run.ledger.timeline()
@@ -85,20 +98,20 @@ def test_zero_grad_modes(lab02):
 
 def test_skipping_zero_grad_accumulates_gradients(lab02):
     """Without zero_grad, a second backward on the same batch doubles the gradient exactly."""
-    from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT
+    from labkit import GPTConfig, SyntheticTokens, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=2, dropout=0.0)
     model = TinyGPT(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the step changes nothing
     x, y = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 4)
-    ledger = Ledger("cpu")
-    lab02.train_step(model, opt, x, y, ledger, 0, zero_grad="none")
+    assert not marks.watching()  # no ledger: the step's marks cost nothing
+    lab02.train_step(model, opt, x, y, 0, zero_grad="none")
     once = [p.grad.clone() for p in model.parameters()]
-    lab02.train_step(model, opt, x, y, ledger, 1, zero_grad="skip")
+    lab02.train_step(model, opt, x, y, 1, zero_grad="skip")
     for g1, p in zip(once, model.parameters()):
         assert torch.equal(p.grad, 2 * g1)
-    lab02.train_step(model, opt, x, y, ledger, 2, zero_grad="none")
+    lab02.train_step(model, opt, x, y, 2, zero_grad="none")
     for g1, p in zip(once, model.parameters()):
         assert torch.equal(p.grad, g1)
 
@@ -119,24 +132,16 @@ def test_human_report_mentions_the_adam_state():
     proc = run_cli(SCRIPT, *SMALL, "--steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert "AdamW state first appeared in phase 'optimizer' of step 0" in proc.stdout
-    assert "| forward |" in proc.stdout
+    assert "\nforward " in proc.stdout  # the peaks table, one row per phase
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--steps", "0"], "--steps"),
-        (["--steps", "-3"], "--steps"),
-        (["--steps", "many"], "--steps"),
-        (["--device", "tpu"], "--device"),
-        (["--resume"], "--resume needs --checkpoint"),
-        (["--width", "30", "--heads", "4"], "not divisible"),
-        (["--lr", "0"], "--lr"),
-        (["--dropout", "1.5"], "--dropout"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab02, capsys, args, fragment):
-    assert_usage_error_in_process(lab02.main, [*SMALL, *args], capsys, fragment)
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"resume": True}, "--resume needs --checkpoint"),
+    ({"width": 30, "heads": 4}, "not divisible"),
+])
+def test_the_config_refuses_what_cannot_run(lab02, fields, fragment):
+    with pytest.raises(lab02.UsageError, match=fragment):
+        lab02.Config(**{**SIZE, **fields})
 
 
 def test_missing_checkpoint(tmp_path):
@@ -152,13 +157,10 @@ def test_corrupt_checkpoint(tmp_path):
 
 
 def test_checkpoint_from_another_model_shape(lab02, tmp_path, capsys):
-    ckpt = str(tmp_path / "c.pt")
-    train(lab02, "--steps", "1", "--checkpoint", ckpt)
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab02.main, [*SMALL, "--layers", "3", "--steps", "1", "--checkpoint", ckpt, "--resume"], prog="x")
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "for another model" in err[0] and "layers 2 (file) vs 3 (now)" in err[0]
+    ckpt = tmp_path / "c.pt"
+    train(lab02, steps=1, checkpoint=ckpt)
+    assert_usage_error_in_process(lab02, [*SMALL, "--layers", "3", "--steps", "1", "--checkpoint", str(ckpt),
+                                          "--resume"], capsys, "for another model", "layers 2 (file) vs 3 (now)")
 
 
 def test_a_pickle_that_is_not_a_lab02_checkpoint(tmp_path):
@@ -171,7 +173,7 @@ def test_a_pickle_that_is_not_a_lab02_checkpoint(tmp_path):
 def _edited_checkpoint(lab02, tmp_path, edit):
     """A real Lab 02 checkpoint with one thing changed by ``edit(state)``."""
     path = tmp_path / "edited.pt"
-    train(lab02, "--steps", "1", "--checkpoint", str(path))
+    train(lab02, steps=1, checkpoint=path)
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
@@ -192,7 +194,7 @@ def _edited_checkpoint(lab02, tmp_path, edit):
 ])
 def test_a_damaged_checkpoint_is_one_line_and_exit_2(lab02, tmp_path, capsys, edit, fragment):
     ckpt = _edited_checkpoint(lab02, tmp_path, edit)
-    assert_usage_error_in_process(lab02.main, [*SMALL, "--steps", "1", "--checkpoint", ckpt, "--resume"], capsys,
+    assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--checkpoint", ckpt, "--resume"], capsys,
                                   fragment)
 
 
@@ -207,7 +209,7 @@ def _no_training(*args, **kwargs):
 def test_an_unusable_checkpoint_path_fails_before_training(lab02, tmp_path, capsys, monkeypatch, target, fragment):
     (tmp_path / "a-file.txt").write_text("a file, not a folder")
     monkeypatch.setattr(lab02, "train_step", _no_training)
-    assert_usage_error_in_process(lab02.main, [*SMALL, "--steps", "1", "--checkpoint", str(target(tmp_path))],
+    assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--checkpoint", str(target(tmp_path))],
                                   capsys, fragment)
     assert not list(tmp_path.glob("**/*.tmp"))
 
@@ -224,10 +226,8 @@ def test_cuda_without_gpu_is_one_line():
 
 
 def test_snapshot_on_cpu_is_refused(lab02, capsys, tmp_path):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab02.main, [*SMALL, "--steps", "1", "--snapshot", str(tmp_path / "s.pickle")], prog="x")
-    assert exc.value.code == 2
-    assert "needs a CUDA device" in capsys.readouterr().err
+    assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--snapshot", str(tmp_path / "s.pickle")], capsys,
+                                  "needs a CUDA device")
 
 
 @pytest.mark.cuda
@@ -241,9 +241,9 @@ def test_cuda_run_agrees_with_the_allocator_and_writes_a_snapshot(lab02, tmp_pat
     several GiB) so that 5 % is far more than 512-byte rounding or a kernel's internal buffers.
     """
     snap = tmp_path / "snap.pickle"
-    size = ["--width", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--batch-size", "8"]
-    run = lab02.train(lab02.parse_args(["--device", "cuda", "--json", "--steps", "2", "--snapshot", str(snap), *size]))
-    summary = lab02.summary(run)
+    run = lab02.run(lab02.Config(device="cuda", steps=2, snapshot=snap, width=1024, layers=8, heads=16, seq_len=512,
+                                 batch_size=8))
+    summary = run.summary()
     cuda = summary["cuda"]
     run_peak = cuda["max_memory_allocated"] - cuda["unseen_before_window"]
     assert run_peak > 2**30, run_peak  # the size the 5 % is meant for

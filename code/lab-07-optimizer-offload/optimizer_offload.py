@@ -214,7 +214,7 @@ def run_mode(mode: str, args, device: torch.device, ledger_on: bool = True) -> R
         for step in progress(range(args.steps), total=args.steps, desc=mode, quiet=args.json):
             x, y = data.batch(step, args.batch_size, device)
             t = time.perf_counter()
-            losses.append(train_step(model, optimizer, x, y, ledger, step))  # .item() waits for the device
+            losses.append(train_step(model, optimizer, x, y, step))  # .item() waits for the device
             step_s.append(time.perf_counter() - t)
     cuda = allocator_stats(device)
     offload = optimizer if isinstance(optimizer, OptimizerOffload) else None  # device AdamW's state dies here

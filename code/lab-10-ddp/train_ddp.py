@@ -179,7 +179,7 @@ def train(args, device) -> dict:
             if step == args.steps - 1:
                 reset_peak(device)  # CUDA: the allocator's peak over the last step, as the ledger's below
             x, y = data.batch(step * world + rank, args.batch_size, device)  # (5)!
-            loss = train_step(ddp, optimizer, x, y, ledger, step)  # (6)!
+            loss = train_step(ddp, optimizer, x, y, step)  # (6)!
             with ledger.phase("check", step):
                 total = torch.tensor([loss], device=device)
                 dist.all_reduce(total)  # the global loss: the mean of the ranks' means
