@@ -54,7 +54,15 @@ def plot_timeline(
     unit: str | None = None,
     ymax_bytes: float | None = None,
 ):
-    """Stacked area of live bytes by category with phase bands; returns the figure."""
+    """Stacked area of live bytes by category with phase bands; returns the figure.
+
+    ``tl``: the ledger's timeline; ``ax``: draw into these axes (default: a new figure);
+    ``title``: above the plot; ``overlay``: name -> one value per row, drawn dashed over the
+    measurement (a derived prediction); ``scope``: ``device`` or ``host`` bytes;
+    ``show_allocator``: draw the CUDA allocator's sampled counters when the run has them;
+    ``max_points``: rows kept (every local peak survives, see :func:`decimate`); ``legend``: draw
+    one; ``unit``/``ymax_bytes``: fix the axis, so that several figures compare at a glance.
+    """
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 4.2), dpi=110, layout="constrained")
     else:
@@ -149,8 +157,9 @@ def save(fig, path: str | os.PathLike) -> Path:
 def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str, str] | None = None):
     """Compute stream against copy stream: one row per lane, one bar per transfer or compute.
 
-    ``bars`` are :class:`labkit.schedule.Bar`. Transfers are hatched; a bar's colour says which
-    pipeline stage it belongs to.
+    ``bars``: :class:`labkit.schedule.Bar` (``Recorder.intervals()``); ``ax``: draw into these
+    axes (default: a new figure); ``title``: above the plot; ``unit_colors``: stage -> colour.
+    Transfers are hatched; a bar's colour says which pipeline stage it belongs to.
     """
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 2.6), dpi=110, layout="constrained")
