@@ -348,3 +348,65 @@ def test_the_synthetic_task_is_learnable():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ---------------------------------------------------------------- files: all or nothing
+def test_a_write_is_all_or_nothing_and_leaves_no_temporary(tmp_path):
+    from labkit import files
+
+    target = files.write_text(tmp_path / "r.json", "first\n")
+    with pytest.raises(RuntimeError, match="midway"), files.atomic(target, "w") as f:
+        f.write("half of a second version")
+        raise RuntimeError("killed midway")
+    assert target.read_text() == "first\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_temporary_left_by_a_dead_writer_is_removed_at_the_next_write(tmp_path, capsys):
+    from labkit import files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".ckpt.pt.{dead.stdout.strip()}.abcd1234.tmp"
+    stale.write_bytes(b"x" * 100)
+    mine = tmp_path / f".ckpt.pt.{__import__('os').getpid()}.live0000.tmp"  # a live writer's: kept
+    mine.write_bytes(b"y")
+    files.write_bytes(tmp_path / "ckpt.pt", b"data")
+    assert not stale.exists() and mine.exists() and "left by an interrupted write" in capsys.readouterr().err
+
+
+def _full_filesystem(tmp_path):
+    """A 64 KiB tmpfs where the machine allows mounting one, else None."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    return mount if proc.returncode == 0 else None
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from labkit import files
+
+    mount = _full_filesystem(tmp_path)
+    try:
+        if mount is None:  # no mount here: the same error, injected where the data reaches the disk
+            mount = tmp_path
+            monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+        with pytest.raises(UsageError, match="the disk is full"):
+            files.write_bytes(mount / "big.bin", b"\0" * (1 << 20))
+        assert not [p for p in mount.iterdir() if p.name != "lost+found"]
+    finally:
+        if mount != tmp_path:
+            subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("target, fragment", [
+    (lambda tmp: tmp, "is a directory"), (lambda tmp: tmp / "a-file" / "x.json", "is a file, not a folder"),
+    (lambda tmp: Path("/dev/null"), "not a regular file"), (lambda tmp: "", "empty"),
+])
+def test_unusable_output_paths_are_refused_before_the_work(tmp_path, target, fragment):
+    from labkit import files
+
+    (tmp_path / "a-file").write_text("a file")
+    with pytest.raises(UsageError, match=fragment):
+        files.check_writable(target(tmp_path), "--out")

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -155,19 +154,13 @@ def describe(record: dict) -> str:
 
 
 def write_results(path: str | os.PathLike, payload: dict, record: dict) -> Path:
-    """Write ``payload`` plus its provenance as JSON (parents created, written atomically)."""
+    """Write ``payload`` plus its provenance as JSON, all or nothing (:mod:`labkit.files`)."""
+    from labkit.files import write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"provenance": record, **payload}, indent=1, sort_keys=False, default=_plain) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text(path, json.dumps({"provenance": record, **payload}, indent=1, sort_keys=False, default=_plain)
+                      + "\n")
 
 
 def _plain(obj):
