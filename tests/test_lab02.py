@@ -42,9 +42,9 @@ def test_resume_through_the_command_line(tmp_path):
 def test_checkpoint_is_atomic_and_loads_with_weights_only(lab02, tmp_path):
     ckpt = tmp_path / "sub" / "ckpt.pt"
     train(lab02, steps=1, checkpoint=ckpt)
-    assert ckpt.is_file() and not list(ckpt.parent.glob("*.tmp"))
-    state = torch.load(ckpt, weights_only=True)
-    assert set(state) >= {"model", "optimizer", "step", "rng", "model_config"}
+    assert ckpt.is_file() and [p.name for p in ckpt.parent.iterdir()] == ["ckpt.pt"]
+    state = torch.load(ckpt, weights_only=True)["state"]
+    assert set(state) >= {"model", "optimizer", "step", "rng", "settings"}
     assert state["step"] == 1
     moments = [s for s in state["optimizer"]["state"].values()]
     assert moments and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in moments)
@@ -160,23 +160,26 @@ def test_checkpoint_from_another_model_shape(lab02, tmp_path, capsys):
     ckpt = tmp_path / "c.pt"
     train(lab02, steps=1, checkpoint=ckpt)
     assert_usage_error_in_process(lab02, [*SMALL, "--layers", "3", "--steps", "1", "--checkpoint", str(ckpt),
-                                          "--resume"], capsys, "for another model", "layers 2 (file) vs 3 (now)")
+                                          "--resume"], capsys, "saved with other settings", "layers 2 (file) vs 3 (now)")
 
 
 def test_a_pickle_that_is_not_a_lab02_checkpoint(tmp_path):
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(3)}, other)
     proc = run_cli(SCRIPT, *SMALL, "--steps", "1", "--checkpoint", str(other), "--resume")
-    assert_clean_usage_error(proc, "not a Lab 02 checkpoint")
+    assert_clean_usage_error(proc, "cannot read checkpoint", "no content hashes")
 
 
 def _edited_checkpoint(lab02, tmp_path, edit):
-    """A real Lab 02 checkpoint with one thing changed by ``edit(state)``."""
+    """A real Lab 02 checkpoint with one thing changed by ``edit(state)``, its hashes made anew (as
+    a tool that writes a wrong checkpoint would): what is wrong must be found by the checks."""
+    from labkit import files
+
     path = tmp_path / "edited.pt"
     train(lab02, steps=1, checkpoint=path)
-    state = torch.load(path, weights_only=True)
+    state = files.load_checked(path)
     edit(state)
-    torch.save(state, path)
+    files.save_checked(state, path)
     return str(path)
 
 
@@ -189,13 +192,64 @@ def _edited_checkpoint(lab02, tmp_path, edit):
     (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), "size mismatch"),
     (lambda s: s["model"].update({"extra.weight": torch.zeros(2)}), "Unexpected key(s)"),
     (lambda s: s["optimizer"]["param_groups"].clear(), "does not fit"),
-    (lambda s: s.update(step="three"), "does not fit"),
-    (lambda s: s.update(model_config="tiny"), "for another model"),
+    (lambda s: s.update(step="three"), "impossible step"),
+    (lambda s: s.update(step=-1), "impossible step"),
+    (lambda s: s.update(step=10**30), "impossible step"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(lr=float("nan")), "impossible optimizer settings"),
+    (lambda s: s.update(settings="tiny"), "saved with other settings"),
+    (lambda s: s["settings"].update(lr=1.0), "lr 1.0 (file) vs 0.003 (now)"),
 ])
 def test_a_damaged_checkpoint_is_one_line_and_exit_2(lab02, tmp_path, capsys, edit, fragment):
     ckpt = _edited_checkpoint(lab02, tmp_path, edit)
     assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--checkpoint", ckpt, "--resume"], capsys,
                                   fragment)
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused(lab02, tmp_path, capsys):
+    """64 bytes flipped in the middle of the file: a tensor's content hash no longer matches (or the
+    archive no longer reads); either way the run refuses it instead of training on corrupt weights."""
+    ckpt = tmp_path / "c.pt"
+    train(lab02, steps=1, checkpoint=ckpt)
+    raw = bytearray(ckpt.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+    ckpt.write_bytes(bytes(raw))
+    line = assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--checkpoint", str(ckpt), "--resume"],
+                                         capsys, "cannot read checkpoint")
+    assert "corrupt" in line or "changed since it was saved" in line
+
+
+def test_resume_refuses_what_it_could_not_make_exact(lab02, tmp_path, capsys):
+    ckpt = tmp_path / "c.pt"
+    train(lab02, steps=1, checkpoint=ckpt)
+    for flags, fragment in [(["--lr", "0.001"], "lr 0.003 (file) vs 0.001 (now)"), (["--seed", "1"], "seed 0"),
+                            (["--batch-size", "2"], "batch_size 4 (file) vs 2 (now)")]:
+        assert_usage_error_in_process(lab02, [*SMALL, "--steps", "1", "--checkpoint", str(ckpt), "--resume", *flags],
+                                      capsys, fragment)
+    with pytest.raises(lab02.UsageError, match="cannot be exact with --zero-grad skip"):
+        lab02.Config(**SIZE, checkpoint=ckpt, resume=True, zero_grad="skip")
+
+
+def test_the_checkpoint_is_written_every_n_steps_and_on_ctrl_c(lab02, tmp_path, monkeypatch, capsys):
+    """--save-every 2 writes at steps 2 and 4; Ctrl-C during step 5 writes step 4's state once more
+    (nothing lost) and the resumed run continues exactly."""
+    ckpt = tmp_path / "c.pt"
+    full = train(lab02, steps=6).losses
+    real_step, calls = lab02.train_step, []
+
+    def interrupted_at_step_5(*args, **kwargs):
+        if args[4] == 5:
+            raise KeyboardInterrupt
+        calls.append(args[4])
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(lab02, "train_step", interrupted_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(lab02, steps=6, checkpoint=ckpt, save_every=2)
+    monkeypatch.setattr(lab02, "train_step", real_step)
+    assert calls == [0, 1, 2, 3, 4] and "checkpoint written at step 5" in capsys.readouterr().err
+    rest = train(lab02, steps=1, checkpoint=ckpt, resume=True)
+    assert rest.start_step == 5 and rest.losses == full[5:]
 
 
 def _no_training(*args, **kwargs):
@@ -204,7 +258,7 @@ def _no_training(*args, **kwargs):
 
 @pytest.mark.parametrize(("target", "fragment"), [
     (lambda tmp: tmp, "is a directory"),  # --checkpoint <a directory>
-    (lambda tmp: tmp / "a-file.txt" / "ckpt.pt", "cannot write checkpoint"),  # its folder is a file
+    (lambda tmp: tmp / "a-file.txt" / "ckpt.pt", "is a file, not a folder"),
 ])
 def test_an_unusable_checkpoint_path_fails_before_training(lab02, tmp_path, capsys, monkeypatch, target, fragment):
     (tmp_path / "a-file.txt").write_text("a file, not a folder")

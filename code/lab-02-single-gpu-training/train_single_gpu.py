@@ -16,6 +16,8 @@ Run it:
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, labs, marks, provenance
+from labkit import cli, files, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -48,23 +50,23 @@ def train_step(model, optimizer, x, y, step: int, zero_grad: str = "none") -> fl
 
 
 # --8<-- [start:checkpoint]
-def save_checkpoint(path: Path, model, optimizer, step: int, model_config: GPTConfig) -> None:
-    state = {"format": FORMAT, "model_config": asdict(model_config), "step": step,  # the next step to run
+def save_checkpoint(path: Path, model, optimizer, step: int, settings: dict) -> None:
+    state = {"format": FORMAT, "settings": settings, "step": step,  # the next step to run
              "model": model.state_dict(),
              "optimizer": optimizer.state_dict(),  # (1)!
              "rng": {"cpu": torch.get_rng_state(),  # (2)!
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    write_atomically(state, path)  # (3)!
+    files.save_checked(state, path)  # (3)!
 
 
-def load_checkpoint(path: Path, model, optimizer, model_config: GPTConfig) -> int:
-    state = read_checkpoint(path, model_config)  # (4)!
+def load_checkpoint(path: Path, model, optimizer, settings: dict) -> int:
+    state = read_checkpoint(path, settings)  # (4)!
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"])
+    return state["step"]
 # --8<-- [end:checkpoint]
 
 
@@ -86,6 +88,7 @@ class Config(LabConfig):
         "none", "none: zero_grad(set_to_none=True); zeros: set_to_none=False; skip: no call")
     checkpoint: Path | None = option(None, "write a checkpoint here at the end")
     resume: bool = option(False, "continue from --checkpoint")
+    save_every: int = option(0, "also write the checkpoint every N steps (0: at the end and on Ctrl-C only)", min=0)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
 
     def __post_init__(self) -> None:
@@ -94,6 +97,11 @@ class Config(LabConfig):
             raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.resume and self.checkpoint is None:
             raise UsageError("--resume needs --checkpoint PATH")
+        if self.save_every and self.checkpoint is None:
+            raise UsageError("--save-every needs --checkpoint PATH")
+        if self.resume and self.zero_grad == "skip":
+            raise UsageError("--resume cannot be exact with --zero-grad skip: the accumulated gradients are not "
+                             "in the checkpoint")
 # --8<-- [end:config]
 
 
@@ -103,25 +111,25 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
     if config.checkpoint:
-        check_writable(config.checkpoint)  # (1)!
+        files.check_writable(config.checkpoint, "--checkpoint")  # (1)!
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
                              layers=config.layers, heads=config.heads, dropout=config.dropout)
     model = TinyGPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    start = resume(config.checkpoint, model, optimizer, model_config) if config.resume else 0
+    settings = asdict(model_config) | {k: getattr(config, k) for k in ("lr", "seed", "batch_size", "zero_grad")}
+    start = resume(config.checkpoint, model, optimizer, settings) if config.resume else 0
     data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
 
     ledger = Ledger(device).track_module(model).track_optimizer(optimizer)  # (2)!
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
-    with record_snapshot(config.snapshot), ledger:
+    with record_snapshot(config.snapshot), ledger, CheckpointSaver(config, model, optimizer, settings) as saver:
         for step in cli.progress(range(start, start + config.steps), total=config.steps, desc="train"):
             x, y = data.batch(step, config.batch_size, device)  # (3)!
             losses.append(train_step(model, optimizer, x, y, step, config.zero_grad))
+            saver.finished(step + 1)  # (4)!
     wall = time.perf_counter() - t0
-    if config.checkpoint:
-        save_checkpoint(config.checkpoint, model, optimizer, start + config.steps, model_config)
     return Result(config, model_config, device, model, optimizer, ledger, losses, start, wall,
                   ledger_vs_allocator(ledger.timeline(), allocator_stats(device)))
 # --8<-- [end:train]
@@ -218,67 +226,73 @@ def report(result: Result) -> None:
 FORMAT = "infralab/lab-02/v1"
 
 
-def write_atomically(state: dict, path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename it: a crash mid-write leaves the previous
-    checkpoint whole (a rename is atomic on POSIX file systems)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save(state, tmp)
-        tmp.replace(path)
-    except (OSError, RuntimeError) as err:  # a full disk, a folder removed during the run
-        tmp.unlink(missing_ok=True)
-        raise UsageError(f"cannot write checkpoint {path}: {reason(err)}") from None
+class CheckpointSaver:
+    """Writes ``--checkpoint`` every ``--save-every`` steps, when the loop ends, and on Ctrl-C (the
+    interrupt then goes on: exit 130), always at the last step that finished. Without
+    ``--checkpoint`` it writes nothing."""
+
+    def __init__(self, config: Config, model, optimizer, settings: dict) -> None:
+        self.config, self.model, self.optimizer, self.settings = config, model, optimizer, settings
+        self.step = self.saved = None
+
+    def finished(self, step: int) -> None:
+        self.step = step
+        if self.config.save_every and step % self.config.save_every == 0:
+            self.save()
+
+    def save(self) -> None:
+        if self.config.checkpoint and self.step is not None and self.saved != self.step:
+            save_checkpoint(self.config.checkpoint, self.model, self.optimizer, self.step, self.settings)
+            self.saved = self.step
+
+    def __enter__(self) -> CheckpointSaver:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        if kind is None or kind is KeyboardInterrupt:
+            self.save()
+        if kind is KeyboardInterrupt and self.saved is not None:
+            print(f"interrupted: checkpoint written at step {self.saved} ({self.config.checkpoint})", file=sys.stderr)
 
 
-def check_writable(path: Path) -> None:
-    """Fail before training, not after it, when the checkpoint could not be written."""
-    if path.is_dir():
-        raise UsageError(f"--checkpoint {path} is a directory; give a file name inside it")
-    folder = next(p for p in path.resolve().parents if p.exists())  # the nearest one that exists
-    if not folder.is_dir():
-        raise UsageError(f"cannot write checkpoint {path}: {folder} is a file, not a folder")
-    probe = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise UsageError(f"cannot write checkpoint {path}: {reason(err)}") from None
-
-
-def read_checkpoint(path: Path, model_config: GPTConfig) -> dict:
-    """The checkpoint at ``path``, or a UsageError that says in one line what is wrong with it.
-
-    ``weights_only=True`` unpickles only tensors and plain containers, so a checkpoint from an
-    untrusted source cannot run code when it is loaded. A file can carry the right format tag and
-    still be damaged (a missing RNG state, a tensor of the wrong shape, other parameter groups):
-    each becomes one line instead of a traceback."""
+def read_checkpoint(path: Path, settings: dict) -> dict:
+    """The checkpoint at ``path``, or a UsageError that says in one line what is wrong with it: a
+    missing, corrupt (every tensor's content hash is checked), foreign or incomplete file, a step or
+    an optimizer setting no run could have written, or one saved with other settings (another
+    model, learning rate, seed, batch size or zero_grad mode: resuming would not be exact)."""
     if not path.is_file():
         raise UsageError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated or foreign file fails in many ways
+        state = files.load_checked(path)  # weights_only=True: loading cannot run code
+    except Exception as err:  # a truncated, tampered or foreign file fails in many ways
         why = reason(err)
         if "Weights only load failed" in why:
             why = "not a weights-only PyTorch checkpoint (corrupt, truncated, pickled)"
         raise UsageError(f"cannot read checkpoint {path}: {why}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"{path} is not a Lab 02 checkpoint")
-    if missing := [k for k in ("model_config", "step", "model", "optimizer", "rng") if k not in state]:
+    if missing := [k for k in ("settings", "step", "model", "optimizer", "rng") if k not in state]:
         raise UsageError(f"checkpoint {path} is incomplete: no {', '.join(missing)}")
-    now = asdict(model_config)
-    if (saved := state["model_config"]) != now:
-        diff = [f"{k} {v} (file) vs {now.get(k)} (now)" for k, v in saved.items()
-                if now.get(k) != v] if isinstance(saved, dict) else [f"{saved!r:.40}"]
-        raise UsageError(f"checkpoint {path} is for another model: {', '.join(diff)}")
+    if (saved := state["settings"]) != settings:
+        diff = [f"{k} {v} (file) vs {settings.get(k)} (now)" for k, v in saved.items()
+                if settings.get(k) != v] if isinstance(saved, dict) else [f"{saved!r:.40}"]
+        raise UsageError(f"checkpoint {path} was saved with other settings, resuming would not be exact: "
+                         f"{', '.join(diff)}")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
+        raise UsageError(f"checkpoint {path} holds an impossible step: {step!r:.40}")
+    for group in state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []:
+        hyper = [group.get("lr"), group.get("eps"), group.get("weight_decay"), *group.get("betas", ())]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in hyper):
+            raise UsageError(f"checkpoint {path} holds impossible optimizer settings: {hyper}")
     return state
 
 
-def resume(path: Path, model, optimizer, model_config: GPTConfig) -> int:
+def resume(path: Path, model, optimizer, settings: dict) -> int:
     """:func:`load_checkpoint`, with every way a damaged checkpoint fails to load turned into one
     line: a missing key, a tensor of the wrong shape, other parameter groups, a bad RNG state."""
     try:
-        return load_checkpoint(path, model, optimizer, model_config)
+        return load_checkpoint(path, model, optimizer, settings)
     except UsageError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:

@@ -115,3 +115,51 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---------------------------------------------------------------------- checkpoints that cannot load wrong
+def save_checked(state: dict, path: str | os.PathLike) -> Path:
+    """``torch.save`` of ``{"state": state, "sha256": {...}}`` through :func:`atomic`: a content
+    hash of every tensor in ``state``, so that :func:`load_checked` can tell a damaged file."""
+    import torch
+
+    with atomic(path, "wb") as f:
+        torch.save({"state": state, "sha256": _tensor_hashes(state)}, f)
+    return Path(path)
+
+
+def load_checked(path: str | os.PathLike) -> dict:
+    """The ``state`` :func:`save_checked` wrote, after checking every tensor's hash. ``ValueError``
+    (one line) for a file that is not such a checkpoint or whose bytes changed. ``torch.load`` runs
+    with ``weights_only=True``: only tensors and plain containers are unpickled, so a file from an
+    untrusted source cannot run code."""
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or set(data) != {"state", "sha256"} or not isinstance(data["sha256"], dict):
+        raise ValueError("not a checked checkpoint (no content hashes)")
+    found = _tensor_hashes(data["state"])
+    if found.keys() != data["sha256"].keys():
+        raise ValueError("its tensors are not the ones it was saved with")
+    if bad := [k for k, h in found.items() if data["sha256"][k] != h]:
+        raise ValueError(f"{len(bad)} tensor(s) changed since it was saved (first: {bad[0]}): the file is corrupt")
+    return data["state"]
+
+
+def _tensor_hashes(obj, prefix: str = "") -> dict[str, str]:
+    import hashlib
+
+    import torch
+
+    out: dict[str, str] = {}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # the bytes, whatever the dtype
+        out[prefix or "."] = hashlib.sha256(raw + str((t.dtype, tuple(t.shape))).encode()).hexdigest()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out |= _tensor_hashes(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out |= _tensor_hashes(v, f"{prefix}/{i}")
+    return out
