@@ -1,42 +1,52 @@
-"""Lab 01: the memory formulas against known figures and against the ledger's bytes; CLI and bad input."""
+"""Lab 01: the memory formulas against known figures and against the ledger's bytes; the rules of its
+command line."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, run_cli
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, run_lab
+from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, labs, marks
 
 SCRIPT = "lab-01-memory-accounting/memory_accounting.py"
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "64"]
+SMALL = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "batch": 2, "vocab": 64}
+P7 = 7_000_000_000
 
 
 @pytest.fixture(scope="module")
 def lab01():
-    return load_lab(SCRIPT)
+    return labs.load(1)
 
 
 @pytest.fixture(scope="module")
-def toy(lab01):
-    import sys
+def toy():
+    return labs.load(1, "toy_gpt")
 
-    return sys.modules["toy_gpt"]  # the starter puts its folder on sys.path and imports it
+
+@pytest.fixture(scope="module")
+def sweeps():
+    return labs.load(1, "accounting_sweeps")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return labs.load(1, "accounting_tables")
+
+
+def measure(lab01, **fields):
+    return lab01.run(lab01.Config(device="cpu", measure=True, **{**SMALL, **fields}))
 
 
 # ---------------------------------------------------------------- model state and ZeRO (derived)
 def test_7b_mixed_precision_adamw_is_16_bytes_per_parameter(lab01):
-    est = lab01.estimate_bytes(params=7_000_000_000, precision="mixed", optimizer="adamw")
+    est = lab01.estimate_bytes(params=P7, precision="mixed", optimizer="adamw")
     assert est == {"parameters": 14 * 10**9, "gradients": 14 * 10**9, "master_weights": 28 * 10**9,
                    "optimizer_state": 56 * 10**9}
     assert sum(est.values()) == 112 * 10**9
-
-
-def test_zero3_across_8_ranks_is_14_gb_per_rank(lab01):
-    est = lab01.estimate_bytes(params=7_000_000_000, precision="mixed", zero_stage=3, dp=8)
-    assert sum(est.values()) == 14 * 10**9
 
 
 @pytest.mark.parametrize(("precision", "optimizer", "per_param"), [
@@ -44,8 +54,16 @@ def test_zero3_across_8_ranks_is_14_gb_per_rank(lab01):
     ("mixed", "sgd", 8), ("mixed", "momentum", 12), ("mixed", "adamw", 16),
     ("bf16", "sgd", 4), ("bf16", "momentum", 6), ("bf16", "adamw", 8),
 ])
-def test_bytes_per_parameter_by_recipe(lab01, precision, optimizer, per_param):
+def test_bytes_per_parameter_by_recipe(lab01, sweeps, precision, optimizer, per_param):
     assert sum(lab01.model_state_bytes(1000, precision, optimizer).values()) == per_param * 1000
+    row = next(r for r in sweeps.recipes_table().rows if r[:2] == [precision, optimizer])
+    assert row[6] == per_param and row[7] == per_param * 7  # the published table: B/param, GB for 7B
+
+
+def test_zero_stages_of_a_7b_model_on_8_ranks(sweeps):
+    """The per-rank figures the page and the interview answers quote: 112, 38.5, 26.25, 14 GB."""
+    per_rank = sweeps.model_state_per_rank(sweeps.zero_stages(P7, "mixed", "adamw", 8))
+    assert per_rank == {0: 112 * 10**9, 1: 38_500_000_000, 2: 26_250_000_000, 3: 14 * 10**9}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -74,11 +92,27 @@ def test_paper_formula_is_sbh_times_34_plus_5as_over_h(lab01, s, b, h, a):
     assert f(s, b, h, a, mask=None) == 32 * s * b * h + 2 * a * s * s * b  # no dropout: no masks, one N x N
 
 
+def test_7b_activations_by_sequence(sweeps):
+    act = sweeps.activations_by_sequence((2048, 4096, 8192))
+    assert act["selective"][0] == 32 * 34 * 2048 * 4096 and act["full"][0] == 32 * 2 * 2048 * 4096
+    # scores kept: the activations pass the whole model state just above 4096 tokens (the page says so)
+    assert act["none"][1] < sweeps.model_state_of() < act["none"][2]
+    assert act["none"][1] > 0.9 * sweeps.model_state_of()
+
+
 def test_kv_cache_of_a_7b_llama_shape(lab01, toy):
     shape = toy.Shape(layers=32, hidden=4096, heads=32, seq=4096, batch=1, vocab=32000)
     assert lab01.kv_cache_bytes(shape, act=2) == 2 * 2**30  # 2 x 32 x 4096 x 32 x 128 x 2 B = 2 GiB
     gqa = toy.Shape(layers=32, hidden=4096, heads=32, seq=4096, batch=1, vocab=32000, kv_heads=8)
     assert lab01.kv_cache_bytes(gqa, act=2) == 2**30 // 2
+
+
+def test_gqa_divides_every_kv_cache_by_4(sweeps):
+    cases = sweeps.kv_cache_cases()
+    assert set(cases) == {f"seq{s}_batch{b}" for s, b in sweeps.KV_CASES}
+    for case in cases.values():
+        assert case["mha_bytes"] == 4 * case["gqa_bytes"] == 4 * 2 * 32 * case["batch"] * case["seq"] * 8 * 128 * 2
+        assert case["weights_gb"] == 14 and case["gqa_over_weights"] == case["gqa_bytes"] / (2 * P7)
 
 
 def test_param_count_and_tensor_count_match_tinygpt(toy):
@@ -90,77 +124,88 @@ def test_param_count_and_tensor_count_match_tinygpt(toy):
 
 
 # ---------------------------------------------------------------- formulas against the ledger (measured, CPU)
-def measure(lab01, *extra):
-    args = lab01.parse_args(["--device", "cpu", *SMALL, *extra])
-    shape = lab01.Shape(**{n: getattr(args, n) for n in lab01.SHAPE_FLAGS})
-    est = lab01.estimate_bytes(shape=shape, precision=args.precision, optimizer=args.optimizer,
-                               dropout=args.dropout > 0)
-    return lab01.measure(args, shape), est
-
-
-@pytest.mark.parametrize("extra", [
-    [], ["--dropout", "0"], ["--optimizer", "sgd"], ["--optimizer", "momentum", "--dropout", "0.2"],
-    ["--precision", "bf16"], ["--precision", "bf16", "--dropout", "0", "--optimizer", "momentum"],
-    ["--precision", "mixed"], ["--precision", "mixed", "--dropout", "0", "--optimizer", "sgd"],
+@pytest.mark.parametrize("fields", [
+    {}, {"dropout": 0}, {"optimizer": "sgd"}, {"optimizer": "momentum", "dropout": 0.2},
+    {"precision": "bf16"}, {"precision": "bf16", "dropout": 0, "optimizer": "momentum"},
+    {"precision": "mixed"}, {"precision": "mixed", "dropout": 0, "optimizer": "sgd"},
 ])
-def test_measured_bytes_equal_the_formulas_exactly_on_cpu(lab01, toy, extra):
-    run, est = measure(lab01, *extra)
-    m = run["measured"]
+def test_measured_bytes_equal_the_formulas_exactly_on_cpu(lab01, tables, fields):
+    result = measure(lab01, **fields)
+    m, est = result.measurement, result.derived
     for cat in ("parameters", "gradients", "master_weights", "optimizer_state"):
-        assert m[cat] == est[cat], cat  # the ledger counts storage.nbytes(): no rounding on CPU
-    assert m["optimizer_state_on_host"] == 0  # on CPU the step counters live on the compute device
-    assert m["activations"] == run["tinygpt_activations"]["total"]  # every saved tensor accounted for
+        assert m.measured[cat] == est[cat], cat  # the ledger counts storage.nbytes(): no rounding on CPU
+    assert m.measured["optimizer_state_on_host"] == 0  # on CPU the step counters live on the compute device
+    assert m.measured["activations"] == m.tinygpt_activations["total"]  # every saved tensor accounted for
     # the paper's formula for the layers plus the listed differences is the same number
-    assert est["activations"] + sum(n for _, n in run["gap_to_paper"]) == m["activations"]
-    assert run["exact"] and run["cuda"] is None
+    assert est["activations"] + sum(n for _, n in m.gap_to_paper) == m.measured["activations"]
+    assert m.exact and m.cuda is None
+    # the published table says so: no gap but the paper's formula for the activations
+    gaps = {how: gap for _, _, _, gap, how in tables.measured_table(result).rows}
+    assert [how for how, gap in gaps.items() if gap] == [next(h for h in gaps if h.startswith("the paper's"))]
+    *_, listed, ledger = tables.gap_table(result).rows
+    assert listed[1] == ledger[1] == m.measured["activations"]
 
 
-def test_mixed_precision_measures_a_16_bit_working_copy_and_fp32_masters(lab01, toy):
-    run, est = measure(lab01, "--precision", "mixed")
-    m, shape = run["measured"], lab01.Shape(**{n: getattr(lab01.parse_args(SMALL), n) for n in lab01.SHAPE_FLAGS})
+def test_mixed_precision_measures_a_16_bit_working_copy_and_fp32_masters(lab01, toy, tables):
+    result = measure(lab01, precision="mixed")
+    m, shape = result.measurement.measured, result.shape
     P, T = toy.param_count(shape), toy.param_tensors(shape)
     assert (m["parameters"], m["gradients"], m["master_weights"]) == (2 * P, 2 * P, 4 * P)
     assert m["optimizer_state"] == 8 * P + 4 * T  # fp32 moments: AdamW updates the fp32 masters
-    assert sum(m[c] for c in ("parameters", "gradients", "master_weights", "optimizer_state")) == 16 * P + 4 * T
-    assert m["activations"] == run["tinygpt_activations"]["total"] == toy.tinygpt_activation_bytes(
+    total = tables.model_state_table(result).rows[-1]
+    assert total[0] == "model state" and total[1] == total[2] == 16 * P + 4 * T
+    assert m["activations"] == toy.tinygpt_activation_bytes(
         GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=4, dropout=0.1), 2, 2)["total"]
 
 
-def test_the_mixed_step_updates_the_master_and_copies_it_back(lab01):
+def test_the_mixed_step_updates_the_master_and_copies_it_back(toy):
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=4)).to(torch.bfloat16)
     masters = [p.detach().float() for p in model.parameters()]
     before = [m.clone() for m in masters]
     x, y = SyntheticTokens(64, 16).batch(0, 2)
-    lab01.train_step(model, torch.optim.AdamW(masters, lr=1e-2), x, y, Ledger("cpu"), masters)
+    assert not marks.watching()  # no ledger: the step's marks cost nothing
+    toy.train_step(model, torch.optim.AdamW(masters, lr=1e-2), x, y, masters)
     assert all(not torch.equal(a, b) for a, b in zip(before, masters))  # every master moved
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters))
     assert all(m.grad is None for m in masters)  # the fp32 gradient copies were temporaries
 
 
+def test_the_timeline_meets_the_derived_levels(lab01, tables):
+    """The stack touches parameters + saved tensors when forward ends, and ends on the model state."""
+    result = measure(lab01)
+    tl = result.measurement.ledger.timeline()
+    forward = next(s for s in tl.spans if s.name == "forward")
+    total = tl.device_total()
+    at_forward_end, after_step = tables.derived_levels(result).values()
+    assert total[forward.end - 1] == at_forward_end
+    assert total[-1] == after_step  # the loss is gone too
+    assert max(total) > at_forward_end  # the peak comes later, in backward
+
+
 @pytest.mark.parametrize(("dropout", "recompute", "formula"), [
-    ("0.1", "none", "L x [sbh(16e+2m) + as^2b(2e+m)], e=4, m=1"),
-    ("0", "none", "L x [sbh x 16e + as^2b x e], e=4, no dropout"),
-    ("0.1", "selective", "L x sbh(16e+2m), e=4, m=1"),
-    ("0", "selective", "L x sbh x 16e, e=4, no dropout"),
-    ("0", "full", "L x sbh x e, e=4"),
+    (0.1, "none", "L x [sbh(16e+2m) + as^2b(2e+m)], e=4, m=1"),
+    (0, "none", "L x [sbh x 16e + as^2b x e], e=4, no dropout"),
+    (0.1, "selective", "L x sbh(16e+2m), e=4, m=1"),
+    (0, "selective", "L x sbh x 16e, e=4, no dropout"),
+    (0, "full", "L x sbh x e, e=4"),
 ])
-def test_the_printed_activation_formula_is_the_one_used(lab01, capsys, dropout, recompute, formula):
-    run_lab(lab01.main, [*SMALL, "--dropout", dropout, "--recompute", recompute, "--json"])
-    data = json.loads(capsys.readouterr().out)
-    assert data["formulas"]["activations"] == formula
+def test_the_printed_activation_formula_is_the_one_used(lab01, dropout, recompute, formula):
+    summary = lab01.run(lab01.Config(**SMALL, dropout=dropout, recompute=recompute)).summary()
+    assert summary["formulas"]["activations"] == formula
     L, s, b, h, a, e, m = 2, 16, 2, 32, 4, 4, 1  # SMALL, fp32, 1-byte masks: the formula by hand
-    by_hand = {"0.1none": L * (s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)),
-               "0none": L * (s * b * h * 16 * e + a * s * s * b * e), "0.1selective": L * s * b * h * (16 * e + 2 * m),
-               "0selective": L * s * b * h * 16 * e, "0full": L * s * b * h * e}[dropout + recompute]
-    assert data["bytes"]["activations"] == by_hand
+    by_hand = {(0.1, "none"): L * (s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)),
+               (0, "none"): L * (s * b * h * 16 * e + a * s * s * b * e),
+               (0.1, "selective"): L * s * b * h * (16 * e + 2 * m),
+               (0, "selective"): L * s * b * h * 16 * e, (0, "full"): L * s * b * h * e}[(dropout, recompute)]
+    assert summary["derived"]["activations"] == by_hand
 
 
 def test_adamw_state_is_two_moments_and_a_step_counter_per_tensor(lab01):
-    run, _ = measure(lab01)
-    model_params = [r for r in run["ledger"].records if run["ledger"].category_of(r) == "parameters"]
+    m = measure(lab01).measurement
+    model_params = [r for r in m.ledger.records if m.ledger.category_of(r) == "parameters"]
     n = sum(r.nbytes for r in model_params) // 4
-    assert run["measured"]["optimizer_state"] == 8 * n + 4 * len(model_params)
+    assert m.measured["optimizer_state"] == 8 * n + 4 * len(model_params)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -172,7 +217,7 @@ def test_saved_tensor_list_holds_for_explicit_attention(lab01, toy, dropout):
     x, y = SyntheticTokens(cfg.vocab, cfg.seq_len).batch(0, 3)
     ledger = Ledger("cpu").track_module(model)
     with ledger:
-        lab01.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, y, ledger)
+        toy.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, y)
     tl = ledger.timeline()
     end = next(s for s in tl.spans if s.name == "forward").end - 1
     assert tl.device["activations"][end] == toy.tinygpt_activation_bytes(cfg, 3)["total"]
@@ -182,77 +227,98 @@ def test_saved_tensor_list_holds_for_explicit_attention(lab01, toy, dropout):
 
 
 def test_activations_grow_by_the_same_bytes_per_layer(lab01, toy):
-    one, _ = measure(lab01, "--layers", "1")
-    three, _ = measure(lab01, "--layers", "3")
+    one, three = measure(lab01, layers=1), measure(lab01, layers=3)
     rows = toy.tinygpt_saved_tensors(GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=4, dropout=0.1), 2)
     per_layer = sum(n for where, _, n in rows if where == "layer 0")
-    assert three["measured"]["activations"] - one["measured"]["activations"] == 2 * per_layer
+    assert three.measurement.measured["activations"] - one.measurement.measured["activations"] == 2 * per_layer
 
 
-# ---------------------------------------------------------------- the command line
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_the_sequence_sweep_measures_what_tinygpt_lists(lab01, sweeps, dropout):
+    points = [sweeps.sweep_point(measure(lab01, hidden=64, seq=s, dropout=dropout)) for s in (32, 64)]
+    assert all(measured == listed for _, _, measured, listed, _ in points)
+    # the paper's policy: scores kept with dropout (quadratic), none without (linear in the sequence)
+    paper = [p[4] for p in points]
+    assert (paper[1] > 2 * paper[0]) is bool(dropout) and (paper[1] == 2 * paper[0]) is not bool(dropout)
+
+
+# ---------------------------------------------------------------- the run and its report
+def test_inference_counts_weights_and_kv_cache(lab01):
+    result = lab01.run(lab01.Config(layers=32, hidden=4096, heads=32, kv_heads=8, seq=4096, batch=1, vocab=32000,
+                                    precision="bf16", inference=True))
+    assert set(result.derived) == {"parameters", "kv_cache"} and result.derived["kv_cache"] == 2**29
+
+
+def test_the_toy_shape_is_the_default(lab01):
+    assert lab01.Config(seq=32).shape == replace(lab01.TOY, seq=32)
+    assert lab01.Config(params=P7).shape is None
+
+
+def test_human_report_shows_formulas_and_the_measured_comparison(lab01, capsys):
+    lab01.report(measure(lab01))
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert "optimizer state 8 B x P + 4 B x 29 tensors 240,756 B 0.000 0.000" in lines  # the derived ledger
+    assert "parameters 120,320 B 120,320 B +0 B 4 B x P" in lines  # measured, derived: 4 B x 30,080 parameters
+    assert any(line.startswith("+ CPU dropout keeps noise in the data's dtype, the paper 1-byte masks") for line in lines)
+
+
 def test_json_is_one_object_with_integer_bytes_per_rank():
     proc = run_cli(SCRIPT, "--params", "7e9", "--precision", "mixed", "--zero-stage", "3", "--dp", "8", "--json")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data["bytes"]) == {"parameters", "gradients", "master_weights", "optimizer_state"}
-    assert all(isinstance(v, int) for v in data["bytes"].values())
-    assert data["total_bytes"] == sum(data["bytes"].values()) == 14 * 10**9
+    assert set(data["derived"]) == {"parameters", "gradients", "master_weights", "optimizer_state"}
+    assert all(isinstance(v, int) for v in data["derived"].values())
+    assert data["total_bytes"] == sum(data["derived"].values()) == 14 * 10**9
     assert data["params"] == 7 * 10**9 and data["dp"] == 8 and data["zero_stage"] == 3
     assert data["formulas"]["optimizer_state"] == "8 B x P / 8"
     assert data["provenance"]["lab"] == "lab-01-memory-accounting"
 
 
-def test_json_with_measure_and_a_shape(lab01, capsys):
-    run_lab(lab01.main, ["--device", "cpu", *SMALL, "--measure", "--json"])
-    data = json.loads(capsys.readouterr().out)
-    assert set(data["bytes"]) == {"parameters", "gradients", "master_weights", "optimizer_state", "activations"}
-    assert data["measure"]["measured"]["parameters"] == data["bytes"]["parameters"]
-    assert data["measure"]["tinygpt_activations"]["total"] == data["measure"]["measured"]["activations"]
+def test_json_with_measure_and_a_shape():
+    proc = run_cli(SCRIPT, "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16",
+                   "--batch", "2", "--vocab", "64", "--measure", "--json")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data["derived"]) == {"parameters", "gradients", "master_weights", "optimizer_state", "activations"}
+    assert data["measured"]["parameters"] == data["derived"]["parameters"]
+    assert data["tinygpt_activations"]["total"] == data["measured"]["activations"]
 
 
-def test_inference_counts_weights_and_kv_cache(lab01, capsys):
-    run_lab(lab01.main, ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--seq", "4096",
-                         "--batch", "1", "--vocab", "32000", "--precision", "bf16", "--inference", "--json"])
-    data = json.loads(capsys.readouterr().out)
-    assert set(data["bytes"]) == {"parameters", "kv_cache"} and data["bytes"]["kv_cache"] == 2**29
+# ---------------------------------------------------------------- what the command line refuses
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"params": P7, "layers": 32}, "exclude each other"),
+    ({"params": P7, "seq": 2048, "batch": 1}, "activations need the whole shape"),
+    ({"params": P7, "recompute": "full"}, "--recompute needs a model shape"),
+    ({"params": P7, "measure": True}, "--measure needs a model shape"),
+    ({"params": P7, "inference": True}, "--inference needs a model shape"),
+    ({"hidden": 100, "heads": 8}, "--heads 8 does not divide --hidden 100"),
+    ({"kv_heads": 3}, "--kv-heads 3 does not divide --heads 4"),
+    ({"measure": True, "dp": 2}, "--measure runs one process"),
+    ({"measure": True, "zero_stage": 1}, "--measure runs one process"),
+    ({"inference": True, "zero_stage": 1}, "--inference counts weights and KV cache"),
+    ({"snapshot": "s.pickle"}, "--snapshot records the --measure run"),
+])
+def test_the_config_refuses_what_cannot_run(lab01, fields, fragment):
+    with pytest.raises(lab01.UsageError, match=fragment):
+        lab01.Config(**fields)
 
 
-def test_human_report_shows_formulas_and_the_measured_comparison(lab01, capsys):
-    run_lab(lab01.main, ["--device", "cpu", *SMALL, "--measure"])
-    out = capsys.readouterr().out
-    assert "| optimizer state | 8 B x P + 4 B x 29 tensors |" in out
-    assert "| parameters | 120,320 | 120,320 | +0 | formula |" in out  # 4 B x 30,080 parameters
-    assert "CPU dropout keeps noise in the data's dtype, the paper 1-byte masks" in out
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("1.5", "whole number"), ("inf", "whole number"), ("0", "whole number"), ("seven", "such as 7e9")])
+def test_params_must_be_a_whole_count(lab01, text, fragment):
+    assert lab01.parameter_count("7e9") == P7
+    with pytest.raises(ValueError, match=fragment):
+        lab01.parameter_count(text)
 
 
-@pytest.mark.parametrize(("args", "fragment"), [
-    (["--params", "7e9", "--layers", "32"], "exclude each other"),
-    (["--params", "7e9", "--seq", "2048", "--batch", "1"], "activations need the whole shape"),
-    (["--params", "7e9", "--recompute", "full"], "--recompute needs a model shape"),
-    (["--params", "7e9", "--measure"], "--measure needs a model shape"),
-    (["--params", "7e9", "--inference"], "--inference needs a model shape"),
-    (["--params", "seven"], "--params"),
-    (["--params", "1.5"], "whole number"),
-    (["--params", "inf"], "whole number"),
-    (["--params", "0"], "whole number"),
-    (["--hidden", "100", "--heads", "8"], "does not divide --hidden"),
-    (["--kv-heads", "3"], "does not divide --heads"),
-    (["--dp", "0"], "--dp"),
-    (["--zero-stage", "4"], "--zero-stage"),
-    (["--precision", "fp8"], "--precision"),
-    (["--optimizer", "lion"], "--optimizer"),
-    (["--measure", "--dp", "2"], "--measure runs one process"),
-    (["--inference", "--zero-stage", "1"], "--inference"),
-    (["--snapshot", "s.pickle"], "--snapshot records the --measure run"),
+@pytest.mark.parametrize(("argv", "fragment"), [
     (["--measure", "--device", "cpu", "--snapshot", "s.pickle"], "needs a CUDA device"),
     (["--measure", "--device", "cpu", "--layers", "48", "--hidden", "4096", "--heads", "32"], "toy shapes"),
 ])
-def test_bad_input_is_one_line_and_exit_2(lab01, capsys, args, fragment):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab01.main, args, prog="memory_accounting.py")
-    assert exc.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and fragment in err[0], err
+def test_run_time_refusals_are_one_line(lab01, capsys, tmp_path, monkeypatch, argv, fragment):
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(lab01, argv, capsys, fragment)
+    assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
 def test_params_with_a_shape_from_the_command_line():
@@ -265,16 +331,14 @@ def test_params_with_a_shape_from_the_command_line():
 def test_cuda_measure_rounds_each_tensor_to_512_bytes(lab01):
     from labkit.ledger import counted_bytes
 
-    args = lab01.parse_args(["--device", "cuda", *SMALL, "--measure"])
-    shape = lab01.Shape(**{n: getattr(args, n) for n in lab01.SHAPE_FLAGS})
-    run = lab01.measure(args, shape)
+    result = lab01.run(lab01.Config(device="cuda", measure=True, **SMALL))
+    m = result.measurement
     model = TinyGPT(GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=4))
-    device = torch.device(run["device"])
-    rounded = sum(counted_bytes(p.numel() * 4, device) for p in model.parameters())
-    assert run["measured"]["parameters"] == rounded  # the formula, rounded up to 512-byte blocks per tensor
-    assert run["measured"]["gradients"] == rounded
+    rounded = sum(counted_bytes(p.numel() * 4, m.device) for p in model.parameters())
+    assert m.measured["parameters"] == rounded  # the formula, rounded up to 512-byte blocks per tensor
+    assert m.measured["gradients"] == rounded
     # AdamW keeps its step counters on the host for CUDA parameters unless capturable or fused
     # (torch/optim/adam.py): the device holds the two moments only, not 8 B x P + 4 B x tensors.
-    assert run["measured"]["optimizer_state"] == 2 * rounded
-    assert run["measured"]["optimizer_state_on_host"] == 4 * len(list(model.parameters()))  # the counters, on the host
-    assert run["cuda"]["max_memory_allocated"] >= run["peak_bytes"] - run["measured"]["activations"]
+    assert m.measured["optimizer_state"] == 2 * rounded
+    assert m.measured["optimizer_state_on_host"] == 4 * len(list(model.parameters()))  # the counters, on the host
+    assert m.cuda["max_memory_allocated"] >= m.ledger.peak()["total"] - m.measured["activations"]

@@ -4,35 +4,28 @@ Model state is bytes per parameter x P (parameters, gradients, fp32 master weigh
 Activations follow Korthikanti et al. 2022, layer by layer. The KV cache of inference is
 2 x layers x batch x seq x kv_heads x head_dim elements. ZeRO (Rajbhandari et al. 2020) divides the
 model state across N data-parallel ranks, stage by stage. ``--measure`` runs one training step of the
-toy GPT of the same shape under the memory ledger (labkit) and prints measured bytes next to the formulas.
+toy GPT of the same shape while the memory ledger watches, and sets measured bytes next to the formulas.
 
 Run it:
-    python code/lab-01-memory-accounting/memory_accounting.py --params 7e9 --precision mixed --zero-stage 3 --dp 8
-    python code/lab-01-memory-accounting/memory_accounting.py --layers 32 --hidden 4096 --heads 32 --seq 2048 --batch 1 --vocab 50304
-    python code/lab-01-memory-accounting/memory_accounting.py --device cpu --measure
+    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --params 7e9 --precision mixed --zero-stage 3 --dp 8
+    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --layers 32 --hidden 4096 --heads 32 --seq 2048 --batch 1 --vocab 50304
+    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --device cpu --measure
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # labkit, this lab
+import torch
 
-import torch  # noqa: E402
-
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
-from labkit.ledger import counted_bytes  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-from toy_gpt import Shape, gap_to_paper, param_count, param_tensors, tinygpt_activation_bytes  # noqa: E402
-
-LAB = "lab-01-memory-accounting"
+from labkit import cli, labs, provenance
+from labkit.config import LabConfig, UsageError, flag, option
+from labkit.table import format_bytes
+from accounting_tables import derived_table, gap_table, measured_table
+from toy_gpt import Measurement, Shape, measure_step, param_count, param_tensors
 
 
 # --8<-- [start:recipes]
@@ -59,7 +52,10 @@ MASK = 1  # the paper's dropout mask: one byte per element
 # --8<-- [start:model_state]
 def model_state_bytes(params: int, precision: str = "fp32", optimizer: str = "adamw",
                       tensors: int = 0) -> dict[str, int]:
-    """Parameters, gradients, master weights, optimizer state (ZeRO paper, section 3.1)."""
+    """Parameters, gradients, master weights, optimizer state (ZeRO paper, section 3.1).
+
+    params: parameter count P; precision: a key of RECIPES; optimizer: a key of MOMENTS;
+    tensors: parameter tensors, for AdamW's step counters (0 leaves them out)."""
     r = RECIPES[precision]
     counters = STEP_COUNTER * tensors if optimizer == "adamw" else 0
     return {"parameters": r.param * params,
@@ -73,7 +69,10 @@ ZERO_SHARDS = {"optimizer_state": 1, "master_weights": 1, "gradients": 2, "param
 
 def zero_model_state(params: int, precision: str = "fp32", optimizer: str = "adamw",
                      zero_stage: int = 0, dp: int = 1, tensors: int = 0) -> dict[str, int]:
-    """Model state on ONE of dp ranks under ZeRO stage 0-3 (ZeRO paper, section 5)."""
+    """Model state on ONE of dp ranks under ZeRO stage 0-3 (ZeRO paper, section 5).
+
+    params, precision, optimizer, tensors: as for model_state_bytes; zero_stage: 0 to 3;
+    dp: data-parallel ranks the sharded categories are divided across."""
     full = model_state_bytes(params, precision, optimizer, tensors)
     shard = model_state_bytes(-(-params // dp), precision, optimizer, tensors)  # (4)!
     return {k: shard[k] if zero_stage >= ZERO_SHARDS[k] else full[k] for k in full}
@@ -85,7 +84,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, ac
                                mask: int | None = MASK, recompute: str = "none") -> int:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 4.1 and 5).
 
-    act=2, mask=1: the paper's s*b*h*(34 + 5*a*s/h). mask=None: no dropout at all."""
+    seq, batch, hidden, heads: s, b, h, a; act: bytes per activation element; mask: bytes per
+    dropout-mask element (None: no dropout at all); recompute: none, selective or full.
+    act=2, mask=1: the paper's s*b*h*(34 + 5*a*s/h)."""
     sbh = seq * batch * hidden
     if recompute == "full":
         return act * sbh  # (1)!
@@ -112,7 +113,10 @@ def estimate_bytes(params: int | None = None, shape: Shape | None = None,
                    inference: bool = False) -> dict[str, int]:
     """The ledger in one call: bytes per category held by ONE of dp data-parallel ranks.
 
-    Give params (a count) or a shape; only a shape has activations and a KV cache."""
+    params: a parameter count, or shape: a model shape (only a shape has activations and a KV
+    cache); precision, optimizer, zero_stage, dp: as for zero_model_state; recompute: as for
+    activation_bytes_per_layer; dropout: whether the layers keep dropout masks; inference:
+    weights and KV cache instead of a training step."""
     if (params is None) == (shape is None) or (inference and shape is None):
         raise ValueError("give params or a shape, not both (inference needs a shape)")
     r = RECIPES[precision]
@@ -130,190 +134,188 @@ def estimate_bytes(params: int | None = None, shape: Shape | None = None,
 # --8<-- [end:estimate]
 
 
-# --8<-- [start:measure]
-def train_step(model, optimizer, x, y, ledger: Ledger, masters=()) -> float:
-    with ledger.phase("forward", 0):
-        loss = model(x, y)[1]  # (1)!
-    with ledger.phase("backward", 0):
-        loss.backward()
-    with ledger.phase("optimizer", 0):
-        for p, master in zip(model.parameters(), masters):  # (2)!
-            master.grad = p.grad.float()
-        optimizer.step()  # (3)!
-        with torch.no_grad():
-            for p, master in zip(model.parameters(), masters):
-                p.copy_(master)  # the updated master, rounded into the 16-bit working copy
-                master.grad = None
-    return loss.item()
+# --8<-- [start:config]
+SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab", "kv_heads")
+TOY = Shape(layers=2, hidden=128, heads=4, seq=64, batch=8, vocab=256, kv_heads=None)
+CPU_MEASURE_LIMIT = 2 * 2**30  # --measure on CPU refuses shapes whose formulas exceed this
 
 
-def measure(args, shape: Shape) -> dict:
-    """One training step of TinyGPT with this shape under the ledger: bytes by category."""
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA feature)")
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=shape.vocab, seq_len=shape.seq, width=shape.hidden,
-                    layers=shape.layers, heads=shape.heads, dropout=args.dropout)
-    model = TinyGPT(cfg).to(device=device, dtype=torch.float32 if args.precision == "fp32" else torch.bfloat16)
-    masters = [p.detach().float() for p in model.parameters()] if args.precision == "mixed" else []  # (4)!
-    trained = masters or list(model.parameters())  # mixed: the optimizer updates the fp32 masters
-    optimizer = (torch.optim.AdamW(trained, lr=1e-3) if args.optimizer == "adamw" else
-                 torch.optim.SGD(trained, lr=1e-3, momentum=0.9 if args.optimizer == "momentum" else 0.0))
-    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed).batch(0, shape.batch, device)
-    ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
-    ledger.track(masters, "parameters")  # the ledger has no master category: counted apart below
-    reset_peak(device)
-    with record_snapshot(args.snapshot), ledger:
-        loss = train_step(model, optimizer, x, y, ledger, masters)
-    tl = ledger.timeline()
-    forward = next(s for s in tl.spans if s.name == "forward")
-    now = ledger.current()  # (5)!
-    measured = {k: now[k] for k in ("parameters", "gradients", "optimizer_state")}
-    measured["master_weights"] = sum(counted_bytes(m.untyped_storage().nbytes(), device) for m in masters)
-    measured["parameters"] -= measured["master_weights"]
-    measured["optimizer_state_on_host"] = tl.host["optimizer_state"][-1]  # (6)!
-    measured["activations"] = tl.device["activations"][forward.end - 1]  # (7)!
-    elem = RECIPES[args.precision].act
-    return {"device": str(device), "loss": loss, "measured": measured,
-            "tinygpt_activations": tinygpt_activation_bytes(cfg, shape.batch, elem),  # (8)!
-            "gap_to_paper": gap_to_paper(cfg, shape.batch, elem),
-            "peak_bytes": ledger.peak()["total"], "exact": device.type == "cpu",
-            "cuda": allocator_stats(device), "ledger": ledger}
-# --8<-- [end:measure]
-
-
-def whole_number(text: str) -> int:
+def parameter_count(text: str) -> int:
     """``--params 7e9``: a count written as an integer or in scientific notation."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 7e9, got {text!r}") from None
+        raise ValueError(f"expected a number such as 7e9, got {text!r}") from None
     if not (value >= 1 and value.is_integer()):
-        raise argparse.ArgumentTypeError(f"must be a whole number of parameters, 1 or more, got {text}")
+        raise ValueError(f"must be a whole number of parameters, 1 or more, got {text}")
     return int(value)
 
 
-# --8<-- [start:config]
-SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab", "kv_heads")
-CPU_MEASURE_LIMIT = 2 * 2**30  # --measure on CPU refuses shapes whose formulas exceed this
-TOY = {"layers": 2, "hidden": 128, "heads": 4, "seq": 64, "batch": 8, "vocab": 256, "kv_heads": None}
+@dataclass
+class Config(LabConfig):
+    """The memory ledger of a transformer: formulas per category, per rank, checked by --measure."""
 
+    params: int | None = option(None, "parameter count (7e9 works); instead of a shape", min=1,
+                                parse=parameter_count)
+    layers: int | None = option(None, f"model shape: transformer blocks (toy default {TOY.layers})", min=1)
+    hidden: int | None = option(None, f"model shape: hidden size (toy default {TOY.hidden})", min=1)
+    heads: int | None = option(None, f"model shape: attention heads (toy default {TOY.heads})", min=1)
+    seq: int | None = option(None, f"model shape: tokens per sequence (toy default {TOY.seq})", min=1)
+    batch: int | None = option(None, f"model shape: sequences per rank (toy default {TOY.batch})", min=1)
+    vocab: int | None = option(None, f"model shape: vocabulary (toy default {TOY.vocab})", min=1)
+    kv_heads: int | None = option(None, "model shape: KV heads for the KV cache (default: one per head)", min=1)
+    precision: Literal["fp32", "mixed", "bf16"] = option(
+        "fp32", "fp32; mixed: 16-bit weights and activations, fp32 master weights and states; bf16: pure bf16")
+    optimizer: Literal["sgd", "momentum", "adamw"] = option("adamw", "the optimizer whose state is counted")
+    zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO stage: 1 shards optimizer state, 2 gradients, 3 weights")
+    dp: int = option(1, "data-parallel ranks; figures are per rank", min=1)
+    recompute: Literal["none", "selective", "full"] = option("none", "activation recomputation (shape only)")
+    dropout: float = option(0.1, "dropout probability; 0 removes the dropout masks", min=0, below=1)
+    inference: bool = option(False, "weights and KV cache instead of a training step")
+    measure: bool = option(False, "run one step of the toy GPT under the memory ledger")
+    snapshot: Path | None = option(None, "CUDA only, with --measure: dump a memory-history pickle")
 
-def parse_args(argv=None):
-    p = lab_parser("The memory ledger of a transformer: formulas per category, per rank, checked by --measure.")
-    p.add_argument("--params", type=whole_number, help="parameter count (7e9 works); instead of a shape")
-    for name in SHAPE_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), type=positive_int, help=f"model shape: {name} (toy default {TOY[name]})")
-    p.add_argument("--precision", choices=list(RECIPES), default="fp32",
-                   help="fp32; mixed: 16-bit weights and activations, fp32 master weights and states; bf16: pure bf16")
-    p.add_argument("--optimizer", choices=list(MOMENTS), default="adamw")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
-    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel ranks; figures are per rank")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], help="activation recomputation (shape only)")
-    p.add_argument("--dropout", type=probability, default=0.1, help="0 removes the dropout masks (default 0.1)")
-    p.add_argument("--inference", action="store_true", help="weights and KV cache instead of a training step")
-    p.add_argument("--measure", action="store_true", help="run one step of the toy GPT under the ledger")
-    p.add_argument("--snapshot", type=Path, help="CUDA only, with --measure: dump a memory-history pickle")
-    args = p.parse_args(argv)
-    given = [f"--{n.replace('_', '-')}" for n in SHAPE_FLAGS if getattr(args, n) is not None]
-    if args.params is not None and given:
-        raise UsageError(f"--params and a model shape ({' '.join(given)}) exclude each other: --params gives the "
-                         "model state only; activations need the whole shape")
-    for flag in ("recompute", "inference", "measure"):
-        if args.params is not None and getattr(args, flag):
-            raise UsageError(f"--{flag} needs a model shape (--layers --hidden --heads --seq --batch --vocab), not --params")
-    vars(args).update({n: TOY[n] for n in SHAPE_FLAGS if getattr(args, n) is None})  # the toy shape by default
-    args.recompute = args.recompute or "none"
-    if args.hidden % args.heads:
-        raise UsageError(f"--heads {args.heads} does not divide --hidden {args.hidden}")
-    if args.kv_heads and args.heads % args.kv_heads:
-        raise UsageError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
-    if args.inference and (args.zero_stage or args.measure):
-        raise UsageError("--inference counts weights and KV cache; it takes no --zero-stage or --measure")
-    if args.measure and (args.dp > 1 or args.zero_stage):
-        raise UsageError("--measure runs one process: drop --dp and --zero-stage (ZeRO per rank is Lab 11)")
-    if args.snapshot and not args.measure:
-        raise UsageError("--snapshot records the --measure run: add --measure --device cuda")
-    return args
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [flag(n) for n in SHAPE_FLAGS if getattr(self, n) is not None]
+        if self.params is not None and given:
+            raise UsageError(f"--params and a model shape ({' '.join(given)}) exclude each other: --params gives "
+                             "the model state only; activations need the whole shape")
+        for name, asked in (("recompute", self.recompute != "none"), ("inference", self.inference),
+                            ("measure", self.measure)):
+            if self.params is not None and asked:
+                raise UsageError(f"--{name} needs a model shape (--layers --hidden --heads --seq --batch --vocab), "
+                                 "not --params")
+        shape = self.shape or TOY
+        if shape.hidden % shape.heads:
+            raise UsageError(f"--heads {shape.heads} does not divide --hidden {shape.hidden}")
+        if shape.kv_heads and shape.heads % shape.kv_heads:
+            raise UsageError(f"--kv-heads {shape.kv_heads} does not divide --heads {shape.heads}")
+        if self.inference and (self.zero_stage or self.measure):
+            raise UsageError("--inference counts weights and KV cache; it takes no --zero-stage or --measure")
+        if self.measure and (self.dp > 1 or self.zero_stage):
+            raise UsageError("--measure runs one process: drop --dp and --zero-stage (ZeRO per rank is Lab 11)")
+        if self.snapshot and not self.measure:
+            raise UsageError("--snapshot records the --measure run: add --measure --device cuda")
+
+    @property
+    def shape(self) -> Shape | None:
+        """The model shape, the toy's for every shape flag not given; None with --params."""
+        if self.params is not None:
+            return None
+        return Shape(**{n: getattr(self, n) if getattr(self, n) is not None else getattr(TOY, n)
+                        for n in SHAPE_FLAGS})
 # --8<-- [end:config]
 
 
-def formula_text(category: str, args, shape: Shape | None) -> str:
+def run(config: Config) -> Result:
+    t0 = time.perf_counter()
+    shape = config.shape
+    derived = estimate_bytes(config.params, shape, config.precision, config.optimizer, config.zero_stage,
+                             config.dp, config.recompute, config.dropout > 0, config.inference)
+    device, measurement = torch.device("cpu"), None
+    if config.measure:
+        device = cli.pick_device(config.device)
+        if config.snapshot and device.type != "cuda":
+            raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA feature)")
+        if device.type == "cpu" and sum(derived.values()) > CPU_MEASURE_LIMIT:
+            raise UsageError(f"--measure on CPU is for toy shapes: the formulas give "
+                             f"{format_bytes(sum(derived.values()))} (limit {format_bytes(CPU_MEASURE_LIMIT)}); "
+                             "shrink the shape")
+        recipe = RECIPES[config.precision]  # fp32: a 4-byte model; mixed and bf16: a 2-byte one
+        measurement = measure_step(shape, dtype=torch.float32 if recipe.param == 4 else torch.bfloat16,
+                                   fp32_masters=recipe.master > 0, optimizer=config.optimizer,
+                                   dropout=config.dropout, device=device, seed=config.seed, snapshot=config.snapshot)
+    return Result(config, shape, derived, measurement, device, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- the result
+@dataclass
+class Result:
+    config: Config
+    shape: Shape | None
+    derived: dict[str, int]  # bytes per category on one rank, from the formulas
+    measurement: Measurement | None
+    device: torch.device
+    wall_time_s: float
+
+    @property
+    def params(self) -> int:
+        return self.config.params if self.shape is None else param_count(self.shape)
+
+    @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.config.precision]
+
+    @property
+    def bytes_per_parameter(self) -> int:
+        """Model-state bytes per parameter of this recipe and optimizer (step counters aside)."""
+        return sum(model_state_bytes(1, self.config.precision, self.config.optimizer).values())
+
+    @property
+    def formulas(self) -> dict[str, str]:
+        """The formula of each category, with this run's numbers in it."""
+        return {k: formula_text(k, self.config) for k in self.derived}
+
+    def summary(self) -> dict:
+        c, m = self.config, self.measurement
+        out = {"lab": labs.slug(__file__), "device": str(self.device), "params": self.params,
+               "shape": asdict(self.shape) if self.shape else None, "precision": c.precision,
+               "optimizer": None if c.inference else c.optimizer, "zero_stage": c.zero_stage, "dp": c.dp,
+               "recompute": c.recompute if self.shape else None, "dropout": c.dropout, "inference": c.inference,
+               "derived": self.derived, "total_bytes": sum(self.derived.values()),
+               "formulas": self.formulas}
+        if m:
+            out |= {"loss": m.loss, "measured": m.measured, "tinygpt_activations": m.tinygpt_activations,
+                    "gap_to_paper": m.gap_to_paper, "peak_bytes": m.ledger.peak()["total"], "exact": m.exact,
+                    "cuda": m.cuda}
+        return out | {"provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
+
+
+# ---------------------------------------------------------------------- the report
+def formula_text(category: str, config: Config) -> str:
     """The formula behind one category of the report, with this run's numbers in it."""
-    r = RECIPES[args.precision]
+    r = RECIPES[config.precision]
     e, m = f"e={r.act}", f"m={MASK}"
     kept = {"none": f"L x [sbh(16e+2m) + as^2b(2e+m)], {e}, {m}", "selective": f"L x sbh(16e+2m), {e}, {m}"}
-    if not args.dropout:  # no masks: 16 units of sbh and one s x s matrix per head (activations, (3))
+    if not config.dropout:  # no masks: 16 units of sbh and one s x s matrix per head (activations, (3))
         kept = {"none": f"L x [sbh x 16e + as^2b x e], {e}, no dropout", "selective": f"L x sbh x 16e, {e}, no dropout"}
     fixed = {"kv_cache": f"2 x L x b x s x kv_heads x head_dim x {r.act} B",
-             "activations": (kept | {"full": f"L x sbh x e, {e}"})[args.recompute]}
+             "activations": (kept | {"full": f"L x sbh x e, {e}"})[config.recompute]}
     if category in fixed:
         return fixed[category]
     coeff = {"parameters": r.param, "gradients": r.grad, "master_weights": r.master,
-             "optimizer_state": MOMENTS[args.optimizer] * r.moment}[category]
-    shard = f" / {args.dp}" if args.zero_stage >= ZERO_SHARDS[category] and args.dp > 1 else ""
-    adam = category == "optimizer_state" and args.optimizer == "adamw" and shape is not None
-    return f"{coeff} B x P{shard}" + (f" + 4 B x {param_tensors(shape)} tensors" if adam else "")
+             "optimizer_state": MOMENTS[config.optimizer] * r.moment}[category]
+    shard = f" / {config.dp}" if config.zero_stage >= ZERO_SHARDS[category] and config.dp > 1 else ""
+    adam = category == "optimizer_state" and config.optimizer == "adamw" and config.shape is not None
+    return f"{coeff} B x P{shard}" + (f" + 4 B x {param_tensors(config.shape)} tensors" if adam else "")
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
-    shape = None if args.params is not None else Shape(**{n: getattr(args, n) for n in SHAPE_FLAGS})
-    n_params = args.params if shape is None else param_count(shape)
-    est = estimate_bytes(args.params, shape, args.precision, args.optimizer, args.zero_stage, args.dp,
-                         args.recompute, args.dropout > 0, args.inference)
-    if args.measure and pick_device(args.device).type == "cpu" and sum(est.values()) > CPU_MEASURE_LIMIT:
-        raise UsageError(f"--measure on CPU is for toy shapes: the formulas give {format_bytes(sum(est.values()))} "
-                         f"(limit {format_bytes(CPU_MEASURE_LIMIT)}); shrink the shape")
-    run = measure(args, shape) if args.measure else None
-    result = {"lab": LAB, "params": n_params, "shape": asdict(shape) if shape else None, "precision": args.precision,
-              "optimizer": None if args.inference else args.optimizer, "zero_stage": args.zero_stage, "dp": args.dp,
-              "recompute": args.recompute if shape else None, "dropout": args.dropout, "inference": args.inference,
-              "bytes": est, "total_bytes": sum(est.values()), "formulas": {k: formula_text(k, args, shape) for k in est}}
-    if run:
-        result["measure"] = {k: v for k, v in run.items() if k != "ledger"}
-    device = torch.device(run["device"]) if run else torch.device("cpu")
-    result["provenance"] = provenance.collect(LAB, device, time.perf_counter() - t0)
-    if args.json:
-        emit_json(result)
+def report(result: Result) -> None:
+    c = result.config
+    print(f"Lab 01 · derived ledger, bytes per rank: {result.params:,} parameters, {c.precision}, "
+          f"{'inference' if c.inference else c.optimizer}, ZeRO stage {c.zero_stage}, {c.dp} rank(s)")
+    if result.shape:
+        print("shape: " + ", ".join(f"{k} {v}" for k, v in asdict(result.shape).items() if v is not None))
+    print(derived_table(result).text())
+    m = result.measurement
+    if m is None:
         return
-    print(f"Lab 01 · derived ledger, bytes per rank: {n_params:,} parameters, {args.precision}, "
-          f"{'inference' if args.inference else args.optimizer}, ZeRO stage {args.zero_stage}, {args.dp} rank(s)")
-    if shape:
-        print("shape: " + ", ".join(f"{k} {v}" for k, v in asdict(shape).items() if v is not None))
-    print("\n| category | formula | bytes | GB (1e9) | GiB |\n|---|---|---:|---:|---:|")
-    for k, v in [*est.items(), ("total", result["total_bytes"])]:
-        print(f"| {k.replace('_', ' ')} | {result['formulas'].get(k, '')} | {v:,} | {v / 1e9:,.3f} | {v / 2**30:,.3f} |")
-    if run:
-        report_measure(run, est, shape, args)
-
-
-def report_measure(run: dict, est: dict, shape: Shape, args) -> None:
-    m, tiny = run["measured"], run["tinygpt_activations"]
-    host = STEP_COUNTER * param_tensors(shape) if run["device"] != "cpu" and args.optimizer == "adamw" else 0
-    print(f"\nMeasured on {run['device']}: one step of TinyGPT of this shape under the ledger")
-    print("| category | measured | derived | measured - derived | derived by |\n|---|---:|---:|---:|---|")
-    for name, want, how in [("parameters", est["parameters"], "formula"), ("gradients", est["gradients"], "formula"),
-                            ("master_weights", est["master_weights"], "formula"),
-                            ("optimizer_state", est["optimizer_state"] - host, "formula" + ", less the counters" * bool(host)),
-                            ("optimizer_state_on_host", host, "4 B x tensors: AdamW's step counters, on the host"),
-                            ("activations", est["activations"], "paper formula, transformer layers only"),
-                            ("activations", tiny["total"], "TinyGPT's saved tensors (toy_gpt.py)")]:
-        if want or m[name] or name not in ("master_weights", "optimizer_state_on_host"):  # no rows of zeros
-            print(f"| {name.replace('_', ' ')} | {m[name]:,} | {want:,} | {m[name] - want:+,} | {how} |")
-    print("\nTinyGPT's saved tensors minus the paper's formula, term by term (derived" + (")" if run["exact"] else
-          ", for CPU kernels)") + ":")
-    for why, nbytes in run["gap_to_paper"]:
-        print(f"  {nbytes:+,} B  {why}")
-    print(f"Peak of the step {run['peak_bytes']:,} B: activations die in backward as gradients are born, "
+    print(f"\nMeasured on {m.device}: one step of TinyGPT of this shape under the ledger")
+    print(measured_table(result).text())
+    print("\nTinyGPT's saved tensors against the paper's formula, term by term (derived"
+          + (")" if m.exact else ", for CPU kernels)") + ":")
+    print(gap_table(result).text())
+    print(f"Peak of the step {m.ledger.peak()['total']:,} B: activations die in backward as gradients are born, "
           "and temporaries sit on top, so the peak is not the sum of the categories.")
-    if run["cuda"]:
-        print(f"CUDA max allocated {run['cuda']['max_memory_allocated']:,} B. The ledger rounds every tensor up to 512-byte "
+    if m.cuda:
+        print(f"CUDA max allocated {m.cuda['max_memory_allocated']:,} B. The ledger rounds every tensor up to 512-byte "
               "blocks, as the caching allocator does: the small device gaps above are that rounding." + (" AdamW keeps "
-              "its step counters on the host for CUDA parameters (torch/optim/adam.py): their own row." if host else ""))
+              "its step counters on the host for CUDA parameters (torch/optim/adam.py): their own row."
+              if m.host_counters else ""))
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

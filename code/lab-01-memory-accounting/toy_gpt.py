@@ -1,4 +1,5 @@
-"""The toy GPT's side of the ledger: its shape, its parameter count, and what it keeps for backward.
+"""The toy GPT's side of the ledger: its shape, its parameter count, what it keeps for backward, and
+one training step of it measured while the memory ledger watches.
 
 ``Shape`` and ``param_count`` describe a GPT-style decoder like ``labkit.TinyGPT`` (pre-norm blocks,
 learned positions, an untied head), so a shape given on the command line has a parameter count and
@@ -7,8 +8,8 @@ learned positions, an untied head), so a shape given on the command line has a p
 Korthikanti et al. (2022) count the tensors a *Megatron* layer saves, in 16-bit with 1-byte dropout
 masks. TinyGPT is another implementation: fp32 by default, GELU, learned positions, an untied head,
 PyTorch's CPU kernels. ``tinygpt_saved_tensors`` lists what each of its ops saves, so the sum can be
-compared with the ledger's measurement to the byte, and ``gap_to_paper`` says, term by term, why that
-sum differs from the paper's formula.
+compared with the ledger's measurement to the byte (``measure_step``), and ``gap_to_paper`` says,
+term by term, why that sum differs from the paper's formula.
 
 Facts about PyTorch's CPU kernels this count relies on (torch 2.13; the tests check the sum):
   * ``nn.Dropout`` on CPU saves a noise tensor of the input's dtype (CUDA's fused kernel: a 1-byte mask);
@@ -21,9 +22,15 @@ Facts about PyTorch's CPU kernels this count relies on (torch 2.13; the tests ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from labkit import GPTConfig
-from labkit.models import gpt_param_count
+import torch
+
+from labkit import marks
+from labkit.cuda import allocator_stats, record_snapshot, reset_peak
+from labkit.ledger import Ledger, counted_bytes
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, gpt_param_count
+from labkit.table import Table
 
 INT64 = 8
 
@@ -141,3 +148,90 @@ def gap_to_paper(cfg: GPTConfig, batch: int, elem: int = 4) -> list[tuple[str, i
         out.append(("the explicit causal mask, a bool s x s tensor per layer", n * s * s))
     return out
 # --8<-- [end:gap]
+
+
+# --8<-- [start:measure]
+def train_step(model, optimizer, x, y, masters=()) -> float:
+    with marks.phase("forward", 0):
+        loss = model(x, y)[1]  # (1)!
+    with marks.phase("backward", 0):
+        loss.backward()
+    with marks.phase("optimizer", 0):
+        for p, master in zip(model.parameters(), masters):  # (2)!
+            master.grad = p.grad.float()
+        optimizer.step()  # (3)!
+        with torch.no_grad():
+            for p, master in zip(model.parameters(), masters):
+                p.copy_(master)  # the updated master, rounded into the 16-bit working copy
+                master.grad = None
+    return loss.item()
+
+
+def measure_step(shape: Shape, dtype: torch.dtype = torch.float32, fp32_masters: bool = False,
+                 optimizer: str = "adamw", dropout: float = 0.1, device: torch.device | str = "cpu",
+                 seed: int = 0, snapshot: Path | None = None) -> Measurement:
+    """One training step of TinyGPT with this shape while the ledger watches: bytes by category.
+
+    dtype: the model's (its working copy, gradients and activations); fp32_masters: keep an fp32
+    master copy of every parameter, which the optimizer updates; optimizer: sgd, momentum or
+    adamw; dropout: TinyGPT's dropout probability; device: where to run; seed: for the weights and
+    the batch; snapshot: a CUDA memory-history pickle to write (None: none)."""
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab=shape.vocab, seq_len=shape.seq, width=shape.hidden,
+                    layers=shape.layers, heads=shape.heads, dropout=dropout)
+    model = TinyGPT(cfg).to(device=device, dtype=dtype)
+    masters = [p.detach().float() for p in model.parameters()] if fp32_masters else []  # (4)!
+    trained = masters or list(model.parameters())  # with masters the optimizer updates them
+    opt = (torch.optim.AdamW(trained, lr=1e-3) if optimizer == "adamw" else
+           torch.optim.SGD(trained, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0))
+    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=seed).batch(0, shape.batch, device)
+    ledger = Ledger(device).track_module(model).track_optimizer(opt)
+    ledger.track(masters, "parameters")  # the ledger has no master category: counted apart below
+    reset_peak(device)
+    with record_snapshot(snapshot), ledger:
+        loss = train_step(model, opt, x, y, masters)
+    tl = ledger.timeline()
+    forward = next(s for s in tl.spans if s.name == "forward")
+    now = ledger.current()  # (5)!
+    measured = {k: now[k] for k in ("parameters", "gradients", "optimizer_state")}
+    measured["master_weights"] = sum(counted_bytes(m.untyped_storage().nbytes(), device) for m in masters)
+    measured["parameters"] -= measured["master_weights"]
+    measured["optimizer_state_on_host"] = tl.host["optimizer_state"][-1]  # (6)!
+    measured["activations"] = tl.device["activations"][forward.end - 1]  # (7)!
+    return Measurement(cfg, device, loss, measured, ledger, allocator_stats(device),
+                       tinygpt_activations=tinygpt_activation_bytes(cfg, shape.batch, dtype.itemsize),  # (8)!
+                       gap_to_paper=gap_to_paper(cfg, shape.batch, dtype.itemsize))
+# --8<-- [end:measure]
+
+
+@dataclass
+class Measurement:
+    """What one measured step of TinyGPT gave (:func:`measure_step`)."""
+
+    model_config: GPTConfig
+    device: torch.device
+    loss: float
+    measured: dict[str, int]  # bytes by category after the step; activations when forward ended
+    ledger: Ledger
+    cuda: dict | None  # the allocator's counters (CUDA only)
+    tinygpt_activations: dict[str, int]  # tinygpt_saved_tensors summed by part
+    gap_to_paper: list[tuple[str, int]]  # the terms between that sum and the paper's formula
+
+    @property
+    def exact(self) -> bool:
+        """On CPU the ledger counts storage.nbytes(): formulas and measurement agree to the byte."""
+        return self.device.type == "cpu"
+
+    @property
+    def host_counters(self) -> int:
+        """AdamW's step counters on the host: those of CUDA parameters (torch/optim/adam.py)."""
+        return self.measured["optimizer_state_on_host"]
+
+
+def saved_table(cfg: GPTConfig, batch: int, elem: int = 4, parts=("embedding", "layer 0", "head")) -> Table:
+    """What TinyGPT keeps for backward in some of its parts (default: the embedding, the first
+    layer and the head), one row per tensor. cfg, batch, elem: as for tinygpt_saved_tensors."""
+    return Table(["where", "tensor kept for backward", ("bytes", "B")],
+                 [[where, what, nbytes] for where, what, nbytes in tinygpt_saved_tensors(cfg, batch, elem)
+                  if where in parts])

@@ -1,0 +1,80 @@
+"""The tables Lab 01 prints and publishes: the derived ledger, and the measured step set against it.
+
+Each reads a :class:`memory_accounting.Result` (what ``run(Config(...))`` returns), so the console
+(``report``), the notebook and the page show one set of numbers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from labkit.table import Table
+from toy_gpt import param_tensors
+
+if TYPE_CHECKING:
+    from memory_accounting import Result
+
+STATE = ("parameters", "gradients", "master_weights", "optimizer_state")
+DTYPE = {4: "fp32", 2: "bf16"}  # bytes per element -> the dtype the recipes use
+
+
+def derived_table(result: Result) -> Table:
+    """The derived ledger: each category, its formula, its bytes on one rank."""
+    rows = [[k.replace("_", " "), result.formulas[k], v, v / 1e9, v / 2**30]
+            for k, v in result.derived.items()]
+    total = sum(result.derived.values())
+    return Table(["category", "formula", ("bytes", "B"), ("GB", "float:3"), ("GiB", "float:3")],
+                 [*rows, ["total", "", total, total / 1e9, total / 2**30]])
+
+
+def measured_table(result: Result) -> Table:
+    """Measured against derived, category by category (the ledger's bytes and the formulas')."""
+    m, d, c = result.measurement, result.derived, result.config
+    host = m.host_counters  # on a GPU AdamW's step counters are not on the device: a row of their own
+    rows = [[cat, m.measured[cat], d[cat] - (host if cat == "optimizer_state" else 0),
+             result.formulas[cat] + (", less the step counters" if host and cat == "optimizer_state" else "")]
+            for cat in STATE if d[cat] or m.measured[cat]]
+    if host:
+        rows.append(["optimizer_state_on_host", host, host,
+                     f"4 B x {param_tensors(result.shape)} step counters, on the host"])
+    masks = "m=1" if c.dropout else "no dropout"
+    rows += [["activations", m.measured["activations"], d["activations"],
+              f"the paper's formula, layers only, e={result.recipe.act}, {masks}"],
+             ["activations", m.measured["activations"], m.tinygpt_activations["total"],
+              "TinyGPT's saved tensors, op by op"]]
+    return Table(["category", ("measured", "B"), ("derived", "B"), ("gap", "+B"), "derived by"],
+                 [[cat.replace("_", " "), meas, want, meas - want, how] for cat, meas, want, how in rows])
+
+
+def model_state_table(result: Result) -> Table:
+    """Model state measured against derived, with bytes per parameter and their sum."""
+    m, d, r, p = result.measurement.measured, result.derived, result.recipe, result.params
+    notes = {"parameters": DTYPE[r.param] + (" working copy" if r.master else ""), "gradients": DTYPE[r.grad],
+             "master_weights": DTYPE[r.master or 4], "optimizer_state": DTYPE[r.moment]}
+    cats = [cat for cat in STATE if d[cat] or m[cat]]
+    rows = [[cat.replace("_", " "), m[cat], d[cat], m[cat] / p, f"{result.formulas[cat]} ({notes[cat]})"]
+            for cat in cats]
+    counters = f" + 4 B x {param_tensors(result.shape)}" if result.config.optimizer == "adamw" else ""
+    rows.append(["model state", sum(m[c] for c in cats), sum(d[c] for c in cats), sum(m[c] for c in cats) / p,
+                 f"{result.bytes_per_parameter} B x P{counters}"])
+    return Table(["category", ("measured", "B"), ("derived", "B"), ("bytes per parameter", "float:2"), "derived by"],
+                 rows)
+
+
+def gap_table(result: Result) -> Table:
+    """The paper's formula, plus each term by which TinyGPT differs, is TinyGPT's list and the measurement."""
+    m, layers = result.measurement, result.shape.layers
+    e, masks = result.recipe.act, "m=1" if result.config.dropout else "no dropout"
+    paper = result.derived["activations"]
+    return Table(["term", ("bytes", "B")], [
+        [f"paper's formula for the {layers} layers (e={e}, {masks})", paper],
+        *([f"+ {why}", nbytes] for why, nbytes in m.gap_to_paper),
+        ["= TinyGPT's saved tensors", paper + sum(n for _, n in m.gap_to_paper)],
+        ["measured by the ledger at the end of forward", m.measured["activations"]]])
+
+
+def derived_levels(result: Result) -> dict[str, int]:
+    """Two derived levels of the step's timeline: where it stands when forward ends, and after the step."""
+    d = result.derived
+    return {"derived: parameters + saved tensors": d["parameters"] + result.measurement.tinygpt_activations["total"],
+            "derived: model state after the step": sum(d[c] for c in STATE)}
