@@ -268,6 +268,8 @@ class RecipeRun:
 
 @dataclass
 class Result:
+    """What :func:`run` returns: the config, the device, and one :class:`RecipeRun` per recipe."""
+
     config: Config
     device: torch.device
     runs: dict[str, RecipeRun]
