@@ -6,65 +6,37 @@ The same training loop runs three recipes; only two objects change between them:
     fp16  torch.autocast(device, float16)      torch.amp.GradScaler(device): loss scaling
     bf16  torch.autocast(device, bfloat16)     no scaler (bf16 has fp32's exponent range)
 
-The memory ledger (labkit) shows what changes: parameters, gradients and AdamW state stay fp32
-(the "master weights"), activations saved for backward shrink, autocast adds 16-bit weight copies.
-``--inject-inf-at STEP`` puts an inf in an fp16 gradient: GradScaler skips the step, halves its scale.
+Each phase of a step is marked (``marks.phase``), so the memory ledger, when one watches, shows what
+changes: parameters, gradients and AdamW state stay fp32 (the "master weights"), activations saved
+for backward shrink, autocast adds 16-bit weight copies. ``--inject-inf-at STEP`` puts an inf in an
+fp16 gradient: GradScaler skips the step and halves its scale.
 
 Run it:
-    python code/lab-03-mixed-precision/mixed_precision.py --device cpu
-    python code/lab-03-mixed-precision/mixed_precision.py --device cpu --recipe fp16 --inject-inf-at 3
+    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu
+    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu --recipe fp16 --inject-inf-at 3
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
+import torch
 
-import torch  # noqa: E402
+from labkit import cli, labs, marks, provenance
+from labkit.config import LabConfig, UsageError, option
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from precision_report import ACTIVATION_BAND, LOSS_RTOL, compare, forward_end, report
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import non_negative_int, positive_float, positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-
-LAB = "lab-03-mixed-precision"
 RECIPES = ("fp32", "fp16", "bf16")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-LOSS_RTOL = 0.02  # every step's loss within 2 % of the fp32 loss at that step
-ACTIVATION_BAND = (0.55, 0.80)  # 16-bit activations / fp32 activations, default CPU model
-
-
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Train a toy GPT in fp32, fp16 + GradScaler and bf16 autocast; compare loss and memory.")
-    p.add_argument("--recipe", choices=[*RECIPES, "all"], default="all")
-    p.add_argument("--steps", type=positive_int, default=20, help="training steps per recipe")
-    p.add_argument("--ledger-steps", type=positive_int, default=2, help="steps under the ledger; the rest are timed")
-    for flag, default in (("--batch-size", 8), ("--seq-len", 32), ("--width", 64), ("--layers", 2), ("--heads", 4),
-                          ("--vocab", 256)):  # the model's size: tiny on a CPU, flags for a GPU-sized run
-        p.add_argument(flag, type=positive_int, default=default)
-    p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--dropout", type=probability, default=0.0)
-    p.add_argument("--init-scale", type=positive_float, default=2.0**16, help="GradScaler's first scale")
-    p.add_argument("--growth-interval", type=positive_int, default=2000, help="clean steps before the scale doubles")
-    p.add_argument("--inject-inf-at", type=non_negative_int, metavar="STEP", help="fp16: put an inf in a gradient")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    args = p.parse_args(argv)
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.inject_inf_at is not None and args.recipe not in ("fp16", "all"):
-        raise UsageError("--inject-inf-at needs the fp16 recipe: only GradScaler skips a step on inf")
-    if args.inject_inf_at is not None and args.inject_inf_at >= args.steps:
-        raise UsageError(f"--inject-inf-at {args.inject_inf_at} is past the last step ({args.steps - 1})")
-    return args
-# --8<-- [end:config]
+FP32 = torch.finfo(torch.float32)
 
 
 # --8<-- [start:recipes]
@@ -74,13 +46,15 @@ def autocast(recipe: str, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[recipe])  # (1)!
 
 
-def make_scaler(recipe: str, device: torch.device, args) -> torch.amp.GradScaler:
+def make_scaler(recipe: str, device: torch.device, init_scale: float, growth_interval: int) -> torch.amp.GradScaler:
+    """The loss scaler: enabled for fp16 only. ``init_scale``: the first scale S;
+    ``growth_interval``: clean steps in a row before S doubles."""
     return torch.amp.GradScaler(
         device.type,
-        init_scale=args.init_scale,  # (2)!
+        init_scale=init_scale,  # (2)!
         growth_factor=2.0,
         backoff_factor=0.5,  # (3)!
-        growth_interval=args.growth_interval,
+        growth_interval=growth_interval,
         enabled=recipe == "fp16",  # (4)!
     )
 
@@ -95,18 +69,20 @@ def check_autocast(recipe: str, device: torch.device) -> None:
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, scaler, recipe, x, y, ledger: Ledger, step: int, inject_inf=False) -> dict:
-    with ledger.phase("zero_grad", step):
+def train_step(model, optimizer, scaler, recipe: str, x, y, step: int, inject_inf: bool = False) -> dict:
+    """One step in ``recipe`` (fp32, fp16, bf16) with ``scaler`` (:func:`make_scaler`) on the batch
+    ``x, y``; ``step`` names the phases; ``inject_inf`` puts an inf in a gradient after backward."""
+    with marks.phase("zero_grad", step):
         optimizer.zero_grad(set_to_none=True)
-    with ledger.phase("forward", step):
+    with marks.phase("forward", step):
         with autocast(recipe, x.device):
             loss = model(x, y)[1]  # (1)!
-    with ledger.phase("backward", step):
+    with marks.phase("backward", step):
         scaler.scale(loss).backward()  # (2)!
         if inject_inf:
             model.head.weight.grad[0, 0] = float("inf")  # (3)!
     scale_before, updates_before = scaler.get_scale(), updates(optimizer)
-    with ledger.phase("optimizer", step):
+    with marks.phase("optimizer", step):
         scaler.step(optimizer)  # (4)!
         scaler.update()  # (5)!
     return {"step": step, "loss": loss.item(), "scale_before": scale_before, "scale_after": scaler.get_scale(),
@@ -134,7 +110,8 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
 
 def saved_for_backward(model, recipe: str, x, y) -> dict[str, int]:
-    """Bytes of the new tensors one forward saves for backward, by kind: the ledger's activations."""
+    """Bytes of the new tensors one forward of ``model`` on ``x, y`` in ``recipe`` saves for
+    backward, by kind: the ledger's activations."""
     existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), x, y]}
     kinds: dict[int, tuple[str, int]] = {}
 
@@ -151,161 +128,171 @@ def saved_for_backward(model, recipe: str, x, y) -> dict[str, int]:
 # --8<-- [end:census]
 
 
+# --8<-- [start:config]
 @dataclass
-class Run:
-    recipe: str
-    steps: list[dict]  # one record per step: loss, scale before and after, skipped, growth tracker
-    ledger: Ledger  # the first --ledger-steps steps
-    saved: dict[str, int]  # bytes one forward saves for backward, by kind
-    cfg: GPTConfig
-    param_dtypes: list[str]  # every recipe: float32, the master weights
-    params: int
-    linear_weights: int  # elements autocast casts to 16 bits in every forward
-    scaler: torch.amp.GradScaler
-    step_times_s: list[float]  # the steps after the ledger, timed bare
-    inject: dict | None
-    wall_time_s: float
-    cuda: dict | None
+class Config(LabConfig):
+    """Train a toy GPT in fp32, fp16 + GradScaler and bf16 autocast; compare loss and memory."""
+
+    recipe: Literal["fp32", "fp16", "bf16", "all"] = option("all", "the recipe to train, or all three")
+    steps: int = option(20, "training steps per recipe", min=1)
+    ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1)
+    batch_size: int = option(8, "sequences per step", min=1)
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    width: int = option(64, "model width", min=1)
+    layers: int = option(2, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(256, "vocabulary size", min=1)
+    lr: float = option(3e-3, "AdamW learning rate", above=0)
+    dropout: float = option(0.0, "dropout probability", min=0, below=1)
+    init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0)
+    growth_interval: int = option(2000, "clean steps before the scale doubles", min=1)
+    inject_inf_at: int | None = option(None, "fp16: put an inf in a gradient at this step", min=0, metavar="STEP")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        if not FP32.tiny <= self.init_scale <= FP32.max:  # GradScaler keeps S, and uses 1/S, in float32
+            raise UsageError(f"--init-scale {self.init_scale:g} does not fit float32, where GradScaler keeps the "
+                             f"scale and its reciprocal: give a number in [{FP32.tiny:.3g}, {FP32.max:.3g}]")
+        if self.inject_inf_at is not None and self.recipe not in ("fp16", "all"):
+            raise UsageError("--inject-inf-at needs the fp16 recipe: only GradScaler skips a step on inf")
+        if self.inject_inf_at is not None and self.inject_inf_at >= self.steps:
+            raise UsageError(f"--inject-inf-at {self.inject_inf_at} is past the last step ({self.steps - 1})")
+# --8<-- [end:config]
 
 
 # --8<-- [start:train]
-def train(args, recipe: str) -> Run:
-    device = pick_device(args.device)
+def train(config: Config, recipe: str) -> RecipeRun:
+    device = cli.pick_device(config.device)
     check_autocast(recipe, device)
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
-                    layers=args.layers, heads=args.heads, dropout=args.dropout)
-    model = TinyGPT(cfg).to(device)  # (1)!
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    scaler = make_scaler(recipe, device, args)
-    data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed)
-    ledger, bare = Ledger(device), Ledger(device)  # `bare` is never entered: it records nothing
-    ledger.track_module(model).track_optimizer(optimizer)
+    torch.manual_seed(config.seed)
+    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
+                             layers=config.layers, heads=config.heads, dropout=config.dropout)
+    model = TinyGPT(model_config).to(device)  # (1)!
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    scaler = make_scaler(recipe, device, config.init_scale, config.growth_interval)
+    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
+    ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
     steps, times, inject = [], [], None
 
-    def one_step(step: int, led: Ledger) -> None:
+    def one_step(step: int) -> None:
         nonlocal inject
-        x, y = data.batch(step, args.batch_size, device)
-        hit = recipe == "fp16" and step == args.inject_inf_at
+        x, y = data.batch(step, config.batch_size, device)
+        hit = recipe == "fp16" and step == config.inject_inf_at
         before = [p.detach().clone() for p in model.parameters()] if hit else []
         t = time.perf_counter()
-        rec = train_step(model, optimizer, scaler, recipe, x, y, led, step, inject_inf=hit)
+        record = train_step(model, optimizer, scaler, recipe, x, y, step, inject_inf=hit)
         times.append(time.perf_counter() - t)  # loss.item() in train_step waited for the device
-        steps.append(rec | {"growth_tracker": scaler.state_dict().get("_growth_tracker", 0)})
+        steps.append(record | {"growth_tracker": scaler.state_dict().get("_growth_tracker", 0)})
         if hit:  # (2)!
             inject = steps[-1] | {"params_unchanged": all(map(torch.equal, before, model.parameters()))}
 
     reset_peak(device)
-    t0, n_ledger = time.perf_counter(), min(args.ledger_steps, args.steps)
-    with ledger:
+    t0, n_ledger = time.perf_counter(), min(config.ledger_steps, config.steps)
+    with ledger:  # (3)!
         for step in range(n_ledger):
-            one_step(step, ledger)
-    for step in progress(range(n_ledger, args.steps), total=args.steps - n_ledger, desc=recipe, quiet=args.json):
-        one_step(step, bare)
+            one_step(step)
+    for step in cli.progress(range(n_ledger, config.steps), total=config.steps - n_ledger, desc=recipe):
+        one_step(step)
     wall, cuda = time.perf_counter() - t0, ledger_vs_allocator(ledger.timeline(), allocator_stats(device))
-    saved = saved_for_backward(model, recipe, *data.batch(0, args.batch_size, device))  # (3)!
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return Run(recipe, steps, ledger, saved, cfg, dtypes, sum(p.numel() for p in model.parameters()), linear,
-               scaler, times[n_ledger:], inject, wall, cuda)
+    saved = saved_for_backward(model, recipe, *data.batch(0, config.batch_size, device))  # (4)!
+    return RecipeRun(recipe, model_config, scaler, ledger, steps, times[n_ledger:], inject, saved, wall, cuda,
+                     **parameter_counts(model))
 # --8<-- [end:train]
 
 
-def run_recipes(args) -> dict[str, Run]:
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    with record_snapshot(args.snapshot):
-        return {recipe: train(args, recipe) for recipe in (RECIPES if args.recipe == "all" else (args.recipe,))}
+    with record_snapshot(config.snapshot):
+        runs = {recipe: train(config, recipe) for recipe in (RECIPES if config.recipe == "all" else (config.recipe,))}
+    return Result(config, device, runs)
 
 
-def recipe_summary(run: Run) -> dict:
-    tl = run.ledger.timeline()
-    # GradScaler keeps its state in two one-element tensors on the device (private names: read, not written)
-    tensors = {n: getattr(run.scaler, n, None) for n in ("_scale", "_growth_tracker")} if run.scaler.is_enabled() else {}
-    out = {
-        "autocast_dtype": None if run.recipe == "fp32" else run.recipe, "grad_scaler": run.scaler.is_enabled(),
-        "losses": [s["loss"] for s in run.steps], "steps": run.steps,
-        "skipped_steps": [s["step"] for s in run.steps if s["skipped"]],
-        "parameter_dtypes": run.param_dtypes, "activation_bytes": max(tl.device["activations"], default=0),
-        "peak_bytes": run.ledger.peak(tl), "peak_bytes_by_phase": run.ledger.peaks_by_phase(tl),
-        "saved_for_backward": run.saved,
-        "weight_copy_bytes_derived": 0 if run.recipe == "fp32" else 2 * run.linear_weights,
-        "step_time_s": statistics.median(run.step_times_s) if run.step_times_s else None,
-        "scaler_state": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-        "scaler_tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "value": t.item()}
-                           for n, t in tensors.items() if isinstance(t, torch.Tensor)},
-        "inject": run.inject, "cuda": run.cuda,
-    }
-    return out
+def parameter_counts(model: torch.nn.Module) -> dict:
+    """The parameters' dtypes (fp32 in every recipe: the master weights), their count, and the
+    elements of every Linear weight: what autocast casts to 16 bits in every forward."""
+    return {"param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
+            "params": sum(p.numel() for p in model.parameters()),
+            "linear_weights": sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))}
 
 
-def compare(base: dict, other: dict) -> dict:
-    # An injected inf loses that step's update on purpose: from the next step on, fp16 trains another run.
-    n = other["inject"]["step"] + 1 if other["inject"] else len(other["losses"])
-    rel = max(abs(a - b) / abs(b) for a, b in zip(other["losses"][:n], base["losses"][:n]))
-    ratio = other["activation_bytes"] / base["activation_bytes"] if base["activation_bytes"] else None
-    speed = base["step_time_s"] / other["step_time_s"] if base["step_time_s"] and other["step_time_s"] else None
-    return {"max_rel_loss_diff": rel, "losses_within_tolerance": rel <= LOSS_RTOL, "compared_steps": n,
-            "activation_ratio": ratio, "in_band": ratio is not None and ACTIVATION_BAND[0] <= ratio <= ACTIVATION_BAND[1],
-            "speedup_vs_fp32": speed}
+# ---------------------------------------------------------------------- the result and its report
+@dataclass
+class RecipeRun:
+    """One recipe's run: a record per step, the ledger of the first --ledger-steps steps, the census."""
+
+    recipe: str
+    model_config: GPTConfig
+    scaler: torch.amp.GradScaler
+    ledger: Ledger
+    steps: list[dict]  # loss, scale before and after, skipped, growth tracker
+    step_times_s: list[float]  # the steps after the ledger's
+    inject: dict | None  # the injected step's record, and whether the parameters stayed unchanged
+    saved: dict[str, int]  # bytes one forward saves for backward, by kind
+    wall_time_s: float
+    cuda: dict | None
+    param_dtypes: list[str]
+    params: int
+    linear_weights: int
+
+    @property
+    def losses(self) -> list[float]:
+        return [s["loss"] for s in self.steps]
+
+    def forward_activations(self, step: int = 0) -> int:
+        """The ledger's activation bytes at the end of ``step``'s forward."""
+        tl = self.ledger.timeline()
+        return tl.device["activations"][forward_end(tl, step)]
+
+    def summary(self) -> dict:
+        tl, scaler = self.ledger.timeline(), self.scaler
+        # GradScaler keeps its state in two one-element tensors on the device (private names: read, not written)
+        tensors = {n: getattr(scaler, n, None) for n in ("_scale", "_growth_tracker")} if scaler.is_enabled() else {}
+        return {
+            "autocast_dtype": None if self.recipe == "fp32" else self.recipe, "grad_scaler": scaler.is_enabled(),
+            "losses": self.losses, "steps": self.steps, "skipped_steps": [s["step"] for s in self.steps if s["skipped"]],
+            "parameter_dtypes": self.param_dtypes, "activation_bytes": max(tl.device["activations"], default=0),
+            "peak_bytes": tl.peak(), "peak_bytes_by_phase": tl.peaks_by_phase(), "saved_for_backward": self.saved,
+            "weight_copy_bytes_derived": 0 if self.recipe == "fp32" else 2 * self.linear_weights,
+            "step_time_s": statistics.median(self.step_times_s) if self.step_times_s else None,
+            "scaler_state": scaler.state_dict() if scaler.is_enabled() else None,
+            "scaler_tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "value": t.item()}
+                               for n, t in tensors.items() if isinstance(t, torch.Tensor)},
+            "inject": self.inject, "cuda": self.cuda,
+        }
 
 
-def summary(runs: dict[str, Run]) -> dict:
-    first = next(iter(runs.values()))
-    recipes = {name: recipe_summary(run) for name, run in runs.items()}
-    base = recipes.get("fp32")
-    return {
-        "lab": LAB, "device": str(first.ledger.device), "config": first.cfg.to_dict(), "params": first.params,
-        "recipes": recipes,
-        "vs_fp32": {n: compare(base, r) for n, r in recipes.items() if n != "fp32"} if base else {},
-        "tolerances": {"loss_rtol": LOSS_RTOL, "activation_ratio_band": list(ACTIVATION_BAND)},
-        "timing": "CPU timing, not a GPU figure" if first.ledger.device.type == "cpu" else "CUDA timing",
-        "gpu_target": "bf16 step at least 1.8x faster than fp32 on an H100-class GPU: a target for the GPU run",
-        "provenance": provenance.collect(LAB, first.ledger.device, sum(r.wall_time_s for r in runs.values())),
-    }
+@dataclass
+class Result:
+    """What :func:`run` returns: the config, the device, and one :class:`RecipeRun` per recipe."""
 
+    config: Config
+    device: torch.device
+    runs: dict[str, RecipeRun]
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    result = summary(run_recipes(args))
-    if args.json:
-        emit_json(result)
-        return
-    print(f"Lab 03 on {result['device']}: TinyGPT with {result['params']:,} parameters, AdamW, {args.steps} steps "
-          f"per recipe, ledger on the first {min(args.ledger_steps, args.steps)}")
-    if result["device"] == "cpu" and "fp16" in result["recipes"]:
-        print("note: fp16 on CPU runs for real (autocast, GradScaler, overflows): its losses, bytes and scaler are\n"
-              "      measured. Its speed is not a GPU figure: a CPU does not run fp16 matmuls as tensor cores do.")
-    lo, hi = ACTIVATION_BAND
-    print(f"\n| recipe | parameters | activations | vs fp32 (band {lo}-{hi}) | max loss diff vs fp32 (tolerance "
-          f"{LOSS_RTOL:.0%}) | skipped steps | step time ({result['timing']}) |\n|---|---|---:|---:|---:|---:|---:|")
-    for name, r in result["recipes"].items():
-        c = result["vs_fp32"].get(name)
-        ratio = f"{c['activation_ratio']:.3f}x, {'in' if c['in_band'] else 'OUT'}" if c else "-"
-        diff = f"{c['max_rel_loss_diff']:.2%}, {'within' if c['losses_within_tolerance'] else 'over'}" if c else "-"
-        if c and r["inject"]:
-            diff += f", steps 0-{c['compared_steps'] - 1} (the update of step {r['inject']['step']} was lost on purpose)"
-        t = f"{r['step_time_s'] * 1e3:.1f} ms" if r["step_time_s"] else "-"
-        print(f"| {name} | {','.join(r['parameter_dtypes'])} | {format_bytes(r['activation_bytes'])} | {ratio} | {diff} "
-              f"| {len(r['skipped_steps'])} | {t} |")
-    for name, r in result["recipes"].items():
-        print(f"saved for backward ({name}): " + ", ".join(f"{k} {format_bytes(v)}" for k, v in r["saved_for_backward"].items()))
-        if c := r["cuda"]:
-            print(f"  CUDA allocator: max allocated {format_bytes(c['max_memory_allocated'])}, reserved "
-                  f"{format_bytes(c['max_memory_reserved'])}; ledger peak / (max allocated - unseen by the ledger "
-                  f"when the run began) {c['ledger_over_allocator']:.3f}")
-    if fp16 := result["recipes"].get("fp16"):
-        print(f"\nGradScaler.state_dict(): {fp16['scaler_state']}")
-        for name, t in fp16["scaler_tensors"].items():
-            print(f"  scaler.{name}: a one-element {t['dtype']} tensor on {t['device']}, value {t['value']:g}")
-        if inj := fp16["inject"]:
-            print(f"injected inf at step {inj['step']}: scale {inj['scale_before']:g} -> {inj['scale_after']:g}; step "
-                  f"skipped: {'yes' if inj['skipped'] else 'NO'}; parameters unchanged: {'yes' if inj['params_unchanged'] else 'NO'}"
-                  f"; growth tracker reset to {inj['growth_tracker']}. A skipped step is a lost update: the curve lags.")
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+    def vs_fp32(self) -> dict[str, dict]:
+        """Each 16-bit recipe against fp32 (:func:`compare`); empty without an fp32 run."""
+        if "fp32" not in self.runs:
+            return {}
+        base = self.runs["fp32"].summary()
+        return {n: compare(base, r.summary()) for n, r in self.runs.items() if n != "fp32"}
+
+    def summary(self) -> dict:
+        first = next(iter(self.runs.values()))
+        cpu = self.device.type == "cpu"
+        return {
+            "lab": labs.slug(__file__), "device": str(self.device), "config": first.model_config.to_dict(),
+            "params": first.params, "recipes": {n: r.summary() for n, r in self.runs.items()}, "vs_fp32": self.vs_fp32(),
+            "tolerances": {"loss_rtol": LOSS_RTOL, "activation_ratio_band": list(ACTIVATION_BAND)},
+            "timing": "CPU timing, not a GPU figure" if cpu else "CUDA timing",
+            "gpu_target": "bf16 step at least 1.8x faster than fp32 on an H100-class GPU: a target for the GPU run",
+            "provenance": provenance.collect(__file__, self.device, sum(r.wall_time_s for r in self.runs.values())),
+        }
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)
