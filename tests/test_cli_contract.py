@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import importlib.util
 import os
+import sys
 import typing
 from pathlib import Path
 
@@ -38,10 +39,12 @@ def command_lines() -> list[Path]:
 def load(path: Path):
     if path.parent.parent.name == "code":
         return labs.load(path.parent.name, path.stem)
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    name = f"bench_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def bad_values(config_cls) -> list[tuple[str, str]]:

@@ -192,6 +192,7 @@ def test_badge_says_when_the_lab_code_changed_since_measurement(monkeypatch):
     notebook = front_matter(LAB_PAGES[0])["notebook"]
     fresh = hooks.measured_badge(notebook)
     monkeypatch.setattr(hooks, "source_hash", lambda lab: "0000000000000000")
+    monkeypatch.setattr(hooks, "labkit_hash", lambda: "1111111111111111")
     stale = hooks.measured_badge(notebook)
     assert stale["stale"] and stale["state"] == "stale" and "changed since" in stale["title"]
     assert stale["bench_changed"] and "instruments (labkit) have changed" in stale["title"]
