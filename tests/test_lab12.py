@@ -181,12 +181,14 @@ def test_a_fresh_process_gets_the_allocator_setting(scenarios, monkeypatch):
 
 def test_the_cuda_tables_say_what_was_not_measured(scenarios):
     """On a CPU run every planned experiment has its row, and every measured cell reads '-'."""
-    frag, oom = scenarios.fragmentation_table(None), scenarios.oom_table(None)
+    frag, oom, numbers = (scenarios.fragmentation_table(None), scenarios.oom_table(None),
+                          scenarios.oom_numbers_table(None))
     assert [row[0] for row in frag.rows] == ["default", "expandable_segments:True"]
     assert [row[:2] for row in oom.rows] == [["pressure", "default"], ["fragmented", "default"],
                                              ["fragmented", "expandable_segments:True"]]
-    assert all(v is None for table in (frag, oom) for row in table.rows for v in row[2:])
-    assert not scenarios.levers_table(None).rows and not scenarios.reading_table(None).rows
+    assert [row[0] for row in numbers.rows] == list(dict.fromkeys(name for name, _, _ in scenarios.CLAUSES))
+    assert all(v is None for row in frag.rows for v in row[1:])
+    assert all(v is None for table in (oom, numbers) for row in table.rows for v in row[2:])
 
 
 # An OOM message assembled from the caching allocator's format string (c10/cuda/CUDACachingAllocator.cpp)
@@ -244,16 +246,17 @@ def test_each_pattern_gets_its_lever(scenarios):
     assert "another process holds memory on this GPU" not in patterns(scenarios, alone)
 
 
-def test_the_reading_table_lists_every_number_of_a_caught_message(scenarios):
+def test_the_oom_tables_show_every_number_of_a_caught_message(scenarios):
     message = oom_message()
     reading = scenarios.read_oom(message)
     run = {"pattern": "fragmented", "alloc_conf": "default", "oom": True, "message": message, "allocated": 500 * MiB,
            "reading": reading, "levers": scenarios.next_levers(reading["values"])}
-    rows = scenarios.reading_table([run]).rows
-    assert [r[1] for r in rows if r[1]] == [n["name"] for line in reading["lines"] for n in line["numbers"]]
-    assert {r[0] for r in rows} == {line["text"] for line in reading["lines"]}  # every sentence, once or more
-    assert scenarios.oom_table([run]).rows[1] == ["fragmented", "default", True, 40 * MiB, 500 * MiB, 520 * MiB]
-    assert [r[2] for r in scenarios.levers_table([run]).rows] == [lv["pattern"] for lv in run["levers"]]
+    columns = {row[0]: row[2:] for row in scenarios.oom_numbers_table([run]).rows}
+    assert {name: col[1] for name, col in columns.items() if col[1] is not None} == reading["values"]
+    assert all(col[0] is None and col[2] is None for col in columns.values())  # the other two: not measured
+    assert scenarios.oom_table([run]).rows[1] == [
+        "fragmented", "default", True, 500 * MiB,
+        "a cap stopped it while the GPU still had free memory; fragmentation: enough is cached, but not in one piece"]
 
 
 def test_json_summary_schema():
@@ -357,4 +360,6 @@ def test_oom_is_caught_and_read(scenarios):
     assert any(lv["pattern"].startswith("fragmentation") for lv in fragmented["levers"])
     assert not any(lv["pattern"].startswith("fragmentation") for lv in pressure["levers"])
     assert not expandable["oom"], expandable  # the same pattern fits once holes can be unmapped
-    assert scenarios.reading_table([pressure, fragmented, expandable]).rows  # the page's table has its rows
+    numbers = {row[0]: row[2:] for row in scenarios.oom_numbers_table([pressure, fragmented, expandable]).rows}
+    assert numbers["request"][:2] == [pressure["reading"]["values"]["request"],
+                                      fragmented["reading"]["values"]["request"]] and numbers["request"][2] is None

@@ -100,7 +100,8 @@ def changing_batch(iters: int = 12, first: int = 8, layers: int = 8, unit_mb: in
 # --8<-- [start:oom]
 def out_of_memory(pattern: str = "pressure", cap_mb: int = 1024, chunk_mb: int = 64,
                   device: str | torch.device = "cuda") -> dict:
-    """Run into a memory cap on purpose and return the torch.OutOfMemoryError's message.
+    """Run into a cap of ``cap_mb`` MiB on ``device`` on purpose and return the
+    torch.OutOfMemoryError's message, with ``pattern``:
 
     pressure: allocate chunk_mb buffers until the cap is reached.
     fragmented: cache one big block, carve it into 20 MiB pieces, free every other piece, then
@@ -181,7 +182,8 @@ def run(config: Config) -> dict:
 
 
 def check_cap(cap_mb: int, device: torch.device, what: str) -> None:
-    """An out-of-memory experiment needs a GPU with more memory than the cap it sets."""
+    """An out-of-memory experiment (``what``, as the user asked for it) needs ``device`` to be a
+    GPU with more than ``cap_mb`` MiB."""
     if device.type != "cuda":
         raise UsageError(f"{what} needs a CUDA GPU (it caps CUDA's caching allocator)")
     total_mb = torch.cuda.get_device_properties(device).total_memory // MiB

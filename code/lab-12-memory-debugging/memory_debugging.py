@@ -105,7 +105,8 @@ def what_grew(before: list[dict], after: list[dict]) -> list[dict]:
 
 # --8<-- [start:expected]
 def expected_growth(scenario: str, model_config: GPTConfig, batch: int, device: torch.device) -> int | None:
-    """Bytes a leaking loop gains per step, derived from the shapes (CPU kernels; exact there)."""
+    """Bytes the loop ``scenario`` gains per step with a ``model_config`` model and ``batch``
+    sequences per step, derived from the shapes (CPU kernels: exact on ``device`` cpu)."""
     if scenario == "leak-losses":  # one monitoring graph + one 4-byte training loss
         if device.type != "cpu":
             return None  # (1)!
@@ -146,7 +147,8 @@ class Config(LabConfig):
 
 # --8<-- [start:run]
 def run_leak(config: Config, scenario: str, device: torch.device) -> Leak:
-    """One loop under a ledger with stacks, read after every step; what it kept dies on return."""
+    """Loop ``scenario`` with ``config``'s sizes on ``device``, under a ledger with stacks, read
+    after every step; what it kept dies on return."""
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
                              layers=config.layers, heads=config.heads)
