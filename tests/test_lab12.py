@@ -4,70 +4,70 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 
 import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
+from labkit import labs, marks
+
 SCRIPT = "lab-12-memory-debugging/memory_debugging.py"
+WORKER = "lab-12-memory-debugging/cuda_scenarios.py"
+SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4,
+        "steps": 3}
 SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
-         "--vocab", "64", "--batch-size", "4", "--steps", "3"]
+         "--vocab", "64", "--batch-size", "4", "--steps", "3"]  # the same, as a user types it
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def lab12():
-    return load_lab(SCRIPT)
+    return load_lab(12)
 
 
 @pytest.fixture(scope="module")
-def scenarios(lab12):
-    return load_lab("lab-12-memory-debugging/cuda_scenarios.py")
+def scenarios():
+    return load_lab(12, "cuda_scenarios")
 
 
 @pytest.fixture(scope="module")
-def runs(lab12):
-    """The three leak scenarios on CPU, each read while what it kept is still alive."""
-    args = lab12.parse_args([*SMALL, "--json"])
-    out = {}
-    for name in lab12.LEAKS:
-        run = lab12.run_scenario(args, name, torch.device("cpu"))
-        out[name] = (run, lab12.summary(run, args))
-    return args, out
+def result(lab12):
+    """The three leak scenarios on CPU, each read after every step and dropped before the next."""
+    return lab12.run(lab12.Config(**SIZE))
 
 
-def test_leak_losses_grows_by_one_monitoring_graph_per_step(lab12, runs):
-    args, out = runs
-    run, s = out["leak-losses"]
-    from toy_gpt import tinygpt_activation_bytes  # Lab 01's count of what TinyGPT saves on CPU
-
-    one_graph = tinygpt_activation_bytes(run.cfg, args.batch_size)["total"]
-    assert s["growth_per_step_bytes"] == [one_graph + 4] * (args.steps - 1)  # + the 4-byte training loss
-    assert s["expected_growth_per_step_bytes"] == one_graph + 4
+def saved_by_one_forward(leak) -> int:
+    """Lab 01's count of every tensor TinyGPT saves for backward on CPU."""
+    return labs.load(1, "toy_gpt").tinygpt_activation_bytes(leak.model_config, SIZE["batch_size"])["total"]
 
 
-def test_leak_activations_grows_by_one_block_output_per_layer(runs):
-    args, out = runs
-    run, s = out["leak-activations"]
-    per_step = args.layers * args.batch_size * args.seq_len * args.width * 4
-    assert s["growth_per_step_bytes"] == [per_step] * (args.steps - 1)
-    debug = run.kept[1]
-    assert len(debug) == args.layers * args.steps and all(isinstance(t, torch.Tensor) for t in debug)
+def test_leak_losses_grows_by_one_monitoring_graph_per_step(result):
+    leak = result.leaks["leak-losses"]
+    one_graph = saved_by_one_forward(leak)
+    assert leak.growth_per_step == [one_graph + 4] * (SIZE["steps"] - 1)  # + the 4-byte training loss
+    assert leak.expected_growth == one_graph + 4
+    assert leak.tensors_kept == 2 * SIZE["steps"]  # both losses of every step
 
 
-def test_the_fixed_loop_is_flat_and_trains_identically(runs):
-    args, out = runs
-    fixed, s = out["fixed"]
-    assert s["growth_per_step_bytes"] == [0] * (args.steps - 1) and not s["grew_in_last_step"]
-    leaky = [(a.item(), b.item()) for a, b in out["leak-losses"][0].kept[0]]
-    assert leaky == fixed.kept[0] == out["leak-activations"][0].kept[0]  # the leak costs memory, not results
-    assert all(isinstance(v, float) for v in fixed.kept[1])  # the hook kept numbers, not tensors
+def test_leak_activations_grows_by_one_block_output_per_layer(result):
+    leak = result.leaks["leak-activations"]
+    per_step = SIZE["layers"] * SIZE["batch_size"] * SIZE["seq_len"] * SIZE["width"] * 4
+    assert leak.growth_per_step == [per_step] * (SIZE["steps"] - 1) and leak.expected_growth == per_step
+    assert leak.tensors_kept == SIZE["layers"] * SIZE["steps"]  # one block output per layer per step
 
 
-def test_the_fixed_loop_holds_no_graph_between_steps(runs):
+def test_the_fixed_loop_is_flat_and_trains_identically(result):
+    fixed = result.leaks["fixed"]
+    assert fixed.growth_per_step == [0] * (SIZE["steps"] - 1) and fixed.tensors_kept == 0  # numbers only
+    assert not result.summary()["scenarios"]["fixed"]["grew_in_last_step"]
+    assert fixed.losses == result.leaks["leak-losses"].losses == result.leaks["leak-activations"].losses
+    assert all(isinstance(v, float) for pair in fixed.losses for v in pair)  # the leak costs memory, not results
+
+
+def test_the_fixed_loop_holds_no_graph_between_steps(result):
     """After every step only the two 4-byte losses are activations: nothing saved for a backward."""
-    _, out = runs
-    for rows in out["fixed"][0].after_step:
+    for rows in result.leaks["fixed"].after_step:
         kept = sorted((r["called_from"].split(": ", 1)[1], r["bytes"], r["tensors"])
                       for r in rows if r["category"] == "activations")
         assert kept == [("loss = model(x, y)[1]", 4, 1), ("val_loss = model(*val)[1]", 4, 1)]
@@ -82,26 +82,36 @@ def block_output_line() -> int:
     return start + len(lines) - 1
 
 
-def test_the_growth_points_inside_the_model_and_at_the_lab_line_that_called_it(lab12, runs):
-    from toy_gpt import tinygpt_activation_bytes
-
-    args, out = runs
-    run = out["leak-losses"][0]
-    grew = lab12.what_grew(run.after_step[-2], run.after_step[-1])
+def test_the_growth_points_inside_the_model_and_at_the_lab_line_that_called_it(lab12, result):
+    leak = result.leaks["leak-losses"]
+    grew = lab12.what_grew(*leak.after_step[-2:])
     assert all(r["category"] == "activations" and r["where"].startswith("models.py:") for r in grew)
     graph = [r for r in grew if "val_loss = model(*val)[1]" in r["called_from"]]  # the monitoring forward
     (train,) = [r for r in grew if r not in graph]
     assert len(graph) > 3 and len({r["where"] for r in graph}) == len(graph)  # split by the model's lines
-    assert all(r["called_from"].startswith("memory_debugging.py:") and " in run_loop: " in r["called_from"]
+    assert all(r["called_from"].startswith("memory_debugging.py:") and " in training_loop: " in r["called_from"]
                for r in grew)
-    assert sum(r["bytes"] for r in graph) == tinygpt_activation_bytes(run.cfg, args.batch_size)["total"]
+    assert sum(r["bytes"] for r in graph) == saved_by_one_forward(leak)
     assert train["called_from"].endswith("loss = model(x, y)[1]") and train["bytes"] == 4  # the training loss
     assert "F.cross_entropy" in train["where"]
-    alive = [r for r in run.after_step[-1] if "val_loss" in (r["called_from"] or "")]
-    assert sum(r["bytes"] for r in alive) == args.steps * sum(r["bytes"] for r in graph)
-    (kept,) = lab12.what_grew(*out["leak-activations"][0].after_step[-2:])
-    assert kept["tensors"] == args.layers and kept["where"].startswith(f"models.py:{block_output_line()} in forward")
+    alive = [r for r in leak.after_step[-1] if "val_loss" in (r["called_from"] or "")]
+    assert sum(r["bytes"] for r in alive) == SIZE["steps"] * sum(r["bytes"] for r in graph)
+    (kept,) = lab12.what_grew(*result.leaks["leak-activations"].after_step[-2:])
+    assert kept["tensors"] == SIZE["layers"] and kept["where"].startswith(f"models.py:{block_output_line()} in forward")
     assert kept["called_from"].endswith("loss = model(x, y)[1]")  # the training forward, where the hook ran
+
+
+def test_the_tables_hold_what_the_readings_hold(lab12, result):
+    growth = lab12.growth_table(result)
+    assert [(row[0], row[1], row[2], row[4]) for row in growth.rows] == [
+        (name, leak.growth_per_step[-1], leak.expected_growth, True) for name, leak in result.leaks.items()]
+    grew = lab12.grew_table(result)
+    assert {row[0] for row in grew.rows} == {"leak-losses", "leak-activations"}  # the fixed loop grew nothing
+    assert sum(row[-1] for row in grew.rows if row[0] == "leak-losses") == result.leaks["leak-losses"].expected_growth
+    fixed = result.leaks["fixed"]
+    assert fixed.derived_after_step() == [fixed.live_after_step[0]] * SIZE["steps"] == fixed.live_after_step
+    losses = result.leaks["leak-losses"]
+    assert losses.derived_after_step() == losses.live_after_step  # measured on the derived line, to the byte
 
 
 def test_what_grew_and_the_table(lab12):
@@ -119,10 +129,28 @@ def test_what_grew_and_the_table(lab12):
     assert [(r["where"], r["called_from"], r["bytes"], r["tensors"]) for r in grew] == [
         ("m.py:1 in f: x", "lab.py:7 in g: a = f()", 20, 2), ("a.py:3 in f: a | b", None, 7, 1),
         ("m.py:1 in f: x", "lab.py:8 in g: b = f()", 6, 1)]
-    table = lab12.origin_table(grew, top=1).splitlines()
-    assert len(table) == 3 and table[2] == "| activations | `m.py:1 in f: x` | `lab.py:7 in g: a = f()` | 2 | 20 |"
-    assert "| temporaries | `a.py:3 in f: a \\| b` | - | 1 | 7 |" in lab12.origin_table(grew, top=5)  # a pipe cannot break it
+    table = lab12.origin_table(grew, top=1).markdown().splitlines()
+    assert len(table) == 3 and table[2] == "| activations | `m.py:1 in f: x` | `lab.py:7 in g: a = f()` | 2 | 20 B |"
+    assert "| temporaries | `a.py:3 in f: a | b` | - | 1 | 7 B |" in lab12.origin_table(grew, top=5).markdown()
     assert lab12.live_total(after) == 48
+
+
+def test_the_loop_takes_no_instrument_and_marks_its_phases(lab12):
+    """Nothing watches: the loop runs and yields as plain code; under a ledger its marks are bands."""
+    from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=1, heads=2)
+    model = TinyGPT(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = SyntheticTokens(cfg.vocab, cfg.seq_len)
+    val = data.batch(10**6, 2)
+    assert not marks.watching()
+    steps = [len(losses) for losses, _ in lab12.training_loop(model, optimizer, data, val, 2, 2)]
+    assert steps == [1, 2] and not any(block._forward_hooks for block in model.blocks)  # its hooks removed
+    with Ledger("cpu") as ledger:
+        list(lab12.training_loop(model, optimizer, data, val, 1, 2))
+    assert [s.name for s in ledger.timeline().spans] == ["forward", "backward", "optimizer", "forward"]
 
 
 def test_changing_batch_keeps_what_the_formula_says(scenarios):
@@ -144,9 +172,23 @@ def test_a_fresh_process_gets_the_allocator_setting(scenarios, monkeypatch):
     assert out["conf_seen"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert out["alloc_conf"] == "expandable_segments:True"
     assert out["rows"][0]["live"] == 2 * MiB and out["rows"][0]["reserved"] is None
+    with pytest.raises(RuntimeError, match="out_of_memory with the default allocator failed: .*needs a CUDA GPU"):
+        scenarios.in_fresh_process("out_of_memory", device="cpu")  # a worker that refuses says why
     monkeypatch.setattr(scenarios.sys, "executable", "false")  # a worker that dies says so
     with pytest.raises(RuntimeError, match="changing_batch with the default allocator failed: no output"):
         scenarios.in_fresh_process("changing_batch")
+
+
+def test_the_cuda_tables_say_what_was_not_measured(scenarios):
+    """On a CPU run every planned experiment has its row, and every measured cell reads '-'."""
+    frag, oom, numbers = (scenarios.fragmentation_table(None), scenarios.oom_table(None),
+                          scenarios.oom_numbers_table(None))
+    assert [row[0] for row in frag.rows] == ["default", "expandable_segments:True"]
+    assert [row[:2] for row in oom.rows] == [["pressure", "default"], ["fragmented", "default"],
+                                             ["fragmented", "expandable_segments:True"]]
+    assert [row[0] for row in numbers.rows] == list(dict.fromkeys(name for name, _, _ in scenarios.CLAUSES))
+    assert all(v is None for row in frag.rows for v in row[1:])
+    assert all(v is None for table in (oom, numbers) for row in table.rows for v in row[2:])
 
 
 # An OOM message assembled from the caching allocator's format string (c10/cuda/CUDACachingAllocator.cpp)
@@ -204,12 +246,25 @@ def test_each_pattern_gets_its_lever(scenarios):
     assert "another process holds memory on this GPU" not in patterns(scenarios, alone)
 
 
+def test_the_oom_tables_show_every_number_of_a_caught_message(scenarios):
+    message = oom_message()
+    reading = scenarios.read_oom(message)
+    run = {"pattern": "fragmented", "alloc_conf": "default", "oom": True, "message": message, "allocated": 500 * MiB,
+           "reading": reading, "levers": scenarios.next_levers(reading["values"])}
+    columns = {row[0]: row[2:] for row in scenarios.oom_numbers_table([run]).rows}
+    assert {name: col[1] for name, col in columns.items() if col[1] is not None} == reading["values"]
+    assert all(col[0] is None and col[2] is None for col in columns.values())  # the other two: not measured
+    assert scenarios.oom_table([run]).rows[1] == [
+        "fragmented", "default", True, 500 * MiB,
+        "a cap stopped it while the GPU still had free memory; fragmentation: enough is cached, but not in one piece"]
+
+
 def test_json_summary_schema():
     proc = run_cli(SCRIPT, *SMALL, "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert set(data["scenarios"]) == {"leak-losses", "leak-activations", "fixed"}
-    assert data["skipped_cuda_only"] == ["fragmentation", "oom"]
+    assert data["skipped_cuda_only"] == ["fragmentation", "oom"] and data["fragmentation"] is data["oom"] is None
     for name, r in data["scenarios"].items():
         assert len(r["live_bytes_after_step"]) == 3 and len(r["growth_per_step_bytes"]) == 2
         assert set(r["growth_per_step_bytes"]) == {r["expected_growth_per_step_bytes"]}, name
@@ -220,30 +275,27 @@ def test_json_summary_schema():
 
 
 def test_human_report_prints_the_tables(lab12, capsys):
-    lab12.main([*SMALL, "--scenario", "leak-activations", "--top", "3"])
+    lab12.report(lab12.run(lab12.Config(**SIZE, scenario="leak-activations", top=3)))
     out = capsys.readouterr().out
-    assert "growth per step: 16,384 B measured; 16,384 B derived" in out  # 2 x 4 x 16 x 32 x 4 B
-    assert "what grew in the last step, by the line that allocated it:" in out
-    assert "| activations | `models.py:" in out and "| `memory_debugging.py:" in out and "skipped" not in out
+    assert re.search(r"\nleak-activations +16,384 B +16,384 B +layers x batch x seq x width x 4 B +yes\n", out)
+    grew = out.split("What grew in the last step", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(grew) == 3 + 1 and grew[3].startswith("leak-activations  activations  models.py:")  # one row
+    assert "memory_debugging.py:" in grew[3] and "skipped" not in out
     alive = out.split("alive at the end of the last step (top 3):", 1)[1].strip().splitlines()
     assert len(alive) == 2 + 3
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--steps", "1"], "--steps must be at least 2"),
-        (["--steps", "zero"], "--steps"),
-        (["--top", "0"], "--top"),
-        (["--scenario", "leaks"], "--scenario"),
-        (["--width", "30", "--heads", "4"], "not divisible"),
-        (["--cap-mb", "64"], "--cap-mb 64 is too small"),
-        (["--scenario", "fragmentation"], "needs a CUDA GPU"),
-        (["--snapshot", "x.pickle"], "--snapshot needs a CUDA device"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab12, capsys, args, fragment):
-    assert_usage_error_in_process(lab12.main, [*SMALL, *args], capsys, fragment)
+def test_the_config_refuses_a_width_the_heads_do_not_divide(lab12):
+    with pytest.raises(lab12.UsageError, match="--width 30 is not divisible by --heads 4"):
+        lab12.Config(**{**SIZE, "width": 30, "heads": 4})
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--scenario", "fragmentation"], "--scenario fragmentation needs a CUDA GPU"),
+    (["--snapshot", "x.pickle"], "--snapshot needs a CUDA device"),
+])
+def test_what_needs_a_gpu_is_refused_on_cpu(lab12, capsys, args, fragment):
+    assert_usage_error_in_process(lab12, [*SMALL, *args], capsys, fragment)
 
 
 def test_a_cuda_only_scenario_on_cpu_is_one_clear_line():
@@ -251,23 +303,22 @@ def test_a_cuda_only_scenario_on_cpu_is_one_clear_line():
     assert_clean_usage_error(proc, "--scenario oom needs a CUDA GPU", "on CPU choose leak-losses")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_without_gpu_is_one_line():
-    proc = run_cli(SCRIPT, "--device", "cuda", "--scenario", "fixed")
-    assert_clean_usage_error(proc, "no CUDA GPU")
+def test_the_worker_command_line_has_help_and_refuses_out_of_memory_on_cpu():
+    assert run_cli(WORKER, "--help").returncode == 0
+    proc = run_cli(WORKER, "--device", "cpu", "--experiment", "out_of_memory")
+    assert_clean_usage_error(proc, "--experiment out_of_memory needs a CUDA GPU")
 
 
 # ---------------------------------------------------------------------------------- GPU only
-CUDA_SMALL = ["--device", "cuda", "--json", "--steps", "3", "--width", "256", "--layers", "4",
-              "--heads", "4", "--seq-len", "256", "--batch-size", "8"]
+CUDA_SIZE = {"device": "cuda", "steps": 3, "width": 256, "layers": 4, "heads": 4, "seq_len": 256, "batch_size": 8}
 
 
 @pytest.mark.cuda
 def test_cuda_leaks_agree_with_the_allocator_and_write_snapshots(lab12, tmp_path):
-    args = lab12.parse_args([*CUDA_SMALL, "--snapshot", str(tmp_path / "leak.pickle")])
-    result = lab12.run_all(args, torch.device("cuda"))
+    result = lab12.run(lab12.Config(**CUDA_SIZE, scenario="all", snapshot=tmp_path / "leak.pickle"))
+    summary = result.summary()
     for name in lab12.LEAKS:
-        r = result["scenarios"][name]
+        r = summary["scenarios"][name]
         ledger_growth = r["growth_per_step_bytes"]
         cuda = r["cuda"]["allocated_after_step"]
         alloc_growth = [b - a for a, b in zip(cuda, cuda[1:])]
@@ -278,23 +329,26 @@ def test_cuda_leaks_agree_with_the_allocator_and_write_snapshots(lab12, tmp_path
             for a, g in zip(alloc_growth, ledger_growth):
                 assert abs(a - g) <= 0.05 * g, (name, a, g)
         assert (tmp_path / f"leak-{name}.pickle").stat().st_size > 0
+    assert summary["snapshots"] == [f"leak-{name}.pickle" for name in lab12.LEAKS]
     per_step = 4 * 8 * 256 * 256 * 4
-    assert result["scenarios"]["leak-activations"]["growth_per_step_bytes"] == [per_step, per_step]
+    assert summary["scenarios"]["leak-activations"]["growth_per_step_bytes"] == [per_step, per_step]
+    assert result.fragmentation and result.oom and not result.skipped
 
 
 @pytest.mark.cuda
 def test_expandable_segments_close_the_gap(scenarios):
     runs = scenarios.fragmentation(iters=8, layers=4)
-    ratio = {}
     for run in runs:
         default = run["alloc_conf"] == "default"
         assert run["conf_seen"] == ({} if default else {"PYTORCH_CUDA_ALLOC_CONF": run["alloc_conf"]})
-        ratio[run["alloc_conf"]] = max(r["reserved"] for r in run["rows"]) / max(r["allocated"] for r in run["rows"])
+    ratio = {row[0]: row[3] for row in scenarios.fragmentation_table(runs).rows}
     assert ratio["default"] > 1.5 and ratio["expandable_segments:True"] < 1.2, ratio
 
 
 @pytest.mark.cuda
 def test_oom_is_caught_and_read(scenarios):
+    """Every invariant the notebook asserted on a GPU: both patterns raise, the fragmented one with
+    at least the request reserved but unallocated, and expandable segments make it fit."""
     pressure, fragmented, expandable = scenarios.oom_experiments(cap_mb=512)
     for run in (pressure, fragmented):
         assert run["oom"] and run["message"].startswith("CUDA out of memory")
@@ -306,3 +360,6 @@ def test_oom_is_caught_and_read(scenarios):
     assert any(lv["pattern"].startswith("fragmentation") for lv in fragmented["levers"])
     assert not any(lv["pattern"].startswith("fragmentation") for lv in pressure["levers"])
     assert not expandable["oom"], expandable  # the same pattern fits once holes can be unmapped
+    numbers = {row[0]: row[2:] for row in scenarios.oom_numbers_table([pressure, fragmented, expandable]).rows}
+    assert numbers["request"][:2] == [pressure["reading"]["values"]["request"],
+                                      fragmented["reading"]["values"]["request"]] and numbers["request"][2] is None

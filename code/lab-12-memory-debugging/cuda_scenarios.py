@@ -11,22 +11,32 @@ out-of-memory test should not outlive the test.
     read_oom          split an OOM message into its sentences and say what each number is
     next_levers       the pattern the numbers show and the lever to pull for it
 
-A worker can be run by hand on a GPU machine (it prints one JSON object):
-    python code/lab-12-memory-debugging/cuda_scenarios.py changing_batch '{"iters": 4}'
+This file is also the command line ``in_fresh_process`` runs: one experiment in this process, one
+JSON object on stdout. By hand, on a GPU machine:
+    .venv/bin/python code/lab-12-memory-debugging/cuda_scenarios.py --experiment changing_batch --iters 4
+    .venv/bin/python code/lab-12-memory-debugging/cuda_scenarios.py --experiment out_of_memory --pattern fragmented
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from labkit import cli
+from labkit.config import LabConfig, UsageError, option
+from labkit.table import Table
+from oom_reader import CLAUSES, next_levers, read_oom
+
 MiB = 2**20
+ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"
 
 
 def allocator_now(device: torch.device) -> dict:
@@ -40,27 +50,30 @@ def allocator_now(device: torch.device) -> dict:
 
 
 # --8<-- [start:fresh]
-def in_fresh_process(worker: str, alloc_conf: str | None = None, **kwargs) -> dict:
-    """Run ``worker(**kwargs)`` in a new Python process whose allocator starts with ``alloc_conf``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+def in_fresh_process(experiment: str, alloc_conf: str | None = None, **flags) -> dict:
+    """Run ``experiment`` through this file's command line, in a new Python process whose allocator
+    starts with ``alloc_conf``; ``flags`` are its options (``cap_mb=512`` is ``--cap-mb=512``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_ENV}
     if alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf  # (1)!
-    cmd = [sys.executable, str(Path(__file__).resolve()), worker, json.dumps(kwargs)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--experiment={experiment}", "--json",
+           *(f"--{name.replace('_', '-')}={value}" for name, value in flags.items())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # (2)!
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{worker} with {alloc_conf or 'the default allocator'} failed: {last}")
+        raise RuntimeError(f"{experiment} with {alloc_conf or 'the default allocator'} failed: {last}")
     return {"alloc_conf": alloc_conf or "default", **json.loads(proc.stdout.strip().splitlines()[-1])}
 # --8<-- [end:fresh]
 
 
 # --8<-- [start:fragmentation]
 def changing_batch(iters: int = 12, first: int = 8, layers: int = 8, unit_mb: int = 2, wide: int = 4,
-                   device: str = "cuda") -> dict:
+                   device: str | torch.device = "cuda") -> dict:
     """Batches that grow by one sample per iteration, as batched inference sees them.
 
     Each iteration keeps ``layers`` pairs of buffers alive, like a forward keeps activations: one
-    of n x unit_mb MiB and one ``wide`` times larger (n = the batch size), then frees them all.
+    of n x ``unit_mb`` MiB and one ``wide`` times larger (n = the batch size, ``first`` at the first
+    of ``iters`` iterations), then frees them all.
     """
     device = torch.device(device)
     unit = unit_mb * MiB // 4  # fp32 elements per sample in the narrow buffer
@@ -86,8 +99,9 @@ def changing_batch(iters: int = 12, first: int = 8, layers: int = 8, unit_mb: in
 
 # --8<-- [start:oom]
 def out_of_memory(pattern: str = "pressure", cap_mb: int = 1024, chunk_mb: int = 64,
-                  device: str = "cuda") -> dict:
-    """Run into a memory cap on purpose and return the torch.OutOfMemoryError's message.
+                  device: str | torch.device = "cuda") -> dict:
+    """Run into a cap of ``cap_mb`` MiB on ``device`` on purpose and return the
+    torch.OutOfMemoryError's message, with ``pattern``:
 
     pressure: allocate chunk_mb buffers until the cap is reached.
     fragmented: cache one big block, carve it into 20 MiB pieces, free every other piece, then
@@ -116,104 +130,19 @@ def out_of_memory(pattern: str = "pressure", cap_mb: int = 1024, chunk_mb: int =
 # --8<-- [end:oom]
 
 
-# --8<-- [start:reader]
-SIZE = r"(\d+(?:\.\d+)?) (bytes|KiB|MiB|GiB|TiB)"
-UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-#: (name, pattern, what the number is). Both wordings: PyTorch >= 2.1, and the older one.
-CLAUSES = [
-    ("request", rf"Tried to allocate {SIZE}",
-     "the segment the allocator failed to get: the request rounded up"),  # (1)!
-    ("capacity", rf"total capacity of {SIZE}", "all the memory the GPU has"),
-    ("free", rf"of which {SIZE} is free", "free on the GPU for anyone, as the driver sees it"),
-    ("other_process", rf"Process \d+ has {SIZE} memory in use", "held by another process"),
-    ("process", rf"this process has {SIZE} memory in use",
-     "all this process holds: PyTorch's cache and the CUDA context, library workspaces, NCCL"),  # (2)!
-    ("allowed", rf"{SIZE} allowed;", "the cap set by set_per_process_memory_fraction"),
-    ("allocated", rf"{SIZE} is allocated by PyTorch", "in live tensors: memory_allocated()"),
-    ("private_pools", rf"{SIZE} allocated in private pools", "kept by CUDA graphs' private pools"),
-    ("unallocated", rf"{SIZE} is reserved by PyTorch but unallocated",
-     "cached, in no tensor, and not one free piece big enough: memory_reserved() - memory_allocated()"),  # (3)!
-    ("capacity", rf"{SIZE} total capacity", "all the memory the GPU has"),
-    ("allocated", rf"{SIZE} already allocated", "in live tensors: memory_allocated()"),
-    ("free", rf"{SIZE} free\b", "free on the GPU for anyone, as the driver sees it"),
-    ("reserved", rf"{SIZE} reserved in total by PyTorch", "held by the caching allocator: memory_reserved()"),
-]
-
-
-def to_bytes(number: str, unit: str) -> int:
-    return round(float(number) * UNITS[unit])
-
-
-def read_oom(message: str) -> dict:
-    """The sentences of an OOM message, each with the numbers it holds, and the numbers by name."""
-    lines, values = [], {}
-    for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z(\d])", message.strip()):  # (4)!
-        found = []
-        for name, pattern, meaning in CLAUSES:
-            for m in re.finditer(pattern, sentence):
-                nbytes = to_bytes(*m.groups())
-                found.append({"name": name, "bytes": nbytes, "meaning": meaning})
-                if name == "other_process":
-                    values[name] = values.get(name, 0) + nbytes
-                else:
-                    values.setdefault(name, nbytes)
-        lines.append({"text": sentence, "numbers": found})
-    if "reserved" not in values and "allocated" in values and "unallocated" in values:
-        values["reserved"] = values["allocated"] + values["unallocated"]
-    if "unallocated" not in values and "reserved" in values and "allocated" in values:
-        values["unallocated"] = values["reserved"] - values["allocated"]
-    named = [n for line in lines for n in line["numbers"] if n["name"] == "other_process"]
-    if "process" not in values and len(named) == 1 and named[0]["bytes"] >= values.get("reserved", 0):
-        values["process"] = values.pop("other_process")  # (5)!
-    return {"lines": lines, "values": values}
-# --8<-- [end:reader]
-
-
-# --8<-- [start:levers]
-def next_levers(v: dict) -> list[dict]:
-    """What the numbers of an OOM message show, and the lever to pull for each pattern."""
-    req, unalloc, reserved = v.get("request", 0), v.get("unallocated", 0), v.get("reserved", 0)
-    limit = v.get("allowed") or v.get("capacity") or 0
-    if limit and req > limit:  # (1)!
-        return [{"pattern": "one tensor larger than all the memory there is",
-                 "lever": "change the shape: chunk the computation (Lab 05), a smaller batch; "
-                          "no allocator setting can help"}]
-    out = []
-    if v.get("allowed") and v.get("free", 0) > req:
-        out.append({"pattern": "a cap stopped it while the GPU still had free memory",
-                    "lever": "raise or remove set_per_process_memory_fraction if the cap is not meant"})
-    if v.get("other_process"):
-        out.append({"pattern": "another process holds memory on this GPU",
-                    "lever": "find it (nvidia-smi) and stop it, or use another GPU"})
-    if v.get("process", 0) - reserved > max(2**30, v.get("process", 0) // 10):
-        out.append({"pattern": "memory outside PyTorch's allocator",
-                    "lever": "CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, other libraries: "
-                             "the ledger and memory_allocated() do not see them"})
-    if unalloc >= req > 0:  # (2)!
-        out.append({"pattern": "fragmentation: enough is cached, but not in one piece",
-                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; keep shapes steady"})
-    if not out or v.get("allocated", 0) >= limit * 2 / 3:  # (3)!
-        out.append({"pattern": "live tensors fill most of the memory",
-                    "lever": "find what is alive (live-by-origin table, snapshot), then shrink it: "
-                             "leaks, activations (Labs 04, 06), precision (Lab 03), offload "
-                             "(Labs 07-09), sharding (Lab 11)"})
-    return out
-# --8<-- [end:levers]
-
-
 # --8<-- [start:experiments]
+FRAGMENTATION_RUNS = (None, EXPANDABLE)  # the allocator settings compared
+OOM_RUNS = (("pressure", None), ("fragmented", None), ("fragmented", EXPANDABLE))  # (pattern, setting)
+
+
 def fragmentation(iters: int, layers: int) -> list[dict]:
     """The changing-batch workload with the default allocator and with expandable segments."""
-    return [in_fresh_process("changing_batch", conf, iters=iters, layers=layers)
-            for conf in (None, "expandable_segments:True")]
+    return [in_fresh_process("changing_batch", conf, iters=iters, layers=layers) for conf in FRAGMENTATION_RUNS]
 
 
 def oom_experiments(cap_mb: int) -> list[dict]:
     """Real pressure, fragmentation, and the same fragmentation with expandable segments."""
-    runs = [in_fresh_process("out_of_memory", None, pattern="pressure", cap_mb=cap_mb),
-            in_fresh_process("out_of_memory", None, pattern="fragmented", cap_mb=cap_mb),
-            in_fresh_process("out_of_memory", "expandable_segments:True", pattern="fragmented", cap_mb=cap_mb)]
+    runs = [in_fresh_process("out_of_memory", conf, pattern=pattern, cap_mb=cap_mb) for pattern, conf in OOM_RUNS]
     for run in runs:
         if run["message"]:
             run["reading"] = read_oom(run["message"])
@@ -222,9 +151,98 @@ def oom_experiments(cap_mb: int) -> list[dict]:
 # --8<-- [end:experiments]
 
 
-WORKERS = {"changing_batch": changing_batch, "out_of_memory": out_of_memory}
+# ---------------------------------------------------------------------- the command line in_fresh_process runs
+@dataclass
+class Config(LabConfig):
+    """Run one allocator experiment in this process and print what it measured as one JSON object.
+
+    Lab 12's starter runs it through in_fresh_process, once per allocator setting."""
+
+    experiment: Literal["changing_batch", "out_of_memory"] = option("changing_batch", "the experiment to run")
+    iters: int = option(12, "changing_batch: batch sizes tried, one sample more each", min=1)
+    first: int = option(8, "changing_batch: the first batch size", min=1)
+    layers: int = option(8, "changing_batch: buffer pairs kept alive per iteration", min=1)
+    unit_mb: int = option(2, "changing_batch: MiB per sample of the narrow buffer", min=1)
+    wide: int = option(4, "changing_batch: how many narrow buffers the wide one holds", min=1)
+    pattern: Literal["pressure", "fragmented"] = option("pressure", "out_of_memory: fill the cap, or fragment it first")
+    cap_mb: int = option(1024, "out_of_memory: the memory cap in MiB (the patterns need at least 128)", min=128)
+    chunk_mb: int = option(64, "out_of_memory: MiB per buffer of the pressure pattern", min=1)
+
+
+def run(config: Config) -> dict:
+    """The experiment's measurements, with the allocator setting this process started with."""
+    device = cli.pick_device(config.device)
+    seen = {k: v for k, v in os.environ.items() if k in ALLOC_ENV}
+    if config.experiment == "changing_batch":
+        out = changing_batch(config.iters, config.first, config.layers, config.unit_mb, config.wide, device)
+    else:
+        check_cap(config.cap_mb, device, "--experiment out_of_memory")
+        out = out_of_memory(config.pattern, config.cap_mb, config.chunk_mb, device)
+    return {"conf_seen": seen, **out}
+
+
+def check_cap(cap_mb: int, device: torch.device, what: str) -> None:
+    """An out-of-memory experiment (``what``, as the user asked for it) needs ``device`` to be a
+    GPU with more than ``cap_mb`` MiB."""
+    if device.type != "cuda":
+        raise UsageError(f"{what} needs a CUDA GPU (it caps CUDA's caching allocator)")
+    total_mb = torch.cuda.get_device_properties(device).total_memory // MiB
+    if cap_mb >= total_mb:
+        raise UsageError(f"--cap-mb {cap_mb} must be below the GPU's {total_mb} MiB")
+
+
+# ---------------------------------------------------------------------- tables ('-' where not measured)
+def fragmentation_table(runs: list[dict] | None) -> Table:
+    """Peak allocated against peak reserved for each allocator setting of :func:`fragmentation`."""
+    measured = {r["alloc_conf"]: r for r in runs or []}
+    table = Table(["allocator", ("peak allocated", "bytes"), ("peak reserved", "bytes"),
+                   ("reserved / allocated", "x:2"), ("segments", "int"), ("cached after the last free", "bytes")])
+    for conf in (c or "default" for c in FRAGMENTATION_RUNS):
+        if (r := measured.get(conf)) is None:
+            table.add(conf, None, None, None, None, None)
+            continue
+        allocated, reserved = max(x["allocated"] for x in r["rows"]), max(x["reserved"] for x in r["rows"])
+        table.add(conf, allocated, reserved, reserved / allocated, r["segments"], r["after"]["reserved"])
+    return table
+
+
+def oom_table(runs: list[dict] | None) -> Table:
+    """Each out-of-memory experiment: did it raise, and which patterns :func:`next_levers` read."""
+    measured = {(r["pattern"], r["alloc_conf"]): r for r in runs or []}
+    table = Table(["pattern", "allocator", ("torch.OutOfMemoryError", "yes"), ("allocated when it stopped", "bytes"),
+                   "what the numbers show"])
+    for pattern, conf in OOM_RUNS:
+        r = measured.get((pattern, conf or "default"), {})
+        shows = "; ".join(lever["pattern"] for lever in r.get("levers", [])) or None
+        table.add(pattern, conf or "default", r.get("oom"), r.get("allocated"), shows)
+    return table
+
+
+def oom_numbers_table(runs: list[dict] | None) -> Table:
+    """Every number :func:`read_oom` names, in each experiment's message ('-': not in it, or not measured)."""
+    measured = {(r["pattern"], r["alloc_conf"]): r.get("reading", {}).get("values", {}) for r in runs or []}
+    meaning = {name: what for name, _, what in CLAUSES}
+    table = Table([("number", "code"), "what it is",
+                   *((f"{pattern}, {conf or 'default'}", "bytes") for pattern, conf in OOM_RUNS)], unit="MiB")
+    for name in meaning:
+        table.add(name, meaning[name], *(measured.get((p, c or "default"), {}).get(name) for p, c in OOM_RUNS))
+    return table
+
+
+def print_results(fragmentation_runs: list[dict] | None, oom_runs: list[dict] | None) -> None:
+    """The allocator experiments for a terminal (Lab 12's report): the tables, then each lever."""
+    if fragmentation_runs:
+        print("\nFragmentation: allocated against reserved, each allocator setting in a fresh process")
+        print(fragmentation_table(fragmentation_runs).text())
+    if oom_runs:
+        print("\nOut of memory on purpose, under a memory cap")
+        print(oom_table(oom_runs).text())
+        print("\nEvery number of each message, read by read_oom:")
+        print(oom_numbers_table(oom_runs).text())
+        for r in oom_runs:
+            for lever in r.get("levers", []):
+                print(f"{r['pattern']}, {r['alloc_conf']}: {lever['pattern']}\n    next lever: {lever['lever']}")
+
 
 if __name__ == "__main__":
-    name, kwargs = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
-    seen = {k: v for k, v in os.environ.items() if k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    print(json.dumps({"conf_seen": seen, **WORKERS[name](**kwargs)}))  # what this allocator started with
+    cli.main(Config, run)
