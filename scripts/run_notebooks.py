@@ -17,11 +17,15 @@ environment this script sets. The kernel imports labkit and the labs from this c
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from labkit import cli
+from labkit.config import UsageError, check_fields, option
+from labkit.files import atomic, check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "notebooks" / "src"
@@ -72,29 +76,42 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
         "execution_wall_time_s": round(wall, 2),
     }
     target = out_dir / f"{src.stem}.ipynb"
-    nbformat.write(nb, target)
+    with atomic(target, "w") as f:
+        nbformat.write(nb, f)
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("names", nargs="*", help="notebook names (default: every notebooks/src/*.py)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--output-dir", type=Path, default=ROOT / "notebooks")
-    p.add_argument("--results-dir", type=Path, default=None, help="where notebooks write results (default: results/)")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
-    args = p.parse_args(argv)
-    sources = sorted(SRC.glob("*.py")) if not args.names else [SRC / f"{n.removesuffix('.py')}.py" for n in args.names]
-    missing = [s.name for s in sources if not s.is_file()]
-    if missing:
-        print(f"run_notebooks.py: error: no notebook source named {', '.join(missing)} in {SRC}", file=sys.stderr)
-        return 2
-    for src in sources:
+@dataclass
+class Config:
+    """Execute the notebooks: notebooks/src/NAME.py (jupytext percent format) -> notebooks/NAME.ipynb."""
+
+    names: tuple[str, ...] = option((), "notebook names (default: every notebooks/src/*.py)", positional=True)
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "where the notebooks measure")
+    output_dir: Path = option(ROOT / "notebooks", "where the executed notebooks go (default: notebooks/)")
+    results_dir: Path | None = option(None, "where the notebooks publish their results (default: results/)")
+    timeout: int = option(1200, "seconds a cell may run", min=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        missing = [n for n in self.names if not (SRC / f"{n.removesuffix('.py')}.py").is_file()]
+        if missing:
+            raise UsageError(f"no notebook source named {', '.join(missing)} in {SRC.relative_to(ROOT)}")
+
+
+def run(config: Config) -> list[str]:
+    for folder, flag in ((config.output_dir, "--output-dir"), (config.results_dir, "--results-dir")):
+        if folder is not None:
+            check_writable(Path(folder) / ".probe", flag)
+    names = config.names or tuple(s.stem for s in sorted(SRC.glob("*.py")))
+    done = []
+    for name in names:
+        src = SRC / f"{name.removesuffix('.py')}.py"
         t0 = time.perf_counter()
-        target = execute(src, args.output_dir, args.results_dir, args.device, args.timeout)
+        target = execute(src, config.output_dir, config.results_dir, config.device, config.timeout)
         print(f"executed {src.relative_to(ROOT)} -> {target} in {time.perf_counter() - t0:.1f} s")
-    return 0
+        done.append(str(target))
+    return done
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.main(Config, run, report=lambda done: None)

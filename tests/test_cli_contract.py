@@ -32,14 +32,14 @@ def _has_cli(path: Path) -> bool:
 
 
 def command_lines() -> list[Path]:
-    files = sorted(ROOT.glob("code/lab-*/*.py")) + sorted(ROOT.glob("bench/*.py"))
+    files = sorted(ROOT.glob("code/lab-*/*.py")) + sorted(ROOT.glob("bench/*.py")) + sorted(ROOT.glob("scripts/*.py"))
     return [f for f in files if _has_cli(f)]
 
 
 def load(path: Path):
     if path.parent.parent.name == "code":
         return labs.load(path.parent.name, path.stem)
-    name = f"bench_{path.stem}"
+    name = f"{path.parent.name}_{path.stem}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
@@ -53,6 +53,8 @@ def bad_values(config_cls) -> list[tuple[str, str]]:
     for f, kind in fields_of(config_cls):
         base, _ = split_optional(kind)
         meta, name = f.metadata, flag(f.name)
+        if meta.get("positional"):
+            continue  # a name, not a value: its refusals are the command's own tests
         lo = meta.get("min") if meta.get("min") is not None else meta.get("above")
         hi = meta.get("max") if meta.get("max") is not None else meta.get("below")
         if meta.get("parse") is not None:

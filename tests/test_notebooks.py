@@ -108,3 +108,16 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
     assert not errors
     assert (tmp_path / "results" / path.stem / "summary.json").is_file(), "the notebook published its results"
     assert not any((ROOT / "results").rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("argv, fragment", [(["nope"], "no notebook source named nope"),
+                                            (["--timeout", "0"], "--timeout must be 1 or more, got 0"),
+                                            (["--output-dir", "/proc/x"], "--output-dir")])
+def test_run_notebooks_refuses_bad_input_in_one_line_before_any_work(argv, fragment, capsys, monkeypatch):
+    from labkit import cli
+
+    monkeypatch.setattr(run_notebooks, "execute", lambda *a: pytest.fail("a notebook ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(run_notebooks.Config, run_notebooks.run, None, argv, prog="run_notebooks.py")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and fragment in err[0]

@@ -96,8 +96,15 @@ def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
             kwargs.pop("metavar")
         else:
             kwargs["type"] = _reader(base, meta, f.name)
-        if shown is not None and "default:" not in help_text:
+        if shown not in (None, "") and "default:" not in help_text:
             help_text = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
+        if meta.get("positional"):
+            many = typing.get_origin(base) is tuple
+            kwargs.pop("dest")
+            kwargs["type"] = _reader(typing.get_args(base)[0], {}, f.name) if many else kwargs["type"]
+            p.add_argument(f.name, nargs="*" if many else None, help=help_text,
+                           **{**kwargs, "metavar": meta.get("metavar") or f.name.upper()})
+            continue
         p.add_argument(flag(f.name), help=help_text, **kwargs)
     p.add_argument("--json", action="store_true", help="print one JSON summary object and nothing else on stdout")
     return p

@@ -38,16 +38,18 @@ class UsageError(ValueError):
 
 
 def option(default: Any = None, help: str = "", *, min: float | None = None, above: float | None = None,
-           max: float | None = None, below: float | None = None, parse=None, metavar: str | None = None):
+           max: float | None = None, below: float | None = None, parse=None, metavar: str | None = None,
+           positional: bool = False):
     """A config field: its default, its ``--help`` text and its bounds.
 
     ``min``/``max`` are inclusive bounds, ``above``/``below`` exclusive ones (a learning rate is
     ``above=0``). ``parse(text) -> value`` reads the flag's text where the type alone cannot (a byte
     budget such as ``24MiB``); it raises ``ValueError`` with a message for bad text. The type, and
-    with it the choices of a ``Literal``, comes from the field's annotation.
+    with it the choices of a ``Literal``, comes from the field's annotation. ``positional``: given
+    without a flag (a ``tuple`` field takes any number of them: ``run_notebooks.py lab-02 lab-08``).
     """
     meta = {"help": help, "min": min, "above": above, "max": max, "below": below, "parse": parse,
-            "metavar": metavar}
+            "metavar": metavar, "positional": positional}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for a default sequence")
     return field(default=default, metadata=meta)
@@ -138,7 +140,7 @@ def _check(name: str, value, kind, meta) -> Any:
     if typing.get_origin(kind) is tuple:
         item = typing.get_args(kind)[0]
         if isinstance(value, (list, tuple)):
-            if not value:
+            if not value and not meta.get("positional"):
                 raise UsageError(f"{name} needs at least one value")
             return tuple(_check(name, v, item, meta) for v in value)
         raise UsageError(f"{name} must be a list of values, got {value!r}")
