@@ -40,7 +40,7 @@ from mkdocs.structure.files import File, Files
 
 from labkit import labs
 from labkit.notebook import provenance_table
-from labkit.provenance import labkit_hash, source_hash
+from labkit.provenance import check_results, labkit_hash, source_hash
 from labkit.table import Table, escape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,12 @@ def results(name: str) -> dict:
         path = ROOT / "results" / f"{name}.json"
     if not path.is_file():
         raise PluginError(f"no results file {path.relative_to(ROOT)} (run the notebook or benchmark that writes it)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        check_results(data)
+    except ValueError as err:
+        raise PluginError(f"{path.relative_to(ROOT)} is not a valid results file: {err}") from None
+    return data
 
 
 def lab_provenance(notebook: str) -> dict | None:
@@ -271,7 +276,7 @@ def render_performance(page_src: str) -> str:
     """Tables from results/*.json, ratios first, each row with its device, date, commit and code state."""
     parts, measured_on_gpu = [], set()
     for path in sorted((ROOT / "results").glob("*.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = results(path.stem)
         prov, rows = data.get("provenance"), data.get("summary_rows")
         if not prov or not rows:
             continue

@@ -102,7 +102,7 @@ def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
             many = typing.get_origin(base) is tuple
             kwargs.pop("dest")
             kwargs["type"] = _reader(typing.get_args(base)[0], {}, f.name) if many else kwargs["type"]
-            p.add_argument(f.name, nargs="*" if many else None, help=help_text,
+            p.add_argument(f.name, nargs="*" if many else "?" if default is not None else None, help=help_text,
                            **{**kwargs, "metavar": meta.get("metavar") or f.name.upper()})
             continue
         p.add_argument(flag(f.name), help=help_text, **kwargs)

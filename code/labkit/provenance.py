@@ -175,3 +175,38 @@ def _plain(obj):
 # transitional (issue 12)
 def lab_dir(lab) -> Path:
     return labs.folder(lab)
+
+
+# ---------------------------------------------------------------------- results files, checked before use
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def check_results(data) -> None:
+    """ValueError (one line) unless ``data`` has the shape of a results file: a JSON object whose
+    ``provenance`` holds only plain values, and, for a notebook's summary, ``numbers`` (an object),
+    ``tables`` (each one columns of ``[name, kind]`` and rows of plain values) and ``figures``
+    (file names). Results arrive from other machines: the site renders nothing unchecked."""
+    if not isinstance(data, dict):
+        raise ValueError("a results file is a JSON object")
+    prov = data.get("provenance")
+    if not isinstance(prov, dict) or not all(isinstance(v, _SCALAR) for v in prov.values()):
+        raise ValueError("'provenance' must be an object of plain values")
+    if "numbers" in data and not isinstance(data["numbers"], dict):
+        raise ValueError("'numbers' must be an object")
+    for name, table in (data.get("tables") or {}).items():
+        columns, rows = (table.get("columns"), table.get("rows")) if isinstance(table, dict) else (None, None)
+        if not (isinstance(columns, list) and all(isinstance(c, list) and len(c) == 2 and all(isinstance(x, str)
+                                                                                             for x in c)
+                                                   for c in columns)):
+            raise ValueError(f"table {name!r}: columns must be [name, kind] pairs")
+        if not (isinstance(rows, list) and all(isinstance(r, list) and len(r) == len(columns)
+                                               and all(isinstance(v, _SCALAR) for v in r) for r in rows)):
+            raise ValueError(f"table {name!r}: rows must be lists of plain values, one per column")
+    figures = data.get("figures", [])
+    if not (isinstance(figures, list) and all(isinstance(f, str) and "/" not in f and not f.startswith(".")
+                                              for f in figures)):
+        raise ValueError("'figures' must be file names in the results folder")
+    rows = data.get("summary_rows", [])
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and all(isinstance(v, _SCALAR) for v in r.values())
+                                           for r in rows)):
+        raise ValueError("'summary_rows' must be objects of plain values")
