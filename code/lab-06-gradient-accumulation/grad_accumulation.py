@@ -175,7 +175,7 @@ class Config(LabConfig):
 # --8<-- [end:config]
 
 
-# --8<-- [start:train]
+# --8<-- [start:run]
 def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
@@ -192,7 +192,7 @@ def run(config: Config) -> Result:
         raise RuntimeError(f"run peak {peak:,} B exceeds the budget of {config.budget:,} B: its candidate run "
                            f"measured less")
     return replace(result, config=config, candidates=candidates)
-# --8<-- [end:train]
+# --8<-- [end:run]
 
 
 # ---------------------------------------------------------------------- the trainer under the ledger
