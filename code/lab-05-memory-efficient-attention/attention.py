@@ -41,7 +41,8 @@ from labkit.table import Table, format_bytes
 
 # --8<-- [start:naive]
 def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
-    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, H, N, d)."""
+    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, H, N, d);
+    ``causal`` hides the keys after each query, whose positions start at ``q_offset``."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (1)!
     if causal:
         rows = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
@@ -53,7 +54,8 @@ def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
 
 # --8<-- [start:chunked]
 def chunked_attention(q, k, v, chunk: int, causal: bool = False, recompute: bool = False):
-    """The same function, one block of ``chunk`` query rows at a time against all keys."""
+    """The same function, one block of ``chunk`` query rows at a time against all keys; ``causal``
+    as above; ``recompute``: each block recomputes its probabilities in backward instead of keeping them."""
     out = torch.empty_like(q)  # (1)!
     block = naive_attention
     if recompute and torch.is_grad_enabled():
@@ -106,7 +108,8 @@ def backend_that_ran(ops: list[str]) -> str:
 
 # --8<-- [start:train_step]
 def train_step(attend, q, k, v, grad_out):
-    """The attention part of a training step: forward, then backward from a given output gradient."""
+    """The attention part of a training step: ``attend(q, k, v)`` forward, then backward from the
+    output gradient ``grad_out``. Returns the output and the gradients of q, k and v."""
     with marks.phase("forward"):
         out = attend(q, k, v)  # (1)!
     with marks.phase("backward"):
@@ -205,12 +208,15 @@ def run(config: Config) -> Result:
 
 # ---------------------------------------------------------------------- one measurement
 def attention_fn(impl: str, chunk: int, causal: bool, recompute: bool):
+    """Implementation ``impl`` as a function of (q, k, v), with ``chunk``, ``causal`` and ``recompute`` bound."""
     return {"naive": lambda q, k, v: naive_attention(q, k, v, causal),
             "chunked": lambda q, k, v: chunked_attention(q, k, v, chunk, causal, recompute),
             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}[impl]
 
 
 def make_qkv(n: int, config: Config, device, requires_grad: bool = False, seed_offset: int = 0):
+    """q, k and v of length ``n`` in the shape and dtype of ``config``, on ``device``: the same for
+    every implementation (drawn from ``config.seed``, ``n`` and ``seed_offset``)."""
     g = torch.Generator().manual_seed(config.seed * 1_000_003 + n + seed_offset)
     shape = (config.batch, config.heads, n, config.head_dim)
     return [torch.randn(shape, generator=g).to(device, DTYPES[config.dtype]).requires_grad_(requires_grad)

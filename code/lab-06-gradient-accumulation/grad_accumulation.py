@@ -34,7 +34,8 @@ from labkit.table import Table, by_category, format_bytes
 
 # --8<-- [start:step]
 def accumulate(model, batches, k: int, step: int | None = None) -> float:
-    """Clear the gradients, then add k micro-batch gradients into them. Returns the mean loss."""
+    """Clear the gradients, then add into them the gradient of each micro-batch ``(x, y)`` of
+    ``batches``, its loss divided by ``k``; ``step`` labels the phases. Returns the mean loss."""
     with marks.phase("zero_grad", step):
         model.zero_grad(set_to_none=True)
     total = 0.0
@@ -48,6 +49,7 @@ def accumulate(model, batches, k: int, step: int | None = None) -> float:
 
 
 def train_step(model, optimizer, batches, k: int, step: int) -> float:
+    """One optimizer step over the ``k`` micro-batches of ``batches``."""
     loss = accumulate(model, batches, k, step)
     with marks.phase("optimizer", step):
         optimizer.step()  # (3)!
@@ -57,13 +59,14 @@ def train_step(model, optimizer, batches, k: int, step: int) -> float:
 
 # --8<-- [start:data]
 def samples(data: SyntheticTokens, first: int, n: int, device):
-    """Samples first .. first+n-1 as one batch; sample j is ``data.batch(j, 1)`` whatever the split."""
+    """Samples ``first`` .. ``first + n - 1`` of ``data`` as one batch on ``device``; sample j is
+    ``data.batch(j, 1)`` whatever the split."""
     xs, ys = zip(*(data.batch(j, 1) for j in range(first, first + n)))
     return torch.cat(xs).to(device), torch.cat(ys).to(device)
 
 
 def micro_batches(data: SyntheticTokens, step: int, batch: int, micro: int, device):
-    """One step's effective batch, one micro-batch at a time."""
+    """Step ``step``'s effective batch of ``batch`` samples, ``micro`` at a time, on ``device``."""
     for start in range(0, batch, micro):
         yield samples(data, step * batch + start, micro, device)  # (1)!
 # --8<-- [end:data]
@@ -82,6 +85,8 @@ class CheckpointedBlock(nn.Module):
 
 
 def build_model(cfg: GPTConfig, checkpoint_blocks: bool, device, seed: int) -> TinyGPT:
+    """A TinyGPT of ``cfg`` on ``device`` with weights drawn from ``seed``; ``checkpoint_blocks``
+    wraps every block in :class:`CheckpointedBlock`."""
     torch.manual_seed(seed)  # (2)!
     model = TinyGPT(cfg)
     if checkpoint_blocks:
