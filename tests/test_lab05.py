@@ -1,4 +1,4 @@
-"""Lab 05: naive, chunked and SDPA attention agree; their bytes follow the formulas; slopes; bad input."""
+"""Lab 05: naive, chunked and SDPA attention agree; their bytes follow the formulas; slopes; backends."""
 
 from __future__ import annotations
 
@@ -7,22 +7,43 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import run_lab
+from labkit import cli, marks
 
 SCRIPT = "lab-05-memory-efficient-attention/attention.py"
-SWEEP = [128, 256, 512, 1024, 2048]  # the default sweep, the one the page shows
-SLOPE_BAND = {"quadratic": (1.85, 2.05), "linear": (0.9, 1.1)}  # the bands the notebook asserts too
 
 
 @pytest.fixture(scope="module")
 def lab05():
-    return load_lab(SCRIPT)
+    return load_lab(5)
 
 
-def args_for(lab05, *extra):
-    return lab05.parse_args(["--device", "cpu", "--json", *extra])
+@pytest.fixture(scope="module")
+def measures():
+    return load_lab(5, "attention_measures")
+
+
+def sweep(lab05, **fields):
+    return lab05.run(lab05.Config(device="cpu", **fields))
+
+
+@pytest.fixture(scope="module")
+def default_sweep(lab05):
+    """The forward sweep the page shows: the defaults, N = 128 to 2048."""
+    return sweep(lab05)
+
+
+@pytest.fixture(scope="module")
+def backward_sweeps(lab05):
+    """The page's forward + backward sweeps: every implementation, and chunked with recompute."""
+    lengths = (128, 256, 512, 1024)
+    return (sweep(lab05, backward=True, seq_lens=lengths),
+            sweep(lab05, backward=True, recompute=True, impl="chunked", seq_lens=lengths))
+
+
+def in_band(value, band) -> bool:
+    return band[0] <= value <= band[1]
 
 
 def qkv(n=200, heads=2, d=32, seed=0, requires_grad=False):
@@ -30,6 +51,7 @@ def qkv(n=200, heads=2, d=32, seed=0, requires_grad=False):
     return [torch.randn(1, heads, n, d, generator=g).requires_grad_(requires_grad) for _ in range(3)]
 
 
+# ---------------------------------------------------------------- the same attention
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_and_sdpa_give_the_naive_output(lab05, causal):
     q, k, v = qkv()
@@ -60,7 +82,8 @@ def test_causal_rows_do_not_see_future_keys(lab05):
 def test_gradients_match_naive(lab05, recompute):
     base = qkv(n=150, requires_grad=True)
     go = torch.randn(1, 2, 150, 32, generator=torch.Generator().manual_seed(1))
-    lab05.naive_attention(*base, True).backward(go)
+    assert not marks.watching()  # no ledger: the step's marks cost nothing
+    lab05.train_step(lambda *t: lab05.naive_attention(*t, True), *base, go)
     for attend in (lambda *t: lab05.chunked_attention(*t, 64, True, recompute),
                    lambda *t: F.scaled_dot_product_attention(*t, is_causal=True)):
         other = [t.detach().clone().requires_grad_() for t in base]
@@ -69,55 +92,78 @@ def test_gradients_match_naive(lab05, recompute):
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=2e-5)
 
 
+# ---------------------------------------------------------------- bytes against the formulas
 def test_forward_peaks_equal_the_formulas_to_the_byte(lab05):
-    result = lab05.sweep(args_for(lab05, "--seq-lens", "64,200,384", "--chunk", "96", "--heads", "3"))
-    for row in result["rows"]:
+    result = sweep(lab05, seq_lens=(64, 200, 384), chunk=96, heads=3)
+    for row in result.rows:
         assert row["peak_bytes"] == row["predicted_bytes"], row
         assert row["within_tolerance"], row
-    naive = {r["seq_len"]: r for r in result["rows"] if r["impl"] == "naive"}
+    naive = {r["seq_len"]: r for r in result.rows if r["impl"] == "naive"}
     assert naive[384]["peak_bytes"] > 2 * naive[384]["scores_bytes"]  # scores and probabilities at once
+    assert naive[384]["scores_bytes"] == lab05.score_matrix_bytes(384, batch=1, heads=3, e=4) == 3 * 384 * 384 * 4
 
 
-def test_default_sweep_slopes_and_backend(lab05):
-    result = lab05.sweep(args_for(lab05))
-    assert result["config"]["seq_lens"] == SWEEP and not result["config"]["causal"]
-    s = result["slopes"]
-    assert SLOPE_BAND["quadratic"][0] <= s["naive"] <= SLOPE_BAND["quadratic"][1], s
-    for impl in ("chunked", "sdpa"):
-        assert SLOPE_BAND["linear"][0] <= s[impl] <= SLOPE_BAND["linear"][1], s
-    assert result["sdpa_backend_ran"] == ["FLASH_ATTENTION"]  # the CPU flash kernel, named by its aten op
-    assert result["outside_tolerance"] == []
-    biggest = {r["impl"]: r["peak_bytes"] for r in result["rows"] if r["seq_len"] == 2048}
+def test_the_default_sweep_the_page_shows(lab05, default_sweep):
+    result = default_sweep
+    assert result.config.seq_lens == (128, 256, 512, 1024, 2048) and not result.config.causal
+    assert all(r["peak_bytes"] == r["predicted_bytes"] for r in result.rows)  # on CPU, to the byte
+    bands, s = lab05.SLOPE_BANDS, result.slopes()
+    assert in_band(s["naive"], bands["quadratic"]), s
+    assert in_band(s["chunked"], bands["linear"]) and in_band(s["sdpa"], bands["linear"]), s
+    assert result.backends_ran == ["FLASH_ATTENTION"]  # the CPU flash kernel, named by its aten op
+    assert result.outside_tolerance == []
+    biggest = {r["impl"]: r["peak_bytes"] for r in result.rows if r["seq_len"] == 2048}
     assert biggest["naive"] > 10 * biggest["chunked"] > 10 * biggest["sdpa"]
 
 
 def test_pinned_math_backend_is_the_naive_memory(lab05):
-    result = lab05.sweep(args_for(lab05, "--impl", "sdpa", "--sdpa-backend", "math", "--seq-lens", "128,512"))
-    assert result["sdpa_backend_ran"] == ["MATH"]
-    for row in result["rows"]:
+    result = sweep(lab05, impl="sdpa", sdpa_backend="math", seq_lens=(128, 512))
+    assert result.backends_ran == ["MATH"]
+    for row in result.rows:
         bh_out = 2 * row["seq_len"] * 32 * 4
         assert row["peak_bytes"] == 2 * row["scores_bytes"] + bh_out == row["predicted_bytes"]
-    flash = lab05.sweep(args_for(lab05, "--impl", "sdpa", "--sdpa-backend", "flash", "--seq-lens", "128"))
-    assert flash["sdpa_backend_ran"] == ["FLASH_ATTENTION"]
+    flash = sweep(lab05, impl="sdpa", sdpa_backend="flash", seq_lens=(128,))
+    assert flash.backends_ran == ["FLASH_ATTENTION"]
 
 
-def test_backward_keeps_n_squared_unless_blocks_are_recomputed(lab05):
-    small = ["--seq-lens", "256,512,1024", "--heads", "1", "--head-dim", "16"]
-    plain = lab05.sweep(args_for(lab05, "--backward", *small))
-    recompute = lab05.sweep(args_for(lab05, "--backward", "--recompute", "--impl", "chunked", *small))
+def test_backward_keeps_n_squared_unless_blocks_are_recomputed(lab05, backward_sweeps):
+    plain, recompute = backward_sweeps
     for result in (plain, recompute):
-        for row in result["rows"]:
-            assert row["kept_bytes"] == row["predicted_bytes"], row
-            assert row["within_tolerance"], row
-    kept = {(r["impl"], r["seq_len"]): r["kept_bytes"] for r in plain["rows"]}
-    for n in (256, 512, 1024):
+        assert result.outside_tolerance == []
+        for row in result.rows:
+            assert row["kept_bytes"] == row["predicted_bytes"], row  # the derived formula, to the byte
+    kept = {(r["impl"], r["seq_len"]): r["kept_bytes"] for r in plain.rows}
+    for n in (128, 256, 512, 1024):
         assert kept[("chunked", n)] == kept[("naive", n)]  # chunking alone keeps every block's probabilities
-    assert plain["kept_slopes"]["naive"] > 1.8 and plain["kept_slopes"]["chunked"] > 1.8
-    assert 0.95 <= plain["kept_slopes"]["sdpa"] <= 1.05
-    assert 0.95 <= recompute["kept_slopes"]["chunked"] <= 1.05
-    assert SLOPE_BAND["linear"][0] <= recompute["slopes"]["chunked"] <= SLOPE_BAND["linear"][1]
+    linear = lab05.SLOPE_BANDS["linear"]
+    assert plain.slopes("kept_bytes")["naive"] > 1.8 and plain.slopes("kept_bytes")["chunked"] > 1.8
+    assert in_band(plain.slopes("kept_bytes")["sdpa"], linear)
+    assert in_band(recompute.slopes("kept_bytes")["chunked"], linear)
+    assert in_band(plain.slopes()["sdpa"], linear) and in_band(recompute.slopes()["chunked"], linear)
 
 
+def test_each_measurement_keeps_its_timeline(lab05, backward_sweeps):
+    plain, _ = backward_sweeps
+    tl = plain.timelines["naive", 1024]
+    assert [s.name for s in tl.spans] == ["forward", "backward"]
+    row = next(r for r in plain.rows if (r["impl"], r["seq_len"]) == ("naive", 1024))
+    assert tl.peak()["total"] == row["peak_bytes"]
+
+
+def test_causal_masking_stays_within_tolerance(lab05):
+    result = sweep(lab05, causal=True, seq_lens=(1024,))
+    assert result.outside_tolerance == [] and all(r["predicted_bytes"] is None for r in result.rows)
+
+
+def test_the_sdpa_kernel_scratch_is_per_thread_and_far_below_n_squared(lab05, measures):
+    q, k, v = lab05.make_qkv(2048, lab05.Config(device="cpu"), "cpu")
+    by_threads = {t: measures.kernel_scratch_bytes(q, k, v, threads=t) for t in (1, 2, 4)}
+    assert by_threads[1] < by_threads[2] < by_threads[4], by_threads  # the page: it grows with threads
+    assert by_threads[1] < lab05.score_matrix_bytes(2048, batch=1, heads=2, e=4) / 10  # not an N x N buffer
+    assert torch.get_num_threads() == 1  # the thread count is restored
+
+
+# ---------------------------------------------------------------- the command line
 def test_json_summary_schema():
     proc = run_cli(SCRIPT, "--device", "cpu", "--json", "--seq-lens", "64,128")
     assert proc.returncode == 0, proc.stderr
@@ -126,64 +172,53 @@ def test_json_summary_schema():
         (i, n) for n in (64, 128) for i in ("naive", "chunked", "sdpa")]
     for row in data["rows"]:
         assert {"peak_bytes", "kept_bytes", "predicted_bytes", "scores_bytes", "backend", "max_abs_error"} <= set(row)
-    assert set(data["slopes"]) == {"naive", "chunked", "sdpa"}
+    assert set(data["slopes"]) == {"naive", "chunked", "sdpa"} and data["config"]["seq_lens"] == [64, 128]
     assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
     assert data["sdpa_backend_ran"] == ["FLASH_ATTENTION"] and data["cuda"] is None
     assert proc.stderr == ""  # no progress bar under --json
 
 
 def test_human_report(lab05, capsys):
-    lab05.main(["--device", "cpu", "--seq-lens", "64,128", "--causal"])
+    cli.main(lab05.Config, lab05.run, lab05.report, ["--device", "cpu", "--seq-lens", "128,64", "--causal"])
     out = capsys.readouterr().out
     assert "not causal" not in out and "causal" in out
-    assert "SDPA ran the FLASH_ATTENTION backend" in out and "| naive | 128 |" in out
+    assert "SDPA ran the FLASH_ATTENTION backend" in out and "\nnaive    128" in out
     assert "Every output within tolerance of float64: |error| <= 1e-05 x max(1, max |value|)." in out
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--chunk", "0"], "--chunk"),
-        (["--chunk", "-8"], "--chunk"),
-        (["--seq-lens", ""], "--seq-lens"),
-        (["--seq-lens", ",,"], "--seq-lens"),
-        (["--seq-lens", "128,abc"], "--seq-lens"),
-        (["--seq-lens", "128,0"], "--seq-lens"),
-        (["--seq-lens", "1.5"], "--seq-lens"),
-        (["--impl", "flash"], "--impl"),
-        (["--dtype", "int8"], "--dtype"),
-        (["--heads", "0"], "--heads"),
-        (["--recompute"], "add --backward"),
-        (["--sdpa-backend", "efficient"], "CPU offers auto, math and flash"),
-        (["--snapshot", "s.pickle"], "needs a CUDA device"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab05, capsys, args, fragment):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab05.main, ["--device", "cpu", "--seq-lens", "64", *args], prog="attention.py")
-    assert exc.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and fragment in err[0], err
+def test_the_config_sorts_the_lengths_and_refuses_recompute_without_backward(lab05):
+    assert lab05.Config(seq_lens=(256, 128, 256)).seq_lens == (128, 256)
+    with pytest.raises(lab05.UsageError, match="--recompute only changes the backward pass: add --backward"):
+        lab05.Config(recompute=True)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--sdpa-backend", "efficient"], "CPU offers auto, math and flash"),
+    (["--snapshot", "s.pickle"], "needs a CUDA device"),
+])
+def test_what_this_machine_cannot_run_is_refused_before_the_sweep(lab05, capsys, argv, fragment):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert_usage_error_in_process(lab05, ["--device", "cpu", "--seq-lens", "64", *argv], capsys, fragment)
 
 
 def test_bad_input_from_the_command_line():
     proc = run_cli(SCRIPT, "--device", "cpu", "--seq-lens", "256,x")
-    assert_clean_usage_error(proc, "--seq-lens", "expected whole numbers")
+    assert_clean_usage_error(proc, "--seq-lens", "expected a whole number")
 
 
 @pytest.mark.cuda
 def test_cuda_backends_slopes_and_allocator(lab05, tmp_path):
     snap = tmp_path / "snap.pickle"
-    base = ["--device", "cuda", "--json", "--heads", "8", "--head-dim", "64", "--dtype", "float16",
-            "--seq-lens", "1024,2048,4096,8192", "--chunk", "512"]
-    result = lab05.sweep(lab05.parse_args([*base, "--snapshot", str(snap)]))
-    assert result["outside_tolerance"] == [] and snap.is_file()
-    assert result["slopes"]["naive"] > 1.8
-    assert result["slopes"]["chunked"] < 1.2 and result["slopes"]["sdpa"] < 1.2
-    naive_big = next(r for r in result["rows"] if r["impl"] == "naive" and r["seq_len"] == 8192)
+    size = dict(device="cuda", heads=8, head_dim=64, dtype="float16", seq_lens=(1024, 2048, 4096, 8192), chunk=512)
+    result = lab05.run(lab05.Config(**size, snapshot=snap))
+    assert result.outside_tolerance == [] and snap.is_file()
+    slopes = result.slopes()
+    assert slopes["naive"] > 1.8 and slopes["chunked"] < 1.2 and slopes["sdpa"] < 1.2
+    naive_big = next(r for r in result.rows if r["impl"] == "naive" and r["seq_len"] == 8192)
     assert 0.95 <= naive_big["peak_bytes"] / naive_big["cuda_peak_bytes"] <= 1.05
     for pin, name in (("efficient", "EFFICIENT_ATTENTION"), ("flash", "FLASH_ATTENTION"), ("math", "MATH")):
-        pinned = lab05.sweep(lab05.parse_args([*base, "--impl", "sdpa", "--sdpa-backend", pin]))
-        assert pinned["sdpa_backend_ran"] == [name]
+        pinned = lab05.run(lab05.Config(**size, impl="sdpa", sdpa_backend=pin))
+        assert pinned.backends_ran == [name]
         if pin != "math":
-            assert pinned["slopes"]["sdpa"] < 1.2
+            assert pinned.slopes()["sdpa"] < 1.2

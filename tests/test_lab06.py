@@ -1,66 +1,68 @@
-"""Lab 06: accumulation against the large batch, flat memory, the budget trainer, bad input."""
+"""Lab 06: accumulation against the large batch, flat memory, the budget trainer, the split rules."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import GPTConfig, run_lab
+from labkit import GPTConfig, cli, marks
 
 SCRIPT = "lab-06-gradient-accumulation/grad_accumulation.py"
-SIZE = ["--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "64"]
-SMALL = ["--device", "cpu", *SIZE]
+SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64}
+SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+         "--vocab", "64"]  # the same, as a user types it
 CFG = GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=2)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and two threads on a busy machine are 10x slower."""
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # for the command-line runs too
-    yield
-    torch.set_num_threads(before)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
-
-
 @pytest.fixture(scope="module")
 def lab06():
-    return load_lab(SCRIPT)
+    return load_lab(6)
 
 
 @pytest.fixture(scope="module")
-def probes(lab06):
+def derived():
+    return load_lab(6, "accumulation_math")
+
+
+def train(lab06, **fields):
+    return lab06.run(lab06.Config(**SIZE, **fields))
+
+
+@pytest.fixture(scope="module")
+def peaks(lab06):
     """Measured steady-state peaks for batch 8 at every micro-batch size, checkpointing off and on."""
-    return {(m, ck): lab06.probe(CFG, CPU, 8, m, ck) for m in (1, 2, 4, 8) for ck in (False, True)}
+    return {(m, ck): lab06.measure_peak(CFG, CPU, 8, m, ck) for m in (1, 2, 4, 8) for ck in (False, True)}
 
 
 # ---------------------------------------------------------------- the same gradients
 @pytest.mark.parametrize("k", [2, 8])
-def test_accumulated_gradients_equal_the_large_batch_within_tolerance(lab06, k):
+def test_accumulated_gradients_equal_the_large_batch_within_tolerance(lab06, derived, k):
     gap = lab06.gradient_gap(CFG, 8, k)
     # fp32 sums in another order: a few roundings of the largest gradient, far below the tolerance
-    assert gap["max_abs_diff"] <= lab06.TOLERANCE * gap["max_abs_grad"], gap
+    assert derived.relative_gap(gap) <= lab06.TOLERANCE, gap
+    assert 0 < derived.gap_in_ulps(gap) < 100
     assert abs(gap["norm_ratio"] - 1) <= lab06.TOLERANCE
 
 
 def test_one_micro_batch_is_the_large_batch_bit_for_bit(lab06):
+    assert not marks.watching()  # no ledger: accumulate's marks cost nothing
     gap = lab06.gradient_gap(CFG, 8, 1)
     assert gap["bit_exact"] and gap["max_abs_diff"] == 0.0
 
 
-def test_forgetting_the_1_over_k_multiplies_the_gradient_by_k(lab06):
+def test_forgetting_the_1_over_k_multiplies_the_gradient_by_k(lab06, derived):
     gap = lab06.gradient_gap(CFG, 8, 4, scale=False)
     assert abs(gap["norm_ratio"] - 4) <= 4 * lab06.TOLERANCE
-    assert gap["max_abs_diff"] > 100 * lab06.TOLERANCE * gap["max_abs_grad"]
+    assert derived.relative_gap(gap) > 100 * lab06.TOLERANCE
+
+
+def test_gap_in_ulps_counts_units_of_the_last_place(derived):
+    assert derived.gap_in_ulps({"max_abs_diff": 2.0 ** -23, "max_abs_grad": 1.5}) == 1.0
+    assert derived.gap_in_ulps({"max_abs_diff": 2.0 ** -24, "max_abs_grad": 0.75}) == 1.0
 
 
 def test_checkpointed_blocks_give_identical_gradients(lab06):
@@ -75,8 +77,8 @@ def test_checkpointed_blocks_give_identical_gradients(lab06):
 
 
 def test_accumulation_trains_like_the_large_batch(lab06):
-    acc = lab06.run_steps(CFG, CPU, micro=2, k=4, ckpt=False, steps=3).losses
-    large = lab06.run_steps(CFG, CPU, micro=8, k=1, ckpt=False, steps=3).losses
+    acc = train(lab06, micro_batch=2, accum_steps=4, steps=3).losses
+    large = train(lab06, batch=8, steps=3).losses
     assert max(abs(a - b) for a, b in zip(acc, large)) <= 1e-5  # AdamW on gradients equal to ~1e-7
 
 
@@ -90,66 +92,78 @@ def test_the_same_samples_whatever_the_split(lab06):
 
 
 # ---------------------------------------------------------------- memory
-def test_peak_is_flat_in_the_effective_batch_and_the_large_batch_grows(lab06):
-    acc = {k: lab06.run_steps(CFG, CPU, 2, k, False, steps=2).ledger.peak() for k in (2, 4, 8)}
-    large = {b: lab06.run_steps(CFG, CPU, b, 1, False, steps=2).ledger.peak()["total"] for b in (4, 8, 16)}
+def test_peak_is_flat_in_the_effective_batch_and_the_large_batch_grows(lab06, derived):
+    acc = {k: train(lab06, micro_batch=2, accum_steps=k, steps=2).ledger.peak() for k in (1, 2, 4, 8)}
+    large = {b: train(lab06, batch=b, steps=2).ledger.peak()["total"] for b in (4, 8, 16)}
     assert acc[2] == acc[4] == acc[8]  # every category, to the byte
-    n = sum(p.numel() for p in lab06.build_model(CFG, False, "cpu", 0).parameters())
+    assert acc[1]["total"] < acc[2]["total"]  # k = 1 has no full gradients under its activations
+    run = train(lab06, micro_batch=2, accum_steps=8, steps=1)
+    n, tensors = run.params, len(list(run.model.parameters()))
     assert acc[8]["gradients"] == 4 * n  # a full set of gradients rides under every later micro-batch
-    assert large[4] < large[8] < large[16]
-    assert large[16] - large[8] == 2 * (large[8] - large[4])  # linear in the batch, exactly on CPU
+    assert acc[8]["optimizer_state"] == 8 * n + 4 * tensors  # AdamW's moments and step counters
+    assert acc[8]["parameters"] + acc[8]["gradients"] + acc[8]["optimizer_state"] == derived.model_state_floor(
+        n, tensors)
+    batches = sorted(large)
+    slope, line = derived.line_through_first_two(batches, [large[b] for b in batches])
+    assert slope > 0 and line == [large[b] for b in batches]  # linear in the batch, exactly on CPU
     assert acc[8]["total"] < large[16]
 
 
-def test_probe_measures_the_peak_of_a_longer_run_exactly(lab06, probes):
-    run = lab06.run_steps(CFG, CPU, 2, 4, False, steps=3)
-    assert run.ledger.peak()["total"] == probes[2, False]
-    assert run.ledger.peak()["total"] == lab06.probe(CFG, CPU, 8, 2, False)  # deterministic
+def test_every_micro_batch_after_the_first_peaks_the_same(lab06):
+    tl = train(lab06, micro_batch=2, accum_steps=4, steps=2).ledger.timeline()
+    total = tl.device_total()
+    peaks = [max(total[s.start:s.end]) for s in tl.spans if s.name == "backward" and s.step == 1]
+    assert len(peaks) == 4 and len(set(peaks[1:])) == 1
 
 
-def test_checkpointing_lowers_every_probe(probes):
+def test_the_peak_measured_for_a_candidate_is_the_peak_of_a_longer_run(lab06, peaks):
+    run = train(lab06, micro_batch=2, accum_steps=4, steps=3)
+    assert run.ledger.peak()["total"] == peaks[2, False]
+    assert run.ledger.peak()["total"] == lab06.measure_peak(CFG, CPU, 8, 2, False)  # deterministic
+
+
+def test_checkpointing_lowers_every_candidate(peaks):
     for m in (1, 2, 4, 8):
-        assert probes[m, True] < probes[m, False]
+        assert peaks[m, True] < peaks[m, False]
     for ck in (False, True):
-        assert probes[1, ck] < probes[2, ck] < probes[4, ck] < probes[8, ck]
+        assert peaks[1, ck] < peaks[2, ck] < peaks[4, ck] < peaks[8, ck]
 
 
 # ---------------------------------------------------------------- the budget trainer
-def budget_run(lab06, budget: int, *extra: str):
-    args = lab06.parse_args([*SMALL, "--json", "--batch", "8", "--steps", "2", "--budget", str(budget), *extra])
-    run = lab06.train(args)
-    return run, lab06.summary(run, args)
+def budget_run(lab06, budget: int, **fields):
+    return train(lab06, batch=8, steps=2, budget=budget, **fields)
 
 
-def test_generous_budget_takes_the_large_batch(lab06, probes):
-    run, s = budget_run(lab06, probes[8, False])
+def test_generous_budget_takes_the_large_batch(lab06, peaks):
+    run = budget_run(lab06, peaks[8, False])
+    s = run.summary()
     assert (run.micro_batch, run.accum_steps, run.checkpoint) == (8, 1, False)
-    assert s["within_budget"] and s["peak_bytes"]["total"] <= probes[8, False]
+    assert s["within_budget"] and s["peak_bytes"]["total"] <= peaks[8, False]
 
 
-def test_middle_budget_accumulates_without_checkpointing(lab06, probes):
-    run, s = budget_run(lab06, probes[4, False] - 1)  # one byte short of micro-batch 4
+def test_middle_budget_accumulates_without_checkpointing(lab06, peaks):
+    run = budget_run(lab06, peaks[4, False] - 1)  # one byte short of micro-batch 4
+    s = run.summary()
     assert (run.micro_batch, run.accum_steps, run.checkpoint) == (2, 4, False)
-    assert s["peak_bytes"]["total"] == probes[2, False] <= s["budget_bytes"]
-    assert [(p["micro_batch"], p["checkpoint"], p["fits"]) for p in s["probes"]] == [
+    assert s["peak_bytes"]["total"] == peaks[2, False] <= s["budget_bytes"]  # the candidate measured this run
+    assert [(c["micro_batch"], c["checkpoint"], c["fits"]) for c in s["candidates"]] == [
         (1, True, True), (1, False, True), (2, False, True), (4, False, False)]
 
 
-def test_tight_budget_turns_checkpointing_on(lab06, probes):
-    assert probes[1, True] < probes[1, False]
-    run, s = budget_run(lab06, probes[1, False] - 1)
+def test_tight_budget_turns_checkpointing_on(lab06, peaks):
+    assert peaks[1, True] < peaks[1, False]
+    run = budget_run(lab06, peaks[1, False] - 1)
+    s = run.summary()
     assert run.checkpoint and run.micro_batch >= 1 and s["within_budget"]
-    assert s["peak_bytes"]["total"] == probes[run.micro_batch, True]
-    fits = [m for m in (1, 2, 4, 8) if probes[m, True] <= probes[1, False] - 1]
+    assert s["peak_bytes"]["total"] == peaks[run.micro_batch, True]
+    fits = [m for m in (1, 2, 4, 8) if peaks[m, True] <= peaks[1, False] - 1]
     assert run.micro_batch == max(fits)
 
 
-def test_checkpoint_off_restricts_the_search(lab06, probes, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab06.main, [*SMALL, "--budget", str(probes[1, False] - 1), "--checkpoint", "off"], prog="x")
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "checkpointing off" in err[0] and f"{probes[1, False]:,} B" in err[0]
+def test_checkpoint_off_restricts_the_search(lab06, peaks, capsys):
+    line = assert_usage_error_in_process(
+        lab06, [*SMALL, "--budget", str(peaks[1, False] - 1), "--checkpoint", "off"], capsys, "checkpointing off")
+    assert f"{peaks[1, False]:,} B" in line
 
 
 def test_impossible_budget_names_the_smallest_measured_peak():
@@ -165,18 +179,19 @@ def test_json_summary_schema_with_a_budget():
     assert data["budget_bytes"] == 1 << 30 and data["within_budget"] is True
     assert (data["micro_batch"], data["accum_steps"], data["batch"], data["checkpoint"]) == (4, 1, 4, False)
     assert len(data["losses"]) == 2 and data["steps"] == 2
-    assert {"micro_batch", "accum_steps", "checkpoint", "peak_bytes", "fits"} == set(data["probes"][0])
-    assert [(p["micro_batch"], p["checkpoint"]) for p in data["probes"]] == [(1, True), (1, False), (2, False), (4, False)]
-    assert data["peak_bytes"]["total"] == data["probes"][-1]["peak_bytes"] <= data["budget_bytes"]
+    assert {"micro_batch", "accum_steps", "checkpoint", "peak_bytes", "fits"} == set(data["candidates"][0])
+    assert [(c["micro_batch"], c["checkpoint"]) for c in data["candidates"]] == [
+        (1, True), (1, False), (2, False), (4, False)]
+    assert data["peak_bytes"]["total"] == data["candidates"][-1]["peak_bytes"] <= data["budget_bytes"]
     assert {"zero_grad", "forward", "backward", "optimizer"} == set(data["peak_bytes_by_phase"])
     assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
     assert proc.stderr == ""
 
 
 def test_human_report(lab06, capsys):
-    run_lab(lab06.main, [*SMALL, "--batch", "2", "--steps", "1", "--budget", "1GiB"], prog="x")
+    cli.main(lab06.Config, lab06.run, lab06.report, [*SMALL, "--batch", "2", "--steps", "1", "--budget", "1GiB"])
     out = capsys.readouterr().out
-    assert "| micro-batch | accumulation steps | checkpointing | measured peak | fits |" in out
+    assert "micro-batch  accumulation steps  checkpointing  measured peak  fits" in out
     assert "chosen: 1 x micro-batch 2, checkpointing off" in out
     assert "is within the budget of 1,073,741,824 B" in out
 
@@ -189,59 +204,49 @@ def test_parse_bytes(lab06, text, expected):
     assert lab06.parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize(("argv", "split"), [
-    ([], (4, 4, 16)),
-    (["--batch", "8"], (8, 1, 8)),
-    (["--batch", "16", "--micro-batch", "4"], (4, 4, 16)),
-    (["--batch", "16", "--accum-steps", "2"], (8, 2, 16)),
-    (["--micro-batch", "3", "--accum-steps", "5"], (3, 5, 15)),
-    (["--micro-batch", "2"], (2, 4, 8)),
-    (["--batch", "12", "--micro-batch", "3", "--accum-steps", "4"], (3, 4, 12)),
+@pytest.mark.parametrize(("fields", "split"), [
+    ({}, (4, 4)),
+    ({"batch": 8}, (8, 1)),
+    ({"batch": 16, "micro_batch": 4}, (4, 4)),
+    ({"batch": 16, "accum_steps": 2}, (8, 2)),
+    ({"micro_batch": 3, "accum_steps": 5}, (3, 5)),
+    ({"micro_batch": 2}, (2, 4)),
+    ({"batch": 12, "micro_batch": 3, "accum_steps": 4}, (3, 4)),
 ])
-def test_batch_flags_resolve(lab06, argv, split):
-    a = lab06.parse_args(argv)
-    assert (a.micro_batch, a.accum_steps, a.batch) == split
+def test_batch_flags_resolve(lab06, fields, split):
+    assert lab06.Config(**fields).split() == split
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--batch", "10", "--micro-batch", "4"], "not a multiple of --micro-batch 4"),
-        (["--batch", "10", "--accum-steps", "3"], "not a multiple of --accum-steps 3"),
-        (["--batch", "10", "--micro-batch", "4", "--accum-steps", "4"], "= 16, but --batch is 10"),
-        (["--budget", "64MB"], "ambiguous"),
-        (["--budget", "lots"], "--budget"),
-        (["--budget", "0"], "--budget"),
-        (["--budget", "-5MiB"], "--budget"),
-        (["--budget", "10MiB", "--micro-batch", "2"], "--budget chooses the micro-batch"),
-        (["--checkpoint", "maybe"], "--checkpoint"),
-        (["--micro-batch", "0"], "--micro-batch"),
-        (["--steps", "-1"], "--steps"),
-        (["--width", "30", "--heads", "4"], "not divisible"),
-        (["--device", "tpu"], "--device"),
-        (["--snapshot", "s.pickle"], "needs a CUDA device"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab06, capsys, args, fragment):
-    if "--snapshot" in args and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab06.main, [*SMALL, "--steps", "1", *args], prog="grad_accumulation.py")
-    assert exc.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and fragment in err[0], err
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"batch": 10, "micro_batch": 4}, "not a multiple of --micro-batch 4"),
+    ({"batch": 10, "accum_steps": 3}, "not a multiple of --accum-steps 3"),
+    ({"batch": 10, "micro_batch": 4, "accum_steps": 4}, "= 16, but --batch is 10"),
+    ({"budget": 10 << 20, "micro_batch": 2}, "--budget chooses the micro-batch"),
+    ({"width": 30, "heads": 4}, "not divisible"),
+])
+def test_the_config_refuses_what_cannot_run(lab06, fields, fragment):
+    with pytest.raises(lab06.UsageError, match=fragment):
+        lab06.Config(**fields)
+
+
+def test_an_ambiguous_unit_is_refused_on_the_command_line():
+    proc = run_cli(SCRIPT, *SMALL, "--budget", "64MB")
+    assert_clean_usage_error(proc, "--budget", "ambiguous")
+
+
+def test_snapshot_on_cpu_is_refused(lab06, capsys, tmp_path):
+    assert_usage_error_in_process(lab06, [*SMALL, "--steps", "1", "--snapshot", str(tmp_path / "s.pickle")],
+                                  capsys, "needs a CUDA device")
 
 
 # ---------------------------------------------------------------- GPU
 @pytest.mark.cuda
 def test_cuda_budget_run_agrees_with_the_allocator(lab06, tmp_path):
     snap = tmp_path / "snap.pickle"
-    args = lab06.parse_args(["--device", "cuda", "--json", "--batch", "16", "--steps", "2", "--budget", "2GiB",
-                             "--width", "512", "--layers", "4", "--heads", "8", "--seq-len", "256",
-                             "--snapshot", str(snap)])
-    run = lab06.train(args)
-    s = lab06.summary(run, args)
-    assert s["within_budget"] and s["cuda"]["max_memory_allocated"] <= 1.05 * args.budget
+    run = lab06.run(lab06.Config(device="cuda", batch=16, steps=2, budget=2 << 30, width=512, layers=4, heads=8,
+                                 seq_len=256, snapshot=snap))
+    s = run.summary()
+    assert s["within_budget"] and s["cuda"]["max_memory_allocated"] <= 1.05 * run.config.budget
     assert 0.95 <= s["cuda"]["ledger_over_allocator"] <= 1.05, s["cuda"]
     assert snap.is_file() and snap.stat().st_size > 0
     assert s["provenance"]["device_type"] == "cuda" and s["provenance"]["device_name"]
@@ -249,9 +254,8 @@ def test_cuda_budget_run_agrees_with_the_allocator(lab06, tmp_path):
 
 @pytest.mark.cuda
 def test_cuda_accumulation_peak_is_flat(lab06):
-    cfg = GPTConfig(vocab=256, seq_len=256, width=512, layers=4, heads=8)
-    dev = torch.device("cuda")
-    peaks = [lab06.run_steps(cfg, dev, 4, k, False, steps=2).ledger.peak()["total"] for k in (2, 4, 8)]
+    size = dict(device="cuda", vocab=256, seq_len=256, width=512, layers=4, heads=8, steps=2)
+    peaks = [lab06.run(lab06.Config(**size, micro_batch=4, accum_steps=k)).ledger.peak()["total"] for k in (2, 4, 8)]
     assert peaks[0] == peaks[1] == peaks[2]
-    large = [lab06.run_steps(cfg, dev, b, 1, False, steps=2).ledger.peak()["total"] for b in (8, 16, 32)]
+    large = [lab06.run(lab06.Config(**size, batch=b)).ledger.peak()["total"] for b in (8, 16, 32)]
     assert large[0] < large[1] < large[2]

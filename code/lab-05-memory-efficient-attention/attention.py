@@ -12,79 +12,37 @@ Every query row still sees every key, so the softmax of each row and the output 
 again, unless each block is recomputed (--recompute), as the fused kernels do.
 
 Run it:
-    python code/lab-05-memory-efficient-attention/attention.py --device cpu
-    python code/lab-05-memory-efficient-attention/attention.py --device cpu --backward --recompute
+    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu
+    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu --backward --recompute
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
-import statistics
-import sys
 import time
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+from attention_measures import errors, fit_slope
 
-from labkit import Ledger, UsageError, emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-
-LAB = "lab-05-memory-efficient-attention"
-IMPLS = ("naive", "chunked", "sdpa")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}  # |error| vs float64 per unit of max |value|
-# The aten op each fused SDPA backend runs (same names in torch 2.11 and 2.13); MATH is bmm + softmax.
-FUSED_OPS = {f"_scaled_dot_product_{op}": name for op, name in [
-    ("flash_attention_for_cpu", "FLASH_ATTENTION"), ("flash_attention", "FLASH_ATTENTION"),
-    ("efficient_attention", "EFFICIENT_ATTENTION"), ("cudnn_attention", "CUDNN_ATTENTION"),
-    ("fused_attention_overrideable", "OVERRIDEABLE")]}
-PIN = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
-
-
-def seq_list(text: str) -> list[int]:
-    """argparse type for ``--seq-lens 256,512,1024``: one or more positive whole numbers."""
-    try:
-        values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers like 256,512, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected one or more positive lengths like 256,512, got {text!r}")
-    return sorted(set(values))
-
-
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Naive, query-chunked and fused (SDPA) attention: peak bytes against sequence length.")
-    p.add_argument("--impl", choices=[*IMPLS, "all"], default="all")
-    p.add_argument("--seq-lens", type=seq_list, default=[128, 256, 512, 1024, 2048], metavar="N,N,...")
-    p.add_argument("--chunk", type=positive_int, default=128, help="query rows per block (chunked)")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--heads", type=positive_int, default=2)
-    p.add_argument("--head-dim", type=positive_int, default=32)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--causal", action="store_true", help="mask future keys (default: full attention)")
-    p.add_argument("--backward", action="store_true", help="measure forward + backward, not forward alone")
-    p.add_argument("--recompute", action="store_true", help="chunked: recompute each block in backward")
-    p.add_argument("--sdpa-backend", choices=["auto", *PIN], default="auto",
-                   help="pin SDPA to one backend with torch.nn.attention.sdpa_kernel (auto: let PyTorch choose)")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    return p.parse_args(argv)
-# --8<-- [end:config]
+from labkit import cli, labs, marks, provenance
+from labkit.config import LabConfig, UsageError, option
+from labkit.cuda import allocator_stats, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.table import Table, format_bytes
 
 
 # --8<-- [start:naive]
 def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
-    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, H, N, d)."""
+    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, H, N, d);
+    ``causal`` hides the keys after each query, whose positions start at ``q_offset``."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (1)!
     if causal:
         rows = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
@@ -96,7 +54,8 @@ def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
 
 # --8<-- [start:chunked]
 def chunked_attention(q, k, v, chunk: int, causal: bool = False, recompute: bool = False):
-    """The same function, one block of ``chunk`` query rows at a time against all keys."""
+    """The same function, one block of ``chunk`` query rows at a time against all keys; ``causal``
+    as above; ``recompute``: each block recomputes its probabilities in backward instead of keeping them."""
     out = torch.empty_like(q)  # (1)!
     block = naive_attention
     if recompute and torch.is_grad_enabled():
@@ -106,6 +65,14 @@ def chunked_attention(q, k, v, chunk: int, causal: bool = False, recompute: bool
         out[..., rows, :] = block(q[..., rows, :], k, v, causal, start)  # (3)!
     return out
 # --8<-- [end:chunked]
+
+
+# The aten op each fused SDPA backend runs (same names in torch 2.11 and 2.13); MATH is bmm + softmax.
+FUSED_OPS = {f"_scaled_dot_product_{op}": name for op, name in [
+    ("flash_attention_for_cpu", "FLASH_ATTENTION"), ("flash_attention", "FLASH_ATTENTION"),
+    ("efficient_attention", "EFFICIENT_ATTENTION"), ("cudnn_attention", "CUDNN_ATTENTION"),
+    ("fused_attention_overrideable", "OVERRIDEABLE")]}
+PIN = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 
 
 # --8<-- [start:sdpa]
@@ -139,175 +106,237 @@ def backend_that_ran(ops: list[str]) -> str:
 # --8<-- [end:sdpa]
 
 
-def attention_fn(impl: str, args):
-    return {"naive": lambda q, k, v: naive_attention(q, k, v, args.causal),
-            "chunked": lambda q, k, v: chunked_attention(q, k, v, args.chunk, args.causal, args.recompute),
-            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)}[impl]
-
-
-def make_qkv(n: int, args, device, requires_grad: bool = False, seed_offset: int = 0):
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + n + seed_offset)
-    shape = (args.batch, args.heads, n, args.head_dim)
-    return [torch.randn(shape, generator=g).to(device, DTYPES[args.dtype]).requires_grad_(requires_grad)
-            for _ in range(3)]
-
-
-def reference(n: int, args, device) -> tuple:
-    """The same inputs in float64 through the chunked maths: the yardstick every output is held to."""
-    q, k, v = [t.double().requires_grad_(args.backward) for t in make_qkv(n, args, device)]
-    with torch.enable_grad() if args.backward else torch.no_grad():
-        out = chunked_attention(q, k, v, args.chunk, args.causal, recompute=True)
-        if args.backward:
-            out.backward(make_qkv(n, args, device, seed_offset=7)[0].double())
-    return out.detach(), [t.grad for t in (q, k, v)] if args.backward else None
-
-
 # --8<-- [start:train_step]
-def train_step(attend, q, k, v, grad_out, ledger: Ledger):
-    """The attention part of a training step: forward, then backward from a given output gradient."""
-    with ledger.phase("forward"):
+def train_step(attend, q, k, v, grad_out):
+    """The attention part of a training step: ``attend(q, k, v)`` forward, then backward from the
+    output gradient ``grad_out``. Returns the output and the gradients of q, k and v."""
+    with marks.phase("forward"):
         out = attend(q, k, v)  # (1)!
-    with ledger.phase("backward"):
+    with marks.phase("backward"):
         out.backward(grad_out)  # (2)!
     return out.detach(), [t.grad for t in (q, k, v)]
+
+
+def inference(attend, q, k, v):
+    """Forward alone, without autograd: nothing is kept for a backward."""
+    with torch.no_grad(), marks.phase("forward"):
+        return attend(q, k, v)
 # --8<-- [end:train_step]
 
 
-# --8<-- [start:measure]
-def measure(impl: str, n: int, args, device: torch.device, ref: tuple | None = None) -> dict:
-    """One implementation at one length: peak bytes, bytes kept after forward, backend, error."""
-    q, k, v = make_qkv(n, args, device, requires_grad=args.backward)
-    grad_out = make_qkv(n, args, device, seed_offset=7)[0] if args.backward else None
-    ledger, e = Ledger(device), q.element_size()  # (1)!
-    row = {"impl": impl, "seq_len": n, "scores_bytes": args.batch * args.heads * n * n * e}
-    reset_peak(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    try:
-        with sdpa_backend(args.sdpa_backend if impl == "sdpa" else "auto", device), ledger:
-            if args.backward:
-                out, grads = train_step(attention_fn(impl, args), q, k, v, grad_out, ledger)
-            else:
-                with torch.no_grad(), ledger.phase("forward"):
-                    out, grads = attention_fn(impl, args)(q, k, v), None
-    except torch.cuda.OutOfMemoryError:
-        return row | {"oom": True}  # (2)!
-    tl = ledger.timeline()
-    after_forward = next(s.end for s in tl.spans if s.name == "forward") - 1
-    row["backend"] = backend_that_ran([r.op for r in ledger.records]) if impl == "sdpa" else None
-    row["peak_bytes"] = ledger.peak(tl)["total"]  # (3)!
-    row["kept_bytes"] = tl.device["activations"][after_forward]  # (4)!
-    row["predicted_bytes"] = predicted_bytes(impl, n, args, e, row["backend"])
-    if device.type == "cuda":
-        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base  # (5)!
-    return row | errors(out, grads, ref or reference(n, args, device), TOLERANCE[args.dtype])
-# --8<-- [end:measure]
-
-
 # --8<-- [start:formulas]
-def predicted_bytes(impl: str, n: int, args, e: int, backend: str | None = None) -> int | None:
-    """Derived (not causal): the forward peak, or with --backward the bytes alive after forward."""
-    bh, d = args.batch * args.heads, args.head_dim
-    out, scores = bh * n * d * e, bh * n * n * e  # the output B.H.N.d and one N x N matrix B.H.N.N
+def score_matrix_bytes(n: int, batch: int, heads: int, e: int) -> int:
+    """One N x N matrix per head, B.H.N.N elements of e bytes: the scores, or the probabilities."""
+    return batch * heads * n * n * e
+
+
+def predicted_bytes(impl: str, n: int, *, batch: int, heads: int, head_dim: int, e: int, chunk: int,
+                    backward: bool = False, recompute: bool = False, causal: bool = False,
+                    backend: str | None = None) -> int | None:
+    """Derived bytes of ``impl`` at length ``n`` (None where no formula is given: causal masks, and
+    the math backend with backward): the forward peak, or with ``backward`` the bytes alive after
+    forward. ``batch``, ``heads``, ``head_dim``: the shape of q; ``e``: bytes per element;
+    ``chunk``: query rows per block; ``recompute``: chunked recomputes each block in backward;
+    ``backend``: the SDPA backend that ran."""
+    bh, out = batch * heads, batch * heads * n * head_dim * e  # the output, B.H.N.d
+    scores = score_matrix_bytes(n, batch, heads, e)
     fused = impl == "sdpa" and backend != "MATH"
-    if args.causal or (args.backward and impl == "sdpa" and not fused):
+    if causal or (backward and impl == "sdpa" and not fused):
         return None
     if fused:
         return out + bh * n * 4  # (1)!
-    if args.backward:
-        return out if impl == "chunked" and args.recompute else scores + 2 * out  # (2)!
+    if backward:
+        return out if impl == "chunked" and recompute else scores + 2 * out  # (2)!
     if impl == "chunked":
-        c = min(args.chunk, n)
-        return out + 2 * bh * c * n * e + bh * c * d * e  # (3)!
+        c = min(chunk, n)
+        return out + 2 * bh * c * n * e + bh * c * head_dim * e  # (3)!
     return 2 * scores + out  # (4)!
 # --8<-- [end:formulas]
 
 
-def errors(out, grads, ref, tol: float) -> dict:
-    """Max |error| against the float64 reference; within tolerance if <= tol x max(1, max |reference|)."""
-    pairs = [(out, ref[0])] + (list(zip(grads, ref[1])) if grads is not None else [])
-    errs = [(x.double() - r).abs().max().item() for x, r in pairs]
-    ok = all(err <= tol * max(1.0, r.abs().max().item()) for err, (_, r) in zip(errs, pairs))
-    return {"max_abs_error": errs[0], "within_tolerance": ok} | (
-        {"grad_max_abs_error": max(errs[1:])} if grads is not None else {})
+IMPLS = ("naive", "chunked", "sdpa")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}  # |error| vs float64 per unit of max |value|
+# the fitted slopes tests/test_lab05.py holds a CPU sweep to (2 = quadratic, 1 = linear)
+SLOPE_BANDS = {"quadratic": (1.85, 2.05), "linear": (0.9, 1.1)}
 
 
-def fit_slope(xs, ys) -> float | None:
-    """Least-squares slope of log(y) against log(x): the exponent p in y ~ x^p."""
-    logs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys)]
-    return statistics.linear_regression(*zip(*logs)).slope if len(logs) >= 2 else None
+@dataclass
+class Config(LabConfig):
+    """Naive, query-chunked and fused (SDPA) attention: peak bytes against sequence length."""
+
+    impl: Literal["naive", "chunked", "sdpa", "all"] = option("all", "which implementation to measure")
+    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048), "sequence lengths N to sweep", min=1,
+                                       metavar="N,N,...")
+    chunk: int = option(128, "query rows per block (chunked)", min=1)
+    batch: int = option(1, "sequences per batch", min=1)
+    heads: int = option(2, "attention heads", min=1)
+    head_dim: int = option(32, "dimension of each head", min=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "element type of q, k and v")
+    causal: bool = option(False, "mask future keys (default: full attention)")
+    backward: bool = option(False, "measure forward + backward, not forward alone")
+    recompute: bool = option(False, "chunked: recompute each block in backward (with --backward)")
+    sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = option(
+        "auto", "pin SDPA to one backend with torch.nn.attention.sdpa_kernel (auto: let PyTorch choose)")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.seq_lens = tuple(sorted(set(self.seq_lens)))
+        if self.recompute and not self.backward:
+            raise UsageError("--recompute only changes the backward pass: add --backward")
 
 
-# --8<-- [start:sweep]
-def sweep(args) -> dict:
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
+# --8<-- [start:run]
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    if args.recompute and not args.backward:
-        raise UsageError("--recompute only changes the backward pass: add --backward")
-    impls = IMPLS if args.impl == "all" else (args.impl,)
-    with sdpa_backend(args.sdpa_backend if "sdpa" in impls else "auto", device):
+    impls = IMPLS if config.impl == "all" else (config.impl,)
+    with sdpa_backend(config.sdpa_backend if "sdpa" in impls else "auto", device):
         pass  # refuses a backend this machine does not have before anything runs
-    jobs = [(impl, n) for n in args.seq_lens for impl in impls]
-    refs, rows, t0 = {}, [], time.perf_counter()
-    with record_snapshot(args.snapshot):
-        for impl, n in progress(jobs, total=len(jobs), desc="sweep", quiet=args.json):
-            refs = refs if n in refs else {n: reference(n, args, device)}  # one float64 run per length
-            rows.append(measure(impl, n, args, device, refs[n]))
-    wall = time.perf_counter() - t0
-    done = [r for r in rows if not r.get("oom")]
+    jobs = [(impl, n) for n in config.seq_lens for impl in impls]
+    rows, timelines, refs, t0 = [], {}, {}, time.perf_counter()
+    with record_snapshot(config.snapshot):
+        for impl, n in cli.progress(jobs, total=len(jobs), desc="sweep"):
+            refs = refs if n in refs else {n: reference(n, config, device)}  # one float64 run per length
+            row, timelines[impl, n] = measure(impl, n, config, device, refs[n])
+            rows.append(row)
+    return Result(config, device, impls, rows, timelines, time.perf_counter() - t0, allocator_stats(device))
+# --8<-- [end:run]
 
-    def slopes(key):  # the exponent p in bytes ~ N^p, per implementation
+
+# ---------------------------------------------------------------------- one measurement
+def attention_fn(impl: str, chunk: int, causal: bool, recompute: bool):
+    """Implementation ``impl`` as a function of (q, k, v), with ``chunk``, ``causal`` and ``recompute`` bound."""
+    return {"naive": lambda q, k, v: naive_attention(q, k, v, causal),
+            "chunked": lambda q, k, v: chunked_attention(q, k, v, chunk, causal, recompute),
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}[impl]
+
+
+def make_qkv(n: int, config: Config, device, requires_grad: bool = False, seed_offset: int = 0):
+    """q, k and v of length ``n`` in the shape and dtype of ``config``, on ``device``: the same for
+    every implementation (drawn from ``config.seed``, ``n`` and ``seed_offset``)."""
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + n + seed_offset)
+    shape = (config.batch, config.heads, n, config.head_dim)
+    return [torch.randn(shape, generator=g).to(device, DTYPES[config.dtype]).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def reference(n: int, config: Config, device) -> tuple:
+    """The same inputs in float64 through the chunked maths: the yardstick every output is held to."""
+    q, k, v = [t.double().requires_grad_(config.backward) for t in make_qkv(n, config, device)]
+    with torch.enable_grad() if config.backward else torch.no_grad():
+        out = chunked_attention(q, k, v, config.chunk, config.causal, recompute=True)
+        if config.backward:
+            out.backward(make_qkv(n, config, device, seed_offset=7)[0].double())
+    return out.detach(), [t.grad for t in (q, k, v)] if config.backward else None
+
+
+# --8<-- [start:measure]
+def measure(impl: str, n: int, config: Config, device: torch.device, ref: tuple):
+    """One implementation at one length: its row (peak bytes, bytes kept after forward, backend,
+    error against ``ref``, the float64 :func:`reference`) and the ledger's timeline."""
+    q, k, v = make_qkv(n, config, device, requires_grad=config.backward)
+    grad_out = make_qkv(n, config, device, seed_offset=7)[0] if config.backward else None
+    attend = attention_fn(impl, config.chunk, config.causal, config.recompute)
+    ledger, e = Ledger(device), q.element_size()  # (1)!
+    row = {"impl": impl, "seq_len": n, "scores_bytes": score_matrix_bytes(n, config.batch, config.heads, e)}
+    reset_peak(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    try:
+        with sdpa_backend(config.sdpa_backend if impl == "sdpa" else "auto", device), ledger:
+            if config.backward:
+                out, grads = train_step(attend, q, k, v, grad_out)
+            else:
+                out, grads = inference(attend, q, k, v), None
+    except torch.cuda.OutOfMemoryError:
+        return row | {"oom": True}, None  # (2)!
+    tl = ledger.timeline()
+    after_forward = next(s.end for s in tl.spans if s.name == "forward") - 1
+    row["backend"] = backend_that_ran([r.op for r in ledger.records]) if impl == "sdpa" else None
+    row["peak_bytes"] = tl.peak()["total"]  # (3)!
+    row["kept_bytes"] = tl.device["activations"][after_forward]  # (4)!
+    row["predicted_bytes"] = predicted_bytes(
+        impl, n, batch=config.batch, heads=config.heads, head_dim=config.head_dim, e=e, chunk=config.chunk,
+        backward=config.backward, recompute=config.recompute, causal=config.causal, backend=row["backend"])
+    if device.type == "cuda":
+        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base  # (5)!
+    return row | errors(out, grads, ref, TOLERANCE[config.dtype]), tl
+# --8<-- [end:measure]
+
+
+# ---------------------------------------------------------------------- the result and its report
+@dataclass
+class Result:
+    config: Config
+    device: torch.device
+    impls: tuple[str, ...]
+    rows: list[dict]  # one per (implementation, length), in sweep order
+    timelines: dict  # (impl, n) -> the ledger's Timeline of that measurement (None: out of memory)
+    wall_time_s: float
+    cuda: dict | None
+
+    def slopes(self, key: str = "peak_bytes") -> dict[str, float | None]:
+        """The exponent p in bytes ~ N^p, per implementation (``key``: peak_bytes or kept_bytes)."""
+        done = [r for r in self.rows if not r.get("oom")]
         return {i: fit_slope([r["seq_len"] for r in done if r["impl"] == i],
-                             [r[key] for r in done if r["impl"] == i]) for i in impls}
+                             [r[key] for r in done if r["impl"] == i]) for i in self.impls}
 
-    bad = [f"{r['impl']} N={r['seq_len']}" for r in done if not r["within_tolerance"]]
-    return {"lab": LAB, "device": str(device),
-            "config": {k: getattr(args, k) for k in ("impl", "seq_lens", "chunk", "batch", "heads", "head_dim",
-                                                     "dtype", "causal", "backward", "recompute", "sdpa_backend")},
-            "rows": rows, "slopes": slopes("peak_bytes"), "kept_slopes": slopes("kept_bytes"),
-            "sdpa_backend_ran": sorted({r["backend"] for r in done if r["backend"]}),
-            "tolerance": TOLERANCE[args.dtype], "outside_tolerance": bad,
-            "cuda": allocator_stats(device), "provenance": provenance.collect(LAB, device, wall)}
-# --8<-- [end:sweep]
+    @property
+    def backends_ran(self) -> list[str]:
+        return sorted({r["backend"] for r in self.rows if r.get("backend")})
+
+    @property
+    def outside_tolerance(self) -> list[str]:
+        return [f"{r['impl']} N={r['seq_len']}" for r in self.rows if not r.get("oom") and not r["within_tolerance"]]
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"lab": labs.slug(__file__), "device": str(self.device),
+                "config": {k: list(getattr(c, k)) if k == "seq_lens" else getattr(c, k) for k in (
+                    "impl", "seq_lens", "chunk", "batch", "heads", "head_dim", "dtype", "causal", "backward",
+                    "recompute", "sdpa_backend")},
+                "rows": self.rows, "slopes": self.slopes(), "kept_slopes": self.slopes("kept_bytes"),
+                "sdpa_backend_ran": self.backends_ran, "tolerance": TOLERANCE[c.dtype],
+                "outside_tolerance": self.outside_tolerance, "cuda": self.cuda,
+                "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    result = sweep(args)
-    if args.json:
-        emit_json(result)
-        return
-    c, fb = result["config"], format_bytes
-    print(f"Lab 05 on {result['device']}: batch {c['batch']}, {c['heads']} heads, head dim {c['head_dim']}, "
-          f"{c['dtype']}, {'causal' if c['causal'] else 'not causal'}, chunk {c['chunk']}, " + (
-              ("forward + backward" + (", chunked recomputes" if c["recompute"] else "")) if c["backward"]
-              else "forward only (no grad)"))
-    print(f"\n| impl | N | peak | kept after forward | derived {'kept' if c['backward'] else 'peak'} | "
-          "N x N scores | max abs error | backend |\n|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in result["rows"]:
-        if r.get("oom"):
-            print(f"| {r['impl']} | {r['seq_len']} | out of memory | | | {fb(r['scores_bytes'])} | | |")
-            continue
-        err = f"{r['max_abs_error']:.1e}" + (f", grad {r['grad_max_abs_error']:.1e}" if c["backward"] else "")
-        derived = "-" if r["predicted_bytes"] is None else fb(r["predicted_bytes"])
-        print(f"| {r['impl']} | {r['seq_len']} | {fb(r['peak_bytes'])} | {fb(r['kept_bytes'])} | {derived} | "
-              f"{fb(r['scores_bytes'])} | {err} | {r['backend'] or '-'} |")
+def rows_table(result: Result) -> Table:
+    """Every measurement of a sweep: one row per implementation and length."""
+    derived = "derived kept" if result.config.backward else "derived peak"
+    return Table(["impl", "N", ("peak", "B"), ("kept after forward", "B"), (derived, "B"),
+                  ("one N x N matrix", "B"), ("max abs error", "sci:1"), ("grad max abs error", "sci:1"),
+                  "backend"],
+                 [[r["impl"], r["seq_len"], r.get("peak_bytes"), r.get("kept_bytes"), r.get("predicted_bytes"),
+                   r["scores_bytes"], r.get("max_abs_error"), r.get("grad_max_abs_error"),
+                   "out of memory" if r.get("oom") else r["backend"]] for r in result.rows])
+
+
+def report(result: Result) -> None:
+    c = result.config
+    mode = ("forward + backward" + (", chunked recomputes" if c.recompute else "")) if c.backward \
+        else "forward only (no grad)"
+    print(f"Lab 05 on {result.device}: batch {c.batch}, {c.heads} heads, head dim {c.head_dim}, {c.dtype}, "
+          f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}\n")
+    print(rows_table(result).text())
     print("\nFitted slope of log(bytes) against log(N) (2 = quadratic, 1 = linear):")
-    for impl, s in result["slopes"].items():
-        kept = result["kept_slopes"][impl] if c["backward"] else None
+    kept = result.slopes("kept_bytes")
+    for impl, s in result.slopes().items():
         print(f"  {impl:8s} peak {'n/a' if s is None else f'{s:.2f}'}"
-              + ("" if kept is None else f"   kept for backward {kept:.2f}"))
-    if result["sdpa_backend_ran"]:
-        print(f"SDPA ran the {', '.join(result['sdpa_backend_ran'])} backend (named from the aten op that "
-              f"allocated its output; --sdpa-backend {c['sdpa_backend']}).")
-    bad, tol = result["outside_tolerance"], result["tolerance"]
+              + (f"   kept for backward {kept[impl]:.2f}" if c.backward and kept[impl] is not None else ""))
+    if result.backends_ran:
+        print(f"SDPA ran the {', '.join(result.backends_ran)} backend (named from the aten op that "
+              f"allocated its output; --sdpa-backend {c.sdpa_backend}).")
+    bad, tol = result.outside_tolerance, TOLERANCE[c.dtype]
     print(f"Every output within tolerance of float64: |error| <= {tol:.0e} x max(1, max |value|)." if not bad
           else f"OUTSIDE the {tol:.0e} tolerance: {', '.join(bad)}")
-    if result["cuda"]:
-        print(f"CUDA allocator: max allocated {fb(result['cuda']['max_memory_allocated'])} in the sweep")
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+    if result.cuda:
+        print(f"CUDA allocator: max allocated {format_bytes(result.cuda['max_memory_allocated'])} in the sweep")
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

@@ -2,88 +2,74 @@
 
 k forward/backward passes on micro-batches, each loss divided by k, then one optimizer step: the
 gradients are those of the whole effective batch (up to floating-point summation order), yet only
-one micro-batch's activations are ever alive. Given ``--budget 10MiB``, the trainer measures probe
-runs with the memory ledger at candidate micro-batch sizes, without and then with checkpointing of
+one micro-batch's activations are ever alive. Given ``--budget 10MiB``, the trainer measures short
+runs of candidate micro-batch sizes with the memory ledger, without and then with checkpointing of
 the blocks, and trains with the largest that fits, or says in one line (exit 2) that none does.
 
 Run it:
-    python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu
-    python code/lab-06-gradient-accumulation/grad_accumulation.py --batch 16 --micro-batch 16
-    python code/lab-06-gradient-accumulation/grad_accumulation.py --batch 8 --budget 10MiB
+    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu
+    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 16
+    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 8 --budget 10MiB
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_float, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.plot import format_bytes, peak_table  # noqa: E402
-
-LAB = "lab-06-gradient-accumulation"
-UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+from labkit import cli, labs, marks, provenance
+from labkit.config import LabConfig, UsageError, option
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.table import Table, by_category, format_bytes
 
 
-def parse_bytes(text: str) -> int:
-    """'64MiB' -> 67108864. Plain bytes or KiB/MiB/GiB (powers of 1024), any letter case."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in UNITS or float(m.group(1)) * UNITS[unit] < 1:
-        hint = "; KB/MB/GB are ambiguous, write KiB/MiB/GiB" if unit in ("K", "KB", "M", "MB", "G", "GB") else ""
-        raise argparse.ArgumentTypeError(f"expected bytes such as 500000, 512KiB, 64MiB or 1.5GiB, got {text!r}{hint}")
-    return int(float(m.group(1)) * UNITS[unit])
+# --8<-- [start:step]
+def accumulate(model, batches, k: int, step: int | None = None) -> float:
+    """Clear the gradients, then add into them the gradient of each micro-batch ``(x, y)`` of
+    ``batches``, its loss divided by ``k``; ``step`` labels the phases. Returns the mean loss."""
+    with marks.phase("zero_grad", step):
+        model.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in batches:
+        with marks.phase("forward", step):
+            loss = model(x, y)[1] / k  # (1)!
+        with marks.phase("backward", step):
+            loss.backward()  # (2)!
+        total += loss.item()
+    return total
 
 
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Gradient accumulation, and a trainer that picks micro-batch and checkpointing to fit a budget.")
-    p.add_argument("--batch", type=positive_int, help="effective batch per optimizer step")
-    p.add_argument("--micro-batch", type=positive_int, help="samples per forward/backward pass")
-    p.add_argument("--accum-steps", type=positive_int, help="micro-batches per optimizer step")
-    p.add_argument("--budget", type=parse_bytes, help="peak bytes allowed, e.g. 24MiB; the trainer picks the split")
-    p.add_argument("--checkpoint", choices=["auto", "on", "off"], default="auto",
-                   help="checkpoint every block; auto: only if the budget needs it (off without --budget)")
-    p.add_argument("--steps", type=positive_int, default=4, help="optimizer steps")
-    p.add_argument("--lr", type=positive_float, default=3e-3)
-    for flag, default in (("--seq-len", 64), ("--width", 128), ("--layers", 2), ("--heads", 4), ("--vocab", 256)):
-        p.add_argument(flag, type=positive_int, default=default, help=f"model size (default {default})")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    a = p.parse_args(argv)
-    if a.width % a.heads:
-        raise UsageError(f"--width {a.width} is not divisible by --heads {a.heads}")
-    m, k, b = a.micro_batch, a.accum_steps, a.batch
-    if a.budget is not None:
-        if m or k:
-            raise UsageError("--budget chooses the micro-batch: give --batch, not --micro-batch/--accum-steps")
-        a.batch = b or 16
-        return a
-    if b is None:  # (1)!
-        m, k = m or 4, k or 4
-    elif m is None and k is None:
-        m, k = b, 1  # --batch alone: one large batch
-    elif m and k and m * k != b:
-        raise UsageError(f"--micro-batch {m} x --accum-steps {k} = {m * k}, but --batch is {b}")
-    elif not (m and k):
-        given, flag = (m, "--micro-batch") if m else (k, "--accum-steps")
-        if b % given:
-            raise UsageError(f"--batch {b} is not a multiple of {flag} {given}")
-        m, k = (m, b // m) if m else (b // k, k)
-    a.micro_batch, a.accum_steps, a.batch = m, k, m * k
-    return a
-# --8<-- [end:config]
+def train_step(model, optimizer, batches, k: int, step: int) -> float:
+    """One optimizer step over the ``k`` micro-batches of ``batches``."""
+    loss = accumulate(model, batches, k, step)
+    with marks.phase("optimizer", step):
+        optimizer.step()  # (3)!
+    return loss
+# --8<-- [end:step]
+
+
+# --8<-- [start:data]
+def samples(data: SyntheticTokens, first: int, n: int, device):
+    """Samples ``first`` .. ``first + n - 1`` of ``data`` as one batch on ``device``; sample j is
+    ``data.batch(j, 1)`` whatever the split."""
+    xs, ys = zip(*(data.batch(j, 1) for j in range(first, first + n)))
+    return torch.cat(xs).to(device), torch.cat(ys).to(device)
+
+
+def micro_batches(data: SyntheticTokens, step: int, batch: int, micro: int, device):
+    """Step ``step``'s effective batch of ``batch`` samples, ``micro`` at a time, on ``device``."""
+    for start in range(0, batch, micro):
+        yield samples(data, step * batch + start, micro, device)  # (1)!
+# --8<-- [end:data]
 
 
 # --8<-- [start:model]
@@ -99,6 +85,8 @@ class CheckpointedBlock(nn.Module):
 
 
 def build_model(cfg: GPTConfig, checkpoint_blocks: bool, device, seed: int) -> TinyGPT:
+    """A TinyGPT of ``cfg`` on ``device`` with weights drawn from ``seed``; ``checkpoint_blocks``
+    wraps every block in :class:`CheckpointedBlock`."""
     torch.manual_seed(seed)  # (2)!
     model = TinyGPT(cfg)
     if checkpoint_blocks:
@@ -107,96 +95,154 @@ def build_model(cfg: GPTConfig, checkpoint_blocks: bool, device, seed: int) -> T
 # --8<-- [end:model]
 
 
-# --8<-- [start:data]
-def samples(data: SyntheticTokens, first: int, n: int, device):
-    """Samples first .. first+n-1 as one batch; sample j is ``data.batch(j, 1)`` whatever the split."""
-    xs, ys = zip(*(data.batch(j, 1) for j in range(first, first + n)))
-    return torch.cat(xs).to(device), torch.cat(ys).to(device)
+# --8<-- [start:equivalence]
+# max |g_accumulated - g_large| / max |g_large|, asserted by the tests
+TOLERANCE = 1e-5  # (1)!
 
 
-def micro_batches(data: SyntheticTokens, step: int, batch: int, micro: int, device):
-    """One step's effective batch, one micro-batch at a time."""
-    for start in range(0, batch, micro):
-        yield samples(data, step * batch + start, micro, device)  # (1)!
-# --8<-- [end:data]
+def gradient_gap(cfg: GPTConfig, batch: int, k: int, seed: int = 0, ckpt: bool = False, scale: bool = True) -> dict:
+    """Gradients of k accumulated micro-batches against one large batch of the same samples, on the
+    CPU: ``cfg`` the model, ``batch`` the samples, ``scale`` divides each loss by k."""
+    model = build_model(cfg, ckpt, "cpu", seed)
+    x, y = samples(SyntheticTokens(cfg.vocab, cfg.seq_len, seed=seed), 0, batch, "cpu")
+    accumulate(model, [(x, y)], 1)
+    large = [p.grad.clone() for p in model.parameters()]
+    accumulate(model, zip(x.chunk(k), y.chunk(k)), k if scale else 1)  # (2)!
+    accumulated = [p.grad for p in model.parameters()]
+    norm = torch.stack([g.norm() for g in accumulated]).norm() / torch.stack([g.norm() for g in large]).norm()
+    return {"k": k, "max_abs_diff": max((a - g).abs().max().item() for a, g in zip(accumulated, large)),
+            "max_abs_grad": max(g.abs().max().item() for g in large), "norm_ratio": norm.item(),
+            "bit_exact": all(torch.equal(a, g) for a, g in zip(accumulated, large))}
+# --8<-- [end:equivalence]
 
 
-# --8<-- [start:step]
-def accumulate(model, batches, k: int, ledger: Ledger, step: int | None = None) -> float:
-    """Clear the gradients, then add k micro-batch gradients into them. Returns the mean loss."""
-    with ledger.phase("zero_grad", step):
-        model.zero_grad(set_to_none=True)
-    total = 0.0
-    for x, y in batches:
-        with ledger.phase("forward", step):
-            loss = model(x, y)[1] / k  # (1)!
-        with ledger.phase("backward", step):
-            loss.backward()  # (2)!
-        total += loss.item()
-    return total
+UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
-def train_step(model, optimizer, batches, k: int, ledger: Ledger, step: int) -> float:
-    loss = accumulate(model, batches, k, ledger, step)
-    with ledger.phase("optimizer", step):
-        optimizer.step()  # (3)!
-    return loss
-# --8<-- [end:step]
+def parse_bytes(text: str) -> int:
+    """'64MiB' -> 67108864. Plain bytes or KiB/MiB/GiB (powers of 1024), any letter case."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in UNITS or float(m.group(1)) * UNITS[unit] < 1:
+        hint = "; KB/MB/GB are ambiguous, write KiB/MiB/GiB" if unit in ("K", "KB", "M", "MB", "G", "GB") else ""
+        raise ValueError(f"expected bytes such as 500000, 512KiB, 64MiB or 1.5GiB, got {text!r}{hint}")
+    return int(float(m.group(1)) * UNITS[unit])
 
 
+# --8<-- [start:config]
 @dataclass
-class Run:
-    micro_batch: int
-    accum_steps: int
-    checkpoint: bool
-    losses: list[float]
-    ledger: Ledger
-    model: TinyGPT
-    device: torch.device
-    wall_time_s: float
-    cuda: dict | None
-    probes: list[dict] = field(default_factory=list)  # the budget trainer's measurements
+class Config(LabConfig):
+    """Gradient accumulation, and a trainer that picks micro-batch and checkpointing to fit a budget."""
+
+    batch: int | None = option(None, "effective batch per optimizer step", min=1)
+    micro_batch: int | None = option(None, "samples per forward/backward pass", min=1)
+    accum_steps: int | None = option(None, "micro-batches per optimizer step", min=1)
+    budget: int | None = option(None, "peak bytes allowed, e.g. 24MiB; the trainer picks the split", min=1,
+                                parse=parse_bytes, metavar="BYTES")
+    checkpoint: Literal["auto", "on", "off"] = option(
+        "auto", "checkpoint every block; auto: only if the budget needs it (off without --budget)")
+    steps: int = option(4, "optimizer steps", min=1)
+    lr: float = option(3e-3, "AdamW learning rate", above=0)
+    seq_len: int = option(64, "tokens per sequence", min=1)
+    width: int = option(128, "model width", min=1)
+    layers: int = option(2, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(256, "vocabulary size", min=1)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        if self.budget is not None and (self.micro_batch or self.accum_steps):
+            raise UsageError("--budget chooses the micro-batch: give --batch, not --micro-batch/--accum-steps")
+        self.split()
+
+    def split(self) -> tuple[int, int]:
+        """(micro-batch, accumulation steps) from any two of the three flags, or one."""
+        m, k, b = self.micro_batch, self.accum_steps, self.batch
+        if self.budget is not None:
+            return b or 16, 1  # one batch of 16 by default; the trainer splits it
+        if b is None:  # (1)!
+            return m or 4, k or 4
+        if m is None and k is None:
+            return b, 1  # --batch alone: one large batch
+        if m and k and m * k != b:
+            raise UsageError(f"--micro-batch {m} x --accum-steps {k} = {m * k}, but --batch is {b}")
+        given, name = (m, "--micro-batch") if m else (k, "--accum-steps")
+        if b % given:
+            raise UsageError(f"--batch {b} is not a multiple of {name} {given}")
+        return (m, b // m) if m else (b // k, k)
+
+    def model(self) -> GPTConfig:
+        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
+                         heads=self.heads, dropout=0.0)  # (2)!
+# --8<-- [end:config]
 
 
-def run_steps(cfg, device, micro, k, ckpt, steps, seed=0, lr=3e-3, quiet=True, snapshot=None) -> Run:
-    """``steps`` optimizer steps of k micro-batches of ``micro`` samples, under a fresh ledger."""
+# --8<-- [start:run]
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
+        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+    micro, k = config.split()
+    ckpt, candidates = config.checkpoint == "on", []
+    if config.budget is not None:  # (1)!
+        batch = micro * k
+        micro, ckpt, candidates = plan(config.model(), device, batch, config.budget, config.checkpoint, config.seed)
+        k = batch // micro
+    result = train(config.model(), device, micro, k, ckpt, config.steps, config.seed, config.lr, config.snapshot)
+    peak = result.ledger.timeline().peak()["total"]
+    if config.budget is not None and peak > config.budget:  # (2)!
+        raise RuntimeError(f"run peak {peak:,} B exceeds the budget of {config.budget:,} B: its candidate run "
+                           f"measured less")
+    return replace(result, config=config, candidates=candidates)
+# --8<-- [end:run]
+
+
+# ---------------------------------------------------------------------- the trainer under the ledger
+def train(cfg: GPTConfig, device, micro: int, k: int, ckpt: bool, steps: int, seed: int = 0, lr: float = 3e-3,
+          snapshot: Path | None = None, quiet: bool = False) -> Result:
+    """``steps`` optimizer steps of ``k`` micro-batches of ``micro`` samples under a fresh ledger:
+    ``cfg`` the model, ``ckpt`` checkpoints every block, ``snapshot`` a CUDA memory history file,
+    ``quiet`` no progress bar."""
     model = build_model(cfg, ckpt, device, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=seed)
-    ledger = Ledger(device)
-    ledger.track_module(model)
-    ledger.track_optimizer(optimizer)
+    ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
     with record_snapshot(snapshot), ledger:
-        for step in progress(range(steps), total=steps, desc=f"train {k} x {micro}", quiet=quiet):
-            batches = micro_batches(data, step, k * micro, micro, device)
-            losses.append(train_step(model, optimizer, batches, k, ledger, step))
-    return Run(micro, k, ckpt, losses, ledger, model, device, time.perf_counter() - t0, allocator_stats(device))
+        for step in cli.progress(range(steps), total=steps, desc=f"train {k} x {micro}", quiet=quiet):
+            losses.append(train_step(model, optimizer, micro_batches(data, step, k * micro, micro, device), k, step))
+    wall = time.perf_counter() - t0
+    return Result(None, micro, k, ckpt, losses, ledger, model, device, wall, allocator_stats(device))
 
 
 # --8<-- [start:plan]
-def probe(cfg, device, batch: int, micro: int, ckpt: bool, seed: int = 0) -> int | None:
-    """Measured peak bytes of steady-state training at this micro-batch size (None: out of memory)."""
+def measure_peak(cfg: GPTConfig, device, batch: int, micro: int, ckpt: bool, seed: int = 0) -> int | None:
+    """Measured peak bytes of steady-state training at this micro-batch size (None: out of memory):
+    ``cfg`` the model, ``batch`` the effective batch, ``ckpt`` checkpointing of the blocks."""
     k = min(batch // micro, 2)  # (1)!
     try:
-        return run_steps(cfg, device, micro, k, ckpt, steps=2, seed=seed).ledger.peak()["total"]  # (2)!
+        return train(cfg, device, micro, k, ckpt, steps=2, seed=seed, quiet=True).ledger.peak()["total"]  # (2)!
     except torch.cuda.OutOfMemoryError:
         return None
 
 
-def plan(cfg, device, batch: int, budget: int, mode: str = "auto", seed: int = 0, quiet: bool = True):
-    """Pick (micro_batch, checkpoint, probes) that fits ``budget``; every probe is a measurement."""
+def plan(cfg: GPTConfig, device, batch: int, budget: int, mode: str = "auto", seed: int = 0):
+    """(micro_batch, checkpoint, candidates) that fits ``budget`` bytes for an effective ``batch``
+    of model ``cfg``; ``mode``: checkpointing auto, on or off. Every candidate is a measurement."""
     sizes = [m for m in range(1, batch + 1) if batch % m == 0]
     modes = {"off": [False], "on": [True], "auto": [False, True]}[mode]  # (3)!
-    probes: dict[tuple[int, bool], dict] = {}  # in the order they were measured
+    candidates: dict[tuple[int, bool], dict] = {}  # in the order they were measured
 
     def measured(micro, ckpt):
-        if (micro, ckpt) not in probes:
-            peak = probe(cfg, device, batch, micro, ckpt, seed)
-            probes[micro, ckpt] = {"micro_batch": micro, "accum_steps": batch // micro, "checkpoint": ckpt,
-                                   "peak_bytes": peak, "fits": peak is not None and peak <= budget}
-        return probes[micro, ckpt]
+        if (micro, ckpt) not in candidates:
+            peak = measure_peak(cfg, device, batch, micro, ckpt, seed)
+            candidates[micro, ckpt] = {"micro_batch": micro, "accum_steps": batch // micro, "checkpoint": ckpt,
+                                       "peak_bytes": peak, "fits": peak is not None and peak <= budget}
+        return candidates[micro, ckpt]
 
     smallest = measured(1, modes[-1])  # (4)!
     if not smallest["fits"]:
@@ -206,110 +252,76 @@ def plan(cfg, device, batch: int, budget: int, mode: str = "auto", seed: int = 0
                          f"(micro-batch 1, checkpointing {'on' if modes[-1] else 'off'}) {said}")
     for ckpt in modes:
         best = None
-        for micro in progress(sizes, desc=f"probe checkpoint={ckpt}", quiet=quiet):
+        for micro in cli.progress(sizes, desc=f"measure checkpoint={ckpt}", quiet=True):
             if not measured(micro, ckpt)["fits"]:
                 break  # (5)!
             best = micro
         if best:
-            return best, ckpt, list(probes.values())  # (6)!
+            return best, ckpt, list(candidates.values())  # (6)!
     raise AssertionError("unreachable: the smallest configuration fits")
 # --8<-- [end:plan]
 
 
-# --8<-- [start:train]
-def train(args) -> Run:
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
-                    layers=args.layers, heads=args.heads, dropout=0.0)  # (1)!
-    probes = []
-    if args.budget is not None:
-        micro, ckpt, probes = plan(cfg, device, args.batch, args.budget, args.checkpoint, args.seed, args.json)
-    else:
-        micro, ckpt = args.micro_batch, args.checkpoint == "on"
-    run = run_steps(cfg, device, micro, args.batch // micro, ckpt, args.steps, args.seed, args.lr,
-                    quiet=args.json, snapshot=args.snapshot)  # (2)!
-    run.probes = probes
-    return run
-# --8<-- [end:train]
+# ---------------------------------------------------------------------- the result and its report
+@dataclass
+class Result:
+    config: Config | None  # None for a run made by the planner
+    micro_batch: int
+    accum_steps: int
+    checkpoint: bool
+    losses: list[float]
+    ledger: Ledger
+    model: TinyGPT
+    device: torch.device
+    wall_time_s: float
+    cuda: dict | None
+    candidates: list[dict] = field(default_factory=list)  # what the budget trainer measured, in order
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def summary(self) -> dict:
+        tl, budget = self.ledger.timeline(), self.config.budget if self.config else None
+        peak = tl.peak()
+        return {"lab": labs.slug(__file__), "device": str(self.device), "config": self.model.cfg.to_dict(),
+                "params": self.params, "param_tensors": len(list(self.model.parameters())),
+                "batch": self.micro_batch * self.accum_steps, "micro_batch": self.micro_batch,
+                "accum_steps": self.accum_steps, "checkpoint": self.checkpoint,
+                "steps": len(self.losses), "losses": self.losses, "budget_bytes": budget,
+                "candidates": self.candidates, "peak_bytes": peak, "peak_bytes_by_phase": tl.peaks_by_phase(),
+                "within_budget": None if budget is None else peak["total"] <= budget,
+                "cuda": ledger_vs_allocator(tl, self.cuda),  # cuBLAS workspaces unseen by the ledger set aside
+                "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
-# --8<-- [start:equivalence]
-# max |g_accumulated - g_large| / max |g_large|, asserted by the tests and the notebook
-TOLERANCE = 1e-5  # (1)!
+def candidates_table(candidates: list[dict]) -> Table:
+    return Table([("micro-batch", "int"), ("accumulation steps", "int"), ("checkpointing", "yes"),
+                  ("measured peak", "bytes"), ("fits", "yes")],
+                 [[c["micro_batch"], c["accum_steps"], c["checkpoint"], c["peak_bytes"], c["fits"]] for c in candidates])
 
 
-def gradient_gap(cfg: GPTConfig, batch: int, k: int, seed: int = 0, ckpt: bool = False, scale: bool = True) -> dict:
-    """Gradients of k accumulated micro-batches against one large batch of the same samples."""
-    model = build_model(cfg, ckpt, "cpu", seed)
-    x, y = samples(SyntheticTokens(cfg.vocab, cfg.seq_len, seed=seed), 0, batch, "cpu")
-    ledger = Ledger("cpu")  # marks phases only; never entered, so it records nothing here
-    accumulate(model, [(x, y)], 1, ledger)
-    large = [p.grad.clone() for p in model.parameters()]
-    accumulate(model, zip(x.chunk(k), y.chunk(k)), k if scale else 1, ledger)  # (2)!
-    accumulated = [p.grad for p in model.parameters()]
-    norm = torch.stack([g.norm() for g in accumulated]).norm() / torch.stack([g.norm() for g in large]).norm()
-    return {"k": k, "max_abs_diff": max((a - g).abs().max().item() for a, g in zip(accumulated, large)),
-            "max_abs_grad": max(g.abs().max().item() for g in large), "norm_ratio": norm.item(),
-            "bit_exact": all(torch.equal(a, g) for a, g in zip(accumulated, large))}
-# --8<-- [end:equivalence]
-
-
-def probe_table(probes: list[dict]) -> str:
-    rows = ["| micro-batch | accumulation steps | checkpointing | measured peak | fits |", "|---:|---:|---|---:|---|"]
-    for p in probes:
-        peak = "out of memory" if p["peak_bytes"] is None else format_bytes(p["peak_bytes"])
-        rows.append(f"| {p['micro_batch']} | {p['accum_steps']} | {'on' if p['checkpoint'] else 'off'} | "
-                    f"{peak} | {'yes' if p['fits'] else 'no'} |")
-    return "\n".join(rows)
-
-
-def summary(run: Run, args) -> dict:
-    peak = run.ledger.peak()
-    out = {
-        "lab": LAB, "device": str(run.device), "config": run.model.cfg.to_dict(),
-        "params": sum(p.numel() for p in run.model.parameters()),
-        "batch": run.micro_batch * run.accum_steps, "micro_batch": run.micro_batch,
-        "accum_steps": run.accum_steps, "checkpoint": run.checkpoint,
-        "steps": len(run.losses), "losses": run.losses,
-        "budget_bytes": args.budget, "probes": run.probes,
-        "peak_bytes": peak, "peak_bytes_by_phase": run.ledger.peaks_by_phase(),
-        "within_budget": None if args.budget is None else peak["total"] <= args.budget,
-        "cuda": run.cuda,
-        "provenance": provenance.collect(LAB, run.device, run.wall_time_s),
-    }
-    if run.cuda:  # cuBLAS workspaces and other bytes unseen by the ledger set aside
-        out["cuda"] = ledger_vs_allocator(run.ledger.timeline(), run.cuda)
-    return out
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    run = train(args)
-    result = summary(run, args)
-    total = result["peak_bytes"]["total"]
-    if result["within_budget"] is False:  # the probes measured this very configuration: a bug if it happens
-        raise SystemExit(f"run peak {total:,} B exceeds the budget of {args.budget:,} B")
-    if args.json:
-        emit_json(result)
-        return
-    split = f"{run.accum_steps} x micro-batch {run.micro_batch}, checkpointing {'on' if run.checkpoint else 'off'}"
-    print(f"Lab 06 on {run.device}: TinyGPT, {result['params']:,} parameters, AdamW; batch {result['batch']} = {split}")
-    if run.probes:
-        print(f"\nBudget {format_bytes(args.budget)}: probes measured with the ledger (2 steps each)")
-        print(f"{probe_table(run.probes)}\nchosen: {split}")
-    print("\n".join(f"  step {i:4d}  loss {loss:.4f}" for i, loss in enumerate(run.losses)))
+def report(result: Result) -> None:
+    budget = result.config.budget
+    split = (f"{result.accum_steps} x micro-batch {result.micro_batch}, "
+             f"checkpointing {'on' if result.checkpoint else 'off'}")
+    print(f"Lab 06 on {result.device}: TinyGPT, {result.params:,} parameters, AdamW; "
+          f"batch {result.micro_batch * result.accum_steps} = {split}")
+    if result.candidates:
+        print(f"\nBudget {format_bytes(budget)}: candidates measured with the ledger (2 steps each, out of memory: -)")
+        print(f"{candidates_table(result.candidates).text()}\nchosen: {split}")
+    print("\n".join(f"  step {i:4d}  loss {loss:.4f}" for i, loss in enumerate(result.losses)))
+    tl = result.ledger.timeline()
     print("\nPeak live device bytes in each phase (ledger, measured):")
-    print(peak_table(result["peak_bytes_by_phase"]))
-    if args.budget is not None:
-        print(f"\nRun peak {total:,} B is within the budget of {args.budget:,} B ({format_bytes(args.budget)}).")
-    if c := run.cuda:
+    print(by_category(tl.peaks_by_phase()).text())
+    if budget is not None:
+        print(f"\nRun peak {tl.peak()['total']:,} B is within the budget of {budget:,} B ({format_bytes(budget)}).")
+    if c := ledger_vs_allocator(tl, result.cuda):
         print(f"CUDA allocator: max allocated {format_bytes(c['max_memory_allocated'])}, reserved "
               f"{format_bytes(c['max_memory_reserved'])}; ledger / allocated {c['ledger_over_allocator']:.3f}")
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+    if result.config.snapshot:
+        print(f"memory history written to {result.config.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

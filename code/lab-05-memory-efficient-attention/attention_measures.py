@@ -1,0 +1,66 @@
+"""Lab 05 - the yardsticks the attention sweep is held to, beside the memory ledger.
+
+* :func:`errors`: every output (and gradient) against the same maths in float64;
+* :func:`fit_slope`: the exponent p in bytes ~ N^p, from a least-squares line on log-log axes;
+* :func:`kernel_scratch_bytes`: what the ledger cannot see. The ledger records every tensor an op
+  returns; a fused kernel may also allocate working buffers inside itself and free them before it
+  returns. On a CPU, ``torch.profiler`` with ``profile_memory=True`` sees those allocations (the
+  ``aten::empty`` calls made inside the kernel), so the notebook can check that SDPA's linear line
+  does not hide a quadratic buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+
+def errors(out, grads, ref, tol: float) -> dict:
+    """Max |error| against the float64 reference; within tolerance if <= tol x max(1, max |reference|)."""
+    pairs = [(out, ref[0])] + (list(zip(grads, ref[1])) if grads is not None else [])
+    errs = [(x.double() - r).abs().max().item() for x, r in pairs]
+    ok = all(err <= tol * max(1.0, r.abs().max().item()) for err, (_, r) in zip(errs, pairs))
+    return {"max_abs_error": errs[0], "within_tolerance": ok} | (
+        {"grad_max_abs_error": max(errs[1:])} if grads is not None else {})
+
+
+def fit_slope(xs, ys) -> float | None:
+    """Least-squares slope of log(y) against log(x): the exponent p in y ~ x^p."""
+    logs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys)]
+    return statistics.linear_regression(*zip(*logs)).slope if len(logs) >= 2 else None
+
+
+def kernel_scratch_bytes(q, k, v, threads: int) -> int:
+    """Bytes the CPU SDPA kernel allocates and frees inside itself (its ``aten::empty`` calls) on
+    ``q``, ``k``, ``v`` with ``threads`` intra-op threads: ``torch.profiler`` sees them, the ledger
+    does not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+                torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v)
+    finally:
+        torch.set_num_threads(before)
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::empty")
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """The CPU profiler logs two lines per run straight to file descriptor 2; drop just those."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
