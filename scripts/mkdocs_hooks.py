@@ -320,7 +320,8 @@ def render_value(m: re.Match, page_src: str) -> str:
     value = _lookup(m.group("file"), m.group("path"), page_src)
     if isinstance(value, (dict, list)):
         raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
-    return Table([("", m.group("kind") or "text")]).cell(value, m.group("kind") or "text")
+    kind = m.group("kind") or "text"
+    return Table([("", kind)], [[value]]).cell(value, kind)  # a table of one: bytes in the value's own unit
 
 
 def render_results_placeholder(name: str, args: str, page_src: str) -> str:

@@ -14,6 +14,7 @@ kind            shows                                   example
 ``text``        the value, escaped for Markdown          ``forward``
 ``code``        the value as inline code                 ```none```
 ``bytes``       bytes in the table's unit                ``1.53 MiB``
+``size``        bytes, each cell in its own unit         ``33.00 KiB``
 ``B``           exact bytes                              ``3,149,824 B``
 ``+B``          a signed difference of bytes             ``+512 B``
 ``int``         a whole number with separators           ``131,072``
@@ -62,7 +63,7 @@ def escape(text: str) -> str:
     return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
 
 
-_NUMERIC = ("bytes", "B", "+B", "int", "float", "pct", "x", "sci")
+_NUMERIC = ("bytes", "size", "B", "+B", "int", "float", "pct", "x", "sci")
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Table:
             unit, size = self._unit()
             # a value too small for the table's unit keeps its own unit
             return format_bytes(value, unit) if value == 0 or abs(value) >= size / 100 else format_bytes(value)
+        if name == "size":
+            return format_bytes(value)
         if name == "B":
             return f"{int(value):,} B"
         if name == "+B":
