@@ -103,11 +103,11 @@ def test_forward_peaks_equal_the_formulas_to_the_byte(lab05):
     assert naive[384]["scores_bytes"] == lab05.score_matrix_bytes(384, batch=1, heads=3, e=4) == 3 * 384 * 384 * 4
 
 
-def test_the_default_sweep_the_page_shows(lab05, default_sweep):
+def test_the_default_sweep_the_page_shows(lab05, measures, default_sweep):
     result = default_sweep
     assert result.config.seq_lens == (128, 256, 512, 1024, 2048) and not result.config.causal
     assert all(r["peak_bytes"] == r["predicted_bytes"] for r in result.rows)  # on CPU, to the byte
-    bands, s = lab05.SLOPE_BANDS, result.slopes()
+    bands, s = measures.SLOPE_BANDS, result.slopes()
     assert in_band(s["naive"], bands["quadratic"]), s
     assert in_band(s["chunked"], bands["linear"]) and in_band(s["sdpa"], bands["linear"]), s
     assert result.backends_ran == ["FLASH_ATTENTION"]  # the CPU flash kernel, named by its aten op
@@ -126,7 +126,7 @@ def test_pinned_math_backend_is_the_naive_memory(lab05):
     assert flash.backends_ran == ["FLASH_ATTENTION"]
 
 
-def test_backward_keeps_n_squared_unless_blocks_are_recomputed(lab05, backward_sweeps):
+def test_backward_keeps_n_squared_unless_blocks_are_recomputed(lab05, measures, backward_sweeps):
     plain, recompute = backward_sweeps
     for result in (plain, recompute):
         assert result.outside_tolerance == []
@@ -135,7 +135,7 @@ def test_backward_keeps_n_squared_unless_blocks_are_recomputed(lab05, backward_s
     kept = {(r["impl"], r["seq_len"]): r["kept_bytes"] for r in plain.rows}
     for n in (128, 256, 512, 1024):
         assert kept[("chunked", n)] == kept[("naive", n)]  # chunking alone keeps every block's probabilities
-    linear = lab05.SLOPE_BANDS["linear"]
+    linear = measures.SLOPE_BANDS["linear"]
     assert plain.slopes("kept_bytes")["naive"] > 1.8 and plain.slopes("kept_bytes")["chunked"] > 1.8
     assert in_band(plain.slopes("kept_bytes")["sdpa"], linear)
     assert in_band(recompute.slopes("kept_bytes")["chunked"], linear)

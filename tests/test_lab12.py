@@ -32,6 +32,11 @@ def scenarios():
 
 
 @pytest.fixture(scope="module")
+def report12():
+    return load_lab(12, "leak_report")
+
+
+@pytest.fixture(scope="module")
 def result(lab12):
     """The three leak scenarios on CPU, each read after every step and dropped before the next."""
     return lab12.run(lab12.Config(**SIZE))
@@ -101,11 +106,11 @@ def test_the_growth_points_inside_the_model_and_at_the_lab_line_that_called_it(l
     assert kept["called_from"].endswith("loss = model(x, y)[1]")  # the training forward, where the hook ran
 
 
-def test_the_tables_hold_what_the_readings_hold(lab12, result):
-    growth = lab12.growth_table(result)
+def test_the_tables_hold_what_the_readings_hold(lab12, report12, result):
+    growth = report12.growth_table(result)
     assert [(row[0], row[1], row[2], row[4]) for row in growth.rows] == [
         (name, leak.growth_per_step[-1], leak.expected_growth, True) for name, leak in result.leaks.items()]
-    grew = lab12.grew_table(result)
+    grew = report12.grew_table(result)
     assert {row[0] for row in grew.rows} == {"leak-losses", "leak-activations"}  # the fixed loop grew nothing
     assert sum(row[-1] for row in grew.rows if row[0] == "leak-losses") == result.leaks["leak-losses"].expected_growth
     fixed = result.leaks["fixed"]
@@ -114,7 +119,7 @@ def test_the_tables_hold_what_the_readings_hold(lab12, result):
     assert losses.derived_after_step() == losses.live_after_step  # measured on the derived line, to the byte
 
 
-def test_what_grew_and_the_table(lab12):
+def test_what_grew_and_the_table(lab12, report12):
     def row(category, where, called_from, nbytes, tensors):
         return {"scope": "device", "category": category, "where": where, "called_from": called_from,
                 "bytes": nbytes, "tensors": tensors}
@@ -129,9 +134,9 @@ def test_what_grew_and_the_table(lab12):
     assert [(r["where"], r["called_from"], r["bytes"], r["tensors"]) for r in grew] == [
         ("m.py:1 in f: x", "lab.py:7 in g: a = f()", 20, 2), ("a.py:3 in f: a | b", None, 7, 1),
         ("m.py:1 in f: x", "lab.py:8 in g: b = f()", 6, 1)]
-    table = lab12.origin_table(grew, top=1).markdown().splitlines()
+    table = report12.origin_table(grew, top=1).markdown().splitlines()
     assert len(table) == 3 and table[2] == "| activations | `m.py:1 in f: x` | `lab.py:7 in g: a = f()` | 2 | 20 B |"
-    assert "| temporaries | `a.py:3 in f: a | b` | - | 1 | 7 B |" in lab12.origin_table(grew, top=5).markdown()
+    assert "| temporaries | `a.py:3 in f: a | b` | - | 1 | 7 B |" in report12.origin_table(grew, top=5).markdown()
     assert lab12.live_total(after) == 48
 
 

@@ -6,6 +6,7 @@ Each reads a :class:`memory_accounting.Result` (what ``run(Config(...))`` return
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from labkit.table import Table
@@ -78,3 +79,30 @@ def derived_levels(result: Result) -> dict[str, int]:
     d = result.derived
     return {"derived: parameters + saved tensors": d["parameters"] + result.measurement.tinygpt_activations["total"],
             "derived: model state after the step": sum(d[c] for c in STATE)}
+
+
+def report(result: Result) -> None:
+    """The derived ledger and, with ``--measure``, the measured step beside it, for a terminal."""
+    c = result.config
+    print(f"Lab 01 · derived ledger, bytes per rank: {result.params:,} parameters, {c.precision}, "
+          f"{'inference' if c.inference else c.optimizer}, ZeRO stage {c.zero_stage}, {c.dp} rank(s)")
+    if result.shape:
+        print("shape: " + ", ".join(f"{k} {v}" for k, v in asdict(result.shape).items() if v is not None))
+    print(derived_table(result).text())
+    m = result.measurement
+    if m is None:
+        return
+    print(f"\nMeasured on {m.device}: one step of TinyGPT of this shape under the ledger")
+    print(measured_table(result).text())
+    print("\nTinyGPT's saved tensors against the paper's formula, term by term (derived"
+          + (")" if m.exact else ", for CPU kernels)") + ":")
+    print(gap_table(result).text())
+    print(f"Peak of the step {m.ledger.peak()['total']:,} B: activations die in backward as gradients are born, "
+          "and temporaries sit on top, so the peak is not the sum of the categories.")
+    if m.cuda:
+        print(f"CUDA max allocated {m.cuda['max_memory_allocated']:,} B. The ledger rounds every tensor up to 512-byte "
+              "blocks, as the caching allocator does: the small device gaps above are that rounding." + (" AdamW keeps "
+              "its step counters on the host for CUDA parameters (torch/optim/adam.py): their own row."
+              if m.host_counters else ""))
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")

@@ -24,7 +24,7 @@ import torch
 from labkit import cli, labs, provenance
 from labkit.config import LabConfig, UsageError, flag, option
 from labkit.table import format_bytes
-from accounting_tables import derived_table, gap_table, measured_table
+from accounting_tables import report
 from toy_gpt import Measurement, Shape, measure_step, param_count, param_tensors
 
 
@@ -272,7 +272,7 @@ class Result:
         return out | {"provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
-# ---------------------------------------------------------------------- the report
+# ---------------------------------------------------------------------- the formulas, as the report says them
 def formula_text(category: str, config: Config) -> str:
     """The formula behind one category of the report, with this run's numbers in it."""
     r = RECIPES[config.precision]
@@ -289,32 +289,6 @@ def formula_text(category: str, config: Config) -> str:
     shard = f" / {config.dp}" if config.zero_stage >= ZERO_SHARDS[category] and config.dp > 1 else ""
     adam = category == "optimizer_state" and config.optimizer == "adamw" and config.shape is not None
     return f"{coeff} B x P{shard}" + (f" + 4 B x {param_tensors(config.shape)} tensors" if adam else "")
-
-
-def report(result: Result) -> None:
-    c = result.config
-    print(f"Lab 01 · derived ledger, bytes per rank: {result.params:,} parameters, {c.precision}, "
-          f"{'inference' if c.inference else c.optimizer}, ZeRO stage {c.zero_stage}, {c.dp} rank(s)")
-    if result.shape:
-        print("shape: " + ", ".join(f"{k} {v}" for k, v in asdict(result.shape).items() if v is not None))
-    print(derived_table(result).text())
-    m = result.measurement
-    if m is None:
-        return
-    print(f"\nMeasured on {m.device}: one step of TinyGPT of this shape under the ledger")
-    print(measured_table(result).text())
-    print("\nTinyGPT's saved tensors against the paper's formula, term by term (derived"
-          + (")" if m.exact else ", for CPU kernels)") + ":")
-    print(gap_table(result).text())
-    print(f"Peak of the step {m.ledger.peak()['total']:,} B: activations die in backward as gradients are born, "
-          "and temporaries sit on top, so the peak is not the sum of the categories.")
-    if m.cuda:
-        print(f"CUDA max allocated {m.cuda['max_memory_allocated']:,} B. The ledger rounds every tensor up to 512-byte "
-              "blocks, as the caching allocator does: the small device gaps above are that rounding." + (" AdamW keeps "
-              "its step counters on the host for CUDA parameters (torch/optim/adam.py): their own row."
-              if m.host_counters else ""))
-    if c.snapshot:
-        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":

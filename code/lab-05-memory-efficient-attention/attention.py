@@ -30,13 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from attention_measures import errors, fit_slope
+from attention_measures import TOLERANCE, errors, fit_slope, report
 
 from labkit import cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.table import Table, format_bytes
 
 
 # --8<-- [start:naive]
@@ -156,9 +155,7 @@ def predicted_bytes(impl: str, n: int, *, batch: int, heads: int, head_dim: int,
 
 IMPLS = ("naive", "chunked", "sdpa")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}  # |error| vs float64 per unit of max |value|
 # the fitted slopes tests/test_lab05.py holds a CPU sweep to (2 = quadratic, 1 = linear)
-SLOPE_BANDS = {"quadratic": (1.85, 2.05), "linear": (0.9, 1.1)}
 
 
 @dataclass
@@ -301,41 +298,6 @@ class Result:
                 "sdpa_backend_ran": self.backends_ran, "tolerance": TOLERANCE[c.dtype],
                 "outside_tolerance": self.outside_tolerance, "cuda": self.cuda,
                 "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
-
-
-def rows_table(result: Result) -> Table:
-    """Every measurement of a sweep: one row per implementation and length."""
-    derived = "derived kept" if result.config.backward else "derived peak"
-    return Table(["impl", "N", ("peak", "B"), ("kept after forward", "B"), (derived, "B"),
-                  ("one N x N matrix", "B"), ("max abs error", "sci:1"), ("grad max abs error", "sci:1"),
-                  "backend"],
-                 [[r["impl"], r["seq_len"], r.get("peak_bytes"), r.get("kept_bytes"), r.get("predicted_bytes"),
-                   r["scores_bytes"], r.get("max_abs_error"), r.get("grad_max_abs_error"),
-                   "out of memory" if r.get("oom") else r["backend"]] for r in result.rows])
-
-
-def report(result: Result) -> None:
-    c = result.config
-    mode = ("forward + backward" + (", chunked recomputes" if c.recompute else "")) if c.backward \
-        else "forward only (no grad)"
-    print(f"Lab 05 on {result.device}: batch {c.batch}, {c.heads} heads, head dim {c.head_dim}, {c.dtype}, "
-          f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}\n")
-    print(rows_table(result).text())
-    print("\nFitted slope of log(bytes) against log(N) (2 = quadratic, 1 = linear):")
-    kept = result.slopes("kept_bytes")
-    for impl, s in result.slopes().items():
-        print(f"  {impl:8s} peak {'n/a' if s is None else f'{s:.2f}'}"
-              + (f"   kept for backward {kept[impl]:.2f}" if c.backward and kept[impl] is not None else ""))
-    if result.backends_ran:
-        print(f"SDPA ran the {', '.join(result.backends_ran)} backend (named from the aten op that "
-              f"allocated its output; --sdpa-backend {c.sdpa_backend}).")
-    bad, tol = result.outside_tolerance, TOLERANCE[c.dtype]
-    print(f"Every output within tolerance of float64: |error| <= {tol:.0e} x max(1, max |value|)." if not bad
-          else f"OUTSIDE the {tol:.0e} tolerance: {', '.join(bad)}")
-    if result.cuda:
-        print(f"CUDA allocator: max allocated {format_bytes(result.cuda['max_memory_allocated'])} in the sweep")
-    if c.snapshot:
-        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":

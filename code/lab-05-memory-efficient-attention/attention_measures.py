@@ -2,6 +2,7 @@
 
 * :func:`errors`: every output (and gradient) against the same maths in float64;
 * :func:`fit_slope`: the exponent p in bytes ~ N^p, from a least-squares line on log-log axes;
+* :func:`report` and :func:`rows_table`: the sweep for a terminal;
 * :func:`kernel_scratch_bytes`: what the ledger cannot see. The ledger records every tensor an op
   returns; a fused kernel may also allocate working buffers inside itself and free them before it
   returns. On a CPU, ``torch.profiler`` with ``profile_memory=True`` sees those allocations (the
@@ -20,6 +21,11 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+
+from labkit.table import Table, format_bytes
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}  # |error| vs float64 per unit of max |value|
+SLOPE_BANDS = {"quadratic": (1.85, 2.05), "linear": (0.9, 1.1)}  # fitted exponents the sweep is held to
 
 
 def errors(out, grads, ref, tol: float) -> dict:
@@ -64,3 +70,38 @@ def quiet_stderr():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def rows_table(result) -> Table:
+    """Every measurement of a sweep: one row per implementation and length."""
+    derived = "derived kept" if result.config.backward else "derived peak"
+    return Table(["impl", "N", ("peak", "B"), ("kept after forward", "B"), (derived, "B"),
+                  ("one N x N matrix", "B"), ("max abs error", "sci:1"), ("grad max abs error", "sci:1"),
+                  "backend"],
+                 [[r["impl"], r["seq_len"], r.get("peak_bytes"), r.get("kept_bytes"), r.get("predicted_bytes"),
+                   r["scores_bytes"], r.get("max_abs_error"), r.get("grad_max_abs_error"),
+                   "out of memory" if r.get("oom") else r["backend"]] for r in result.rows])
+
+
+def report(result) -> None:
+    c = result.config
+    mode = ("forward + backward" + (", chunked recomputes" if c.recompute else "")) if c.backward \
+        else "forward only (no grad)"
+    print(f"Lab 05 on {result.device}: batch {c.batch}, {c.heads} heads, head dim {c.head_dim}, {c.dtype}, "
+          f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}\n")
+    print(rows_table(result).text())
+    print("\nFitted slope of log(bytes) against log(N) (2 = quadratic, 1 = linear):")
+    kept = result.slopes("kept_bytes")
+    for impl, s in result.slopes().items():
+        print(f"  {impl:8s} peak {'n/a' if s is None else f'{s:.2f}'}"
+              + (f"   kept for backward {kept[impl]:.2f}" if c.backward and kept[impl] is not None else ""))
+    if result.backends_ran:
+        print(f"SDPA ran the {', '.join(result.backends_ran)} backend (named from the aten op that "
+              f"allocated its output; --sdpa-backend {c.sdpa_backend}).")
+    bad, tol = result.outside_tolerance, TOLERANCE[c.dtype]
+    print(f"Every output within tolerance of float64: |error| <= {tol:.0e} x max(1, max |value|)." if not bad
+          else f"OUTSIDE the {tol:.0e} tolerance: {', '.join(bad)}")
+    if result.cuda:
+        print(f"CUDA allocator: max allocated {format_bytes(result.cuda['max_memory_allocated'])} in the sweep")
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")

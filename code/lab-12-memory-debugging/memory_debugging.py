@@ -25,11 +25,11 @@ import torch
 
 import cuda_scenarios
 from labkit import cli, labs, marks, provenance, stacks
+from leak_report import report
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
-from labkit.table import Table, format_bytes
 from labkit.timeline import Timeline
 
 toy_gpt = labs.load(1, "toy_gpt")  # Lab 01: every tensor TinyGPT saves for backward, counted
@@ -236,7 +236,7 @@ class Leak:
     def summary(self, top: int) -> dict:
         out = {"live_bytes_after_step": self.live_after_step, "growth_per_step_bytes": self.growth_per_step,
                "expected_growth_per_step_bytes": self.expected_growth,
-               "grew_in_last_step": what_grew(self.after_step[-2], self.after_step[-1])[:top],
+               "grew_in_last_step": self.grew(top),
                "live_at_end": self.after_step[-1][:top], "peak_bytes": self.timeline.peak(),
                "wall_time_s": round(self.wall_time_s, 3), "cuda": self.cuda}
         if self.cuda:  # the allocator's own count at the end of each step, next to the ledger's
@@ -244,6 +244,10 @@ class Leak:
             last = {s: i for i, s in enumerate(tl.step) if s is not None}
             out["cuda"] = self.cuda | {"allocated_after_step": [tl.cuda_allocated[last[s]] for s in sorted(last)]}
         return out
+
+    def grew(self, top: int) -> list[dict]:
+        """What grew in the last step, by origin, largest first (a flat loop: nothing)."""
+        return what_grew(self.after_step[-2], self.after_step[-1])[:top]
 
 
 @dataclass
@@ -263,65 +267,6 @@ class Result:
                 "fragmentation": self.fragmentation, "oom": self.oom, "skipped_cuda_only": self.skipped,
                 "snapshots": self.snapshots or None,
                 "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
-
-
-FORMULAS = {"leak-losses": "saved by one TinyGPT forward (Lab 01) + 4 B",
-            "leak-activations": "layers x batch x seq x width x 4 B", "fixed": "0"}
-
-
-def growth_table(result: Result) -> Table:
-    """Growth per step measured by the ledger against the growth derived from the shapes."""
-    table = Table([("loop", "code"), ("growth in the last step, measured", "B"), ("derived", "B"), "formula",
-                   ("equal at every step", "yes")])
-    for name, leak in result.leaks.items():
-        derived = leak.expected_growth
-        equal = None if derived is None else all(g == derived for g in leak.growth_per_step)
-        table.add(name, leak.growth_per_step[-1], derived, FORMULAS[name], equal)
-    return table
-
-
-ORIGIN = ["category", ("allocated at (file:line in function: code)", "code"), ("called from", "code"),
-          ("tensors", "int"), ("bytes", "B")]
-
-
-def origin_row(r: dict) -> list:
-    return [r["category"], r["where"], r.get("called_from"), r["tensors"], r["bytes"]]
-
-
-def origin_table(rows: list[dict], top: int) -> Table:
-    """The first ``top`` groups of live tensors: category, the line that allocated them, the lab
-    line that called it there, how many tensors, how many bytes."""
-    return Table(ORIGIN, [origin_row(r) for r in rows[:top]])
-
-
-def grew_table(result: Result) -> Table:
-    """What grew in the last step of each loop, by the line that allocated it (a flat loop: nothing)."""
-    return Table([("loop", "code"), *ORIGIN], [[name, *origin_row(r)] for name, leak in result.leaks.items()
-                                               for r in what_grew(*leak.after_step[-2:])[:result.config.top]])
-
-
-def report(result: Result) -> None:
-    config = result.config
-    print(f"Lab 12 on {result.device}: TinyGPT, AdamW, {config.steps} steps per leak scenario, "
-          "a monitoring forward each step")
-    if result.leaks:
-        print("\nGrowth per step: measured by the ledger, derived from the shapes")
-        print(growth_table(result).text())
-        print("\nWhat grew in the last step, by the line that allocated it and the lab line that called it")
-        print(grew_table(result).text())
-    for name, leak in result.leaks.items():
-        print(f"\n{name}, live device bytes after each step: " + "  ".join(map(format_bytes, leak.live_after_step)))
-        if leak.cuda:
-            print("  the CUDA allocator's count: " + "  ".join(
-                map(format_bytes, leak.summary(config.top)["cuda"]["allocated_after_step"])))
-        print(f"alive at the end of the last step (top {config.top}):")
-        print(origin_table(leak.after_step[-1], config.top).text())
-    cuda_scenarios.print_results(result.fragmentation, result.oom)
-    if result.skipped:
-        print(f"\nskipped (CUDA only): {', '.join(result.skipped)}; run with --device cuda on a GPU machine")
-    if result.snapshots:
-        print(f"memory history written: {', '.join(result.snapshots)}, next to {config.snapshot} "
-              "(open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":

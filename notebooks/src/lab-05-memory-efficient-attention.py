@@ -244,7 +244,7 @@ notebook.publish(
                 "backward_peak": backward_peak, "backward_slopes": backward_slopes, "causal": causal_table,
                 "cuda": cuda},
     figures={"peak_vs_seq": fig, "timelines": fig_tl, "backward_vs_seq": fig_bwd},
-    summary=fwd.summary(), slope_bands=lab.SLOPE_BANDS, timeline_seq_len=N_TL, backward_max_seq_len=BNS[-1],
+    summary=fwd.summary(), slope_bands=measures.SLOPE_BANDS, timeline_seq_len=N_TL, backward_max_seq_len=BNS[-1],
     pinned={pin: {"ran": r.backends_ran, "slope": r.slopes()["sdpa"]} for pin, r in pinned.items()},
     kernel_scratch_bytes=scratch, kernel_scratch_bytes_by_threads=by_threads,
     backward={"rows": bwd.rows + rec.rows, "kept_slopes": kept_slopes, "peak_slopes": peak_slopes},

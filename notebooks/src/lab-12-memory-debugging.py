@@ -25,6 +25,7 @@ from labkit import labs, notebook, plot
 nb = notebook.setup(12)
 lab = nb.lab
 scenarios = labs.load(12, "cuda_scenarios")
+tables = labs.load(12, "leak_report")  # the tables the command line prints
 # small on a CPU, GPU-sized on a GPU: the same code either way
 size = dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=8, steps=4) if nb.on_gpu else {}
 config = lab.Config(device=nb.device.type, top=12, snapshot=nb.results / "memory_snapshot.pickle" if nb.on_gpu
@@ -68,7 +69,7 @@ for i, (ax, (name, leak)) in enumerate(zip(axes, leaks.items())):
 # (`Leak.derived_after_step`).
 
 # %%
-growth = lab.growth_table(result)
+growth = tables.growth_table(result)
 display(growth)
 fig2, ax = plt.subplots(figsize=(8, 3.8), dpi=110, layout="constrained")
 colors = {"leak-losses": "#C44E52", "leak-activations": "#DD8452", "fixed": "#4C72B0"}
@@ -92,7 +93,7 @@ ax.grid(alpha=0.3)
 # model each piece was made, and the lab line it came from.
 
 # %%
-grew = lab.grew_table(result)
+grew = tables.grew_table(result)
 display(grew)
 
 # %% [markdown]
@@ -101,8 +102,8 @@ display(grew)
 # graph: its only activations are the two 4-byte losses.
 
 # %%
-alive_losses = lab.origin_table(leaks["leak-losses"].after_step[-1], config.top)
-alive_fixed = lab.origin_table(leaks["fixed"].after_step[-1], config.top)
+alive_losses = tables.origin_table(leaks["leak-losses"].after_step[-1], config.top)
+alive_fixed = tables.origin_table(leaks["fixed"].after_step[-1], config.top)
 display(alive_losses, alive_fixed)
 
 # %% [markdown]
