@@ -103,6 +103,7 @@ def test_buckets_follow_the_derivation_and_what_ddp_reports(launched):
     assert all(n >= cap for n in sizes[:-1])  # a bucket closes once it reaches the cap
     assert b["bytes_match_reverse_order"] and b["params_match_ready_order"]
     assert b["derived_reverse_order_bytes"] == sizes
+    assert [sum(b["param_bytes"][n] for n in x["params"]) for x in b["buckets"]] == sizes  # its gradients, no more
     assert b["ddp_reported_matches"] is True  # the third step's forward logged the rebuilt buckets
     assert b["ready_order"][0] == "head.weight" and b["ready_order"][-1] == "tok.weight"
     assert s["buckets_equal_on_all_ranks"]

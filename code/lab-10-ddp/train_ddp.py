@@ -103,33 +103,34 @@ def replicas_identical(module: torch.nn.Module) -> bool:
 
 
 # --8<-- [start:train]
-def train(config: Config, device: torch.device) -> RankRun:
+def train(model_config: GPTConfig, device: torch.device, *, seed: int, steps: int, batch_size: int, lr: float,
+          bucket_cap_mb: float, grad_as_bucket_view: bool, snapshot: Path | None = None) -> RankRun:
+    """This rank's training, under its own ledger. ``seed``: the data's, and ``seed + rank`` this
+    rank's model; ``batch_size``: sequences per rank; ``bucket_cap_mb``, ``grad_as_bucket_view``:
+    DDP's; ``snapshot``: a CUDA memory history, one file per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
-                             heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
-    torch.manual_seed(config.seed + rank)  # (1)!
+    torch.manual_seed(seed + rank)  # (1)!
     model = TinyGPT(model_config).to(device)
     names = [n for n, _ in model.named_parameters()]
     identical = {"before DDP": replicas_identical(model)}
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
+    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed)
     ledger = Ledger(device).track_module(model)
     log, ready = BucketLog({id(p): n for n, p in model.named_parameters()}), []
     hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: ready.append(n))
              for n, p in model.named_parameters()]  # (2)!
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
-    with record_snapshot(_per_rank(config.snapshot, rank)), ledger:
+    with record_snapshot(_per_rank(snapshot, rank)), ledger:
         with marks.phase("wrap"), marks.category("communication"):
-            ddp = DDP(model, bucket_cap_mb=config.bucket_cap_mb,  # (3)!
-                      gradient_as_bucket_view=config.grad_as_bucket_view)
+            ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=grad_as_bucket_view)  # (3)!
         ddp.register_comm_hook(state=log, hook=logged_allreduce)
         identical["after DDP()"] = replicas_identical(ddp.module)  # (4)!
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr)
         ledger.track_optimizer(optimizer)
-        for step in cli.progress(range(config.steps), total=config.steps, desc=f"rank {rank}", quiet=rank != 0):
-            if step == config.steps - 1:
+        for step in cli.progress(range(steps), total=steps, desc=f"rank {rank}", quiet=rank != 0):
+            if step == steps - 1:
                 reset_peak(device)  # CUDA: the allocator's peak over the last step, as the ledger's below
-            x, y = data.batch(step * world + rank, config.batch_size, device)  # (5)!
+            x, y = data.batch(step * world + rank, batch_size, device)  # (5)!
             loss = lab02.train_step(ddp, optimizer, x, y, step)  # (6)!
             with marks.phase("check", step):
                 total = torch.tensor([loss], device=device)
@@ -142,26 +143,28 @@ def train(config: Config, device: torch.device) -> RankRun:
     wall = time.perf_counter() - t0
     ledger.track(list(log.buffers.values()), "communication")  # (7)!
     tl = ledger.timeline()
-    last = min(s.start for s in tl.spans if s.step == config.steps - 1)
+    last = min(s.start for s in tl.spans if s.step == steps - 1)
     return RankRun(model_config, ddp, ledger, tl, log.backwards, ready, names, losses, identical, wall,
                    ledger_vs_allocator(tl, allocator_stats(device), last))
 # --8<-- [end:train]
 
 
 # --8<-- [start:reference]
-def single_process_reference(config: Config, model_config: GPTConfig, device, world: int):
-    """The same training in one process on the concatenated batch: world x batch-size sequences.
+def single_process_reference(model_config: GPTConfig, device, world: int, *, seed: int, steps: int,
+                             batch_size: int, lr: float):
+    """The same training in one process on the concatenated batch: ``world`` x ``batch_size``
+    sequences a step, from rank 0's initial weights (``seed``).
 
     Equal up to rounding, not bit for bit: the weight gradient is a sum over the batch's tokens,
     which DDP splits into per-rank GEMMs and then adds across ranks, in another order than one
     GEMM over the whole batch; fp32 addition is not associative."""
-    torch.manual_seed(config.seed)  # rank 0's weights: the ones DDP broadcast
+    torch.manual_seed(seed)  # rank 0's weights: the ones DDP broadcast
     model = TinyGPT(model_config).to(device)
     start = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    data, losses = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed), []
-    for step in range(config.steps):
-        shards = [data.batch(step * world + r, config.batch_size, device) for r in range(world)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    data, losses = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed), []
+    for step in range(steps):
+        shards = [data.batch(step * world + r, batch_size, device) for r in range(world)]
         x, y = (torch.cat(t) for t in zip(*shards))  # (1)!
         optimizer.zero_grad(set_to_none=True)
         loss = model(x, y)[1]
@@ -211,9 +214,13 @@ def run(config: Config) -> Result | None:
     for flag, folder in (("--ledger-dir", config.ledger_dir), ("--snapshot", config.snapshot and config.snapshot.parent)):
         if folder:
             labdist.writable_dir(folder, flag)  # (1)!
+    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
+                             heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
     with labdist.joined(config.device, config.backend) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
-        trained = train(config, device)
+        trained = train(model_config, device, **training, bucket_cap_mb=config.bucket_cap_mb,
+                        grad_as_bucket_view=config.grad_as_bucket_view, snapshot=config.snapshot)
         mine = memory_report(trained.timeline, rank, trained.cuda)
         if config.ledger_dir:
             (config.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": trained.timeline.to_dict()}))
@@ -223,7 +230,7 @@ def run(config: Config) -> Result | None:
     if rank != 0:
         return None  # (3)!
     reference = None if config.no_reference else compare(
-        trained.ddp.module, trained.losses, *single_process_reference(config, trained.model_config, device, world),
+        trained.ddp.module, trained.losses, *single_process_reference(model_config, device, world, **training),
         TOLERANCE)
     result = Result(config, trained, device, backend, buckets, per_rank, reference)
     check_promises(result)  # (4)!
