@@ -14,37 +14,36 @@ What it checks and measures, on every rank:
   * memory per rank from a labkit Ledger, with the buckets as their own "communication" category.
 
 Run it (gloo on CPU, NCCL when there is one GPU per rank):
-    torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu
-    torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --grad-as-bucket-view
-    torchrun --standalone --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --json
+    .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu
+    .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --grad-as-bucket-view
+    .venv/bin/torchrun --standalone --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --json
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and the report next to this file
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab-02-single-gpu-training"))  # Lab 02's step
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from ddp_report import RankRun, Result, compare, ddp_reported, memory_report, report
+from labkit import cli, labs, marks
+from labkit import dist as labdist
+from labkit.config import LabConfig, UsageError, option
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.timeline import Timeline
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_float, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.dist import CheckFailed, ranked, start, writable_dir  # noqa: E402
-from ddp_report import compare, memory_report, report, summary  # noqa: E402
-from train_single_gpu import train_step  # noqa: E402  (Lab 02's step, unchanged: it gets the DDP model)
+lab02 = labs.load(2)  # Lab 02's train_step, unchanged: it gets the DDP model
 
-LAB = "lab-10-ddp"
-SCRIPT = "code/lab-10-ddp/train_ddp.py"
 MIB = 1024 * 1024
 # DDP against one process is not bit-exact (see single_process_reference). Allowed differences:
 # losses and last gradients, max |diff| / max |value| (a few fp32 roundings); parameters,
@@ -53,53 +52,20 @@ MIB = 1024 * 1024
 TOLERANCE = {"loss": 1e-5, "grads": 1e-4, "params": 1e-2}
 
 
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Train a toy GPT data parallel with DDP: buckets, identical replicas, memory per rank.")
-    p.add_argument("--steps", type=positive_int, default=3)
-    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=positive_int, default=32)
-    p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=2)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--vocab", type=positive_int, default=128)
-    p.add_argument("--bucket-cap-mb", type=positive_float, default=0.05,
-                   help="DDP bucket size cap in MiB (PyTorch's default is 25; tiny here to get several)")
-    p.add_argument("--grad-as-bucket-view", action="store_true",
-                   help="gradients become views into the buckets instead of separate tensors")
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="auto: nccl with one GPU per rank, else gloo")
-    p.add_argument("--ledger-dir", type=Path, help="every rank writes its ledger here as rank<N>.json")
-    p.add_argument("--no-reference", action="store_true", help="skip rank 0's single-process replay")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: memory_viz pickles, one per rank")
-    args = p.parse_args(argv)
-    if args.steps < 2:
-        raise UsageError("--steps must be at least 2: DDP rebuilds its buckets after the first backward")
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.snapshot and pick_device(args.device).type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
-    for flag, folder in (("--ledger-dir", args.ledger_dir), ("--snapshot", args.snapshot and args.snapshot.parent)):
-        if folder:
-            writable_dir(folder, flag)  # before training: a bad path must not cost a run
-    return args
-# --8<-- [end:config]
-
-
 # --8<-- [start:hook]
 class BucketLog:
-    """What the hook below saw: for every backward, each bucket's parameters and bytes."""
+    """What the hook below saw: for every backward, each bucket's parameters and bytes; and the
+    buckets themselves, held weakly (a log must not keep a bucket alive that DDP has freed)."""
 
-    def __init__(self, ledger: Ledger, names: dict[int, str]):
-        self.ledger, self.names, self.backwards = ledger, names, []
+    def __init__(self, names: dict[int, str]):
+        self.names, self.backwards, self.buffers = names, [], weakref.WeakValueDictionary()
 
 
 def logged_allreduce(log, bucket):  # no annotations: a string one (lazy annotations) fails DDP's check
     """A DDP communication hook: average the bucket with all_reduce, as DDP does by default, and
     record which parameters it holds and its bytes (``dist.GradBucket`` is a public API)."""
     buffer = bucket.buffer()  # (1)!
-    log.ledger.track(buffer, "communication")  # (2)!
+    log.buffers[bucket.index()] = buffer  # (2)!
     if bucket.index() == 0:
         log.backwards.append([])  # buckets are reduced in index order: 0 opens a backward
     log.backwards[-1].append({"index": bucket.index(), "bytes": buffer.numel() * buffer.element_size(),
@@ -126,20 +92,6 @@ def derive_buckets(sizes: list[tuple[str, int]], cap_bytes: int, first_cap_bytes
 # --8<-- [end:derive]
 
 
-def ddp_reported(ddp: DDP, names: list[str]) -> dict | None:
-    """DDP's own account of its rebuilt buckets. ``_get_ddp_logging_data`` is a private prototype
-    API (DDP's docstring shows it), so it is guarded: None when it is absent, has changed, or has
-    not logged the rebuilt buckets yet (it does so in the third step's forward)."""
-    try:
-        data = ddp._get_ddp_logging_data()
-        sizes = [int(s) for s in str(data["rebuilt_bucket_sizes"]).split(",")]
-        indices = [[int(i) for i in b.split()] for b in str(data["rebuilt_per_bucket_param_indices"]).split(",")]
-        return {"bytes": sizes, "params": [[names[i] for i in b] for b in indices],
-                "cap_bytes": int(data["bucket_cap_bytes"])}
-    except (AttributeError, KeyError, ValueError, IndexError, RuntimeError):
-        return None
-
-
 def replicas_identical(module: torch.nn.Module) -> bool:
     """True when every rank's parameters are bit for bit the same: a digest per rank, all-gathered."""
     h = hashlib.sha256()
@@ -151,36 +103,36 @@ def replicas_identical(module: torch.nn.Module) -> bool:
 
 
 # --8<-- [start:train]
-def train(args, device) -> dict:
+def train(model_config: GPTConfig, device: torch.device, *, seed: int, steps: int, batch_size: int, lr: float,
+          bucket_cap_mb: float, grad_as_bucket_view: bool, snapshot: Path | None = None) -> RankRun:
+    """This rank's training, under its own ledger. ``seed``: the data's, and ``seed + rank`` this
+    rank's model; ``batch_size``: sequences per rank; ``bucket_cap_mb``, ``grad_as_bucket_view``:
+    DDP's; ``snapshot``: a CUDA memory history, one file per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width, layers=args.layers,
-                    heads=args.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
-    torch.manual_seed(args.seed + rank)  # (1)!
-    model = TinyGPT(cfg).to(device)
+    torch.manual_seed(seed + rank)  # (1)!
+    model = TinyGPT(model_config).to(device)
     names = [n for n, _ in model.named_parameters()]
     identical = {"before DDP": replicas_identical(model)}
-    data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed)
-    ledger = Ledger(device)
-    ledger.track_module(model)
-    log, ready = BucketLog(ledger, {id(p): n for n, p in model.named_parameters()}), []
+    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed)
+    ledger = Ledger(device).track_module(model)
+    log, ready = BucketLog({id(p): n for n, p in model.named_parameters()}), []
     hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: ready.append(n))
              for n, p in model.named_parameters()]  # (2)!
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
-    with record_snapshot(_per_rank(args.snapshot, rank)), ledger:
-        with ledger.phase("wrap"), ledger.category("communication"):
-            ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb,  # (3)!
-                      gradient_as_bucket_view=args.grad_as_bucket_view)
+    with record_snapshot(_per_rank(snapshot, rank)), ledger:
+        with marks.phase("wrap"), marks.category("communication"):
+            ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=grad_as_bucket_view)  # (3)!
         ddp.register_comm_hook(state=log, hook=logged_allreduce)
         identical["after DDP()"] = replicas_identical(ddp.module)  # (4)!
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr)
         ledger.track_optimizer(optimizer)
-        for step in progress(range(args.steps), total=args.steps, desc=f"rank {rank}", quiet=args.json or rank != 0):
-            if step == args.steps - 1:
+        for step in cli.progress(range(steps), total=steps, desc=f"rank {rank}", quiet=rank != 0):
+            if step == steps - 1:
                 reset_peak(device)  # CUDA: the allocator's peak over the last step, as the ledger's below
-            x, y = data.batch(step * world + rank, args.batch_size, device)  # (5)!
-            loss = train_step(ddp, optimizer, x, y, step)  # (6)!
-            with ledger.phase("check", step):
+            x, y = data.batch(step * world + rank, batch_size, device)  # (5)!
+            loss = lab02.train_step(ddp, optimizer, x, y, step)  # (6)!
+            with marks.phase("check", step):
                 total = torch.tensor([loss], device=device)
                 dist.all_reduce(total)  # the global loss: the mean of the ranks' means
                 losses.append(total.item() / world)
@@ -189,32 +141,30 @@ def train(args, device) -> dict:
                 for h in hooks:
                     h.remove()  # the ready order is learned once, in the first backward
     wall = time.perf_counter() - t0
+    ledger.track(list(log.buffers.values()), "communication")  # (7)!
     tl = ledger.timeline()
-    last = min(s.start for s in tl.spans if s.step == args.steps - 1)
-    return {"cfg": cfg, "ddp": ddp, "ledger": ledger, "log": log, "ready": ready, "names": names,
-            "losses": losses, "identical": identical, "wall": wall,
-            "cuda": ledger_vs_allocator(tl, allocator_stats(device), last)}
+    last = min(s.start for s in tl.spans if s.step == steps - 1)
+    return RankRun(model_config, ddp, ledger, tl, log.backwards, ready, names, losses, identical, wall,
+                   ledger_vs_allocator(tl, allocator_stats(device), last))
 # --8<-- [end:train]
 
 
-def _per_rank(path: Path | None, rank: int) -> Path | None:
-    return None if path is None else path.with_name(f"{path.stem}_rank{rank}{path.suffix}")
-
-
 # --8<-- [start:reference]
-def single_process_reference(args, cfg, device, world: int):
-    """The same training in one process on the concatenated batch: world x batch-size sequences.
+def single_process_reference(model_config: GPTConfig, device, world: int, *, seed: int, steps: int,
+                             batch_size: int, lr: float):
+    """The same training in one process on the concatenated batch: ``world`` x ``batch_size``
+    sequences a step, from rank 0's initial weights (``seed``).
 
     Equal up to rounding, not bit for bit: the weight gradient is a sum over the batch's tokens,
     which DDP splits into per-rank GEMMs and then adds across ranks, in another order than one
     GEMM over the whole batch; fp32 addition is not associative."""
-    torch.manual_seed(args.seed)  # rank 0's weights: the ones DDP broadcast
-    model = TinyGPT(cfg).to(device)
+    torch.manual_seed(seed)  # rank 0's weights: the ones DDP broadcast
+    model = TinyGPT(model_config).to(device)
     start = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data, losses = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed), []
-    for step in range(args.steps):
-        shards = [data.batch(step * world + r, args.batch_size, device) for r in range(world)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    data, losses = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed), []
+    for step in range(steps):
+        shards = [data.batch(step * world + r, batch_size, device) for r in range(world)]
         x, y = (torch.cat(t) for t in zip(*shards))  # (1)!
         optimizer.zero_grad(set_to_none=True)
         loss = model(x, y)[1]
@@ -225,16 +175,89 @@ def single_process_reference(args, cfg, device, world: int):
 # --8<-- [end:reference]
 
 
-def bucket_report(run: dict, args) -> dict:
+# --8<-- [start:config]
+@dataclass
+class Config(LabConfig):
+    """Train a toy GPT data parallel with DDP under torchrun: buckets, identical replicas, memory per rank."""
+
+    steps: int = option(3, "training steps (at least 2: DDP rebuilds its buckets after the first backward)", min=2)
+    batch_size: int = option(4, "sequences per rank per step", min=1)
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    lr: float = option(3e-3, "AdamW learning rate", above=0)
+    width: int = option(64, "model width", min=1)
+    layers: int = option(2, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(128, "vocabulary size", min=1)
+    bucket_cap_mb: float = option(0.05, "DDP bucket size cap in MiB (PyTorch's default is 25; tiny here to get "
+                                        "several)", above=0)
+    grad_as_bucket_view: bool = option(False, "gradients become views into the buckets instead of separate tensors")
+    backend: Literal["auto", "gloo", "nccl"] = option("auto", "auto: nccl with one GPU per rank, else gloo")
+    ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json")
+    no_reference: bool = option(False, "skip rank 0's single-process replay")
+    snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        device = cli.pick_device(self.device)  # resolves auto; launches nothing
+        labdist.check_backend(device, self.backend)
+        if self.snapshot and device.type != "cuda":
+            raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
+# --8<-- [end:config]
+
+
+# --8<-- [start:run]
+def run(config: Config) -> Result | None:
+    """Every rank trains under its own ledger; rank 0 gathers what they measured, replays the
+    training in one process and returns the result. The other ranks return None."""
+    for flag, folder in (("--ledger-dir", config.ledger_dir), ("--snapshot", config.snapshot and config.snapshot.parent)):
+        if folder:
+            labdist.writable_dir(folder, flag)  # (1)!
+    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
+                             heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
+    with labdist.joined(config.device, config.backend) as (device, backend):  # (2)!
+        rank, world = dist.get_rank(), dist.get_world_size()
+        trained = train(model_config, device, **training, bucket_cap_mb=config.bucket_cap_mb,
+                        grad_as_bucket_view=config.grad_as_bucket_view, snapshot=config.snapshot)
+        mine = memory_report(trained.timeline, rank, trained.cuda)
+        if config.ledger_dir:
+            (config.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": trained.timeline.to_dict()}))
+        buckets = bucket_report(trained, config.bucket_cap_mb)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})
+    if rank != 0:
+        return None  # (3)!
+    reference = None if config.no_reference else compare(
+        trained.ddp.module, trained.losses, *single_process_reference(model_config, device, world, **training),
+        TOLERANCE)
+    result = Result(config, trained, device, backend, buckets, per_rank, reference)
+    check_promises(result)  # (4)!
+    return result
+# --8<-- [end:run]
+
+
+# ---------------------------------------------------------------------- what the lab derives and checks
+def predicted_model_state(tl: Timeline, params: int, tensors: int) -> list[int]:
+    """Derived bytes per timeline row: Lab 02's model state (parameters, gradients while alive,
+    AdamW state once it has stepped) plus DDP's buckets, 4 B x P from the ``wrap`` phase on."""
+    wrap = next(s.start for s in tl.spans if s.name == "wrap")
+    return [state + 4 * params * (i >= wrap)
+            for i, state in enumerate(lab02.predicted_model_state(tl, params, tensors))]
+
+
+def bucket_report(trained: RankRun, bucket_cap_mb: float) -> dict:
     """The buckets DDP reduced in the last step against the derived layouts and DDP's own account."""
-    sizes = {n: p.numel() * p.element_size() for n, p in run["ddp"].module.named_parameters()}
-    cap = int(args.bucket_cap_mb * MIB)
-    seen = run["log"].backwards[-1]
-    reverse = derive_buckets([(n, sizes[n]) for n in reversed(run["names"])], cap)
-    ready = derive_buckets([(n, sizes[n]) for n in run["ready"]], cap)
-    reported = ddp_reported(run["ddp"], run["names"])
-    return {"cap_bytes": cap, "first_backward": run["log"].backwards[0], "buckets": seen,
-            "ready_order": run["ready"], "derived_reverse_order": reverse,
+    sizes = {n: p.numel() * p.element_size() for n, p in trained.ddp.module.named_parameters()}
+    cap = int(bucket_cap_mb * MIB)
+    seen = trained.backwards[-1]
+    reverse = derive_buckets([(n, sizes[n]) for n in reversed(trained.names)], cap)
+    ready = derive_buckets([(n, sizes[n]) for n in trained.ready], cap)
+    reported = ddp_reported(trained.ddp, trained.names)
+    return {"cap_bytes": cap, "first_backward": trained.backwards[0], "buckets": seen,
+            "ready_order": trained.ready, "derived_reverse_order": reverse, "param_bytes": sizes,
+            "derived_reverse_order_bytes": [sum(sizes[n] for n in b) for b in reverse],
             "bytes_match_reverse_order": [sum(sizes[n] for n in b) for b in reverse] == [b["bytes"] for b in seen],
             "params_match_ready_order": ready == [b["params"] for b in seen],
             "ddp_reported": reported,
@@ -242,43 +265,25 @@ def bucket_report(run: dict, args) -> dict:
                 reported["bytes"] == [b["bytes"] for b in seen] and reported["params"] == [b["params"] for b in seen])}
 
 
-def check(result: dict) -> None:
-    """The lab's two promises, checked after the report so that the numbers that broke them are on
-    screen. A broken promise is not bad input: CheckFailed is one line and exit code 1, not 2."""
-    differ = [k for k, same in result["replicas_identical"].items() if k != "before DDP" and not same]
+def check_promises(result: Result) -> None:
+    """The lab's two promises. A broken one is not bad input: CheckFailed (exit code 1, not 2),
+    carrying the result, so that its numbers are reported before the one line that says so."""
+    identical = result.identical
+    differ = [k for k, same in identical.items() if k != "before DDP" and not same]
     if differ:
-        raise CheckFailed(f"the replicas are not bit-identical at: {', '.join(differ)}")
-    ref = result["reference"] or {}
+        raise labdist.CheckFailed(f"the replicas are not bit-identical at: {', '.join(differ)}", result)
+    ref = result.reference or {}
     over = [f"{k} {ref[k]['ratio']:.1e} (allowed {ref['tolerance'][k]:.0e})"
             for k in ("loss", "grads", "params") if k in ref and not ref[k]["within"]]
     if over:
-        raise CheckFailed(f"DDP differs from one process beyond the stated tolerance: {'; '.join(over)}")
+        raise labdist.CheckFailed(f"DDP differs from one process beyond the stated tolerance: {'; '.join(over)}",
+                                  result)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device, backend = start(SCRIPT, args.device, args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run = train(args, device)
-    mine = memory_report(run["ledger"], rank, run["cuda"])
-    if args.ledger_dir:
-        timeline = run["ledger"].timeline().to_dict()
-        (args.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": timeline}))
-    per_rank, buckets = [None] * world, bucket_report(run, args)
-    dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})
-    result = None
-    if rank == 0:
-        reference = None
-        if not args.no_reference:
-            ref_model, ref_start, ref_losses = single_process_reference(args, run["cfg"], device, world)
-            reference = compare(run["ddp"].module, run["losses"], ref_model, ref_start, ref_losses, TOLERANCE)
-        result = summary(LAB, args, run, device, backend, buckets, per_rank, reference)
-        result["provenance"] = provenance.collect(LAB, device, run["wall"])
-        emit_json(result) if args.json else report(result)
-    dist.barrier()  # the ranks leave together: gloo aborts a process whose peer has already gone
-    if result:
-        check(result)
+def _per_rank(path: Path | None, rank: int) -> Path | None:
+    return None if path is None else path.with_name(f"{path.stem}_rank{rank}{path.suffix}")
 
 
 if __name__ == "__main__":
-    run_lab(ranked(main))
+    with labdist.one_voice() as voice:  # rank 0 speaks for every rank
+        cli.main(Config, voice.ranked(run), report)

@@ -1,81 +1,291 @@
 """What the torchrun labs (10 and 11) share: joining the process group, one voice for errors,
-and checks that fail loudly.
+checks that fail loudly, and torchrun launched from a notebook or a test.
 
-Instrument, not lesson:
+Instrument, not lesson. A torchrun lab ends like every other lab, inside one voice::
 
-* ``start(script, device, backend)`` reads what torchrun sets (``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), puts the rank on its GPU and joins the process group.
-  ``auto`` is NCCL with one GPU per rank, gloo otherwise: on CPU, and when ranks share a GPU,
-  which NCCL does not support; gloo then stages the CUDA tensors through host memory.
-* ``ranked(main)`` wraps a lab's ``main``: rank 0 alone reports bad input (one line, exit 2) or a
-  failed check (one line, exit 1); the other ranks exit with the same code in silence; every rank
-  leaves the process group.
-* ``CheckFailed`` is what a lab raises when a result breaks the tolerance it states.
-* ``writable_dir`` refuses an output folder that cannot be written, before any training.
-* ``world_of_one`` is the environment torchrun would give a single rank: a lab's ``main`` then runs
-  in the calling process (the tests use it).
+    if __name__ == "__main__":
+        with dist.one_voice() as voice:
+            cli.main(Config, voice.ranked(run), report)
+
+* Every rank makes the ``Config`` from the same flags, so every rank refuses bad input there,
+  before any process group exists. :func:`check_backend` is the backend rule a ``Config`` applies.
+* ``run(config)`` joins the process group for a block, ``with dist.joined(config.device,
+  config.backend) as (device, backend):``. :func:`joined` reads what torchrun sets (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), puts the rank on its GPU and joins; it
+  launches no GPU work (a :class:`labkit.ledger.Ledger` warms the GPU up when a measurement
+  begins). At the end of the block the ranks wait for each other and leave the group. ``run``
+  returns rank 0's result, and None on the other ranks.
+* :func:`one_voice`: rank 0 alone reports bad input (one line, exit 2) and a broken promise (one
+  line, exit 1); the other ranks exit with the same code in silence. ``voice.ranked(run)`` is the
+  ``run`` that ``cli.main`` calls: once ``run`` returns, the other ranks leave (rank 0 reports for
+  them), and a :class:`CheckFailed` that carries its result is raised after ``cli.main`` has
+  reported that result, so the numbers that broke a promise are on screen above the line that
+  says so.
+* :func:`writable_dir` refuses an output folder that cannot be written, before any training.
+* :func:`launch` runs a torchrun lab from a notebook or a test: every ``Config`` at once, rank 0's
+  JSON summary of each. :func:`command_line` turns a ``Config`` back into its flags.
+* :func:`world_of_one` is the environment torchrun would give a single rank: a lab's command line
+  then runs in the calling process (the tests use it).
+
+Transitional (issue 12): ``start(script, device, backend)`` and ``ranked(main)`` are the entry
+points of the labs whose command line is still an argparse ``main(argv)`` (Lab 11).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
+import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from labkit.cli import UsageError, _prog, pick_device
-from labkit.cuda import warm_up
+from labkit.config import flag
 
+CODE_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = CODE_DIR.parent
 
 #: seconds a silent rank waits before it exits 2: torchrun stops every rank once one has failed,
 #: and rank 0 must have printed its line by then
 QUIET_EXIT_DELAY_S = 2.0
 
+#: what torchrun sets in each rank's environment; a launch from a process that has them (a test
+#: inside ``world_of_one``) must not pass them on
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 class CheckFailed(Exception):
-    """A result broke the tolerance its lab states. Not bad input: ``ranked`` exits with 1, not 2."""
+    """A result broke the tolerance its lab states. Not bad input: the exit code is 1, not 2.
+
+    ``result``: the result that broke it. Raised from a ``run`` wrapped by ``voice.ranked``, it is
+    held until ``cli.main`` has reported that result; without one it is reported at once."""
+
+    def __init__(self, message: str, result=None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
-def start(script: str, device_name: str, backend: str = "auto") -> tuple[torch.device, str]:
-    """Join the process group torchrun prepared; returns this rank's device and the backend."""
+# ---------------------------------------------------------------------- joining the process group
+def check_backend(device: torch.device, backend: str) -> None:
+    """The rule a ``Config`` applies before anything runs: NCCL moves GPU memory only."""
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("--backend nccl needs --device cuda (NCCL only moves GPU memory)")
+
+
+@contextlib.contextmanager
+def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.device, str]]:
+    """This process in the group torchrun prepared, for the block: yields its device and the backend.
+
+    ``device``: ``auto``, ``cpu`` or ``cuda``; rank r on a node uses GPU ``r mod GPUs``.
+    ``backend``: ``auto`` is NCCL with one GPU per rank, gloo otherwise: on CPU, and when ranks
+    share a GPU, which NCCL does not support (gloo then stages the CUDA tensors through host
+    memory). A process torchrun did not start, and NCCL without a GPU per rank, are refused
+    (``UsageError``) before joining. At the end of the block every rank waits for the others
+    (gloo aborts a process whose peer has already gone), then leaves; after an error it leaves at
+    once.
+    """
+    this_device, backend = _join(device, backend)
+    try:
+        yield this_device, backend
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join(device_name: str, backend: str, script: str | None = None) -> tuple[torch.device, str]:
     device = pick_device(device_name)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        script = script or (os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "LAB.py")
         raise UsageError(f"RANK and WORLD_SIZE are not set: launch with torchrun, e.g. "
                          f"torchrun --nproc_per_node=2 {script} --device {device.type}")
+    check_backend(device, backend)
     local, per_node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if backend == "auto":
         backend = "nccl" if gpus >= per_node > 0 else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("--backend nccl needs --device cuda (NCCL only moves GPU memory)")
     if backend == "nccl" and gpus < per_node:
         raise UsageError(f"NCCL needs one GPU per rank: {per_node} ranks on this node, {gpus} GPU(s) "
                          f"(use --backend auto: ranks that share a GPU talk through gloo)")
     if device.type == "cuda":
         device = torch.device("cuda", local % gpus)  # ranks beyond the GPU count share them
         torch.cuda.set_device(device)
-        warm_up(device)  # this rank's GPU: cuBLAS workspaces taken before anything is measured
     if not dist.is_initialized():
         dist.init_process_group(backend)
     return device, backend
 
 
+# ---------------------------------------------------------------------- one voice
+class Voice:
+    """Rank 0 speaks for every rank; made by :func:`one_voice`, entered around ``cli.main``."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.held: CheckFailed | None = None
+        self._silence = contextlib.ExitStack()
+        self._unsaid = io.StringIO()
+
+    @property
+    def speaks(self) -> bool:
+        return self.rank == 0
+
+    def ranked(self, run):
+        """``run(config)`` as ``cli.main`` should call it on every rank: rank 0 gets the result to
+        report; the other ranks leave once ``run`` returns; a ``CheckFailed`` carrying a result
+        is held until the result has been reported."""
+        @functools.wraps(run)
+        def run_on_every_rank(config):
+            try:
+                result = run(config)
+            except CheckFailed as failed:
+                if failed.result is None:
+                    raise
+                self.held, result = failed, failed.result
+            if not self.speaks:
+                raise SystemExit(0)  # rank 0 reports for every rank
+            return result
+        return run_on_every_rank
+
+    def __enter__(self) -> Voice:
+        if not self.speaks:
+            self._silence.enter_context(contextlib.redirect_stderr(self._unsaid))
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        self._silence.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if err is None and self.held is not None:
+            err = self.held
+        if isinstance(err, CheckFailed):
+            if self.speaks:
+                print(f"{_prog(None)}: check failed: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
+        if isinstance(err, SystemExit) and err.code == 2 and not self.speaks:
+            time.sleep(QUIET_EXIT_DELAY_S)  # bad input: rank 0 says so, then torchrun stops the rest
+        elif err is not None and not isinstance(err, (SystemExit, KeyboardInterrupt)) and not self.speaks:
+            print(self._unsaid.getvalue(), end="", file=sys.stderr)  # a real error: all it printed
+        return False
+
+
+def one_voice() -> Voice:
+    """Rank 0 alone speaks: bad input (exit 2) and a broken promise (exit 1) are one line from
+    rank 0, and the other ranks exit with the same code without a word (bad input a moment later
+    than rank 0, ``QUIET_EXIT_DELAY_S``). A real error surfaces on every rank, with what it had
+    printed. Every rank leaves the process group at the end."""
+    return Voice()
+
+
+def writable_dir(path: Path, flag_name: str) -> Path:
+    """``path`` as a folder this process can write into (created if needed), or a UsageError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag_name} {path}: cannot write there ({err.strerror or err})") from None
+    return path
+
+
+# ---------------------------------------------------------------------- launching torchrun
+def command_line(config) -> list[str]:
+    """The flags that make ``config`` on the command line: each field that differs from its default."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        if isinstance(value, bool):
+            if not value:
+                raise ValueError(f"{flag(f.name)} is a switch that is on by default: no flag turns it off")
+            out.append(flag(f.name))
+        elif isinstance(value, tuple):
+            out += [flag(f.name), ",".join(map(str, value))]
+        else:
+            out += [flag(f.name), str(value)]
+    return out
+
+
+def torchrun(lab, argv: list[str], nproc_per_node: int = 2) -> subprocess.Popen:
+    """Start ``lab`` (its module, or its file) under torchrun with ``argv``, from the repository
+    root, with this labkit; returns the running launcher (text pipes for stdout and stderr).
+
+    ``nproc_per_node``: how many ranks. One thread per rank unless ``OMP_NUM_THREADS`` says more.
+    """
+    script = Path(getattr(lab, "__file__", lab))
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_DIR), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
+               str(script), *argv]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def launch(lab, configs: Mapping[str, object], nproc_per_node: int = 2, timeout: float = 900) -> dict[str, dict]:
+    """Run ``lab`` under torchrun once per config, all at once (a launch is mostly process
+    start-up), and return the one JSON object rank 0 printed for each (``--json``).
+
+    ``lab``: the lab's module (or its file); ``configs``: name -> the lab's ``Config``;
+    ``nproc_per_node``: ranks per launch; ``timeout``: seconds to wait for each. A launch that
+    fails, or prints anything but one JSON object, raises RuntimeError with the end of its stderr.
+    """
+    running = {name: torchrun(lab, [*command_line(config), "--json"], nproc_per_node)
+               for name, config in configs.items()}
+    summaries = {}
+    try:
+        for name, proc in running.items():
+            stdout, stderr = proc.communicate(timeout=timeout)
+            lines = [line for line in stdout.splitlines() if line.strip()]
+            if proc.returncode != 0 or len(lines) != 1:
+                raise RuntimeError(f"launch {name!r}: torchrun exited with code {proc.returncode} and "
+                                   f"{len(lines)} line(s) on stdout; its stderr ends:\n{stderr[-3000:]}")
+            summaries[name] = json.loads(lines[0])
+    finally:
+        for proc in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return summaries
+
+
+def world_of_one() -> dict[str, str]:
+    """The variables torchrun sets for a world of one rank, with a free port for the rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+# ---------------------------------------------------------------------- transitional (issue 12)
+# Lab 11's command lines are still an argparse main(argv): they join with start() and speak with
+# ranked(main). Removed once Lab 11 has its Config.
+def start(script: str, device_name: str, backend: str = "auto") -> tuple[torch.device, str]:
+    """Transitional (issue 12): join the process group torchrun prepared (``joined`` without the
+    block); returns this rank's device and the backend."""
+    return _join(device_name, backend, script)
+
+
 def ranked(main):
-    """Run a lab's ``main`` on every rank with one voice: rank 0's.
+    """Transitional (issue 12): run a lab's ``main(argv)`` on every rank with one voice: rank 0's.
 
     Rank 0 reports bad input (a ``UsageError``: one line, exit 2, via ``run_lab``) and a failed
-    check (a ``CheckFailed``: one line, exit 1). A failed check is not bad input, so it does not
-    share exit code 2: the command was right and the result is wrong. The other ranks exit with the
-    same code without a word, bad input a moment later than rank 0 (``QUIET_EXIT_DELAY_S``). A real
-    error still surfaces on every rank, with what it had printed. Every rank leaves the process
-    group at the end.
+    check (a ``CheckFailed``: one line, exit 1). The other ranks exit with the same code without a
+    word, bad input a moment later than rank 0 (``QUIET_EXIT_DELAY_S``). A real error still
+    surfaces on every rank, with what it had printed. Every rank leaves the process group at the end.
     """
     def wrapped(argv=None):
         quiet = int(os.environ.get("RANK", "0")) != 0
@@ -104,23 +314,3 @@ def ranked(main):
             if dist.is_initialized():
                 dist.destroy_process_group()
     return wrapped
-
-
-def writable_dir(path: Path, flag: str) -> Path:
-    """``path`` as a folder this process can write into (created if needed), or a UsageError."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise UsageError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
-    return path
-
-
-def world_of_one() -> dict[str, str]:
-    """The variables torchrun sets for a world of one rank, with a free port for the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
