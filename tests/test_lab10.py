@@ -31,7 +31,7 @@ def lab10():
 
 @pytest.fixture(scope="module")
 def tiny_flags(lab10):
-    return labdist.command_line(lab10.Config(**TINY))
+    return cli.argv(lab10.Config(**TINY))
 
 
 @pytest.fixture(scope="module")

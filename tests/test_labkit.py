@@ -79,6 +79,8 @@ def test_the_command_line_is_built_from_the_config(capsys):
     assert capsys.readouterr().out == "report 5\n"
     cli.main(Demo, lambda config: {"steps": config.steps}, None, ["--json"])
     assert json.loads(capsys.readouterr().out) == {"steps": 3}
+    made = Demo(steps=7, rate=0.5, mode="b", sizes=(5,), out=Path("o.json"), fast=True, seed=3)
+    assert cli.parse(Demo, cli.argv(made))[0] == made  # the command line a config comes from, and back
     help_text = cli.parser(Demo, "demo.py").format_help()
     assert "A demo lab." in help_text and "--sizes A,B,..." in help_text and "(default: 1,2)" in help_text
 

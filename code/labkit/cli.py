@@ -30,7 +30,7 @@ from typing import Any
 
 from labkit.config import UsageError, choices_of, fields_of, flag, split_optional
 
-__all__ = ["UsageError", "main", "parser", "parse", "pick_device", "progress", "emit_json"]
+__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json"]
 
 
 class LabArgumentParser(argparse.ArgumentParser):
@@ -115,6 +115,25 @@ def parse(config_cls, argv: list[str] | None = None, prog: str | None = None):
     args = vars(parser(config_cls, prog).parse_args(argv))
     as_json = args.pop("json")
     return config_cls(**args), as_json
+
+
+def argv(config) -> list[str]:
+    """The arguments that make ``config`` on the command line (each field that differs from its
+    default): the inverse of :func:`parse`, for starting a lab in other processes (torchrun)."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        if isinstance(value, bool):
+            if not value:
+                raise ValueError(f"{flag(f.name)} is a switch that is on by default: no flag turns it off")
+            out.append(flag(f.name))
+        elif f.metadata.get("positional"):
+            out += [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
+        else:
+            out += [flag(f.name), ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return out
 
 
 def main(config_cls, run: Callable, report: Callable | None = None, argv: list[str] | None = None,

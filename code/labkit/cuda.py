@@ -67,9 +67,9 @@ def warm_up(device: torch.device) -> int:
     with its own handle. Taken here, before a measurement starts, the workspaces are part of what
     the allocator held when the window began, which the comparisons with the ledger set aside.
 
-    A :class:`labkit.ledger.Ledger` calls it when first entered (before it records anything),
-    :func:`reset_peak` when a measurement window opens, and ``labkit.dist.start`` for a rank's own
-    GPU; so these tensors are never in a measurement. Choosing a device launches nothing.
+    A :class:`labkit.ledger.Ledger` calls it when first entered (before it records anything) and
+    :func:`reset_peak` when a measurement window opens; so these tensors are never in a
+    measurement. Choosing a device, or joining a process group, launches nothing.
     """
     if device.type != "cuda":
         return 0

@@ -34,7 +34,6 @@ points of the labs whose command line is still an argparse ``main(argv)`` (Lab 1
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 import json
@@ -50,8 +49,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from labkit import cli
 from labkit.cli import UsageError, _prog, pick_device
-from labkit.config import flag
 
 CODE_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = CODE_DIR.parent
@@ -199,24 +198,6 @@ def writable_dir(path: Path, flag_name: str) -> Path:
 
 
 # ---------------------------------------------------------------------- launching torchrun
-def command_line(config) -> list[str]:
-    """The flags that make ``config`` on the command line: each field that differs from its default."""
-    out: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if value == f.default:
-            continue
-        if isinstance(value, bool):
-            if not value:
-                raise ValueError(f"{flag(f.name)} is a switch that is on by default: no flag turns it off")
-            out.append(flag(f.name))
-        elif isinstance(value, tuple):
-            out += [flag(f.name), ",".join(map(str, value))]
-        else:
-            out += [flag(f.name), str(value)]
-    return out
-
-
 def torchrun(lab, argv: list[str], nproc_per_node: int = 2) -> subprocess.Popen:
     """Start ``lab`` (its module, or its file) under torchrun with ``argv``, from the repository
     root, with this labkit; returns the running launcher (text pipes for stdout and stderr).
@@ -242,7 +223,7 @@ def launch(lab, configs: Mapping[str, object], nproc_per_node: int = 2, timeout:
     ``nproc_per_node``: ranks per launch; ``timeout``: seconds to wait for each. A launch that
     fails, or prints anything but one JSON object, raises RuntimeError with the end of its stderr.
     """
-    running = {name: torchrun(lab, [*command_line(config), "--json"], nproc_per_node)
+    running = {name: torchrun(lab, [*cli.argv(config), "--json"], nproc_per_node)
                for name, config in configs.items()}
     summaries = {}
     try:
