@@ -88,9 +88,8 @@ def depth_sweep(config: Config, device, depths=DEPTHS) -> dict[int, dict[str, in
 def depth_table(rule: dict, held: int) -> Table:
     rows = [[n, m["checkpoint"], depth_peak(rule, n), m["checkpoint+streamed"], depth_peak(rule, n, held),
              1 - m["checkpoint+streamed"] / m["checkpoint"]] for n, m in rule["measured"].items()]
-    return Table([("blocks n", "int"), ("checkpoint: measured", "bytes"), ("derived", "bytes"),
-                  ("checkpoint+streamed: measured", "bytes"), ("derived", "bytes"),
-                  ("reduction vs checkpoint", "pct:0")], rows)
+    return Table([("blocks n", "int"), ("checkpoint: measured", "B"), ("derived", "B"),
+                  ("checkpoint+streamed: measured", "B"), ("derived", "B"), ("reduction vs checkpoint", "pct:0")], rows)
 
 
 def keep_last_table(config: Config, device, values=(0, 1, 2, 3)) -> Table:
@@ -101,8 +100,8 @@ def keep_last_table(config: Config, device, values=(0, 1, 2, 3)) -> Table:
         for k in values:
             r = measure(model, x, y, mode, 0, **replace(config, keep_last=k).knobs)[0]
             rows.append([mode, k, r["kept_bytes"], r["activation_peak_bytes"], r["d2h_bytes"], r["tensors_moved"]])
-    return Table(["mode", ("keep-last K", "int"), ("kept after forward", "bytes"), ("activation peak", "bytes"),
-                  ("moved each way", "bytes"), ("tensors moved", "int")], rows)
+    return Table(["mode", ("keep-last K", "int"), ("kept after forward", "B"), ("activation peak", "B"),
+                  ("moved each way", "B"), ("tensors moved", "int")], rows)
 
 
 def min_bytes_table(config: Config, device, values: tuple[int, ...]) -> Table:
@@ -112,5 +111,5 @@ def min_bytes_table(config: Config, device, values: tuple[int, ...]) -> Table:
     for size in values:
         r = measure(model, x, y, "streamed", 0, **replace(config, min_bytes=size).knobs)[0]
         rows.append([size, r["tensors_moved"], r["d2h_bytes"], r["kept_bytes"], r["activation_peak_bytes"]])
-    return Table([("min-bytes", "B"), ("tensors moved", "int"), ("moved each way", "bytes"),
-                  ("kept after forward", "bytes"), ("activation peak", "bytes")], rows)
+    return Table([("min-bytes", "B"), ("tensors moved", "int"), ("moved each way", "B"),
+                  ("kept after forward", "B"), ("activation peak", "B")], rows)
