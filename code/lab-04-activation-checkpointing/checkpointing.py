@@ -237,6 +237,7 @@ class Result:
         return {"lab": labs.slug(__file__), "device": str(self.device), "config": asdict(self.config.model_config()),
                 "batch_size": self.config.batch_size, "every": self.every, "strategies": list(self.results),
                 "block_input_bytes": b, "per_block_bytes": a, "per_block_over_input": a / b if a else None,
+                "two_block_segments_pay_beyond": 2 * a / b if a else None,  # n > 2·a/b: (n/2)·b + 2a < n·b + a
                 "activation_memory": "activation_peak_bytes: highest live activations + temporaries over forward and "
                                      "backward; kept_bytes: activations alive when forward ends",
                 "timing": f"median wall-clock seconds of {self.config.steps} forward+backward steps on {self.device.type}",
