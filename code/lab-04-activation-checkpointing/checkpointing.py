@@ -84,7 +84,8 @@ def run_segment(blocks, x):
 
 
 def run_blocks(blocks, x, strategy: str = "none", every: int = 1):
-    """The model's loop over its blocks, checkpointed by ``strategy`` (``every``: blocks per segment)."""
+    """TinyGPT's loop over its ``blocks``, from the hidden state ``x``, checkpointed by ``strategy``
+    (one of ``STRATEGIES``); ``every`` is k, the blocks per segment of every-k."""
     if strategy == "none":
         return run_segment(blocks, x)  # (1)!
     if strategy == "save-matmuls":
@@ -188,7 +189,8 @@ def activation_memory(tl: Timeline) -> dict:
 
 
 def measure_memory(model, x, y, strategy: str, every: int, seed: int = 0) -> Ledger:
-    """One :func:`train_step` under a memory ledger that knows the model and the batch."""
+    """One :func:`train_step` (same arguments) under a memory ledger that knows the model and the
+    batch; returns the ledger."""
     ledger = Ledger(x.device)
     ledger.track_module(model)
     ledger.track((x, y), "other")
@@ -198,6 +200,7 @@ def measure_memory(model, x, y, strategy: str, every: int, seed: int = 0) -> Led
 
 
 def count_flops(model, x, y, strategy: str, every: int, seed: int = 0) -> tuple[int, int]:
+    """FLOPs of one forward and of its backward (same arguments as :func:`train_step`)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     with FlopCounterMode(display=False) as fwd:

@@ -69,6 +69,7 @@ def checkpointed(hooks=None):
 
 
 def forward(model: TinyGPT, x, y, mode: str, hooks=None):
+    """The loss of ``model`` on ``(x, y)`` in ``mode``, under ``hooks`` (from :func:`make_hooks`)."""
     if mode.startswith("checkpoint"):
         return model(x, y, run_blocks=checkpointed(hooks))[1]
     with hooks or contextlib.nullcontext():  # (5)!
@@ -149,7 +150,8 @@ def run(config: Config) -> Result:
 
 # --8<-- [start:measure]
 def measure(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[dict, Ledger]:
-    """One :func:`train_step` under a memory ledger: device activations, host copies, bytes moved."""
+    """One :func:`train_step` (same arguments) under a memory ledger: device activations, host
+    copies and what the hooks moved; returns them and the ledger."""
     ledger = Ledger(x.device)
     ledger.track_module(model)
     ledger.track((x, y), "other")

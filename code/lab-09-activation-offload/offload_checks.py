@@ -75,7 +75,8 @@ def checks(result) -> Table:
 
 
 def depth_sweep(config: Config, device, depths=DEPTHS) -> dict[int, dict[str, int]]:
-    """The activation peak of ``checkpoint`` and ``checkpoint+streamed`` for ``config`` at each depth."""
+    """The activation peak of ``checkpoint`` and ``checkpoint+streamed`` for ``config``'s shape on
+    ``device``, at each depth of ``depths``."""
     out = {}
     for n in depths:
         deeper = replace(config, layers=n)
@@ -93,7 +94,8 @@ def depth_table(rule: dict, held: int) -> Table:
 
 
 def keep_last_table(config: Config, device, values=(0, 1, 2, 3)) -> Table:
-    """``streamed`` and ``checkpoint+streamed`` measured at each keep-last K."""
+    """``streamed`` and ``checkpoint+streamed`` measured at each keep-last K of ``values``, for the
+    model of ``config`` on ``device``, its other knobs as they are."""
     model, x, y = lab04.build(config, device)
     rows = []
     for mode in ("streamed", "checkpoint+streamed"):
@@ -105,7 +107,8 @@ def keep_last_table(config: Config, device, values=(0, 1, 2, 3)) -> Table:
 
 
 def min_bytes_table(config: Config, device, values: tuple[int, ...]) -> Table:
-    """``streamed`` measured at each min-bytes."""
+    """``streamed`` measured at each min-bytes of ``values``, for the model of ``config`` on
+    ``device``, its other knobs as they are."""
     model, x, y = lab04.build(config, device)
     rows = []
     for size in values:
