@@ -1,67 +1,119 @@
-"""Lab 04: checkpointing strategies against no checkpointing: gradients, kept bytes, recompute, CLI."""
+"""Lab 04: checkpointing strategies against no checkpointing: gradients, kept bytes, recompute, the
+segment rule, TinyGPT's block seam, CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from functools import partial
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+import torch.nn.functional as F
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from labkit import run_lab
+from labkit import marks
+from labkit.ledger import Ledger
 
 SCRIPT = "lab-04-activation-checkpointing/checkpointing.py"
+SIZE = {"device": "cpu", "width": 32, "layers": 4, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4}
 SMALL = ["--device", "cpu", "--width", "32", "--layers", "4", "--heads", "2", "--seq-len", "16",
-         "--vocab", "64", "--batch-size", "4", "--steps", "1"]
+         "--vocab", "64", "--batch-size", "4", "--steps", "1"]  # the same, as a user types it
+TOLERANCE = 0.01  # measured against predicted; on a CPU both agree to the byte
 
 
 @pytest.fixture(scope="module")
 def lab04():
-    return load_lab(SCRIPT)
+    return load_lab(4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny CPU ops run faster on one thread when the machine is shared; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+@pytest.fixture(scope="module")
+def segments():
+    return load_lab(4, "segments")
 
 
 @pytest.fixture(scope="module")
 def small_run(lab04):
-    return lab04.run(lab04.parse_args([*SMALL, "--json", "--every", "3"]))
+    return lab04.run(lab04.Config(**SIZE, every=3, steps=1))
 
 
-def setup(lab04, *extra):
-    args = lab04.parse_args([*SMALL, *extra])
-    return (args, *lab04.build(args))
+def setup(lab04, **extra):
+    config = lab04.Config(**{**SIZE, **extra})
+    return config, *lab04.build(config, torch.device("cpu"))
 
 
-def test_written_out_forward_is_tinygpt_forward(lab04):
-    args, cfg, device, model, x, y = setup(lab04)
-    torch.manual_seed(7)
-    ours = lab04.forward(model, x, y, "none", 1)
-    torch.manual_seed(7)
-    assert torch.equal(ours, model(x, y)[1])  # same ops, same dropout draws
+# ---------------------------------------------------------------------- TinyGPT's block seam
+def tinygpt_forward_before_the_seam(model, idx, targets):
+    """TinyGPT.forward as it was written before it had ``run_blocks`` (labkit/models.py at f6d8bd4)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = model.drop(model.tok(idx) + model.pos(pos))
+    for block in model.blocks:
+        x = block(x)
+    logits = model.head(model.ln_f(x))
+    return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_seams_default_runs_the_same_ops_as_the_forward_before_it(lab04):
+    """Same aten ops in the same order, forward and backward, the same values and the same ledger
+    timeline: the seam changed no byte any lab measures. Under saved-tensor hooks that move every
+    saved tensor elsewhere (as Lab 09's do), a tensor lives only as long as a reference to it: the
+    timeline is the same there too, so forward holds the block input no longer than the loop did."""
+    config, model, x, y = setup(lab04)
+    ways = {"default": lambda: model(x, y), "before": lambda: tinygpt_forward_before_the_seam(model, x, y),
+            "none": lambda: model(x, y, run_blocks=partial(lab04.run_blocks, strategy="none"))}
+    moved = partial(saved_tensors_hooks, lambda t: t.clone(), lambda t: t)  # each saved tensor copied away
+    seen = {}
+    for name, forward in ways.items():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        with OpLog() as log:
+            logits, loss = forward()
+            loss.backward()
+        timelines = []
+        for hooks in (contextlib.nullcontext, moved):
+            ledger = Ledger("cpu").track_module(model)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(7)
+            with ledger, hooks(), marks.phase("forward", 0):
+                forward()[1].backward()
+            timelines.append(ledger.timeline().to_dict()["device"])
+        seen[name] = (log.ops, logits, loss, [p.grad for p in model.parameters()], timelines)
+    ops, logits, loss, grads, timelines = seen["before"]
+    for name in ("default", "none"):
+        assert seen[name][0] == ops and len(ops) > 100, name
+        assert torch.equal(seen[name][1], logits) and torch.equal(seen[name][2], loss), name
+        assert all(torch.equal(g, h) for g, h in zip(seen[name][3], grads)), name
+    assert seen["default"][4] == timelines  # with and without the hooks
+    assert seen["none"][4][0] == timelines[0]  # a partial keeps x for the whole loop: only without hooks
+
+
+# ---------------------------------------------------------------------- the strategies
 @pytest.mark.parametrize("strategy", ["full", "every-k", "save-matmuls"])
 def test_gradients_are_bit_identical_with_dropout(small_run, strategy):
-    assert small_run.cfg.dropout > 0
+    assert small_run.config.dropout > 0
     r = small_run.results[strategy]
     assert r["grads_equal"] and r["max_abs_grad_diff"] == 0.0  # under the ledger
     assert r["grads_equal_without_ledger"]  # and without it: the ledger changes nothing
 
 
 def test_segments_that_do_not_divide_the_depth(lab04):
-    args, cfg, device, model, x, y = setup(lab04, "--layers", "3")
+    config, model, x, y = setup(lab04, layers=3)
+    assert not marks.watching()  # no ledger: the step's marks cost nothing
     lab04.train_step(model, x, y, "none", 1, seed=3)
     reference = lab04.grads_of(model)
     for k in (2, 3):
@@ -71,61 +123,36 @@ def test_segments_that_do_not_divide_the_depth(lab04):
 
 def test_kept_bytes_follow_the_segment_count(lab04):
     """A checkpointed segment keeps exactly its input: (n - ceil(n/k)) block inputs fewer than full."""
-    args, cfg, device, model, x, y = setup(lab04, "--layers", "5")
-    b = args.batch_size * args.seq_len * args.width * 4
-    kept = {k: lab04.activation_memory(lab04.measure_memory(model, x, y, "every-k", k, 0)[0])["kept_bytes"]
-            for k in (1, 2, 3, 5)}
-    full = lab04.activation_memory(lab04.measure_memory(model, x, y, "full", 1, 0)[0])["kept_bytes"]
-    assert kept[1] == full
+    config, model, x, y = setup(lab04, layers=5)
+    b = config.batch_size * config.seq_len * config.width * 4
+
+    def kept(strategy, k):
+        return lab04.activation_memory(lab04.measure_memory(model, x, y, strategy, k).timeline())["kept_bytes"]
+
+    full = kept("full", 1)
+    assert kept("every-k", 1) == full
     for k in (2, 3, 5):
-        assert full - kept[k] == (5 - math.ceil(5 / k)) * b, k
+        assert full - kept("every-k", k) == (5 - math.ceil(5 / k)) * b, k
 
 
-@pytest.fixture(scope="module")
-def segments():
-    return load_lab("lab-04-activation-checkpointing/segments.py")
+def test_every_formula_equals_the_measurement(small_run):
+    """The checks table (block_costs against the ledger and the FLOP counter), to the byte on a CPU."""
+    checks = load_lab(4, "block_costs").checks(small_run)
+    assert len(checks.rows) == 6
+    for quantity, formula, derived, measured, _unit in checks.rows:
+        assert derived == measured, (quantity, formula)
 
 
-TOLERANCE = 0.01  # measured against predicted; on a CPU both agree to the byte
-
-
-def assert_rule_holds(rule: dict, mem: dict):
-    for k, row in rule["rows"].items():
-        assert abs(row["kept_error"]) <= TOLERANCE and abs(row["peak_error"]) <= TOLERANCE, (k, row, mem[k])
-
-
-def test_segment_rule_on_a_chain_of_simple_blocks(segments):
-    """Linear + ReLU blocks keep their input's size (a = b): the measured peak is lowest at k = sqrt(n)."""
-    n, width, batch = 16, 16, 8
-    b = batch * width * 4
-    torch.manual_seed(0)
-    model, x, y = segments.chain(n, width), torch.randn(batch, width), torch.randn(batch, width)
-    mem = segments.sweep(model, x, y, [1, 2, 4, 8, 16], segments.chain_loss)
-    rule = segments.compare(mem, n, b)
-    assert rule["a"] == b and rule["k_star"] == 4.0
-    assert_rule_holds(rule, mem)
-    assert rule["best_measured"] == rule["best_predicted"] == math.isqrt(n)
-    assert mem[4]["activation_peak_bytes"] < 0.6 * mem[1]["activation_peak_bytes"]  # a real minimum
-    uneven = segments.sweep(model, x, y, [1, 3, 5, 6, 7], segments.chain_loss)  # short last segments
-    assert_rule_holds(segments.compare(uneven, n, b), uneven)
-
-
-def test_segment_rule_on_tinygpt(lab04, segments):
-    """A transformer block keeps ~20 times its input (the Korthikanti count): k* < 1, so k = 1 wins."""
-    args, cfg, device, model, x, y = setup(lab04, "--layers", "8")
-    B, T, w, h = args.batch_size, args.seq_len, args.width, args.heads
-    mem = segments.sweep(model, x, y, [1, 2, 4, 8])
-    rule = segments.compare(mem, 8, 4 * B * T * w)
-    assert rule["a"] == 72 * B * T * w + 12 * B * h * T * T + 16 * B * T and rule["k_star"] < 1
-    assert_rule_holds(rule, mem)
-    assert rule["best_measured"] == rule["best_predicted"] == 1
-
-
-def test_segment_rule_predicts_short_last_segments(segments):
-    """k that does not divide n: the last segment is short, and the busiest segment may be another."""
-    assert segments.predict(16, 4, 1, 1) == (4, 8)  # 4 inputs, then 4 + 4 at the last segment
-    assert segments.predict(16, 5, 1, 1) == (4, 8)  # segments 5, 5, 5, 1: 3 + 5 beats 4 + 1
-    assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)
+def test_kept_bytes_per_block_match_the_korthikanti_count(lab04, small_run):
+    """34sbh + 5as^2b bytes per layer (2-byte tensors, 1-byte masks), rewritten for fp32 and the 4-byte
+    masks of CPU dropout: 72·N·w + 12·B·h·T² bytes, plus 16·N for the two layer norms' statistics."""
+    c = small_run.config
+    B, T, w, h = c.batch_size, c.seq_len, c.width, c.heads
+    N = B * T
+    cost = load_lab(4, "block_costs").block_costs(B, T, w, h)
+    assert small_run.per_block_bytes == cost["kept"] == 72 * N * w + 12 * B * h * T * T + 16 * N
+    summary = small_run.summary()
+    assert summary["per_block_over_input"] == cost["kept"] / (4 * N * w) == summary["two_block_segments_pay_beyond"] / 2
 
 
 class OutputBytes(TorchDispatchMode):
@@ -144,7 +171,7 @@ class OutputBytes(TorchDispatchMode):
 
 
 def test_save_matmuls_keeps_exactly_the_matmul_outputs(small_run, lab04):
-    n = small_run.cfg.layers
+    n = small_run.config.layers
     block, x = small_run.model.blocks[0], torch.randn(4, 16, 32)
     with torch.no_grad(), OutputBytes(lab04.save_matmuls) as count:
         block(x)
@@ -164,16 +191,6 @@ def test_recompute_flops_are_one_forward_of_the_blocks(small_run):
     assert r["every-k"]["recompute_flops"] == blocks_fwd.get_total_flops()
     assert r["save-matmuls"]["recompute_flops"] == 0  # every matmul output was kept
     assert r["none"]["forward_flops"] == r["full"]["forward_flops"] == r["save-matmuls"]["forward_flops"]
-
-
-def test_kept_bytes_per_block_match_the_korthikanti_count(small_run):
-    """34sbh + 5as^2b bytes per layer (2-byte tensors, 1-byte masks), rewritten for fp32 and the 4-byte
-    masks of CPU dropout: 72·N·w + 12·B·h·T² bytes, plus 16·N for the two layer norms' statistics."""
-    a, r = small_run.args, small_run.results
-    B, T, w, h, n = a.batch_size, a.seq_len, a.width, a.heads, a.layers
-    N = B * T
-    per_block = (r["none"]["kept_bytes"] - r["full"]["kept_bytes"]) // n + 4 * N * w  # full keeps the input
-    assert per_block == 72 * N * w + 12 * B * h * T * T + 16 * N
 
 
 def test_recomputed_tensors_are_born_in_backward(small_run):
@@ -234,10 +251,53 @@ def test_saving_a_random_op_shifts_the_replay():
     assert not torch.equal(plain, saved)
 
 
-def test_json_summary_schema(lab04, capsys):
-    run_lab(lab04.main, [*SMALL, "--json"], prog="checkpointing.py")
-    out, err = capsys.readouterr()
-    data = json.loads(out)  # exactly one JSON object on stdout
+# ---------------------------------------------------------------------- the segment rule
+def assert_rule_holds(rule: dict):
+    for k, row in rule["predicted"].items():
+        assert abs(row["kept_error"]) <= TOLERANCE and abs(row["peak_error"]) <= TOLERANCE, (k, row)
+        assert row["kept"] == rule["measured"][k]["kept_bytes"], k  # to the byte on a CPU
+    assert rule["best_k_measured"] == rule["best_k_predicted"]
+
+
+def test_segment_rule_on_a_chain_of_simple_blocks(segments):
+    """Linear + ReLU blocks keep their input's size (a = b): the measured peak is lowest at k = sqrt(n)."""
+    n, width, batch = 16, 16, 8
+    b = batch * width * 4
+    model, x, y = segments.chain(n, width, batch, "cpu")
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8, 16]), n, b)
+    assert rule["per_block_bytes"] == b and rule["k_star"] == 4.0
+    assert_rule_holds(rule)
+    assert rule["best_k_measured"] == math.isqrt(n)
+    mem = rule["measured"]
+    assert mem[4]["activation_peak_bytes"] < 0.6 * mem[1]["activation_peak_bytes"]  # a real minimum
+    uneven = segments.compare(segments.sweep(model, x, y, [1, 3, 5, 6, 7]), n, b)  # short last segments
+    assert_rule_holds(uneven)
+
+
+def test_segment_rule_on_tinygpt(lab04, segments):
+    """A transformer block keeps ~20 times its input (the Korthikanti count): k* < 1, so k = 1 wins."""
+    config, model, x, y = setup(lab04, layers=8)
+    B, T, w, h = config.batch_size, config.seq_len, config.width, config.heads
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8]), 8, 4 * B * T * w)
+    assert rule["per_block_bytes"] == 72 * B * T * w + 12 * B * h * T * T + 16 * B * T and rule["k_star"] < 1
+    assert_rule_holds(rule)
+    assert rule["best_k_measured"] == 1
+    found = segments.findings({"TinyGPT": rule, "chain": rule})
+    assert found["exact"] and found["worst_error"] == 0
+
+
+def test_segment_rule_predicts_short_last_segments(segments):
+    """k that does not divide n: the last segment is short, and the busiest segment may be another."""
+    assert segments.predict(16, 4, 1, 1) == (4, 8)  # 4 inputs, then 4 + 4 at the last segment
+    assert segments.predict(16, 5, 1, 1) == (4, 8)  # segments 5, 5, 5, 1: 3 + 5 beats 4 + 1
+    assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)
+
+
+# ---------------------------------------------------------------------- the command line
+def test_json_summary_schema():
+    proc = run_cli(SCRIPT, *SMALL, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert data["strategies"] == ["none", "full", "every-k", "save-matmuls"] and data["every"] == 2
     for name, r in data["results"].items():
         for key in ("kept_bytes", "activation_peak_bytes", "peak_bytes", "forward_flops", "backward_flops",
@@ -248,64 +308,49 @@ def test_json_summary_schema(lab04, capsys):
     assert data["results"]["none"]["activation_reduction"] == 0
     assert set(data["gpu_targets"]) <= set(data["strategies"])  # targets for the GPU run, named by strategy
     assert data["provenance"]["source_hash"] and data["provenance"]["device_type"] == "cpu"
-    assert err == ""  # no progress bar under --json
+    assert proc.stderr == ""  # no progress bar under --json
 
 
 def test_one_strategy_runs_against_none(lab04, capsys):
-    run_lab(lab04.main, [*SMALL, "--strategy", "save-matmuls"], prog="checkpointing.py")
+    lab04.report(lab04.run(lab04.Config(**SIZE, strategy="save-matmuls", steps=1)))
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("none ", "save-matmuls "))]
     assert rows == ["none", "save-matmuls"] and "identical" in out and "CPU wall clock" in out
+    assert "Formula against measurement" not in out  # the checks need all four strategies
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--every", "0"], "--every"),
-        (["--every", "-2"], "--every"),
-        (["--every", "two"], "--every"),
-        (["--every", "5"], "--every 5 is larger than --layers 4"),
-        (["--strategy", "some"], "--strategy"),
-        (["--steps", "0"], "--steps"),
-        (["--layers", "0"], "--layers"),
-        (["--width", "30", "--heads", "4"], "not divisible"),
-        (["--dropout", "1.0"], "--dropout"),
-        (["--device", "tpu"], "--device"),
-        (["--snapshot", "s.pickle"], "needs a CUDA device"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab04, capsys, args, fragment):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab04.main, [*SMALL, *args], prog="checkpointing.py")
-    assert exc.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and fragment in err[0], err
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"every": 5}, "--every 5 is larger than --layers 4"),
+    ({"width": 30, "heads": 4}, "not divisible"),
+])
+def test_the_config_refuses_what_cannot_run(lab04, fields, fragment):
+    with pytest.raises(lab04.UsageError, match=fragment):
+        lab04.Config(**{**SIZE, **fields})
 
 
-def test_bad_input_from_the_command_line(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert_clean_usage_error(run_cli(SCRIPT, "--strategy", "sometimes"), "--strategy", "invalid choice")
+def test_snapshot_on_cpu_is_refused(lab04, capsys, tmp_path):
+    assert_usage_error_in_process(lab04, [*SMALL, "--snapshot", str(tmp_path / "s.pickle")], capsys,
+                                  "needs a CUDA device")
+
+
+def test_bad_input_from_the_command_line():
     assert_clean_usage_error(run_cli(SCRIPT, "--layers", "2", "--every", "3"), "larger than --layers 2")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_gpu_is_one_line(lab04, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab04.main, ["--device", "cuda"], prog="checkpointing.py")
-    assert exc.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
+    assert_usage_error_in_process(lab04, ["--device", "cuda"], capsys, "no CUDA GPU")
 
 
-GPU = ["--device", "cuda", "--json", "--width", "1024", "--layers", "16", "--heads", "16", "--seq-len", "1024",
-       "--batch-size", "8", "--steps", "10"]
+GPU = {"device": "cuda", "width": 1024, "layers": 16, "heads": 16, "seq_len": 1024, "batch_size": 8, "steps": 10}
 
 
 @pytest.mark.cuda
 def test_cuda_gradients_and_ledger_against_the_allocator(lab04):
     """On a GPU the attention kernel draws its dropout mask itself: the policy must recompute it."""
-    size = ["--width", "512", "--layers", "4", "--heads", "8", "--seq-len", "512", "--batch-size", "8"]
-    run = lab04.run(lab04.parse_args(["--device", "cuda", "--json", "--steps", "2", *size]))  # workspaces << peak
-    summary = lab04.summary(run)
-    for name, r in summary["results"].items():
+    size = {"width": 512, "layers": 4, "heads": 8, "seq_len": 512, "batch_size": 8}  # workspaces << peak
+    result = lab04.run(lab04.Config(device="cuda", steps=2, **size))
+    for name, r in result.summary()["results"].items():
         assert r["grads_equal"] and r["grads_equal_without_ledger"], name
         assert 0.95 <= r["cuda"]["ledger_over_allocator"] <= 1.05, name
 
@@ -314,7 +359,8 @@ def test_cuda_gradients_and_ledger_against_the_allocator(lab04):
 def test_cuda_targets_of_the_issue(lab04):
     """The GPU targets in GPU_TARGETS: full >= 60 % activation reduction at <= 35 % overhead;
     save-matmuls >= 40 % at <= 10 %."""
-    r = lab04.run(lab04.parse_args(GPU)).results
+    r = lab04.run(lab04.Config(**GPU)).results
     for name, target in lab04.GPU_TARGETS.items():
         assert r[name]["activation_reduction"] >= target["min_activation_reduction"], (name, r[name])
         assert r[name]["time_overhead"] <= target["max_time_overhead"], (name, r[name])
+

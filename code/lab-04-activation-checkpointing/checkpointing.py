@@ -11,77 +11,47 @@ checkpointing keeps fewer and recomputes the rest during backward. Four strategi
                   recompute the cheap pointwise ops. On a CPU with dropout it keeps the T x T
                   attention scores (two bmm), which Korthikanti et al.'s selective recomputation drops.
 
-For each one the lab measures activation memory (labkit's memory ledger), the recompute cost
-(extra FLOPs counted by ``FlopCounterMode``, time per step measured) and checks that the
-gradients equal the no-checkpointing gradients bit for bit, dropout included. How many blocks a
-segment should hold is measured in ``segments.py``, next to this file.
+TinyGPT runs its blocks through a seam (``model(x, y, run_blocks=...)``), so the lab wraps the
+blocks and leaves the rest of the model alone. For each strategy the lab measures activation
+memory (when a memory ledger watches), the recompute cost (extra FLOPs counted by
+``FlopCounterMode``, time per step) and checks that the gradients equal the no-checkpointing
+gradients bit for bit, dropout included. How many blocks a segment should hold: ``segments.py``.
 
 Run it:
-    python code/lab-04-activation-checkpointing/checkpointing.py --device cpu
-    python code/lab-04-activation-checkpointing/checkpointing.py --strategy every-k --every 2 --layers 8
-    python code/lab-04-activation-checkpointing/checkpointing.py --device cpu --json
+    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu
+    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --strategy every-k --every 2 --layers 8
+    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu --json
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from labkit import cli, labs, marks, provenance
+from labkit.config import UsageError, option
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import TinyGPT
+from labkit.table import Table
+from labkit.timeline import Timeline
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.ledger import NullLedger  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
+from block_costs import checks
+from model_setup import ModelShape, build, grads_equal, grads_of, time_steps
 
-LAB = "lab-04-activation-checkpointing"
 STRATEGIES = ("none", "full", "every-k", "save-matmuls")
 GPU_TARGETS = {  # targets for the GPU run (tests/test_lab04.py, marked cuda), not results
     "full": {"min_activation_reduction": 0.60, "max_time_overhead": 0.35},
     "save-matmuls": {"min_activation_reduction": 0.40, "max_time_overhead": 0.10},
 }
-
-
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Compare activation-checkpointing strategies: memory kept, compute redone.")
-    p.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="all",
-                   help="which strategy to measure against 'none' (default: all of them)")
-    p.add_argument("--every", type=positive_int, default=None,
-                   help="k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the "
-                        "textbook rule, kept to show its cost: a block here keeps a, many times its input b, "
-                        "so k = 1 peaks lower until --layers passes 2*a/b; see segments.py)")
-    p.add_argument("--steps", type=positive_int, default=5, help="timed forward+backward steps per strategy")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--seq-len", type=positive_int, default=64)
-    p.add_argument("--width", type=positive_int, default=128)
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--vocab", type=positive_int, default=256)
-    p.add_argument("--dropout", type=probability, default=0.1)
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    args = p.parse_args(argv)
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.every is None:
-        args.every = max(1, round(math.sqrt(args.layers)))  # the textbook sqrt(n) rule, on purpose (--help)
-    if args.every > args.layers:
-        raise UsageError(f"--every {args.every} is larger than --layers {args.layers}: a segment cannot "
-                         f"hold more blocks than the model has")
-    return args
-# --8<-- [end:config]
 
 
 # --8<-- [start:policy]
@@ -113,7 +83,9 @@ def run_segment(blocks, x):
     return x
 
 
-def run_blocks(blocks, x, strategy: str, every: int):
+def run_blocks(blocks, x, strategy: str = "none", every: int = 1):
+    """TinyGPT's loop over its ``blocks``, from the hidden state ``x``, checkpointed by ``strategy``
+    (one of ``STRATEGIES``); ``every`` is k, the blocks per segment of every-k."""
     if strategy == "none":
         return run_segment(blocks, x)  # (1)!
     if strategy == "save-matmuls":
@@ -125,194 +97,194 @@ def run_blocks(blocks, x, strategy: str, every: int):
     for i in range(0, len(blocks), k):
         x = checkpoint(run_segment, blocks[i:i + k], x, use_reentrant=False)  # (3)!
     return x
-
-
-def forward(model: TinyGPT, idx, targets, strategy: str, every: int):
-    """TinyGPT.forward written out, so that the loop over blocks is ours."""
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    x = model.drop(model.tok(idx) + model.pos(pos))
-    x = run_blocks(list(model.blocks), x, strategy, every)
-    logits = model.head(model.ln_f(x))
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 # --8<-- [end:blocks]
 
 
-
 # --8<-- [start:step]
-def train_step(model, x, y, strategy: str, every: int, seed: int,
-               ledger: Ledger | None = None, loss_of=forward) -> float:
+def train_step(model, x, y, strategy: str = "none", every: int = 1, seed: int = 0) -> float:
+    """One forward and backward of ``model`` on ``(x, y)``, its blocks run by :func:`run_blocks`
+    with ``strategy`` and ``every``; ``seed`` reseeds the generator first, so every strategy draws
+    the same dropout masks. Returns the loss."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # (1)!
-    ledger = NullLedger() if ledger is None else ledger  # timing runs: no ledger, no phases
-    with ledger.phase("forward", 0):
-        loss = loss_of(model, x, y, strategy, every)
-    with ledger.phase("backward", 0):
-        loss.backward()  # (2)!
+    with marks.phase("forward", 0):
+        loss = model(x, y, run_blocks=partial(run_blocks, strategy=strategy, every=every))[1]  # (2)!
+    with marks.phase("backward", 0):
+        loss.backward()  # (3)!
     return loss.item()
 # --8<-- [end:step]
 
 
+# --8<-- [start:config]
+@dataclass
+class Config(ModelShape):
+    """Compare activation-checkpointing strategies: memory kept, compute redone."""
+
+    strategy: Literal["none", "full", "every-k", "save-matmuls", "all"] = option(
+        "all", "which strategy to measure against 'none' (default: all of them)")
+    every: int | None = option(
+        None, "k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the textbook rule, "
+        "kept to show its cost: a block here keeps a, many times its input b, so k = 1 peaks lower until "
+        "--layers passes 2*a/b; see segments.py)", min=1)
+    steps: int = option(5, "timed forward+backward steps per strategy", min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.blocks_per_segment > self.layers:
+            raise UsageError(f"--every {self.blocks_per_segment} is larger than --layers {self.layers}: a segment "
+                             f"cannot hold more blocks than the model has")
+
+    @property
+    def blocks_per_segment(self) -> int:
+        """k of every-k: ``--every``, or the textbook round(sqrt(layers)) on purpose (its --help)."""
+        return self.every if self.every is not None else max(1, round(math.sqrt(self.layers)))
+# --8<-- [end:config]
+
+
+# --8<-- [start:run]
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
+        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+    model, x, y = build(config, device)
+    strategies = list(STRATEGIES) if config.strategy == "all" else list(dict.fromkeys(["none", config.strategy]))
+    k, seed, t0 = config.blocks_per_segment, config.seed, time.perf_counter()
+    train_step(model, x, y, "none", k, seed)
+    reference = grads_of(model)  # (1)!
+    results, ledgers = {}, {}
+    with record_snapshot(config.snapshot):
+        for s in strategies:
+            model.zero_grad(set_to_none=True)
+            reset_peak(device)
+            ledgers[s] = ledger = measure_memory(model, x, y, s, k, seed)
+            tl = ledger.timeline()
+            r = results[s] = activation_memory(tl) | {"cuda": ledger_vs_allocator(tl, allocator_stats(device))}
+            r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads_of(model), reference)  # (2)!
+            train_step(model, x, y, s, k, seed)
+            r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
+            r["forward_flops"], r["backward_flops"] = count_flops(model, x, y, s, k, seed)
+    times = time_steps({s: partial(train_step, model, x, y, s, k, seed) for s in strategies}, config.steps)
+    base = results["none"]
+    for s, r in results.items():
+        r["recompute_flops"] = r["backward_flops"] - base["backward_flops"]  # (3)!
+        r["recompute_flops_of_forward"] = r["recompute_flops"] / max(base["forward_flops"], 1)
+        r["activation_reduction"] = 1 - r["activation_peak_bytes"] / base["activation_peak_bytes"]
+        r["step_times_s"], r["step_time_s"] = times[s], statistics.median(times[s])
+        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1  # "none" comes first: 0
+    return Result(config, device, model, k, results, ledgers, time.perf_counter() - t0)
+# --8<-- [end:run]
+
+
+# ---------------------------------------------------------------------- how the lab measures
 # --8<-- [start:measure]
-def activation_memory(ledger: Ledger) -> dict:
+def activation_memory(tl: Timeline) -> dict:
     """What this lab calls activation memory, read from one step's ledger timeline."""
-    tl = ledger.timeline()
     fwd = next(s for s in tl.spans if s.name == "forward")
     act, tmp = tl.device["activations"], tl.device["temporaries"]
     return {
         "kept_bytes": act[fwd.end - 1],  # (1)!
         "activation_peak_bytes": max(a + t for a, t in zip(act, tmp)),  # (2)!
-        "peak_bytes": ledger.peak(tl)["total"],
+        "peak_bytes": tl.peak()["total"],
     }
 
 
-def measure_memory(model, x, y, strategy: str, every: int, seed: int, loss_of=forward) -> tuple[Ledger, list]:
+def measure_memory(model, x, y, strategy: str, every: int, seed: int = 0) -> Ledger:
+    """One :func:`train_step` (same arguments) under a memory ledger that knows the model and the
+    batch; returns the ledger."""
     ledger = Ledger(x.device)
     ledger.track_module(model)
     ledger.track((x, y), "other")
     with ledger:  # checkpoint's own dispatch modes nest inside the ledger's  (3)!
-        train_step(model, x, y, strategy, every, seed, ledger, loss_of)
-    return ledger, grads_of(model)
+        train_step(model, x, y, strategy, every, seed)
+    return ledger
 
 
-def count_flops(model, x, y, strategy: str, every: int, seed: int) -> tuple[int, int]:
+def count_flops(model, x, y, strategy: str, every: int, seed: int = 0) -> tuple[int, int]:
+    """FLOPs of one forward and of its backward (same arguments as :func:`train_step`)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     with FlopCounterMode(display=False) as fwd:
-        loss = forward(model, x, y, strategy, every)
+        loss = model(x, y, run_blocks=partial(run_blocks, strategy=strategy, every=every))[1]
     with FlopCounterMode(display=False) as bwd:
         loss.backward()  # (4)!
     return fwd.get_total_flops(), bwd.get_total_flops()
 # --8<-- [end:measure]
 
 
-def time_steps(model, x, y, strategies, every: int, seed: int, steps: int, quiet: bool) -> dict[str, list[float]]:
-    """Seconds per forward+backward step, strategies interleaved so that drift hits all alike."""
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    for s in strategies:
-        train_step(model, x, y, s, every, seed)  # warm-up (allocator, kernels, caches)
-    for _ in progress(range(steps), total=steps, desc="timing", quiet=quiet):
-        for s in strategies:
-            t0 = time.perf_counter()
-            train_step(model, x, y, s, every, seed)  # .item() inside waits for the device
-            times[s].append(time.perf_counter() - t0)
-    return times
-
-
-def grads_of(model) -> list[torch.Tensor]:
-    return [p.grad.detach().cpu() for p in model.parameters()]  # off the device: not in its peak
-
-
-def grads_equal(a: list, b: list) -> tuple[bool, float]:
-    equal = all(torch.equal(u, v) for u, v in zip(a, b))
-    return equal, max(float((u - v).abs().max()) for u, v in zip(a, b))
-
-
+# ---------------------------------------------------------------------- the result and its report
 @dataclass
-class Run:
-    args: object
-    cfg: GPTConfig
+class Result:
+    config: Config
     device: torch.device
     model: TinyGPT
-    strategies: list[str]
-    results: dict[str, dict] = field(default_factory=dict)
-    ledgers: dict[str, Ledger] = field(default_factory=dict)
-    wall_time_s: float = 0.0
+    every: int  # k of every-k
+    results: dict[str, dict]
+    ledgers: dict[str, Ledger]
+    wall_time_s: float
+
+    @property
+    def block_input_bytes(self) -> int:
+        return self.config.batch_size * self.config.seq_len * self.config.width * 4  # one fp32 (B, T, w) tensor
+
+    @property
+    def per_block_bytes(self) -> int | None:
+        """a, measured: what one block keeps for backward (none's kept bytes less full's, per block,
+        plus the input that full keeps)."""
+        r = self.results
+        if "full" not in r:
+            return None
+        return (r["none"]["kept_bytes"] - r["full"]["kept_bytes"]) // self.config.layers + self.block_input_bytes
+
+    def summary(self) -> dict:
+        a, b = self.per_block_bytes, self.block_input_bytes
+        return {"lab": labs.slug(__file__), "device": str(self.device), "config": asdict(self.config.model_config()),
+                "batch_size": self.config.batch_size, "every": self.every, "strategies": list(self.results),
+                "block_input_bytes": b, "per_block_bytes": a, "per_block_over_input": a / b if a else None,
+                "two_block_segments_pay_beyond": 2 * a / b if a else None,  # n > 2·a/b: (n/2)·b + 2a < n·b + a
+                "activation_memory": "activation_peak_bytes: highest live activations + temporaries over forward and "
+                                     "backward; kept_bytes: activations alive when forward ends",
+                "timing": f"median wall-clock seconds of {self.config.steps} forward+backward steps on {self.device.type}",
+                "gpu_targets": GPU_TARGETS, "results": self.results,
+                "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
-def build(args):
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
-                    layers=args.layers, heads=args.heads, dropout=args.dropout)
-    model = TinyGPT(cfg).to(device).train()
-    x, y = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed).batch(0, args.batch_size, device)
-    return cfg, device, model, x, y
-
-
-# --8<-- [start:run]
-def run(args) -> Run:
-    cfg, device, model, x, y = build(args)
-    chosen = list(STRATEGIES) if args.strategy == "all" else ["none", args.strategy]
-    out = Run(args, cfg, device, model, list(dict.fromkeys(chosen)))
-    k, seed, t0 = args.every, args.seed, time.perf_counter()
-    train_step(model, x, y, "none", k, seed)
-    reference = grads_of(model)  # (1)!
-    with record_snapshot(args.snapshot):
-        for s in out.strategies:
-            model.zero_grad(set_to_none=True)
-            reset_peak(device)
-            ledger, grads = measure_memory(model, x, y, s, k, seed)
-            r = activation_memory(ledger) | {"cuda": allocator_stats(device)}
-            r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads, reference)  # (2)!
-            train_step(model, x, y, s, k, seed)
-            r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
-            r["forward_flops"], r["backward_flops"] = count_flops(model, x, y, s, k, seed)
-            out.ledgers[s], out.results[s] = ledger, r
-    times = time_steps(model, x, y, out.strategies, k, seed, args.steps, args.json)
-    base = out.results["none"]
-    for s, r in out.results.items():
-        r["recompute_flops"] = r["backward_flops"] - base["backward_flops"]  # (3)!
-        r["recompute_flops_of_forward"] = r["recompute_flops"] / max(base["forward_flops"], 1)
-        r["activation_reduction"] = 1 - r["activation_peak_bytes"] / base["activation_peak_bytes"]
-        r["step_times_s"], r["step_time_s"] = times[s], statistics.median(times[s])
-        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1  # "none" comes first: 0
-    out.wall_time_s = time.perf_counter() - t0
-    return out
-# --8<-- [end:run]
-
-
-def summary(run: Run) -> dict:
-    a = run.args
-    out = {
-        "lab": LAB,
-        "device": str(run.device),
-        "config": run.cfg.to_dict(),
-        "batch_size": a.batch_size,
-        "every": a.every,
-        "strategies": run.strategies,
-        "block_input_bytes": a.batch_size * a.seq_len * a.width * 4,  # one fp32 (B, T, width) tensor
-        "activation_memory": "activation_peak_bytes: highest live activations + temporaries over "
-                             "forward and backward; kept_bytes: activations alive when forward ends",
-        "timing": f"median wall-clock seconds of {a.steps} forward+backward steps on {run.device.type}",
-        "gpu_targets": GPU_TARGETS,
-        "results": run.results,
-        "provenance": provenance.collect(LAB, run.device, run.wall_time_s),
-    }
-    for s, r in run.results.items():  # cuBLAS workspaces and other bytes unseen by the ledger set aside
-        if r["cuda"]:
-            r["cuda"] = ledger_vs_allocator(run.ledgers[s].timeline(), r["cuda"])
-    return out
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    result = summary(run(args))
-    if args.json:
-        emit_json(result)
-        return
-    c, kind = result["config"], result["device"].split(":")[0]
-    print(f"Lab 04 on {result['device']}: TinyGPT, {c['layers']} blocks of width {c['width']}, batch "
-          f"{args.batch_size} x {c['seq_len']} tokens, dropout {c['dropout']}; every-k uses k = {args.every}\n")
-    print(f"{'strategy':<12} {'kept after fwd':>14} {'act. peak':>10} {'reduction':>9} {'recompute FLOPs':>17} "
-          f"{'step (' + kind + ')':>11} {'overhead':>8}  gradients vs none")
-    for s, r in result["results"].items():
+def strategies_table(result: Result) -> Table:
+    """Per strategy: memory kept and peak, recompute, step time, gradients against none."""
+    rows = []
+    for s, r in result.results.items():
         same = "reference" if s == "none" else "identical" if r["grads_equal"] else \
             f"differ by up to {r['max_abs_grad_diff']:.1e}"
-        print(f"{s:<12} {format_bytes(r['kept_bytes']):>14} {format_bytes(r['activation_peak_bytes']):>10} "
-              f"{r['activation_reduction']:>9.0%} {r['recompute_flops'] / 1e9:>9.3f} G ({r['recompute_flops_of_forward']:.0%}) "
-              f"{r['step_time_s'] * 1e3:>8.1f} ms {r['time_overhead']:>+8.0%}  {same}")
+        rows.append([f"every-k (k = {result.every})" if s == "every-k" else s, r["kept_bytes"], r["activation_peak_bytes"],
+                     r["activation_reduction"], r["recompute_flops"], r["recompute_flops_of_forward"],
+                     r["step_time_s"] * 1e3, r["time_overhead"], same])
+    return Table(["strategy", ("kept after forward", "bytes"), ("activation peak", "bytes"), ("reduction", "pct:0"),
+                  ("recompute FLOPs", "int"), ("of forward", "pct:0"), ("step, ms", "float:1"), ("overhead", "pct:0"),
+                  "gradients"], rows)
+
+
+def gpu_targets_table() -> Table:
+    return Table(["strategy", ("activation reduction, at least", "pct:0"), ("step-time overhead, at most", "pct:0")],
+                 [[s, t["min_activation_reduction"], t["max_time_overhead"]] for s, t in GPU_TARGETS.items()])
+
+
+def report(result: Result) -> None:
+    c, kind = result.config, result.device.type
+    print(f"Lab 04 on {result.device}: TinyGPT, {c.layers} blocks of width {c.width}, batch {c.batch_size} x "
+          f"{c.seq_len} tokens, dropout {c.dropout}; every-k uses k = {result.every}\n")
+    print(strategies_table(result).text())
+    for s, r in result.results.items():
         if r["cuda"]:
-            print(f"{'':<12} CUDA max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
-                  f"ledger peak / (max allocated - unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
-    print("\nact. peak = highest activations + temporaries over forward and backward (ledger; recomputed "
+            print(f"{s}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
+                  f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
+    print("\nactivation peak = highest activations + temporaries over forward and backward (ledger; recomputed "
           "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
           "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."
           + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" else ""))
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+    if set(result.results) == set(STRATEGIES):
+        print("\nFormula against measurement:\n" + checks(result).text())
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

@@ -9,42 +9,53 @@ itself holds at that moment (the gradients in flight, less what the head has alr
 
 The peak is smallest where -n*b/k**2 + a = 0: k* = sqrt(n*b/a). For a chain of simple layers a = b
 and k* = sqrt(n), the textbook rule (Chen et al., 2016). A transformer block keeps some twenty times
-its input, and k* falls below 1. This file builds the simple chain and predicts both curves; the
-notebook and tests/test_lab04.py measure them with ``checkpointing.measure_memory``.
+its input, and k* falls below 1. This file builds the simple chain, predicts both curves, and
+measures them for the chain and for TinyGPT with ``checkpointing.measure_memory``.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # checkpointing.py, next to this file
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from checkpointing import activation_memory, forward, measure_memory, run_blocks  # noqa: E402
+from labkit.models import run_in_order
+from labkit.table import Table
+
+from checkpointing import activation_memory, measure_memory
+
+TOLERANCE = 0.01  # how far a measured figure may sit from its prediction; on a CPU they agree to the byte
 
 
 # --8<-- [start:chain]
-def chain(n: int, width: int) -> torch.nn.Sequential:
-    """A stem, then n blocks of Linear + ReLU. A block keeps one tensor for backward, its ReLU output
-    (the next block's input, the same tensor): a = b, the case the textbook rule is made for."""
-    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
-                                 for _ in range(n + 1)))
+def linear_relu(width: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU())
 
 
-def chain_loss(model: torch.nn.Sequential, x, y, strategy: str, every: int):
-    """checkpointing.forward for the chain: the same run_blocks, a regression loss."""
-    h = model[0](x)  # the stem stays outside the segments, as TinyGPT's embedding does
-    return F.mse_loss(run_blocks(list(model[1:]), h, strategy, every), y)
+class Chain(nn.Module):
+    """A stem, then n blocks of Linear + ReLU, and a regression loss. A block keeps one tensor for
+    backward, its ReLU output (the next block's input, the same tensor): a = b, the case the textbook
+    rule is made for. ``forward(x, y, run_blocks=None)`` is TinyGPT's seam, so the same step runs both."""
+
+    def __init__(self, n: int, width: int) -> None:
+        super().__init__()
+        self.stem = linear_relu(width)  # outside the segments, as TinyGPT's embedding is
+        self.blocks = nn.ModuleList(linear_relu(width) for _ in range(n))
+
+    def forward(self, x, y, run_blocks=None):
+        h = (run_blocks or run_in_order)(self.blocks, self.stem(x))
+        return h, F.mse_loss(h, y)
 # --8<-- [end:chain]
 
 
 # --8<-- [start:rule]
 def predict(n: int, k: int, a: float, b: int, C: int = 0, G: float = 0) -> tuple[int, float]:
-    """Derived: the bytes kept after forward, and the activation peak. While backward recomputes
-    segment j (the first is 1), the inputs of segments 1..j are still kept and its blocks are back."""
+    """Derived: the bytes kept after forward, and the activation peak, for ``n`` blocks in segments
+    of ``k``, a block keeping ``a`` bytes and its input ``b``, ``C`` outside the blocks, ``G`` held by
+    backward. While backward recomputes segment j (the first is 1), the inputs of segments 1..j are
+    still kept and its blocks are back."""
     sizes = [min(k, n - i) for i in range(0, n, k)]  # blocks per segment; the last one may be short
     return C + len(sizes) * b, C + G + max((j + 1) * b + s * a for j, s in enumerate(sizes))
 
@@ -62,16 +73,17 @@ def k_star(n: int, a: float, b: int) -> float:
 # --8<-- [end:rule]
 
 
-def sweep(model, x, y, ks, loss_of=forward) -> dict:
+def sweep(model, x, y, ks) -> dict:
     """activation_memory of one step without checkpointing ("none") and with segments of each k."""
     def measure(strategy, k):
-        return activation_memory(measure_memory(model, x, y, strategy, k, 0, loss_of)[0])
+        return activation_memory(measure_memory(model, x, y, strategy, k).timeline())
     return {"none": measure("none", 1)} | {k: measure("every-k", k) for k in ks}
 
 
 def compare(mem: dict, n: int, b: int) -> dict:
-    """The sweep against the rule: per k the predicted kept bytes and peak, and their relative errors
-    against the measured ones; the best k measured and predicted; and the constants used."""
+    """A :func:`sweep` of ``n`` blocks with inputs of ``b`` bytes against the rule: the constants
+    (from two runs), k*, per k the predicted kept bytes and peak and their relative errors against
+    the measured ones, and the best k measured and predicted."""
     C, a, G = constants(mem, n, b)
     ks = [k for k in mem if k != "none"]
     rows = {}
@@ -79,6 +91,38 @@ def compare(mem: dict, n: int, b: int) -> dict:
         kept, peak = predict(n, k, a, b, C, G)
         rows[k] = {"kept": kept, "peak": peak, "kept_error": kept / mem[k]["kept_bytes"] - 1,
                    "peak_error": peak / mem[k]["activation_peak_bytes"] - 1}
-    return {"C": C, "a": a, "b": b, "G": G, "k_star": k_star(n, a, b), "rows": rows,
-            "best_measured": min(ks, key=lambda k: mem[k]["activation_peak_bytes"]),
-            "best_predicted": min(ks, key=lambda k: rows[k]["peak"])}
+    return {"block_input_bytes": b, "per_block_bytes": a, "outside_bytes": C, "backward_extra_bytes": G,
+            "k_star": k_star(n, a, b), "best_k_measured": min(ks, key=lambda k: mem[k]["activation_peak_bytes"]),
+            "best_k_predicted": min(ks, key=lambda k: rows[k]["peak"]),
+            "measured": {k: mem[k] for k in ks}, "none": mem["none"], "predicted": rows}
+
+
+def chain(n: int, width: int, batch: int, device) -> tuple[Chain, torch.Tensor, torch.Tensor]:
+    """The chain of ``n`` blocks of ``width`` (seed 0) on ``device``, and a random batch of ``batch``
+    inputs and targets, drawn as one tensor (so the two share one storage)."""
+    torch.manual_seed(0)
+    model = Chain(n, width).to(device)
+    x, y = torch.randn(2, batch, width, device=device)
+    return model, x, y
+
+
+def table(rule: dict, n: int) -> Table:
+    """A :func:`compare` as rows: per k, the kept bytes and the peak, measured and derived."""
+    rows = [[k, math.ceil(n / k), m["kept_bytes"], p["kept"], m["activation_peak_bytes"], p["peak"], p["peak_error"]]
+            for (k, m), p in zip(rule["measured"].items(), rule["predicted"].values())]
+    return Table([("k", "int"), ("segments ⌈n/k⌉", "int"), ("kept, measured", "B"), ("kept, derived", "B"),
+                  ("peak, measured", "B"), ("peak, derived", "B"), ("error", "pct:1")], rows)
+
+
+def findings(rules: dict[str, dict]) -> dict:
+    """What a page says about the sweeps of the ``chain`` and ``TinyGPT`` rules: a/b for each, how far
+    the chain's best k peaks below k = 1, and the worst error at any k but 1 (k = 1 fixes G)."""
+    chain_rule = rules["chain"]
+    best = chain_rule["measured"][chain_rule["best_k_measured"]]["activation_peak_bytes"]
+    return {"a_over_b": {name: r["per_block_bytes"] / r["block_input_bytes"] for name, r in rules.items()},
+            "chain_best_below_k1": 1 - best / chain_rule["measured"][1]["activation_peak_bytes"],
+            "worst_error": max(abs(row[e]) for r in rules.values() for k, row in r["predicted"].items() if k != 1
+                               for e in ("kept_error", "peak_error")),
+            "exact": all(row["kept"] == r["measured"][k]["kept_bytes"]
+                         and row["peak"] == r["measured"][k]["activation_peak_bytes"]
+                         for r in rules.values() for k, row in r["predicted"].items())}

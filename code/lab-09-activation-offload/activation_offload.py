@@ -6,247 +6,227 @@ wait: ``pack`` runs when an op saves a tensor, ``unpack`` when backward asks for
     none                 every saved tensor stays on the device (the reference)
     save_on_cpu          torch.autograd.graph.save_on_cpu: every saved tensor copied to the host in
                          forward, copied back when backward asks (the synchronous baseline)
-    streamed             our hooks: pinned host buffers, a copy stream, prefetch in backward, the
-                         last few and the tiny saved tensors kept on the device
+    streamed             our hooks (offload_hooks.py): pinned host buffers, a copy stream, prefetch in
+                         backward, the last few and the tiny saved tensors kept on the device
     checkpoint           Lab 04's full checkpointing: each block keeps only its input
     checkpoint+streamed  checkpointing, and the block inputs it keeps streamed to the host
 
-The ledger measures device bytes and host copies; gradients are compared with ``torch.equal``.
+A memory ledger, when one watches, measures device bytes and host copies; gradients are compared
+with ``torch.equal``. The formulas, the depth sweep and the knobs: ``offload_checks.py``.
 
 Run it:
-    python code/lab-09-activation-offload/activation_offload.py --device cpu
-    python code/lab-09-activation-offload/activation_offload.py --mode streamed --keep-last 0 --json
+    .venv/bin/python code/lab-09-activation-offload/activation_offload.py --device cpu
+    .venv/bin/python code/lab-09-activation-offload/activation_offload.py --mode streamed --keep-last 0 --json
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Literal
 
-CODE = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(CODE))  # makes code/labkit importable
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the hooks next to this file
-sys.path.insert(0, str(CODE / "lab-04-activation-checkpointing"))  # Lab 04's model set-up
+import torch
+from torch.utils.checkpoint import checkpoint
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+from labkit import cli, labs, marks, provenance
+from labkit.config import UsageError, option
+from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import TinyGPT
+from labkit.table import Table
 
-from labkit import Ledger, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import non_negative_int, positive_int, probability  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-from checkpointing import build, grads_equal  # noqa: E402  (Lab 04's model, batch, gradient check)
-from offload_hooks import LabelledSaveOnCpu, StreamedOffload  # noqa: E402
+from offload_hooks import LabelledSaveOnCpu, StreamedOffload
 
-LAB = "lab-09-activation-offload"
+lab04 = labs.load(4)  # Lab 04: the same model set-up (build), the gradient check, the timing
+
 MODES = ("none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed")
 
 
-def parse_args(argv=None):
-    p = lab_parser("Offload saved activations to the host: save_on_cpu, streamed, with checkpointing.")
-    p.add_argument("--mode", choices=[*MODES, "all"], default="all",
-                   help="measured against 'none' (checkpoint+streamed also against 'checkpoint')")
-    p.add_argument("--keep-last", type=non_negative_int, default=2,
-                   help="streamed: the last N offloadable saved tensors stay on the device")
-    p.add_argument("--min-bytes", type=non_negative_int, default=4096,
-                   help="streamed: saved tensors smaller than this stay on the device")
-    p.add_argument("--prefetch", type=non_negative_int, default=2,
-                   help="streamed: saved tensors copied back ahead of backward's need")
-    p.add_argument("--steps", type=positive_int, default=3, help="timed forward+backward steps per mode")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--seq-len", type=positive_int, default=64)
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=8)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--vocab", type=positive_int, default=256)
-    p.add_argument("--dropout", type=probability, default=0.1)
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    args = p.parse_args(argv)
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    return args
-
-
 # --8<-- [start:forward]
-def make_hooks(mode, model, batch, args, device, tag=None):
-    tag = tag or (lambda category: contextlib.nullcontext())  # no ledger
+def make_hooks(mode: str, model, batch, keep_last: int = 2, min_bytes: int = 4096, prefetch: int = 2):
+    """The saved-tensor hooks of ``mode`` for one step of ``model`` on ``batch`` (its tensors), or
+    None; ``keep_last``, ``min_bytes`` and ``prefetch`` are the streamed hooks' knobs."""
+    device = batch[0].device
     if mode == "save_on_cpu":
-        return LabelledSaveOnCpu(device, tag)
+        return LabelledSaveOnCpu(device)
     if mode.endswith("streamed"):
         resident = [*model.parameters(), *batch]  # (1)!
-        return StreamedOffload(device, args.keep_last, args.min_bytes,
-                               args.prefetch, resident, tag)
+        return StreamedOffload(device, keep_last, min_bytes, prefetch, resident)
     return None  # none, checkpoint: no hooks of ours
 
 
-def forward(model: TinyGPT, idx, targets, mode: str, hooks):
-    """TinyGPT.forward written out: the loop over blocks is ours to wrap."""
-    nothing = contextlib.nullcontext()
-    everything = hooks if mode in ("save_on_cpu", "streamed") else nothing  # (2)!
-    block_inputs = hooks if mode == "checkpoint+streamed" else nothing  # (3)!
-    with everything:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = model.drop(model.tok(idx) + model.pos(pos))
-        with block_inputs:
-            for block in model.blocks:
-                if mode.startswith("checkpoint"):
-                    x = checkpoint(block, x, use_reentrant=False)  # (4)!
-                else:
-                    x = block(x)
-        logits = model.head(model.ln_f(x))
-        logits = logits.view(-1, logits.size(-1))
-        return F.cross_entropy(logits, targets.reshape(-1))
+def checkpointed(hooks=None):
+    """TinyGPT's block loop with one checkpoint per block, under ``hooks`` when there are any."""
+    def run_blocks(blocks, x):  # (2)!
+        with hooks or contextlib.nullcontext():  # (3)!
+            for block in blocks:
+                x = checkpoint(block, x, use_reentrant=False)  # (4)!
+        return x
+    return run_blocks
+
+
+def forward(model: TinyGPT, x, y, mode: str, hooks=None):
+    """The loss of ``model`` on ``(x, y)`` in ``mode``, under ``hooks`` (from :func:`make_hooks`)."""
+    if mode.startswith("checkpoint"):
+        return model(x, y, run_blocks=checkpointed(hooks))[1]
+    with hooks or contextlib.nullcontext():  # (5)!
+        return model(x, y)[1]
 # --8<-- [end:forward]
 
 
 # --8<-- [start:step]
-def train_step(model, x, y, mode, args, seed, ledger: Ledger | None = None):
+def train_step(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[float, object]:
+    """One forward and backward in ``mode``, the generator reseeded with ``seed`` first (the same
+    dropout masks in every mode); ``knobs``: ``keep_last``, ``min_bytes``, ``prefetch`` of
+    :func:`make_hooks`. Returns the loss and the step's hooks (their counters)."""
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)  # same dropout masks in every mode
-    phase = ledger.phase if ledger else (lambda *a: contextlib.nullcontext())
-    tag = ledger.category if ledger else None
-    hooks = make_hooks(mode, model, (x, y), args, x.device, tag)
-    with phase("forward", 0):
+    torch.manual_seed(seed)
+    hooks = make_hooks(mode, model, (x, y), **knobs)  # (1)!
+    with marks.phase("forward", 0):
         loss = forward(model, x, y, mode, hooks)
-    with phase("backward", 0):
-        loss.backward()  # (1)!
+    with marks.phase("backward", 0):
+        loss.backward()  # (2)!
     return loss.item(), hooks
 # --8<-- [end:step]
 
 
-# --8<-- [start:measure]
-def measure(model, x, y, mode, args, seed) -> tuple[dict, list]:
-    ledger = Ledger(x.device)
-    ledger.track_module(model)
-    ledger.track((x, y), "other")
-    with ledger:  # outermost: the hooks and checkpoint run inside it  (1)!
-        _, hooks = train_step(model, x, y, mode, args, seed, ledger)
-    tl = ledger.timeline()
-    fwd = next(s for s in tl.spans if s.name == "forward")
-    act, tmp = tl.device["activations"], tl.device["temporaries"]
-    host = tl.host["host_copies"]
-    return {
-        "kept_bytes": act[fwd.end - 1],  # device activations when forward ends
-        "activation_peak_bytes": max(a + t for a, t in zip(act, tmp)),  # (2)!
-        "host_bytes_after_forward": host[fwd.end - 1],  # (3)!
-        "host_peak_bytes": max(host),
-        "peak_bytes": ledger.peak(tl)["total"],
-        "d2h_bytes": getattr(hooks, "d2h_bytes", 0),
-        "h2d_bytes": getattr(hooks, "h2d_bytes", 0),
-        "tensors_moved": getattr(hooks, "moved", 0),
-        "fetched_on_demand": getattr(hooks, "on_demand", 0),
-        "ledger": ledger,
-    }, grads_of(model)
-# --8<-- [end:measure]
+# --8<-- [start:config]
+@dataclass
+class Config(lab04.ModelShape):
+    """Offload saved activations to the host: save_on_cpu, streamed, with checkpointing."""
 
+    width: int = option(64, "model width", min=1)
+    layers: int = option(8, "transformer blocks", min=1)
+    mode: Literal["none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed", "all"] = option(
+        "all", "measured against 'none' (checkpoint+streamed also against 'checkpoint')")
+    keep_last: int = option(2, "streamed: the last N offloadable saved tensors stay on the device", min=0)
+    min_bytes: int = option(4096, "streamed: saved tensors smaller than this stay on the device", min=0)
+    prefetch: int = option(2, "streamed: saved tensors copied back ahead of backward's need", min=0)
+    steps: int = option(3, "timed forward+backward steps per mode", min=1)
 
-def grads_of(model) -> list[torch.Tensor]:
-    return [p.grad.detach().to("cpu", copy=True) for p in model.parameters()]  # a copy, off the device
-
-
-def time_steps(model, x, y, modes, args, quiet: bool) -> dict[str, list[float]]:
-    """Seconds per forward+backward step, modes interleaved so that drift hits all alike."""
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for m in modes:
-        train_step(model, x, y, m, args, args.seed)  # warm-up (allocator, pinned pool, kernels)
-    for _ in progress(range(args.steps), total=args.steps, desc="timing", quiet=quiet):
-        for m in modes:
-            t0 = time.perf_counter()
-            train_step(model, x, y, m, args, args.seed)  # .item() inside waits for the device
-            times[m].append(time.perf_counter() - t0)
-    return times
+    @property
+    def knobs(self) -> dict[str, int]:
+        return {"keep_last": self.keep_last, "min_bytes": self.min_bytes, "prefetch": self.prefetch}
+# --8<-- [end:config]
 
 
 # --8<-- [start:run]
-def run(args) -> dict:
-    cfg, device, model, x, y = build(args)
-    modes = {"all": MODES, "none": ("none",),
-             "checkpoint+streamed": ("none", "checkpoint", "checkpoint+streamed")
-             }.get(args.mode, ("none", args.mode))
-    t0, results = time.perf_counter(), {}
-    train_step(model, x, y, "none", args, args.seed)
-    reference = grads_of(model)  # a plain step: no hooks, checkpoint or ledger
-    with record_snapshot(args.snapshot):
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
+        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+    model, x, y = lab04.build(config, device)
+    modes = {"all": MODES, "none": ("none",), "checkpoint+streamed": ("none", "checkpoint", "checkpoint+streamed")
+             }.get(config.mode, ("none", config.mode))
+    seed, knobs, t0 = config.seed, config.knobs, time.perf_counter()
+    train_step(model, x, y, "none", seed)
+    reference = lab04.grads_of(model)  # a plain step: no hooks, checkpoint or ledger
+    results, ledgers = {}, {}
+    with record_snapshot(config.snapshot):
         for m in modes:
             reset_peak(device)
-            r, grads = measure(model, x, y, m, args, args.seed)
-            r["cuda"] = allocator_stats(device)
-            equal, diff = grads_equal(grads, reference)  # (1)!
-            r["grads_equal"], r["max_abs_grad_diff"] = equal, diff
-            train_step(model, x, y, m, args, args.seed)
-            equal, _ = grads_equal(grads_of(model), reference)
-            r["grads_equal_without_ledger"] = equal
+            r, ledgers[m] = measure(model, x, y, m, seed, **knobs)
+            r["cuda"] = ledger_vs_allocator(ledgers[m].timeline(), allocator_stats(device))
+            r["grads_equal"], r["max_abs_grad_diff"] = lab04.grads_equal(lab04.grads_of(model), reference)  # (1)!
+            train_step(model, x, y, m, seed, **knobs)
+            r["grads_equal_without_ledger"] = lab04.grads_equal(lab04.grads_of(model), reference)[0]
             results[m] = r
-    times = time_steps(model, x, y, modes, args, args.json)
+    times = lab04.time_steps({m: partial(train_step, model, x, y, m, seed, **knobs) for m in modes}, config.steps)
     peak = {m: r["activation_peak_bytes"] for m, r in results.items()}
     step = {m: statistics.median(t) for m, t in times.items()}
     for m, r in results.items():
         r["step_times_s"], r["step_time_s"] = times[m], step[m]
         r["activation_reduction"] = 1 - peak[m] / peak["none"]
         r["time_overhead"] = step[m] / step["none"] - 1
-        base = "checkpoint" if m == "checkpoint+streamed" else "none"  # (2)!
-        r["baseline"] = base
+        base = r["baseline"] = "checkpoint" if m == "checkpoint+streamed" else "none"  # (2)!
         r["reduction_vs_baseline"] = 1 - peak[m] / peak[base]
         r["overhead_vs_baseline"] = step[m] / step[base] - 1
-    return {"cfg": cfg, "device": device, "model": model, "results": results,
-            "wall_time_s": time.perf_counter() - t0}
+    return Result(config, device, model, results, ledgers, time.perf_counter() - t0)
 # --8<-- [end:run]
 
 
-def summary(out: dict, args) -> dict:
-    results = {m: {k: v for k, v in r.items() if k != "ledger"} for m, r in out["results"].items()}
-    for m, r in results.items():  # cuBLAS workspaces and other bytes unseen by the ledger set aside
-        if r["cuda"]:
-            r["cuda"] = ledger_vs_allocator(out["results"][m]["ledger"].timeline(), r["cuda"])
-    return {
-        "lab": LAB, "device": str(out["device"]), "config": out["cfg"].to_dict(),
-        "batch_size": args.batch_size, "keep_last": args.keep_last, "min_bytes": args.min_bytes,
-        "prefetch": args.prefetch, "modes": list(results),
-        "block_input_bytes": args.batch_size * args.seq_len * args.width * 4,
-        "activation_memory": "activation_peak_bytes: highest device activations + temporaries over forward and "
-                             "backward; host copies are counted apart (host_peak_bytes)",
-        "timing": f"median wall-clock seconds of {args.steps} forward+backward steps on {out['device'].type}",
-        "results": results,
-        "provenance": provenance.collect(LAB, out["device"], out["wall_time_s"]),
-    }
+# --8<-- [start:measure]
+def measure(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[dict, Ledger]:
+    """One :func:`train_step` (same arguments) under a memory ledger: device activations, host
+    copies and what the hooks moved; returns them and the ledger."""
+    ledger = Ledger(x.device)
+    ledger.track_module(model)
+    ledger.track((x, y), "other")
+    with ledger:  # outermost: the hooks and checkpoint run inside it  (1)!
+        _, hooks = train_step(model, x, y, mode, seed, **knobs)
+    tl = ledger.timeline()
+    fwd = next(s for s in tl.spans if s.name == "forward")
+    host = tl.host["host_copies"]
+    return lab04.activation_memory(tl) | {  # (2)!
+        "host_bytes_after_forward": host[fwd.end - 1],  # (3)!
+        "host_peak_bytes": max(host),
+        "d2h_bytes": getattr(hooks, "d2h_bytes", 0),
+        "h2d_bytes": getattr(hooks, "h2d_bytes", 0),
+        "tensors_moved": getattr(hooks, "moved", 0),
+        "fetched_on_demand": getattr(hooks, "on_demand", 0),
+    }, ledger
+# --8<-- [end:measure]
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    result = summary(run(args), args)
-    if args.json:
-        emit_json(result)
-        return
-    c, kind = result["config"], result["device"].split(":")[0]
-    print(f"Lab 09 on {result['device']}: TinyGPT, {c['layers']} blocks of width {c['width']}, batch "
-          f"{args.batch_size} x {c['seq_len']} tokens; keep-last {args.keep_last}, min-bytes {args.min_bytes}, "
-          f"prefetch {args.prefetch}\n")
-    print(f"{'mode':<20} {'kept after fwd':>14} {'act. peak':>10} {'reduction':>9} {'host copies':>11} "
-          f"{'moved D2H':>10} {'step (' + kind + ')':>11} {'overhead':>8}  gradients vs none")
-    for m, r in result["results"].items():
-        same = "reference" if m == "none" else "identical" if r["grads_equal"] else \
-            f"differ by up to {r['max_abs_grad_diff']:.1e}"
-        print(f"{m:<20} {format_bytes(r['kept_bytes']):>14} {format_bytes(r['activation_peak_bytes']):>10} "
-              f"{r['activation_reduction']:>9.0%} {format_bytes(r['host_peak_bytes']):>11} "
-              f"{format_bytes(r['d2h_bytes']):>10} {r['step_time_s'] * 1e3:>8.1f} ms {r['time_overhead']:>+8.0%}  {same}")
-        if r["baseline"] != "none":
-            print(f"{'':<20} against {r['baseline']}: activation peak {r['reduction_vs_baseline']:.0%} lower, "
-                  f"step {r['overhead_vs_baseline']:+.0%}")
+# ---------------------------------------------------------------------- the result and its report
+@dataclass
+class Result:
+    config: Config
+    device: torch.device
+    model: TinyGPT
+    results: dict[str, dict]
+    ledgers: dict[str, Ledger]
+    wall_time_s: float
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"lab": labs.slug(__file__), "device": str(self.device), "config": asdict(c.model_config()),
+                "batch_size": c.batch_size, **c.knobs, "modes": list(self.results),
+                "block_input_bytes": c.batch_size * c.seq_len * c.width * 4,
+                "activation_memory": "activation_peak_bytes: highest device activations + temporaries over forward "
+                                     "and backward; host copies are counted apart (host_peak_bytes)",
+                "timing": f"median wall-clock seconds of {c.steps} forward+backward steps on {self.device.type}",
+                "results": self.results, "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
+
+
+def modes_table(result: Result, times: bool = True) -> Table:
+    """Per mode: device bytes kept and peak, against the baseline, host copies, bytes and tensors
+    moved; with ``times``, the step time and its overhead against the baseline."""
+    rows = [[m, r["kept_bytes"], r["activation_peak_bytes"], None if m == "none" else -r["reduction_vs_baseline"],
+             r["baseline"], r["peak_bytes"], r["host_peak_bytes"], r["d2h_bytes"], r["tensors_moved"]]
+            + ([r["step_time_s"] * 1e3, r["overhead_vs_baseline"]] if times else [])
+            for m, r in result.results.items()]
+    return Table(["mode", ("kept after fwd", "bytes"), ("activation peak", "bytes"), ("vs baseline", "pct:0"),
+                  "baseline", ("step's peak", "bytes"), ("host copies", "bytes"), ("moved", "bytes"), ("tensors", "int")]
+                 + ([("step, ms", "float:1"), ("overhead", "pct:0")] if times else []), rows)
+
+
+def gradients_table(result: Result) -> Table:
+    return Table(["mode", ("under the ledger", "yes"), ("without the ledger", "yes"), ("max abs difference", "sci:1")],
+                 [[m, r["grads_equal"], r["grads_equal_without_ledger"], r["max_abs_grad_diff"]]
+                  for m, r in result.results.items() if m != "none"])
+
+
+def report(result: Result) -> None:
+    c, kind = result.config, result.device.type
+    print(f"Lab 09 on {result.device}: TinyGPT, {c.layers} blocks of width {c.width}, batch {c.batch_size} x "
+          f"{c.seq_len} tokens; keep-last {c.keep_last}, min-bytes {c.min_bytes}, prefetch {c.prefetch}\n")
+    print(modes_table(result).text())
+    print("\nGradients against none (torch.equal):\n" + gradients_table(result).text())
+    for m, r in result.results.items():
         if r["cuda"]:
-            print(f"{'':<20} CUDA max allocated {format_bytes(r['cuda']['max_memory_allocated'])}, "
-                  f"ledger peak / (max allocated - unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
-    print("\nact. peak = highest device activations + temporaries over forward and backward (ledger); host copies = "
-          "highest\nbytes labelled host_copies. reduction and overhead: against 'none'."
-          + (" On CPU the host and the 'device'\nare the same RAM: the ledger keeps them apart by label, and step "
-             "times are CPU wall clock (no GPU claim)." if kind == "cpu" else ""))
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+            print(f"{m}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
+                  f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
+    print("\nactivation peak = highest device activations + temporaries over forward and backward (ledger); host "
+          "copies =\nhighest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
+          "against\n'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
+                                      "by label,\nand step times are CPU wall clock (no GPU claim)." if kind == "cpu" else ""))
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

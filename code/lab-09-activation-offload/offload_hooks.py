@@ -7,22 +7,21 @@ lets the device copy go once it has landed; ``unpack`` hands back a device copy 
 ahead. Tiny tensors, tensors that live on the device anyway (parameters, the batch) and the last
 few saved tensors stay on the device.
 
-``LabelledSaveOnCpu`` runs PyTorch's own ``save_on_cpu`` hooks and labels the host copies they
-allocate for the memory ledger (``tag`` is ``Ledger.category``, or nothing).
+``LabelledSaveOnCpu`` runs PyTorch's own ``save_on_cpu`` hooks.
+
+Both allocate their host buffers inside ``marks.category("host_copies")``: when a memory ledger
+watches, those buffers, and nothing else, are host copies; when none does, the mark costs nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import deque
 
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-
-def _no_tag(category: str):
-    return contextlib.nullcontext()
+from labkit import marks
 
 
 class Saved:
@@ -43,10 +42,12 @@ class Saved:
 class StreamedOffload(saved_tensors_hooks):
     """Saved tensors wait in pinned host memory and come back ahead of need."""
 
-    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2,
-                 resident=(), tag=_no_tag, in_flight=4):
+    def __init__(self, device, keep_last=2, min_bytes=4096, prefetch=2, resident=(), in_flight=4):
+        """Hooks for one step on ``device``: the last ``keep_last`` offloadable saved tensors and those
+        under ``min_bytes`` stay, ``prefetch`` come back ahead of need, the storages of ``resident``
+        (parameters, the batch) never move, at most ``in_flight`` copies out are outstanding."""
         super().__init__(self.pack, self.unpack)
-        self.device, self.tag = device, tag
+        self.device = device
         self.keep_last, self.min_bytes = keep_last, min_bytes
         self.prefetch, self.max_in_flight = prefetch, in_flight
         cuda = device.type == "cuda"
@@ -103,7 +104,7 @@ class StreamedOffload(saved_tensors_hooks):
     def _offload(self, saved: Saved) -> None:
         """Device to host, in forward. The host never waits for it."""
         t, pin = saved.device, self.stream is not None
-        with self.tag("host_copies"):
+        with marks.category("host_copies"):
             saved.host = torch.empty_like(t, device="cpu", pin_memory=pin)  # (1)!
         self.d2h_bytes += t.numel() * t.element_size()
         self.moved += 1
@@ -147,12 +148,12 @@ class StreamedOffload(saved_tensors_hooks):
 class LabelledSaveOnCpu(saved_tensors_hooks):
     """PyTorch's save_on_cpu, its own two hooks, its host copies labelled."""
 
-    def __init__(self, device, tag=_no_tag):
+    def __init__(self, device):
         inner = save_on_cpu(pin_memory=True)  # (1)!
         self.d2h_bytes = self.h2d_bytes = self.moved = 0
 
         def pack(t):
-            with tag("host_copies"):  # (2)!
+            with marks.category("host_copies"):  # (2)!
                 packed = inner.pack_hook(t)
             self.d2h_bytes += t.numel() * t.element_size()
             self.moved += 1

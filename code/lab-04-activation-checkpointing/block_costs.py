@@ -1,0 +1,55 @@
+"""Lab 04 - what one TinyGPT block costs, derived, and each formula against the measurement.
+
+``block_costs`` is the arithmetic: the bytes a block keeps for backward, the bytes a checkpoint
+keeps instead, what the save-matmuls policy keeps, and the FLOPs a recompute redoes. ``checks``
+holds every formula against what ``checkpointing.run`` measured (the ledger, ``FlopCounterMode``);
+on a CPU they agree to the byte and to the FLOP, and ``tests/test_lab04.py`` asserts it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from labkit.table import Table
+
+
+# --8<-- [start:costs]
+def block_costs(batch: int, seq: int, width: int, heads: int) -> dict[str, int]:
+    """What one TinyGPT block costs, derived for fp32 on the CPU path that dropout selects (attention
+    as two ``bmm``, 4-byte dropout masks). ``batch`` B, ``seq`` T, ``width`` w, ``heads`` h; N = B·T.
+
+    ``input``: b = 4·N·w bytes, one block input, what a checkpoint keeps;
+    ``kept``: 72·N·w + 12·B·h·T² + 16·N bytes kept for backward without checkpointing: Korthikanti et
+    al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte masks, rewritten for fp32
+    and 4-byte masks, plus the two layer norms' fp32 mean and 1/std per token (16·N);
+    ``matmul_outputs``: 4·(10·N·w + B·h·T²) bytes, what save-matmuls keeps: the outputs of the four
+    linear layers (3w + w + 4w + w per token) and of the two attention ``bmm`` (B·h·T², and B·T·w);
+    ``forward_flops``: 24·N·w² + 4·B·T²·w, the matmul FLOPs a checkpointed block recomputes.
+    """
+    B, T, w, h = batch, seq, width, heads
+    N = B * T
+    return {"input": 4 * N * w,
+            "kept": 72 * N * w + 12 * B * h * T * T + 16 * N,
+            "matmul_outputs": 4 * (10 * N * w + B * h * T * T),
+            "forward_flops": 24 * N * w * w + 4 * B * T * T * w}
+# --8<-- [end:costs]
+
+
+def checks(result) -> Table:
+    """Each formula of :func:`block_costs` against a ``checkpointing.run`` result of all four
+    strategies. The save-matmuls and per-block rows hold for the CPU path only, and only there
+    are they shown."""
+    c, r, n, k = result.config, result.results, result.config.layers, result.every
+    cost = block_costs(c.batch_size, c.seq_len, c.width, c.heads)
+    flops = n * cost["forward_flops"]
+    rows = [["kept: full − every-k", "(n − ⌈n/k⌉)·b", (n - math.ceil(n / k)) * cost["input"],
+             r["full"]["kept_bytes"] - r["every-k"]["kept_bytes"], "B"],
+            ["recompute FLOPs, full", "n·(24·N·w² + 4·B·T²·w)", flops, r["full"]["recompute_flops"], "FLOP"],
+            ["recompute FLOPs, every-k", "the same: every block once", flops, r["every-k"]["recompute_flops"], "FLOP"]]
+    if result.device.type == "cpu":  # dropout sends attention down the math path: two bmm, both kept
+        rows += [["kept: save-matmuls − full", "n·4·(10·N·w + B·h·T²)", n * cost["matmul_outputs"],
+                  r["save-matmuls"]["kept_bytes"] - r["full"]["kept_bytes"], "B"],
+                 ["recompute FLOPs, save-matmuls", "0: every matmul is kept", 0,
+                  r["save-matmuls"]["recompute_flops"], "FLOP"],
+                 ["kept per block, none", "72·N·w + 12·B·h·T² + 16·N", cost["kept"], result.per_block_bytes, "B"]]
+    return Table(["quantity", "formula", ("derived", "int"), ("measured", "int"), "unit"], rows)

@@ -1,0 +1,74 @@
+"""Lab 04 - the TinyGPT and the batch that Labs 04 and 09 measure, and how they compare steps.
+
+``ModelShape`` holds the flags of the model and the batch (each lab's ``Config`` adds its own);
+``build`` makes the model and the batch from it, seeded, so both labs measure the same set-up;
+``grads_of`` and ``grads_equal`` compare gradients bit for bit; ``time_steps`` times steps
+interleaved. None of it is the lesson: ``checkpointing.py`` is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from labkit import cli
+from labkit.config import LabConfig, UsageError, option
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+
+
+@dataclass
+class ModelShape(LabConfig):
+    """The TinyGPT and the batch that Labs 04 and 09 measure (:func:`build`)."""
+
+    batch_size: int = option(4, "sequences per step", min=1)
+    seq_len: int = option(64, "tokens per sequence", min=1)
+    width: int = option(128, "model width", min=1)
+    layers: int = option(4, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(256, "vocabulary size", min=1)
+    dropout: float = option(0.1, "dropout probability", min=0, below=1)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
+                         heads=self.heads, dropout=self.dropout)
+
+
+def build(shape: ModelShape, device):
+    """``(model, x, y)``: the TinyGPT of ``shape`` in train mode on ``device``, seeded with its seed,
+    and batch 0 of ``SyntheticTokens``. Lab 09 builds the same."""
+    torch.manual_seed(shape.seed)
+    model = TinyGPT(shape.model_config()).to(device).train()
+    x, y = SyntheticTokens(shape.vocab, shape.seq_len, seed=shape.seed).batch(0, shape.batch_size, device)
+    return model, x, y
+
+
+def time_steps(step_of: dict, steps: int) -> dict[str, list[float]]:
+    """Seconds per call of each ``step_of[name]()`` (a step that waits for the device, as ``.item()``
+    does), ``steps`` times after one warm-up each, the names interleaved so that drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in step_of}
+    for step in step_of.values():
+        step()  # warm-up (allocator, kernels, caches)
+    for _ in cli.progress(range(steps), total=steps, desc="timing"):
+        for name, step in step_of.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def grads_of(model) -> list[torch.Tensor]:
+    return [p.grad.detach().to("cpu", copy=True) for p in model.parameters()]  # a copy, off the device
+
+
+def grads_equal(a: list, b: list) -> tuple[bool, float]:
+    equal = all(torch.equal(u, v) for u, v in zip(a, b))
+    return equal, max(float((u - v).abs().max()) for u, v in zip(a, b))

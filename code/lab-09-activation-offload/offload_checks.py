@@ -1,0 +1,118 @@
+"""Lab 09 - what the lab derives about offload, and the sweeps that test it.
+
+With checkpointing, the hooks see only what ``checkpoint`` keeps: each block's input, b bytes. The
+last K stay on the device, the other n − K go to the host in forward. At the activation peak (the
+recompute of the last block) checkpointing alone holds all n inputs; with the streamed hooks the
+device holds the kept one(s) and the P inputs fetched ahead, ``blocks_held(K, P)`` = max(K, 1) + P.
+``checks`` holds each formula against a run; ``depth_rule`` follows the peak over depth, where
+checkpointing alone grows by b per block and checkpointing + streamed does not; the knob tables
+measure keep-last and min-bytes. ``tests/test_lab09.py`` asserts every one to the byte on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from labkit.table import Table
+
+from activation_offload import Config, forward, lab04, measure
+from offload_hooks import StreamedOffload
+
+DEPTHS = (4, 8, 16, 32, 64)
+
+
+# --8<-- [start:rule]
+def blocks_held(keep_last: int, prefetch: int) -> int:
+    """Block inputs on the device at the first recompute with the streamed hooks: the kept ones (at
+    least the last, which backward reads first) and the ones fetched ahead."""
+    return max(keep_last, 1) + prefetch
+
+
+def depth_rule(sweep: dict, block_input_bytes: int, keep_last: int, prefetch: int) -> dict:
+    """C′, what the activation peak holds besides the block inputs, from the shallowest run of a
+    :func:`depth_sweep`, and the depth at which streaming halves checkpointing's peak:
+    (C′ + held·b) / (C′ + n·b) = 1/2 at n = C′/b + 2·held."""
+    first, b = min(sweep), block_input_bytes
+    c0 = sweep[first]["checkpoint"] - first * b
+    return {"block_input_bytes": b, "outside_bytes": c0, "measured": sweep,
+            "n_half": c0 / b + 2 * blocks_held(keep_last, prefetch)}
+
+
+def depth_peak(rule: dict, n: int, held: int | None = None) -> int:
+    """Derived activation peak at depth ``n``: C′ + n·b for checkpointing alone, C′ + min(n, held)·b
+    with the inputs streamed (``held``: :func:`blocks_held`)."""
+    return rule["outside_bytes"] + (n if held is None else min(n, held)) * rule["block_input_bytes"]
+# --8<-- [end:rule]
+
+
+def unfiltered_d2h_bytes(config: Config, device) -> int:
+    """Bytes the streamed hooks copy out when they filter nothing (min-bytes 0, keep-last 0, nothing
+    resident): every saved tensor, what ``save_on_cpu`` copies."""
+    model, x, y = lab04.build(config, device)
+    hooks = StreamedOffload(device, 0, 0, config.prefetch)
+    forward(model, x, y, "streamed", hooks).backward()
+    return hooks.d2h_bytes
+
+
+def checks(result) -> Table:
+    """Each formula against an ``activation_offload.run`` result of all five modes, to the byte on a CPU."""
+    c, r = result.config, result.results
+    n, K, b = c.layers, c.keep_last, c.batch_size * c.seq_len * c.width * 4
+    C, S = r["checkpoint"], r["checkpoint+streamed"]
+    held = min(n, blocks_held(K, c.prefetch))
+    return Table(["quantity", "formula", ("derived", "B"), ("measured", "B")], [
+        ["checkpoint+streamed: host copies after forward", "(n − K)·b", (n - K) * b, S["host_bytes_after_forward"]],
+        ["checkpoint+streamed: kept after forward", "checkpoint's − (n − K)·b", C["kept_bytes"] - (n - K) * b,
+         S["kept_bytes"]],
+        ["checkpoint+streamed: activation peak", "checkpoint's − (n − max(K,1) − P)·b",
+         C["activation_peak_bytes"] - (n - held) * b, S["activation_peak_bytes"]],
+        ["streamed: host copies after forward (ledger)", "bytes the hooks copied", r["streamed"]["d2h_bytes"],
+         r["streamed"]["host_bytes_after_forward"]],
+        ["save_on_cpu: host copies after forward (ledger)", "bytes its pack hook copied", r["save_on_cpu"]["d2h_bytes"],
+         r["save_on_cpu"]["host_bytes_after_forward"]],
+        ["save_on_cpu: bytes moved", "every saved tensor, parameters included",
+         unfiltered_d2h_bytes(c, result.device), r["save_on_cpu"]["d2h_bytes"]]])
+
+
+def depth_sweep(config: Config, device, depths=DEPTHS) -> dict[int, dict[str, int]]:
+    """The activation peak of ``checkpoint`` and ``checkpoint+streamed`` for ``config``'s shape on
+    ``device``, at each depth of ``depths``."""
+    out = {}
+    for n in depths:
+        deeper = replace(config, layers=n)
+        model, x, y = lab04.build(deeper, device)
+        out[n] = {m: measure(model, x, y, m, 0, **deeper.knobs)[0]["activation_peak_bytes"]
+                  for m in ("checkpoint", "checkpoint+streamed")}
+    return out
+
+
+def depth_table(rule: dict, held: int) -> Table:
+    rows = [[n, m["checkpoint"], depth_peak(rule, n), m["checkpoint+streamed"], depth_peak(rule, n, held),
+             1 - m["checkpoint+streamed"] / m["checkpoint"]] for n, m in rule["measured"].items()]
+    return Table([("blocks n", "int"), ("checkpoint: measured", "B"), ("derived", "B"),
+                  ("checkpoint+streamed: measured", "B"), ("derived", "B"), ("reduction vs checkpoint", "pct:0")], rows)
+
+
+def keep_last_table(config: Config, device, values=(0, 1, 2, 3)) -> Table:
+    """``streamed`` and ``checkpoint+streamed`` measured at each keep-last K of ``values``, for the
+    model of ``config`` on ``device``, its other knobs as they are."""
+    model, x, y = lab04.build(config, device)
+    rows = []
+    for mode in ("streamed", "checkpoint+streamed"):
+        for k in values:
+            r = measure(model, x, y, mode, 0, **replace(config, keep_last=k).knobs)[0]
+            rows.append([mode, k, r["kept_bytes"], r["activation_peak_bytes"], r["d2h_bytes"], r["tensors_moved"]])
+    return Table(["mode", ("keep-last K", "int"), ("kept after forward", "B"), ("activation peak", "B"),
+                  ("moved each way", "B"), ("tensors moved", "int")], rows)
+
+
+def min_bytes_table(config: Config, device, values: tuple[int, ...]) -> Table:
+    """``streamed`` measured at each min-bytes of ``values``, for the model of ``config`` on
+    ``device``, its other knobs as they are."""
+    model, x, y = lab04.build(config, device)
+    rows = []
+    for size in values:
+        r = measure(model, x, y, "streamed", 0, **replace(config, min_bytes=size).knobs)[0]
+        rows.append([size, r["tensors_moved"], r["d2h_bytes"], r["kept_bytes"], r["activation_peak_bytes"]])
+    return Table([("min-bytes", "B"), ("tensors moved", "int"), ("moved each way", "B"),
+                  ("kept after forward", "B"), ("activation peak", "B")], rows)
