@@ -1,9 +1,9 @@
 """Training levers on one GPU: the speedups and overheads Labs 03, 04 and 09 are held to, in one run.
 
-    python bench/training_bench.py --device cuda                    # writes results/training_bench.json
-    python bench/training_bench.py --device cpu --out /tmp/t.json   # a smoke run; CPU times only
+    .venv/bin/python bench/training_bench.py --device cuda                    # writes results/training_bench.json
+    .venv/bin/python bench/training_bench.py --device cpu --out /tmp/t.json   # a smoke run; CPU times only
 
-One process runs each lab's own measurement (its ``run`` and ``summary``, unchanged) at GPU size:
+One process runs each lab's own measurement (``run(Config(...)).summary()``, unchanged) at GPU size:
 1. Lab 03: fp32, fp16 + GradScaler and bf16 autocast training steps; step speed and activation bytes
    as ratios against fp32 (target: bf16 at least 1.8x faster on an H100-class GPU);
 2. Lab 04: no checkpointing, full, every-k and save-matmuls; activation peak reduction and step-time
@@ -19,48 +19,41 @@ measured on older lab code says so.
 
 from __future__ import annotations
 
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from labkit import cli, files, labs, provenance
+from labkit.config import LabConfig, option
+
+lab03, lab04, lab09 = labs.load(3), labs.load(4), labs.load(9)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "code"))
-
-import torch  # noqa: E402
-
-from labkit import emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_int  # noqa: E402
-from labkit.notebook import load_lab  # noqa: E402
-
 BENCH = "training"
 RESULT_FILE = "results/training_bench.json"  # the GPU run; a CPU run writes results/training_bench.cpu.json
-LABS = {"lab-03-mixed-precision": "mixed_precision.py", "lab-04-activation-checkpointing": "checkpointing.py",
-        "lab-09-activation-offload": "activation_offload.py"}
 BF16_TARGET = 1.8  # Lab 03's issue: a bf16 step at least 1.8x faster than fp32 on an H100-class GPU
 OFFLOAD_TARGET = {"min_reduction": 0.50, "max_overhead": 0.10}  # Lab 09's issue, against checkpointing alone
 
 # The model sizes of the labs' own cuda tests; a CPU smoke run uses each lab's small defaults.
 GPU_SIZES = {
-    "lab-03-mixed-precision": ["--width", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512",
-                               "--batch-size", "16"],
-    "lab-04-activation-checkpointing": ["--width", "1024", "--layers", "16", "--heads", "16", "--seq-len", "1024",
-                                        "--batch-size", "8"],
-    "lab-09-activation-offload": ["--width", "1024", "--layers", "32", "--heads", "16", "--seq-len", "1024",
-                                  "--batch-size", "8"],
+    3: dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=16),
+    4: dict(width=1024, layers=16, heads=16, seq_len=1024, batch_size=8),
+    9: dict(width=1024, layers=32, heads=16, seq_len=1024, batch_size=8),
 }
 
 
-def parse_args(argv=None):
-    p = lab_parser("Benchmark the training levers of Labs 03, 04 and 09 side by side, as ratios.")
-    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per variant (default: 10 on CUDA, 2 on CPU)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default: results/training_bench.json on CUDA, results/training_bench.cpu.json on CPU")
-    return p.parse_args(argv)
+@dataclass
+class Config(LabConfig):
+    """Benchmark the training levers of Labs 03, 04 and 09 side by side, as ratios."""
+
+    steps: int | None = option(None, "timed steps per variant (default: 10 on CUDA, 2 on CPU)", min=1)
+    out: Path | None = option(None, "where to write the results (default: results/training_bench.json on CUDA, "
+                                    "results/training_bench.cpu.json on CPU)")
 
 
-def lab_argv(lab: str, device: torch.device, seed: int) -> list[str]:
-    size = GPU_SIZES[lab] if device.type == "cuda" else []
-    return ["--device", device.type, "--json", "--seed", str(seed), *size]
+def sized(n: int, device, seed: int, **fields) -> dict:
+    """A lab's Config fields for this device: GPU-sized on CUDA, the lab's small defaults on CPU."""
+    return dict(device=device.type, seed=seed, **(GPU_SIZES[n] if device.type == "cuda" else {}), **fields)
 
 
 def row(metric: str, value, unit: str, lab: str, target: str | None = None) -> dict:
@@ -68,11 +61,9 @@ def row(metric: str, value, unit: str, lab: str, target: str | None = None) -> d
 
 
 def mixed_precision(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
-    lab = "lab-03-mixed-precision"
-    mp = load_lab(f"{lab}/{LABS[lab]}")
+    lab = labs.slug(3)
     ledger_steps = 2  # the lab's default: steps under the ledger, not timed
-    args = mp.parse_args([*lab_argv(lab, device, seed), "--steps", str(steps + ledger_steps)])
-    s = mp.summary(mp.run_recipes(args))
+    s = lab03.run(lab03.Config(**sized(3, device, seed, steps=steps + ledger_steps))).summary()
     rows = []
     for name in ("bf16", "fp16"):
         v = s["vs_fp32"][name]
@@ -86,14 +77,13 @@ def mixed_precision(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
 
 
 def checkpointing(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
-    lab = "lab-04-activation-checkpointing"
-    ck = load_lab(f"{lab}/{LABS[lab]}")
-    s = ck.summary(ck.run(ck.parse_args([*lab_argv(lab, device, seed), "--steps", str(steps)])))
+    lab = labs.slug(4)
+    s = lab04.run(lab04.Config(**sized(4, device, seed, steps=steps))).summary()
     rows = []
     for name, r in s["results"].items():
         if name == "none":
             continue
-        t = ck.GPU_TARGETS.get(name, {})
+        t = lab04.GPU_TARGETS.get(name, {})
         red, over = t.get("min_activation_reduction"), t.get("max_time_overhead")
         rows.append(row(f"{name} checkpointing: activation peak reduction", r["activation_reduction"], "fraction", lab,
                         f">= {red:.2f}" if red is not None else None))
@@ -106,10 +96,8 @@ def checkpointing(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
 
 
 def activation_offload(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
-    lab = "lab-09-activation-offload"
-    ao = load_lab(f"{lab}/{LABS[lab]}")
-    args = ao.parse_args([*lab_argv(lab, device, seed), "--steps", str(steps)])
-    s = ao.summary(ao.run(args), args)
+    lab = labs.slug(9)
+    s = lab09.run(lab09.Config(**sized(9, device, seed, steps=steps))).summary()
     r = s["results"]
     both = r["checkpoint+streamed"]
     rows = [
@@ -126,31 +114,31 @@ def activation_offload(device, steps: int, seed: int) -> tuple[dict, list[dict]]
     return {"config": s["config"], "results": detail, "timing": s["timing"]}, rows
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    steps = args.steps or (10 if device.type == "cuda" else 2)
+def run(config: Config) -> dict:
+    device = cli.pick_device(config.device)
+    steps = config.steps or (10 if device.type == "cuda" else 2)
+    out = config.out or ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
+    files.check_writable(out, "--out")
     t0 = time.perf_counter()
     parts, rows = {}, []
-    plan = [("lab-03-mixed-precision", mixed_precision), ("lab-04-activation-checkpointing", checkpointing),
-            ("lab-09-activation-offload", activation_offload)]
-    for lab, measure in progress(plan, total=len(plan), desc="labs", quiet=args.json):
-        parts[lab], lab_rows = measure(device, steps, args.seed)
+    plan = [(3, mixed_precision), (4, checkpointing), (9, activation_offload)]
+    for n, measure in cli.progress(plan, total=len(plan), desc="labs"):
+        parts[labs.slug(n)], lab_rows = measure(device, steps, config.seed)
         rows += lab_rows
     result = {"bench": BENCH, "device": device.type, "steps": steps, "labs": parts,
-              "source_hashes": {lab: provenance.source_hash(lab) for lab in LABS}, "summary_rows": rows,
+              "source_hashes": {labs.slug(n): provenance.source_hash(n) for n, _ in plan}, "summary_rows": rows,
               "note": None if device.type == "cuda" else "CPU run: times are CPU times; no GPU speed claim comes from it"}
     record = provenance.collect(None, device, time.perf_counter() - t0)
-    out = args.out or ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
     provenance.write_results(out, result, record)
-    if args.json:
-        emit_json({"provenance": record, **result})
-        return
-    print(f"training benchmark on {record['device_name']} -> {out}")
-    for r in rows:
+    return {"provenance": record, "out": str(out), **result}
+
+
+def report(result: dict) -> None:
+    print(f"training benchmark on {result['provenance']['device_name']} -> {result['out']}")
+    for r in result["summary_rows"]:
         value = f"{r['value']:.2f}x" if r["unit"] == "x" else f"{100 * r['value']:+.1f} %"
         print(f"  {r['metric']:<82} {value:>9}  target {r['target'] or '-'}")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

@@ -199,10 +199,11 @@ def render_placeholder(name: str, page_src: str, config) -> str:
             if "[start:interview]" not in text:
                 continue
             link = _rel(page_src, src)
+            section = text.split("[start:interview]", 1)[1].split("\n", 1)[1].split("<!-- --8<-- [end:interview]", 1)[0]
             parts += [f"## Lab {m['lab']} · {_title(m)}", "",
                       f"From [Lab {m['lab']}]({link}); the figures its answers point at are in its "
                       f"[Measured results]({link}#measured-results).", "",
-                      f'--8<-- "docs/{src}:interview"', ""]
+                      section.strip("\n"), ""]  # inlined, so that its {{ numbers }} are filled in like the page's
         return "\n".join(parts)
     raise PluginError(f"{page_src}: unknown placeholder infralab:{name}")
 
