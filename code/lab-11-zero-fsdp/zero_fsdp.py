@@ -184,6 +184,7 @@ def run(config: Config) -> Result | None:
                 reference = {"losses": stages[-1]["losses"], "final_params": final}  # DDP: what the others must equal
             if config.timelines:
                 timelines[str(stage)] = trained.timeline.step_window(config.steps - 1).to_dict()
+            del trained  # its model holds the process group: it goes before the group does
     if rank != 0:
         return None
     result = Result(config, model_config, device, backend, world, params, tensors, LOSS_RTOL, stages,

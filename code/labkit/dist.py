@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import json
 import os
@@ -90,11 +91,13 @@ def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.
     memory). A process torchrun did not start, and NCCL without a GPU per rank, are refused
     (``UsageError``) before joining. At the end of the block every rank waits for the others
     (gloo aborts a process whose peer has already gone), then leaves; after an error it leaves at
-    once.
+    once. Before the wait, unreachable objects are collected: a finished model that holds the
+    group goes while the group is alive (see :func:`one_voice`).
     """
     this_device, backend = _join(device, backend)
     try:
         yield this_device, backend
+        gc.collect()  # what the block left that holds the group (a DDP, a sharded model) goes first
         dist.barrier()
     finally:
         if dist.is_initialized():
@@ -161,6 +164,7 @@ class Voice:
 
     def __exit__(self, kind, err, traceback) -> bool:
         self._silence.close()
+        gc.collect()  # see one_voice: nothing that holds a process group may outlive Python
         if dist.is_initialized():
             dist.destroy_process_group()
         if err is None and self.held is not None:
@@ -180,7 +184,13 @@ def one_voice() -> Voice:
     """Rank 0 alone speaks: bad input (exit 2) and a broken promise (exit 1) are one line from
     rank 0, and the other ranks exit with the same code without a word (bad input a moment later
     than rank 0, ``QUIET_EXIT_DELAY_S``). A real error surfaces on every rank, with what it had
-    printed. Every rank leaves the process group at the end."""
+    printed. Every rank leaves the process group at the end.
+
+    Every object ``run`` left that holds a process group (a DDP module, an FSDP-sharded model, a
+    ``ZeroRedundancyOptimizer``) is collected on the way out, while Python is still alive. Left to
+    the interpreter's shutdown, such an object keeps gloo's worker threads alive past it, and the
+    process may abort (``terminate called without an active exception``, SIGABRT) after a run
+    that succeeded."""
     return Voice()
 
 
