@@ -1,5 +1,5 @@
 """Lab 08: offload engines against the all-resident pipeline: equal outputs, bounded residency,
-peak ordering, clean removal, exception safety, exact transfer accounting, bad input."""
+peak ordering, clean removal, exception safety, exact transfer accounting, the plan, bad input."""
 
 from __future__ import annotations
 
@@ -11,36 +11,36 @@ import pytest
 import torch
 from conftest import ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import Ledger, run_lab
+from labkit import marks
 from labkit.diffusion import DenoiserBlock, DiffusionConfig, ToyDiffusionPipeline
+from labkit.ledger import Ledger
+from labkit.schedule import Copies
 
 SCRIPT = "lab-08-offload-memory-saving/offload.py"
+SIZE = {"device": "cpu", "width": 32, "heads": 2, "denoiser_layers": 5, "text_layers": 1, "decoder_layers": 1,
+        "latent_tokens": 16, "text_len": 8, "steps": 2, "repeats": 1}
 SMALL = ["--device", "cpu", "--width", "32", "--heads", "2", "--denoiser-layers", "5", "--text-layers", "1",
          "--decoder-layers", "1", "--latent-tokens", "16", "--text-len", "8", "--steps", "2", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
 def lab08():
-    return load_lab(SCRIPT)
+    return load_lab(8)
 
 
 @pytest.fixture(scope="module")
-def engines(lab08):
-    import offload_engines  # importable once the lab folder is on sys.path (load_lab does that)
-
-    return offload_engines
+def engines():
+    return load_lab(8, "offload_engines")
 
 
 @pytest.fixture(scope="module")
-def arena(lab08):
-    import pinned_arena  # next to the engines
-
-    return pinned_arena
+def arena():
+    return load_lab(8, "pinned_arena")
 
 
 @pytest.fixture(scope="module")
 def all_modes(lab08):
-    return {r.mode: r for r in lab08.run_all(lab08.parse_args([*SMALL, "--mode", "all"]))}
+    return {r.mode: r for r in lab08.run(lab08.Config(**SIZE)).runs}
 
 
 def small_pipeline(seed=0):
@@ -79,14 +79,23 @@ def test_peak_device_bytes_order(all_modes):
 
 
 def test_nothing_is_ever_copied_back(all_modes):
+    """Bytes written into the engines' host memory during a run, counted by a dispatch mode."""
     assert all(r.summary["d2h_bytes"] == 0 for r in all_modes.values())
 
 
+def test_the_copy_counter_sees_a_copy_back():
+    host, device_side = torch.zeros(64, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)
+    with Copies([host]) as copies:
+        host[16:32].copy_(device_side)  # a region of a host buffer, as an engine's master is
+        device_side.copy_(host[:16])
+    assert (copies.into, copies.out_of) == (16, 16)
+
+
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
-def test_layerwise_keeps_at_most_k_plus_1_blocks_and_the_ledger_agrees(lab08, engines, k):
+def test_layerwise_keeps_at_most_k_plus_1_blocks_and_the_ledger_agrees(lab08, engines, all_modes, k):
     # encoder and decoder stay resident, so every change in device bytes while denoising is blocks
-    flags = ["--mode", "layerwise", "--prefetch-depth", str(k), "--encoder-offload", "off", "--decoder-offload", "off"]
-    run = lab08.run_all(lab08.parse_args([*SMALL, *flags]))[0]
+    config = lab08.Config(**SIZE, mode="layerwise", prefetch_depth=k, encoder_offload="off", decoder_offload="off")
+    run = lab08.run(config).runs[0]
     n = run.summary["denoiser_blocks"]
     expected = min(k, n - 1) + 1
     assert run.summary["max_resident_blocks"] == expected
@@ -95,8 +104,12 @@ def test_layerwise_keeps_at_most_k_plus_1_blocks_and_the_ledger_agrees(lab08, en
     blocks_ids = {id(p) for p in pipe.denoiser.blocks.parameters()}
     shell = engines.HostMaster([p for p in pipe.denoiser.parameters() if id(p) not in blocks_ids], pinned=False).nbytes
     resident = sum(p.numel() * p.element_size() for m in (pipe.text_encoder, pipe.decoder) for p in m.parameters())
+    assert load_lab(8, "make_plan").flat_bytes(config) == {"block": block, "shell": shell, "encoder_decoder": resident}
     during = run.ledger.timeline().window("denoise").device["parameters"]
     assert max(during) == resident + shell + expected * block  # the ledger's bytes: k+1 blocks, never more
+    # the derived peak (what the notebook draws): those weights plus the all-resident run's activations
+    derived = load_lab(8, "make_plan").predicted_denoise_peak(config, k, all_modes["none"])
+    assert run.summary["peak_device_bytes_by_stage"]["denoise"] == derived
     # exact transfer accounting for one pipeline run: every block once per step, plus the k blocks
     # prefetched for a step that never comes, plus the denoiser's weights outside the blocks
     assert run.summary["h2d_bytes"] == shell + (pipe.cfg.steps * n + expected - 1) * block
@@ -104,17 +117,14 @@ def test_layerwise_keeps_at_most_k_plus_1_blocks_and_the_ledger_agrees(lab08, en
 
 @pytest.mark.parametrize("mode", ["none", "model", "sequential", "layerwise"])
 def test_removing_the_handles_leaves_the_model_exactly_as_it_was(lab08, mode):
-    args = lab08.parse_args([*SMALL, "--mode", mode])
     pipe = small_pipeline()
     before = snapshot(pipe)
     device = torch.device("cpu")
     prompt, noise = pipe.inputs(0, device)
-    ledger = Ledger(device)
-    from labkit.schedule import Recorder
-
+    assert not marks.watching()  # the engines run with no instrument at all
     with torch.no_grad():
-        handles = lab08.install(mode, pipe, device, args, ledger.category, Recorder(device))
-        out, _ = lab08.run_pipeline(pipe, handles, prompt, noise, ledger, Recorder(device))
+        handles = lab08.install(mode, pipe, device, prefetch_depth=1, pinned=False)
+        out = lab08.run_pipeline(pipe, handles, prompt, noise)
         for h in reversed(handles):
             h.remove()
     assert_same(before, pipe)
@@ -122,7 +132,7 @@ def test_removing_the_handles_leaves_the_model_exactly_as_it_was(lab08, mode):
         assert torch.equal(pipe(prompt, noise), out)  # and it still runs, with no hooks at all
 
 
-def test_handles_are_context_managers(engines):
+def test_handles_are_context_managers(lab08, engines):
     pipe = small_pipeline()
     before = snapshot(pipe)
     prompt, noise = pipe.inputs(0, "cpu")
@@ -130,8 +140,9 @@ def test_handles_are_context_managers(engines):
         expected = pipe(prompt, noise)
         with engines.LayerwiseOffload(pipe.denoiser.blocks, "cpu", prefetch_depth=2, pinned=False) as h:
             assert all(p.numel() == 0 for p in pipe.denoiser.blocks.parameters())  # released at install
-            assert torch.equal(pipe(prompt, noise), expected)
-            assert h.max_resident == 3
+            with lab08.BlockCount(pipe.denoiser.blocks, [h]) as blocks:
+                assert torch.equal(pipe(prompt, noise), expected)
+            assert blocks.most == 3
     assert_same(before, pipe)
 
 
@@ -222,7 +233,7 @@ def test_block_arena_of_the_default_pipeline_wastes_less_than_a_block_per_chunk(
     arena < blocks + chunks x one block (1.25x here). No power-of-two packing does better: a chunk of
     2^(20+j) bytes holds at most 2^j - 1 of these blocks, so every chunk costs (in MiB) one more than
     it holds; one chunk for all 8 costs 16 MiB, two cost at least 8 + 2."""
-    pipe = ToyDiffusionPipeline(lab08.config(lab08.parse_args(["--device", "cpu"])), seed=0)
+    pipe = ToyDiffusionPipeline(lab08.Config(device="cpu").pipeline(), seed=0)
     with engines.LayerwiseOffload(pipe.denoiser.blocks, "cpu", prefetch_depth=1, pinned=False) as h:
         block = h.masters[0].nbytes
         assert block == 2**20 + 9728 and all(m.nbytes == block for m in h.masters)
@@ -233,6 +244,7 @@ def test_block_arena_of_the_default_pipeline_wastes_less_than_a_block_per_chunk(
         for m in h.masters:  # one contiguous region per block, inside one chunk: one copy per block
             assert m.flat.is_contiguous() and m.flat.numel() == block
             assert m.flat.untyped_storage().data_ptr() in storages
+        assert h.host_buffers() == h.arena.chunks  # what an instrument labels host_copies
 
 
 @pytest.mark.parametrize(("width", "blocks", "bound"), [(1024, 16, 9 / 8), (1536, 24, 1.05)])
@@ -262,19 +274,28 @@ def test_the_ledger_counts_the_arenas_and_marks_every_copy_as_a_transfer(all_mod
         assert bool(spans) == (mode != "none")
 
 
-def test_step_times_come_from_a_second_run_without_the_ledger(lab08, monkeypatch):
-    calls, real = [], lab08.session
+def test_the_schedule_moves_what_the_copy_counter_saw(all_modes):
+    """Two accounts of the bytes moved in: the engines' own marks (the schedule, from a run without
+    the ledger) and the copies out of the host buffers (counted under the ledger)."""
+    for run in all_modes.values():
+        moved = sum(stage["h2d_bytes"] for stage in run.schedule.stage_summary().values())
+        assert moved == run.summary["h2d_bytes"], run.mode
 
-    def spy(mode, args, device, ledger, repeats, probe=True):
-        calls.append((type(ledger).__name__, repeats))
-        return real(mode, args, device, ledger, repeats, probe)
 
-    monkeypatch.setattr(lab08, "session", spy)
-    args = lab08.parse_args([*SMALL[:-2], "--repeats", "3", "--mode", "layerwise"])
-    run = lab08.run_mode("layerwise", args, torch.device("cpu"))
-    assert calls == [("Ledger", 1), ("NullLedger", 3)]  # bytes: one run under the ledger; time: 3 without
-    assert sum(span.name == "encode" for span in run.ledger.timeline().spans) == 1
-    assert run.summary["step_ms"] > 0 and run.recorder.intervals()
+def test_step_times_come_from_runs_without_the_ledger(lab08, monkeypatch):
+    watched, real = [], lab08.run_pipeline
+
+    def spy(*args, **kwargs):
+        watched.append(any(isinstance(i, Ledger) for i in marks.watching()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lab08, "run_pipeline", spy)
+    config = lab08.Config(**{**SIZE, "repeats": 3}, mode="layerwise")
+    run = lab08.run_mode("layerwise", config, torch.device("cpu"))
+    assert watched == [True, False, False, False]  # bytes: one run under the ledger; time: 3 without
+    assert [span.name for span in run.ledger.timeline().spans if span.name in lab08.STAGES] == \
+        ["encode", "denoise", "denoise", "decode"]
+    assert run.summary["step_ms"] > 0 and run.schedule.intervals()
 
 
 def test_json_reports_every_required_field():
@@ -285,28 +306,35 @@ def test_json_reports_every_required_field():
     assert set(modes) == {"none", "model", "sequential", "layerwise"}
     for m in modes.values():
         for key in ("mode", "peak_device_bytes", "max_resident_blocks", "h2d_bytes", "d2h_bytes", "step_ms",
-                    "max_abs_diff", "provenance", "max_memory_allocated", "host_bytes", "host_weight_bytes",
+                    "max_abs_diff", "max_memory_allocated", "host_bytes", "host_weight_bytes",
                     "host_bytes_one_buffer_per_unit"):
             assert key in m, key
-        assert m["provenance"]["source_hash"] and m["step_ms"] > 0
+        assert m["step_ms"] > 0
         assert m["peak_host_copy_bytes"] == m["host_bytes"]  # CPU: the ledger sees the arenas' chunks, exactly
     assert modes["layerwise"]["prefetch_depth"] == 1
+    assert data["provenance"]["source_hash"] and data["config"]["width"] == 32
     assert proc.stderr == ""
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--prefetch-depth", "-1"], "--prefetch-depth"),
-        (["--mode", "fast"], "--mode"),
-        (["--width", "30", "--heads", "4"], "not divisible"),
-        (["--steps", "0"], "--steps"),
-        (["--prefetch-depth", "5"], "too deep for 5 denoiser blocks"),
-        (["--mode", "layerwise", "--prefetch-depth", "7"], "at most 4"),
-    ],
-)
-def test_bad_arguments_are_one_line_and_exit_2(lab08, capsys, args, fragment):
-    assert_usage_error_in_process(lab08.main, [*SMALL, *args], capsys, fragment)
+def test_human_report():
+    proc = run_cli(SCRIPT, *SMALL, "--mode", "layerwise")
+    assert proc.returncode == 0, proc.stderr
+    assert "layerwise (k=1)" in proc.stdout and "none " not in proc.stdout  # the reference is not shown
+    assert "one pinned buffer per unit would take" in proc.stdout
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"width": 30, "heads": 4}, "not divisible"),
+    ({"prefetch_depth": 5}, "too deep for 5 denoiser blocks"),
+    ({"mode": "layerwise", "prefetch_depth": 7}, "at most 4"),
+])
+def test_the_config_refuses_what_cannot_run(lab08, fields, fragment):
+    with pytest.raises(lab08.UsageError, match=fragment):
+        lab08.Config(**{**SIZE, **fields})
+
+
+def test_a_deep_prefetch_is_fine_when_no_mode_uses_it(lab08):
+    assert lab08.Config(**SIZE, mode="model", prefetch_depth=7).prefetch_depth == 7
 
 
 def test_bad_depth_from_the_command_line():
@@ -314,14 +342,19 @@ def test_bad_depth_from_the_command_line():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_pinned_memory_without_cuda_is_refused(lab08, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_lab(lab08.main, [*SMALL, "--pinned", "on"], prog="offload.py")
-    assert exc.value.code == 2 and "--pinned on needs a CUDA driver" in capsys.readouterr().err
+def test_pinned_memory_without_cuda_is_refused(lab08):
+    with pytest.raises(lab08.UsageError, match="--pinned on needs a CUDA driver"):
+        lab08.Config(**SIZE, pinned="on")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_snapshot_on_cpu_is_refused(lab08, capsys, tmp_path):
+    assert_usage_error_in_process(lab08, [*SMALL, "--snapshot", str(tmp_path / "s.pickle")], capsys,
+                                  "needs a CUDA device")
 
 
 def test_offload_plan_is_generated_from_a_run(tmp_path):
-    """The committed plan equals a fresh run's, except the timing columns and the provenance line."""
+    """The committed plan equals a fresh run's, except the timing column and the provenance line."""
     fresh = tmp_path / "plan.md"
     proc = run_cli("lab-08-offload-memory-saving/make_plan.py", "--device", "cpu", "--repeats", "1",
                    "--out", str(fresh), timeout=600)
@@ -333,7 +366,7 @@ def test_offload_plan_is_generated_from_a_run(tmp_path):
         for line in text.splitlines():
             if line.startswith("Pipeline:"):
                 line = line.split("Measured:")[0]
-            if line.startswith("|") and " ms |" in line:
+            if line.startswith("|"):
                 cells = line.split("|")
                 del cells[5]  # the transfer time column
                 line = "|".join(cells)
@@ -343,32 +376,53 @@ def test_offload_plan_is_generated_from_a_run(tmp_path):
     assert stable(fresh.read_text()) == stable(committed)
 
 
-def test_make_plan_refuses_a_mode(capsys):
-    make_plan = load_lab("lab-08-offload-memory-saving/make_plan.py")
-    with pytest.raises(SystemExit) as exc:
-        run_lab(make_plan.main, ["--mode", "model"], prog="make_plan.py")
-    assert exc.value.code == 2 and "always runs every mode" in capsys.readouterr().err
+def test_make_plan_checks_where_it_writes_before_it_runs(lab08, capsys, tmp_path, monkeypatch):
+    make_plan = load_lab(8, "make_plan")
+    monkeypatch.setattr(lab08, "run", lambda config: pytest.fail("the run started"))
+    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path)], capsys, "cannot write a file there")
+    (tmp_path / "a-file").write_text("")
+    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path / "a-file" / "plan.md")], capsys, "cannot write")
+    assert_usage_error_in_process(make_plan, ["--prefetch-depth", "8"], capsys, "--prefetch-depth 8 is too deep")
+
+
+def test_make_plan_tables_say_who_was_where(lab08, all_modes):
+    make_plan = load_lab(8, "make_plan")
+    layerwise = make_plan.schedule_table(all_modes["layerwise"], SIZE["steps"]).rows
+    assert [row[0] for row in layerwise] == ["encode", "denoise (2 steps)", "decode"]
+    assert layerwise[1][1] == ("text_encoder then denoiser (outside the blocks); 5 of 5 blocks pass through, "
+                               "at most 2 at once")
+    assert layerwise[2][2] == "text_encoder, 5 of 5 blocks"
+    assert sum(row[3] for row in layerwise) == all_modes["layerwise"].summary["h2d_bytes"]
+    assert make_plan.schedule_table(all_modes["none"], 2).rows[0][1:3] == ["everything, resident", "nothing"]
+
+
+def test_flat_bytes_leaves_the_random_state_alone(lab08):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    load_lab(8, "make_plan").flat_bytes(lab08.Config(**SIZE))  # builds a pipeline (which seeds itself) on the meta device
+    assert torch.equal(torch.rand(3), expected)
 
 
 # ------------------------------------------------------------------ GPU only
-GPU_SIZE = ["--device", "cuda", "--width", "1024", "--heads", "16", "--denoiser-layers", "8",
-            "--latent-tokens", "2048", "--steps", "2", "--repeats", "2"]
+GPU_SIZE = {"device": "cuda", "width": 1024, "heads": 16, "denoiser_layers": 8, "latent_tokens": 2048, "steps": 2,
+            "repeats": 2}
 # bf16 blocks of width 1024 over 16,384 latent tokens: ~1.6 TFLOP of compute per block (self-attention
 # over 16k tokens is most of it), milliseconds on any data-centre GPU, against a 33.6 MB copy that
 # PCIe 4.0 or 5.0 moves in well under that. Compute-bound: the premise of the overlap test.
-GPU_COMPUTE_BOUND = ["--device", "cuda", "--width", "1024", "--heads", "16", "--denoiser-layers", "8",
-                     "--latent-tokens", "16384", "--steps", "2", "--repeats", "2", "--dtype", "bfloat16"]
+GPU_COMPUTE_BOUND = GPU_SIZE | {"latent_tokens": 16384, "dtype": "bfloat16"}
 
 
 @pytest.mark.cuda
 def test_cuda_outputs_match_and_the_peaks_keep_their_order(lab08):
-    runs = {r.mode: r for r in lab08.run_all(lab08.parse_args([*GPU_SIZE, "--mode", "all"]))}
+    runs = {r.mode: r for r in lab08.run(lab08.Config(**GPU_SIZE)).runs}
     for r in runs.values():
         assert r.summary["max_abs_diff"] <= 1e-5, (r.mode, r.summary["max_abs_diff"])
         assert r.summary["max_memory_allocated"] > 0
     assert runs["layerwise"].summary["pinned"]
     peak = {m: r.summary["peak_device_bytes"] for m, r in runs.items()}
     assert peak["sequential"] <= peak["layerwise"] < peak["model"] < peak["none"]
+    assert all(r.summary["d2h_bytes"] == 0 for r in runs.values())
 
 
 @pytest.mark.cuda
@@ -379,17 +433,17 @@ def test_cuda_layerwise_hides_most_of_its_copy_time_under_compute(lab08):
     no block computing before it is block 0 of the first step: 1 of the 2 x 8 + 1 copies in a run
     (the +1: the wrap-around prefetch for a step that never comes). So about 16/17 = 94 % of the
     copy time overlaps; 80 % leaves room for timing noise, and far more than "any overlap"."""
-    run = lab08.run_mode("layerwise", lab08.parse_args([*GPU_COMPUTE_BOUND, "--mode", "layerwise"]),
-                         torch.device("cuda"))
+    config = lab08.Config(**GPU_COMPUTE_BOUND, mode="layerwise")
+    run = lab08.run_mode("layerwise", config, torch.device("cuda"))
     assert run.summary["pinned"]
-    bars = run.recorder.intervals()
+    bars = run.schedule.intervals()
     copies = [b for b in bars if b.lane == "copy"]
     computes = [b for b in bars if b.lane == "compute" and b.kind == "compute"]
     assert len(copies) == 2 * 8 + 1 and len(computes) == 2 * 8
     copy_ms = sum(b.ms for b in copies)
     per_copy, per_compute = copy_ms / len(copies), sum(b.ms for b in computes) / len(computes)
     assert per_compute > 1.5 * per_copy, f"not compute-bound here ({per_compute:.3f} vs {per_copy:.3f} ms)"
-    assert run.recorder.overlap_ms() >= 0.8 * copy_ms, (run.recorder.overlap_ms(), copy_ms)
+    assert run.schedule.overlap_ms() >= 0.8 * copy_ms, (run.schedule.overlap_ms(), copy_ms)
 
 
 @pytest.mark.cuda

@@ -5,277 +5,298 @@
     sequential  every module's weights move in for its own forward only
     layerwise   denoiser blocks stream through with a prefetch depth k; encoder/decoder model-level
 
-Each mode runs twice: once under the labkit memory ledger, for peak device bytes, the host bytes
-the masters take, how many denoiser blocks were resident at once and the bytes moved each way;
-then again without the ledger (its dispatch mode costs time on every op) for the time per
-denoising step and the schedule's timings (plus max_memory_allocated on CUDA). Both runs report
-the largest difference from the all-resident output.
+The engines are in ``offload_engines.py``; here ``install`` places them and ``run_pipeline`` runs the
+pipeline. Each mode is then measured twice: once under the memory ledger (the bytes), once without
+it, whose dispatch mode costs time on every op (the time per denoising step, the schedule).
 
 Run it:
-    python code/lab-08-offload-memory-saving/offload.py --mode all --device cpu
-    python code/lab-08-offload-memory-saving/offload.py --mode layerwise --prefetch-depth 2 --json
+    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode all --device cpu
+    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode layerwise --prefetch-depth 2 --json
 """
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # makes code/labkit importable
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and the engines next to this file
+import torch
+from offload_engines import LayerwiseOffload, ModelOffload, Resident, SequentialOffload
+from pinned_arena import next_pow2
 
-import torch  # noqa: E402
+from labkit import cli, labs, marks, provenance
+from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit.cuda import allocator_stats, record_snapshot, reset_peak
+from labkit.diffusion import DiffusionConfig, ToyDiffusionPipeline
+from labkit.ledger import Ledger
+from labkit.schedule import Copies, Recorder
+from labkit.table import Table
 
-from labkit import Ledger, UsageError, emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.ledger import NullLedger  # noqa: E402
-from labkit.cli import non_negative_int, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, record_snapshot, reset_peak  # noqa: E402
-from labkit.diffusion import DTYPES, DiffusionConfig, ToyDiffusionPipeline  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-from labkit.schedule import Recorder  # noqa: E402
-from offload_engines import LayerwiseOffload, ModelOffload, Resident, SequentialOffload  # noqa: E402
-from pinned_arena import next_pow2  # noqa: E402
-
-LAB = "lab-08-offload-memory-saving"
 MODES = ("none", "model", "sequential", "layerwise")
 STAGES = ("encode", "denoise", "decode")
-
-
-def parse_args(argv=None):
-    p = lab_parser("Run a toy diffusion pipeline under each offload engine and measure it.")
-    p.add_argument("--mode", choices=[*MODES, "all"], default="all")
-    p.add_argument("--prefetch-depth", type=non_negative_int, default=1, help="layerwise: blocks copied ahead")
-    p.add_argument("--pinned", choices=["auto", "on", "off"], default="auto",
-                   help="pinned host masters (auto: on when CUDA is present)")
-    p.add_argument("--encoder-offload", choices=["on", "off"], default="on", help="layerwise mode only")
-    p.add_argument("--decoder-offload", choices=["on", "off"], default="on", help="layerwise mode only")
-    p.add_argument("--width", type=positive_int, default=128)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--denoiser-layers", type=positive_int, default=8)
-    p.add_argument("--text-layers", type=positive_int, default=2)
-    p.add_argument("--decoder-layers", type=positive_int, default=2)
-    p.add_argument("--latent-tokens", type=positive_int, default=64)
-    p.add_argument("--text-len", type=positive_int, default=16)
-    p.add_argument("--steps", type=positive_int, default=3, help="denoising steps")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--repeats", type=positive_int, default=2, help="pipeline runs per mode; the first warms up")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: dump a memory-history pickle for memory_viz")
-    args = p.parse_args(argv)
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.mode in ("layerwise", "all") and args.prefetch_depth >= args.denoiser_layers:
-        raise UsageError(f"--prefetch-depth {args.prefetch_depth} is too deep for {args.denoiser_layers} denoiser "
-                         f"blocks: at most {args.denoiser_layers - 1} (every other block) can be ahead")
-    if args.pinned == "on" and not torch.cuda.is_available():
-        raise UsageError("--pinned on needs a CUDA driver (pinned memory is page-locked for DMA)")
-    return args
-
-
-def config(args) -> DiffusionConfig:
-    return DiffusionConfig(width=args.width, heads=args.heads, text_len=args.text_len, text_layers=args.text_layers,
-                           latent_tokens=args.latent_tokens, denoiser_layers=args.denoiser_layers,
-                           decoder_layers=args.decoder_layers, steps=args.steps, batch=args.batch, dtype=args.dtype)
+SHAPE = ("width", "heads", "denoiser_layers", "text_layers", "decoder_layers", "latent_tokens", "text_len", "steps",
+         "batch", "dtype")
 
 
 # --8<-- [start:install]
-def install(mode: str, pipe: ToyDiffusionPipeline, device, args, tag, recorder, phase=None) -> list:
-    """Place the pipeline's weights for ``mode``; returns handles (remove in reverse)."""
-    pinned = args.pinned == "on" or (args.pinned == "auto" and device.type == "cuda")
+def install(mode: str, pipe: ToyDiffusionPipeline, device, *, prefetch_depth: int = 1, pinned: bool = True,
+            encoder_offload: bool = True, decoder_offload: bool = True) -> list:
+    """Place the pipeline's weights for ``mode``; returns the handles (remove them in reverse).
+
+    ``mode``: none, model, sequential or layerwise; ``pipe``: the pipeline, built on the host;
+    ``device``: where it computes; ``prefetch_depth``: layerwise, blocks copied ahead; ``pinned``:
+    host masters in pinned memory; ``encoder_offload``, ``decoder_offload``: layerwise, whether the
+    text encoder and the decoder move too (otherwise they stay resident).
+    """
     parts = pipe.components()
-    kw = {"tag": tag, "recorder": recorder} | ({"phase": phase} if phase else {})
     if mode == "none":
-        return [Resident(parts, device, tag)]
+        return [Resident(parts, device)]
     if mode == "model":
-        return [ModelOffload(parts, device, pinned, **kw)]  # (1)!
+        return [ModelOffload(parts, device, pinned)]  # (1)!
     if mode == "sequential":
-        return [SequentialOffload(pipe, device, pinned, **kw)]  # (2)!
-    blocks, k = pipe.denoiser.blocks, args.prefetch_depth
-    handles = [LayerwiseOffload(blocks, device, k, pinned, name="denoiser.blocks", **kw)]  # (3)!
+        return [SequentialOffload(pipe, device, pinned)]  # (2)!
+    blocks = pipe.denoiser.blocks
+    handles = [LayerwiseOffload(blocks, device, prefetch_depth, pinned, name="denoiser.blocks")]  # (3)!
     chain = {"denoiser": parts["denoiser"]}  # its few weights outside the blocks
-    if args.encoder_offload == "on":
+    if encoder_offload:
         chain = {"text_encoder": parts["text_encoder"], **chain}
-    if args.decoder_offload == "on":
+    if decoder_offload:
         chain["decoder"] = parts["decoder"]
-    handles.append(ModelOffload(chain, device, pinned, skip=[blocks], **kw))  # (4)!
+    handles.append(ModelOffload(chain, device, pinned, skip=[blocks]))  # (4)!
     stay = {name: m for name, m in parts.items() if name not in chain}
     if stay:
-        handles.append(Resident(stay, device, tag))
+        handles.append(Resident(stay, device))
     return handles
 # --8<-- [end:install]
 
 
 # --8<-- [start:run]
-def run_pipeline(pipe, handles, prompt, noise, ledger: Ledger, recorder: Recorder):
-    """encode -> T denoising steps -> decode; returns the output, the loop's seconds."""
-    with ledger.phase("encode"), recorder.stage("encode"):
+def run_pipeline(pipe: ToyDiffusionPipeline, handles: list, prompt, noise) -> torch.Tensor:
+    """encode -> T denoising steps -> decode, with the weights wherever ``handles`` put them."""
+    with marks.phase("encode"):
         text = pipe.encode(prompt)
-    sync(noise.device)
-    t0 = time.perf_counter()
     latents = noise
-    with recorder.stage("denoise"):
-        for step in range(pipe.cfg.steps):
-            with ledger.phase("denoise", step):
-                latents = pipe.denoise_step(latents, text, step)
-        sync(noise.device)
-        denoise_s = time.perf_counter() - t0
-        for handle in handles:
-            handle.settle()  # (1)!
-    with ledger.phase("decode"), recorder.stage("decode"):
-        image = pipe.decode(latents)
-    return image, denoise_s
+    for step in range(pipe.cfg.steps):
+        with marks.phase("denoise", step):
+            latents = pipe.denoise_step(latents, text, step)
+    for handle in handles:
+        handle.drop_prefetched()  # (1)!
+    with marks.phase("decode"):
+        return pipe.decode(latents)
 # --8<-- [end:run]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass
+class Config(LabConfig):
+    """Run a toy diffusion pipeline under each offload engine and measure it."""
+
+    mode: Literal["none", "model", "sequential", "layerwise", "all"] = option(
+        "all", "the placement to measure against all-resident (all: every one)")
+    prefetch_depth: int = option(1, "layerwise: blocks copied ahead", min=0)
+    pinned: Literal["auto", "on", "off"] = option("auto", "pinned host masters (auto: on when CUDA is present)")
+    encoder_offload: Literal["on", "off"] = option("on", "layerwise: the text encoder moves too (off: resident)")
+    decoder_offload: Literal["on", "off"] = option("on", "layerwise: the decoder moves too (off: resident)")
+    width: int = option(128, "model width", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    denoiser_layers: int = option(8, "denoiser blocks", min=1)
+    text_layers: int = option(2, "text encoder blocks", min=1)
+    decoder_layers: int = option(2, "decoder layers", min=1)
+    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1)
+    text_len: int = option(16, "prompt tokens", min=1)
+    steps: int = option(3, "denoising steps", min=1)
+    batch: int = option(1, "prompts per pipeline run", min=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "the weights' dtype")
+    repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        if self.mode in ("layerwise", "all") and self.prefetch_depth >= self.denoiser_layers:
+            raise UsageError(f"--prefetch-depth {self.prefetch_depth} is too deep for {self.denoiser_layers} denoiser "
+                             f"blocks: at most {self.denoiser_layers - 1} (every other block) can be ahead")
+        if self.pinned == "on" and not torch.cuda.is_available():
+            raise UsageError("--pinned on needs a CUDA driver (pinned memory is page-locked for DMA)")
+
+    def pipeline(self) -> DiffusionConfig:
+        return DiffusionConfig(**{name: getattr(self, name) for name in SHAPE})
 
 
-def resident_blocks(blocks, handles) -> int:
-    """Denoiser blocks with weights on the device right now (prefetched ones included)."""
-    for h in handles:
-        if isinstance(h, LayerwiseOffload):
-            return h.resident()
-    return sum(any(p.numel() for p in b.parameters()) for b in blocks)
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    if config.snapshot and device.type != "cuda":
+        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+    modes = MODES if config.mode == "all" else dict.fromkeys(("none", config.mode))  # none: the reference
+    runs, t0 = [], time.perf_counter()
+    with record_snapshot(config.snapshot):
+        for mode in cli.progress(modes, total=len(modes), desc="modes"):
+            runs.append(run_mode(mode, config, device, runs[0].output if runs else None))
+    shown = [r for r in runs if config.mode in ("all", r.mode)]
+    return Result(config, device, shown, time.perf_counter() - t0)
 
 
+# ---------------------------------------------------------------------- measuring one mode
 @dataclass
 class ModeRun:
     mode: str
-    output: torch.Tensor
-    ledger: Ledger
-    recorder: Recorder
+    output: torch.Tensor  # the pipeline's output
+    ledger: Ledger  # the run under the ledger: phases install, encode, denoise, decode, remove
+    schedule: Recorder  # the last timed run's transfers and computes
     summary: dict
 
 
-def session(mode: str, args, device: torch.device, ledger, repeats: int, probe: bool = True) -> dict:
-    """Install ``mode``, run the pipeline ``repeats`` times, remove; what one session saw."""
-    pipe = ToyDiffusionPipeline(config(args), seed=args.seed)  # built on the host, as from a checkpoint
-    prompt, noise = pipe.inputs(args.seed, device)
-    ledger.track_module(pipe).track([prompt, noise], "other")
-    blocks = pipe.denoiser.blocks
-    with torch.no_grad(), ledger:
-        with ledger.phase("install"):
-            handles = install(mode, pipe, device, args, ledger.category, None, ledger.phase)
-        most = [0]
-        probes = [m.register_forward_pre_hook(lambda *_: most.__setitem__(0, max(most[0], resident_blocks(blocks, handles))))
-                  for m in (blocks.modules() if probe else ())]
-        reset_peak(device)
-        runs = []
-        for _ in range(repeats):
-            recorder = Recorder(device)  # keep the last (warm) run's schedule
-            for h in handles:
-                h.recorder = recorder
-            h2d_before = sum(h.h2d_bytes for h in handles)
-            output, denoise_s = run_pipeline(pipe, handles, prompt, noise, ledger, recorder)
-            sync(device)
-            runs.append((denoise_s, sum(h.h2d_bytes for h in handles) - h2d_before))
-        cuda = allocator_stats(device)
-        arenas = [h.arena for h in handles if h.arena is not None]
-        facts = {"prefetch_depth": handles[0].k if mode == "layerwise" else None,
-                 "pinned": any(h.pinned for h in handles),
-                 "always_resident": sorted(name for h in handles if isinstance(h, Resident) for name in h.names),
-                 "host_bytes": sum(a.nbytes for a in arenas), "host_weight_bytes": sum(a.unit_bytes for a in arenas),
-                 "host_bytes_one_buffer_per_unit": sum(next_pow2(s) for a in arenas for s in a.sizes),
-                 "d2h_bytes": sum(h.d2h_bytes for h in handles)}
-        for p in probes:
-            p.remove()
-        with ledger.phase("remove"):
-            for h in reversed(handles):
-                h.remove()
-    recorder.finish()
-    warm = runs[1:] or runs
-    return facts | {"output": output, "recorder": recorder, "most": most[0], "cuda": cuda, "blocks": len(blocks),
-                    "h2d_bytes": runs[-1][1], "step_ms": 1e3 * sum(r[0] for r in warm) / len(warm) / args.steps}
-
-
-def run_mode(mode: str, args, device: torch.device, reference: torch.Tensor | None = None,
-             ledger_on: bool = True) -> ModeRun:
+def run_mode(mode: str, config: Config, device, reference: torch.Tensor | None = None) -> ModeRun:
     """Measure ``mode`` twice over: bytes under the memory ledger, time without it.
 
-    The ledger's dispatch mode costs time on every op, so no time is taken while it runs: one
-    pipeline run under the ledger gives the bytes, then a fresh install runs ``args.repeats``
-    times (the first warms up) without it for the step time, the schedule's timings and, on CUDA,
-    ``max_memory_allocated``. ``ledger_on=False`` (the benchmark) skips the ledger run.
+    ``mode``: one of MODES; ``config``: the pipeline's size and the engines' options; ``device``: a
+    torch.device; ``reference``: the all-resident output to compare with (default: this output).
+    One pipeline run under the ledger gives the bytes; then a fresh install runs ``config.repeats``
+    times (the first warms up) with no ledger, for the step time and the schedule's timings.
     """
-    t_start = time.perf_counter()
-    ledger = Ledger(device) if ledger_on else NullLedger(device)
-    mem = session(mode, args, device, ledger, repeats=1) if ledger_on else None
-    timed = session(mode, args, device, NullLedger(device), args.repeats, probe=not ledger_on)
-    bytes_run = mem or timed
-    reference = bytes_run["output"] if reference is None else reference
-    if ledger_on:
-        peaks = ledger.peaks_by_phase()
-        stage_peak = {s: sum(peaks[s].values()) for s in STAGES}
-        host_peak = max(ledger.timeline().host["host_copies"], default=0)
-    else:
-        stage_peak, host_peak = {s: None for s in STAGES}, None
-    summary = {
-        "mode": mode,
-        "prefetch_depth": bytes_run["prefetch_depth"],
-        "pinned": bytes_run["pinned"],
-        "encoder_offload": mode in ("model", "sequential") or (mode == "layerwise" and args.encoder_offload == "on"),
-        "decoder_offload": mode in ("model", "sequential") or (mode == "layerwise" and args.decoder_offload == "on"),
-        "always_resident": bytes_run["always_resident"],
-        "peak_device_bytes": max(stage_peak.values()) if ledger_on else None,
-        "peak_device_bytes_by_stage": stage_peak,
-        "peak_host_copy_bytes": host_peak,  # the ledger's count of the host masters' memory
-        "host_bytes": bytes_run["host_bytes"],  # the arenas' chunks: pinned on a GPU machine
-        "host_weight_bytes": bytes_run["host_weight_bytes"],  # what the host masters hold
-        "host_bytes_one_buffer_per_unit": bytes_run["host_bytes_one_buffer_per_unit"],  # pinned one by one
-        "max_memory_allocated": timed["cuda"]["max_memory_allocated"] if timed["cuda"] else None,
-        "max_resident_blocks": bytes_run["most"],
-        "denoiser_blocks": bytes_run["blocks"],
-        "h2d_bytes": bytes_run["h2d_bytes"],
-        "d2h_bytes": bytes_run["d2h_bytes"],
-        "step_ms": timed["step_ms"],  # from the run without the ledger
-        "max_abs_diff": max((r["output"].float() - reference.float()).abs().max().item() for r in (bytes_run, timed)),
-        "provenance": provenance.collect(LAB, device, time.perf_counter() - t_start),
-    }
-    return ModeRun(mode, bytes_run["output"], ledger, timed["recorder"], summary)
+    ledger = Ledger(device)
+    output, counted = measure_bytes(mode, config, device, ledger)
+    timed_output, schedule, step_ms, cuda = measure_time(mode, config, device)
+    reference = output if reference is None else reference
+    peaks = ledger.timeline().peaks_by_phase()
+    stage_peak = {s: sum(peaks[s].values()) for s in STAGES}
+    moves = {part: mode in ("model", "sequential") or mode == "layerwise" and flag == "on"
+             for part, flag in (("encoder", config.encoder_offload), ("decoder", config.decoder_offload))}
+    summary = {"mode": mode, "prefetch_depth": config.prefetch_depth if mode == "layerwise" else None,
+               "encoder_offload": moves["encoder"], "decoder_offload": moves["decoder"],
+               "peak_device_bytes": max(stage_peak.values()), "peak_device_bytes_by_stage": stage_peak,
+               "peak_host_copy_bytes": max(ledger.timeline().host["host_copies"], default=0),  # the ledger's count
+               **counted, "denoiser_blocks": config.denoiser_layers,
+               "max_memory_allocated": cuda["max_memory_allocated"] if cuda else None,
+               "step_ms": step_ms,  # from the runs without the ledger
+               "max_abs_diff": max((out.float() - reference.float()).abs().max().item() for out in (output, timed_output))}
+    return ModeRun(mode, output, ledger, schedule, summary)
 
 
-def run_all(args) -> list[ModeRun]:
-    device = pick_device(args.device)
-    if args.snapshot and device.type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    modes = MODES if args.mode == "all" else ("none", args.mode) if args.mode != "none" else ("none",)
-    runs: list[ModeRun] = []
-    with record_snapshot(args.snapshot):
-        for mode in progress(modes, total=len(modes), desc="modes", quiet=args.json):
-            runs.append(run_mode(mode, args, device, runs[0].output if runs else None))
-    return runs if args.mode in ("all", "none") else runs[1:]
+def measure_bytes(mode: str, config: Config, device, ledger: Ledger) -> tuple[torch.Tensor, dict]:
+    """One pipeline run under ``ledger``; also counted from outside: the denoiser blocks on the
+    device whenever a block module starts, and the bytes copied out of and into the host masters."""
+    pipe = ToyDiffusionPipeline(config.pipeline(), seed=config.seed)  # built on the host, as from a checkpoint
+    prompt, noise = pipe.inputs(config.seed, device)
+    ledger.track_module(pipe).track([prompt, noise], "other")
+    with torch.no_grad(), ledger, installed(mode, pipe, device, config) as handles:
+        host = [chunk for h in handles for chunk in h.host_buffers()]
+        ledger.track(host, "host_copies")  # the arenas' chunks: host memory, labelled from outside
+        with BlockCount(pipe.denoiser.blocks, handles) as blocks, Copies(host) as copies:
+            output = run_pipeline(pipe, handles, prompt, noise)
+        arenas = [h.arena for h in handles if h.arena is not None]
+        return output, {
+            "pinned": any(h.pinned for h in handles),
+            "always_resident": sorted(name for h in handles if isinstance(h, Resident) for name in h.names),
+            "host_bytes": sum(a.nbytes for a in arenas),  # the arenas' chunks: pinned on a GPU
+            "host_weight_bytes": sum(a.unit_bytes for a in arenas),  # what the masters hold
+            "host_bytes_one_buffer_per_unit": sum(next_pow2(size) for a in arenas for size in a.sizes),
+            "max_resident_blocks": blocks.most, "h2d_bytes": copies.out_of, "d2h_bytes": copies.into}
 
 
-def report(runs: list[ModeRun], args) -> dict:
-    return {"lab": LAB, "config": config(args).__dict__, "modes": [r.summary for r in runs]}
+def measure_time(mode: str, config: Config, device) -> tuple[torch.Tensor, Recorder, float, dict | None]:
+    """``config.repeats`` pipeline runs with no ledger: the output, the last run's schedule, the
+    milliseconds per denoising step (warm runs), the allocator's counters (CUDA)."""
+    pipe = ToyDiffusionPipeline(config.pipeline(), seed=config.seed)
+    prompt, noise = pipe.inputs(config.seed, device)
+    denoise_ms = []
+    with torch.no_grad(), installed(mode, pipe, device, config) as handles:
+        reset_peak(device)
+        for _ in range(config.repeats):
+            with Recorder(device) as schedule:  # its exit waits for the device
+                output = run_pipeline(pipe, handles, prompt, noise)
+            denoise_ms.append(schedule.stage_ms("denoise"))
+        cuda = allocator_stats(device)
+    warm = denoise_ms[1:] or denoise_ms
+    return output, schedule, sum(warm) / len(warm) / config.steps, cuda
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    runs = run_all(args)
-    if args.json:
-        emit_json(report(runs, args))
-        return
-    device = runs[0].summary["provenance"]["device_type"]
-    print(f"Lab 08 on {device}: {args.denoiser_layers}-block denoiser, {args.steps} steps, width {args.width}, "
-          f"{args.dtype}{' (CPU: times are CPU times, transfers are memcpy)' if device == 'cpu' else ''}")
-    print(f"{'mode':<11}{'peak device':>13}{'host masters':>14}{'resident blocks':>17}{'H2D / run':>12}{'D2H':>6}"
-          f"{'ms / step':>11}{'max |diff|':>12}")
+@contextlib.contextmanager
+def installed(mode: str, pipe, device, config: Config):
+    """``install`` in the phase ``install``; removed, in reverse, in the phase ``remove``."""
+    with marks.phase("install"):
+        handles = install(mode, pipe, device, prefetch_depth=config.prefetch_depth,
+                          pinned=config.pinned == "on" or (config.pinned == "auto" and device.type == "cuda"),
+                          encoder_offload=config.encoder_offload == "on", decoder_offload=config.decoder_offload == "on")
+    try:
+        yield handles
+    finally:
+        with marks.phase("remove"):
+            for handle in reversed(handles):
+                handle.remove()
+
+
+class BlockCount:
+    """The most denoiser blocks on the device (prefetched ones too) when a block module starts."""
+
+    def __init__(self, blocks, handles: list) -> None:
+        streaming = next((h for h in handles if isinstance(h, LayerwiseOffload)), None)
+        self.now = streaming.resident if streaming else lambda: sum(any(p.numel() for p in b.parameters())
+                                                                    for b in blocks)
+        self.most, self.hooks = 0, [m.register_forward_pre_hook(self.seen) for m in blocks.modules()]
+
+    def seen(self, *_) -> None:
+        self.most = max(self.most, self.now())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+# ---------------------------------------------------------------------- the result and its report
+@dataclass
+class Result:
+    config: Config
+    device: torch.device
+    runs: list[ModeRun]
+    wall_time_s: float
+
+    def summary(self) -> dict:
+        return {"lab": labs.slug(__file__), "device": str(self.device), "config": summary_of(self.config),
+                "modes": [r.summary for r in self.runs],
+                "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
+
+
+def modes_table(runs: list[ModeRun], times: bool = True) -> Table:
+    """One row per mode: what it keeps on the device, what it moves, and (``times``) how fast."""
+    resident = next((r.summary["peak_device_bytes"] for r in runs if r.mode == "none"), None)
+    columns = ["mode", ("peak device bytes", "bytes"), ("vs resident", "x:2"), "denoiser blocks resident",
+               ("host to device per run", "bytes"), ("device to host", "B"), ("max abs diff", "sci:1")]
+    rows = []
     for r in runs:
         s = r.summary
-        name = s["mode"] + (f" k={s['prefetch_depth']}" if s["prefetch_depth"] is not None else "")
-        print(f"{name:<11}{format_bytes(s['peak_device_bytes']):>13}{format_bytes(s['host_bytes']):>14}"
-              f"{s['max_resident_blocks']:>11} of {s['denoiser_blocks']:<3}{format_bytes(s['h2d_bytes']):>12}"
-              f"{s['d2h_bytes']:>6}{s['step_ms']:>11.2f}{s['max_abs_diff']:>12.2e}")
-    print("host masters: the arenas' power-of-two chunks (pinned on a GPU); ms / step: a second run, "
-          "without the memory ledger")
-    if args.snapshot:
-        print(f"memory history written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
+        name = f"layerwise (k={s['prefetch_depth']})" if r.mode == "layerwise" else r.mode
+        rows.append([name, s["peak_device_bytes"], resident and s["peak_device_bytes"] / resident,
+                     f"{s['max_resident_blocks']} of {s['denoiser_blocks']}", s["h2d_bytes"], s["d2h_bytes"],
+                     s["max_abs_diff"]] + ([s["step_ms"]] if times else []))
+    return Table(columns + ([("ms per step (no ledger)", "float:2")] if times else []), rows)
+
+
+def host_table(runs: list[ModeRun]) -> Table:
+    """What the host masters cost: the arenas against one pinned buffer per unit."""
+    rows = [[r.mode, s["host_weight_bytes"], s["host_bytes"], s["host_bytes"] / s["host_weight_bytes"],
+             s["host_bytes_one_buffer_per_unit"], s["host_bytes_one_buffer_per_unit"] / s["host_weight_bytes"]]
+            for r in runs if (s := r.summary)["host_weight_bytes"]]
+    return Table(["mode", ("weights on the host", "bytes"), ("arena (measured: ledger `host_copies`)", "bytes"),
+                  ("vs weights", "x:2"), ("one pinned buffer per unit would take", "bytes"), ("vs weights", "x:2")], rows)
+
+
+def report(result: Result) -> None:
+    c, cpu = result.config, result.device.type == "cpu"
+    print(f"Lab 08 on {result.device}: {c.denoiser_layers}-block denoiser, {c.steps} steps, width {c.width}, "
+          f"{c.dtype}{' (CPU: times are CPU times, transfers are memcpy)' if cpu else ''}")
+    print(modes_table(result.runs).text())
+    if any(r.summary["host_weight_bytes"] for r in result.runs):
+        print("\nHost masters (the arenas' power-of-two chunks, pinned on a GPU):")
+        print(host_table(result.runs).text())
+    if c.snapshot:
+        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

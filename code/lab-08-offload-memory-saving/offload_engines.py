@@ -1,62 +1,49 @@
-"""Lab 08 - three offload engines for inference, each a handle that installs hooks and removes them.
+"""Lab 08 - three offload engines for inference: what moves to the device, and when.
 
-* ``ModelOffload``: whole components (text encoder, denoiser, decoder) move to the device when
-  their forward starts; the previous component is dropped when the next one begins (chained hooks).
+* ``ModelOffload``: a whole component (text encoder, denoiser, decoder) moves in when its forward
+  starts; the previous one is dropped then.
 * ``SequentialOffload``: every module that owns parameters loads them right before its forward and
   drops them right after. Minimal memory, no overlap: the slow baseline.
-* ``LayerwiseOffload``: the blocks of a ModuleList stream through the device. A copy stream
-  prefetches the next ``k`` blocks while the current one computes; at most ``k + 1`` blocks are
-  resident; the GPU waits on events, the CPU never waits inside the block loop.
+* ``LayerwiseOffload``: blocks stream through the device. A copy stream prefetches the next ``k``
+  while one computes, so ``k + 1`` are resident; the GPU waits on events, the CPU never waits.
 
-All three keep the weights' master copy on the host (``HostMaster``: one flat buffer per unit, a
-view into the engine's ``PinnedArena``, which asks the pinned allocator only for power-of-two
-chunks) and *release* device weights by pointing parameters at an empty placeholder: inference
-weights never change, so nothing is ever copied back (zero device-to-host bytes).
-
-``tag(category)`` tells the memory ledger which side a buffer is on (on a CPU-only machine both
-sides are RAM), ``phase("transfer")`` marks each copy in the ledger's timeline, and
-``recorder.mark(...)`` logs each transfer and compute for the residency schedule. Every handle
-works as a context manager; ``remove()`` restores the model exactly as it was.
+Each keeps the master copy of the weights on the host (``HostMaster``, a region of a
+``PinnedArena``) and releases device weights by pointing parameters at an empty placeholder:
+inference never writes its weights, so nothing is copied back. Copies are marked for whoever
+watches (``labkit.marks``). Every engine is a handle whose ``remove()`` restores the model exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn as nn
 from pinned_arena import PinnedArena
 
+from labkit import marks
+
 ALIGN = 64  # bytes; every parameter starts on a 64-byte boundary inside a flat buffer
-
-
-def _no_tag(category: str):
-    return contextlib.nullcontext()
-
-
-_no_phase = _no_tag  # phase("transfer") without a ledger: nothing to mark
 
 
 # --8<-- [start:host-master]
 class HostMaster:
     """The host copy of some parameters: ONE flat buffer, each parameter a view."""
 
-    def __init__(self, params: list[nn.Parameter], pinned: bool, tag=_no_tag, flat=None) -> None:
+    def __init__(self, params: list[nn.Parameter], pinned: bool, flat: torch.Tensor | None = None) -> None:
         self.params = params
         self.layout, self.nbytes = self.plan(params)
         if flat is None:  # a buffer of its own, exactly this size
-            with tag("host_copies"):
-                flat = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+            flat = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.flat = flat  # (1)!
         for view, p in zip(self.views(self.flat), params):
             view.copy_(p.data)
 
     @classmethod
-    def packed(cls, units: list[list[nn.Parameter]], pinned: bool, tag=_no_tag):
+    def packed(cls, units: list[list[nn.Parameter]], pinned: bool):
         """One master per unit, all of them views into one arena of power-of-two chunks."""
-        arena = PinnedArena([cls.plan(params)[1] for params in units], pinned, tag)  # (2)!
-        return arena, [cls(params, pinned, tag, flat) for params, flat in zip(units, arena.regions)]
+        arena = PinnedArena([cls.plan(params)[1] for params in units], pinned)  # (2)!
+        return arena, [cls(params, pinned, flat) for params, flat in zip(units, arena.regions)]
 
     @staticmethod
     def plan(params: list[nn.Parameter]) -> tuple[list, int]:
@@ -70,8 +57,7 @@ class HostMaster:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Typed, shaped views of a flat byte buffer (host or device), in order."""
-        return [flat[o:o + n].view(dtype).view(shape) for o, n, dtype, shape, _ in
-                self.layout]
+        return [flat[o:o + n].view(dtype).view(shape) for o, n, dtype, shape, _ in self.layout]
 
     def attach(self, flat: torch.Tensor) -> None:
         for p, view in zip(self.params, self.views(flat)):
@@ -88,40 +74,38 @@ class HostMaster:
 # --8<-- [end:host-master]
 
 
-class OffloadHandle:
-    """Base of the engines: bookkeeping, the copy in, and a clean ``remove()``."""
+class Offload:
+    """What the engines share: host masters packed in one arena, the copy in, and ``remove()``."""
 
-    def __init__(self, device, pinned: bool, tag=_no_tag, recorder=None, phase=_no_phase) -> None:
+    def __init__(self, device, pinned: bool) -> None:
         self.device = torch.device(device)
         self.pinned = pinned and torch.cuda.is_available()  # pinning needs a CUDA driver
-        self.tag, self.recorder, self.phase = tag, recorder, phase
         self.hooks: list = []
         self.masters: list[HostMaster] = []
         self.arena: PinnedArena | None = None  # where the masters live
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0  # stays 0: frozen weights are never copied back
 
-    def _pack(self, units: list[list[nn.Parameter]]) -> list[HostMaster]:
+    def pack(self, units: list[list[nn.Parameter]]) -> list[HostMaster]:
         """Host masters for ``units`` in one arena; each unit's parameters released at once."""
-        self.arena, masters = HostMaster.packed(units, self.pinned, self.tag)
+        self.arena, masters = HostMaster.packed(units, self.pinned)
         for master in masters:
             master.detach()
         self.masters += masters
         return masters
 
-    def _mark(self, kind: str, unit: str, lane: str = "compute", nbytes: int = 0, stream=None) -> None:
-        if self.recorder is not None:
-            self.recorder.mark(kind, unit, lane, nbytes, stream)
-
-    def _copy_in(self, master: HostMaster) -> torch.Tensor:
-        """Allocate the device buffer and copy the host master into it, on the current stream."""
-        with self.phase("transfer"), self.tag("parameters"):
+    # --8<-- [start:copy-in]
+    def copy_in(self, master: HostMaster) -> torch.Tensor:
+        """A device buffer for ``master``, filled on the current stream."""
+        with marks.phase("transfer"), marks.category("parameters"):
             buf = torch.empty(master.nbytes, dtype=torch.uint8, device=self.device)
             buf.copy_(master.flat, non_blocking=self.pinned)
-        self.h2d_bytes += master.nbytes
         return buf
+    # --8<-- [end:copy-in]
 
-    def settle(self) -> None:
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host memory this engine holds: its arena's chunks."""
+        return list(self.arena.chunks) if self.arena else []
+
+    def drop_prefetched(self) -> None:
         """Drop what was loaded ahead for work that will not come (see LayerwiseOffload)."""
 
     def remove(self) -> None:
@@ -140,22 +124,21 @@ class OffloadHandle:
         self.remove()
 
 
-class Resident(OffloadHandle):
+class Resident(Offload):
     """No offload: these modules live on the device for the whole run."""
 
-    def __init__(self, modules: dict[str, nn.Module], device, tag=_no_tag) -> None:
-        super().__init__(device, pinned=False, tag=tag)
+    def __init__(self, modules: dict[str, nn.Module], device) -> None:
+        super().__init__(device, pinned=False)
         self.names = list(modules)
-        self.modules = [(m, [(p, p.device) for p in m.parameters()]) for m in modules.values()]
-        with tag("parameters"):
-            for m, _ in self.modules:
+        self.homes = [(p, p.device) for m in modules.values() for p in m.parameters()]
+        with marks.category("parameters"):
+            for m in modules.values():
                 m.to(self.device)
 
     def remove(self) -> None:
-        for _, params in self.modules:
-            for p, device in params:
-                p.data = p.data.to(device)
-        self.modules.clear()
+        for p, device in self.homes:
+            p.data = p.data.to(device)
+        self.homes.clear()
 
 
 def pieces(module: nn.Module) -> list[list[nn.Parameter]]:
@@ -168,21 +151,19 @@ def pieces(module: nn.Module) -> list[list[nn.Parameter]]:
 
 
 # --8<-- [start:model]
-class ModelOffload(OffloadHandle):
+class ModelOffload(Offload):
     """Whole components move in when their forward starts; the previous one is dropped."""
 
-    def __init__(self, components: dict[str, nn.Module], device, pinned=True, skip=(),
-                 tag=_no_tag, recorder=None, phase=_no_phase) -> None:
-        super().__init__(device, pinned, tag, recorder, phase)
-        managed_elsewhere = {id(p) for m in skip for p in m.parameters()}
-        units = {name: [kept for kept in ([p for p in params if id(p) not in managed_elsewhere]
+    def __init__(self, components: dict[str, nn.Module], device, pinned=True, skip=()) -> None:
+        super().__init__(device, pinned)
+        elsewhere = {id(p) for m in skip for p in m.parameters()}  # moved by another engine
+        units = {name: [kept for kept in ([p for p in params if id(p) not in elsewhere]
                                           for params in pieces(module)) if kept]
                  for name, module in components.items()}
-        masters = iter(self._pack([params for name in units for params in units[name]]))
+        masters = iter(self.pack([params for name in units for params in units[name]]))
         self.units = {name: [next(masters) for _ in units[name]] for name in units}
         for name, module in components.items():
-            pre = functools.partial(self._pre, name)
-            self.hooks.append(module.register_forward_pre_hook(pre))
+            self.hooks.append(module.register_forward_pre_hook(functools.partial(self._pre, name)))
         self.active: str | None = None
 
     def _pre(self, name: str, module, args) -> None:
@@ -191,57 +172,55 @@ class ModelOffload(OffloadHandle):
         if self.active is not None:
             for master in self.units[self.active]:
                 master.detach()  # (1)!
-            self._mark("evict", self.active)
+            marks.event("evict", self.active)
         masters = self.units[name]
-        self._mark("transfer_start", name, nbytes=sum(m.nbytes for m in masters))
+        marks.event("transfer_start", name, nbytes=sum(m.nbytes for m in masters))
         for master in masters:
-            master.attach(self._copy_in(master))  # (2)!
-        self._mark("transfer_end", name)
+            master.attach(self.copy_in(master))  # (2)!
+        marks.event("transfer_end", name)
         self.active = name
 # --8<-- [end:model]
 
 
 # --8<-- [start:sequential]
-class SequentialOffload(OffloadHandle):
+class SequentialOffload(Offload):
     """Each module that owns parameters loads them right before its forward."""
 
-    def __init__(self, root: nn.Module, device, pinned=False, tag=_no_tag, recorder=None, phase=_no_phase):
-        super().__init__(device, pinned, tag, recorder, phase)
-        owners = [(name, module) for name, module in root.named_modules() if list(module.parameters(recurse=False))]
-        masters = self._pack([list(module.parameters(recurse=False)) for _, module in owners])
+    def __init__(self, root: nn.Module, device, pinned=False) -> None:
+        super().__init__(device, pinned)
+        owners = [(name, m) for name, m in root.named_modules() if list(m.parameters(recurse=False))]
+        masters = self.pack([list(m.parameters(recurse=False)) for _, m in owners])
         for (name, module), master in zip(owners, masters):
-            load = functools.partial(self._load, name, master)
-            drop = functools.partial(self._drop, name, master)
-            self.hooks.append(module.register_forward_pre_hook(load))
-            self.hooks.append(module.register_forward_hook(drop, always_call=True))
+            self.hooks.append(module.register_forward_pre_hook(functools.partial(self._load, name, master)))
+            self.hooks.append(module.register_forward_hook(functools.partial(self._drop, name, master),
+                                                           always_call=True))
 
     def _load(self, name: str, master: HostMaster, module, args) -> None:
-        self._mark("transfer_start", name, nbytes=master.nbytes)
-        master.attach(self._copy_in(master))  # (1)!
-        self._mark("transfer_end", name)
+        marks.event("transfer_start", name, nbytes=master.nbytes)
+        master.attach(self.copy_in(master))  # (1)!
+        marks.event("transfer_end", name)
 
     def _drop(self, name: str, master: HostMaster, module, args, output) -> None:
         master.detach()
-        self._mark("evict", name)
+        marks.event("evict", name)
 # --8<-- [end:sequential]
 
 
-class LayerwiseOffload(OffloadHandle):
+class LayerwiseOffload(Offload):
     """Blocks stream through the device: block i computes while blocks i+1..i+k are copied in."""
 
-    def __init__(self, blocks: nn.ModuleList, device, prefetch_depth: int = 1, pinned=True, tag=_no_tag,
-                 recorder=None, name: str = "block", phase=_no_phase) -> None:
+    def __init__(self, blocks: nn.ModuleList, device, prefetch_depth: int = 1, pinned=True,
+                 name: str = "block") -> None:
         if not 0 <= prefetch_depth < len(blocks):  # k = n-1 already keeps every block resident
             raise ValueError(f"prefetch depth must be 0 to {len(blocks) - 1} for {len(blocks)} blocks, "
                              f"got {prefetch_depth}")
-        super().__init__(device, pinned, tag, recorder, phase)
+        super().__init__(device, pinned)
         self.n, self.k = len(blocks), prefetch_depth
         self.names = [f"{name}.{i}" for i in range(self.n)]
-        self._pack([list(b.parameters()) for b in blocks])  # one flat region per block
-        self.buffers: list[torch.Tensor | None] = [None] * self.n
+        self.pack([list(b.parameters()) for b in blocks])  # one flat region per block
+        self.buffers: list[torch.Tensor | None] = [None] * self.n  # on the device, or on its way
         self.ready: list = [None] * self.n  # CUDA events: "block j's copy has landed"
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.max_resident = 0
         for i, block in enumerate(blocks):
             self.hooks.append(block.register_forward_pre_hook(functools.partial(self._pre, i)))
             self.hooks.append(block.register_forward_hook(functools.partial(self._post, i), always_call=True))
@@ -250,26 +229,19 @@ class LayerwiseOffload(OffloadHandle):
     def _prefetch(self, j: int) -> None:
         if self.buffers[j] is not None:
             return  # resident already, or its copy is on the way
-        master = self.masters[j]
-        if self.copy_stream is None:  # CPU: no second stream, the copy happens now
-            self._mark("prefetch_start", self.names[j], "copy", master.nbytes)
-            self.buffers[j] = self._copy_in(master)
-            self._mark("ready", self.names[j], "copy")
-        else:
-            with self.phase("transfer"), self.tag("parameters"):
-                buf = torch.empty(master.nbytes, dtype=torch.uint8, device=self.device)  # (1)!
-            copy = self.copy_stream
+        master, copy = self.masters[j], self.copy_stream  # a CPU has no copy stream: the copy happens now
+        with marks.phase("transfer"), marks.category("parameters"):
+            buf = torch.empty(master.nbytes, dtype=torch.uint8, device=self.device)  # (1)!
+        if copy is not None:
             copy.wait_stream(torch.cuda.current_stream(self.device))  # (2)!
-            with torch.cuda.stream(copy):
-                self._mark("prefetch_start", self.names[j], "copy", master.nbytes, copy)
-                buf.copy_(master.flat, non_blocking=self.pinned)  # (3)!
-                self._mark("ready", self.names[j], "copy", stream=copy)
-                self.ready[j] = torch.cuda.Event()
-                self.ready[j].record(copy)
-            self.buffers[j] = buf
-            self.h2d_bytes += master.nbytes
-        self.max_resident = max(self.max_resident, self.resident())
+        with torch.cuda.stream(copy):  # no-op without one
+            marks.event("prefetch_start", self.names[j], "copy", master.nbytes, copy)
+            buf.copy_(master.flat, non_blocking=self.pinned)  # (3)!
+            marks.event("ready", self.names[j], "copy", stream=copy)
+            self.ready[j] = copy.record_event() if copy is not None else None
+        self.buffers[j] = buf
     # --8<-- [end:prefetch]
+
     # --8<-- [start:hooks]
     def _pre(self, i: int, module, args) -> None:
         self._prefetch(i)  # a no-op when block i was prefetched
@@ -278,26 +250,27 @@ class LayerwiseOffload(OffloadHandle):
         self.masters[i].attach(self.buffers[i])
         for ahead in range(1, self.k + 1):
             self._prefetch((i + ahead) % self.n)  # (2)!
-        self._mark("compute_start", self.names[i])
+        marks.event("compute_start", self.names[i])
 
     def _post(self, i: int, module, args, output) -> None:
-        self._mark("compute_end", self.names[i])
+        marks.event("compute_end", self.names[i])
         self.masters[i].detach()  # (3)!
         self.buffers[i] = self.ready[i] = None
-        self._mark("evict", self.names[i])
+        marks.event("evict", self.names[i])
     # --8<-- [end:hooks]
 
-    def settle(self) -> None:
+    def drop_prefetched(self) -> None:
         for j, buf in enumerate(self.buffers):
             if buf is not None:
                 if self.ready[j] is not None:  # let an in-flight copy land before the memory is reused
                     torch.cuda.current_stream(self.device).wait_event(self.ready[j])
                 self.buffers[j] = self.ready[j] = None
-                self._mark("evict", self.names[j])
+                marks.event("evict", self.names[j])
 
     def resident(self) -> int:
+        """Blocks on the device now: the one computing and those prefetched."""
         return sum(b is not None for b in self.buffers)
 
     def remove(self) -> None:
-        self.settle()
+        self.drop_prefetched()
         super().remove()

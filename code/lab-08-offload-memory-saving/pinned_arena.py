@@ -11,19 +11,14 @@ nothing, and packs the units (one flat buffer per block, per component or per mo
 chunks. Every unit stays one contiguous region, so moving a block is still one copy; what a chunk
 wastes is the tail that no remaining unit fits into.
 
-Without a GPU the same chunks are allocated unpinned: the memory ledger then counts exactly the
+Without a GPU the same chunks are allocated unpinned, so a memory ledger that labels them
+``host_copies`` (from outside: ``ledger.track(arena.chunks, "host_copies")``) counts exactly the
 host bytes a GPU run would pin.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def _no_tag(category: str):
-    return contextlib.nullcontext()
 
 
 def next_pow2(n: int) -> int:
@@ -81,15 +76,14 @@ def plan_chunks(sizes: list[int]) -> list[list[int]]:
 class PinnedArena:
     """Host memory for many units: power-of-two chunks, each unit one contiguous view into one."""
 
-    def __init__(self, sizes: list[int], pinned: bool, tag=_no_tag) -> None:
+    def __init__(self, sizes: list[int], pinned: bool) -> None:
         self.sizes, self.pinned = list(sizes), pinned
         self.chunks: list[torch.Tensor] = []
         self.regions: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(sizes)
         for units in plan_chunks(self.sizes):
             units.sort()  # install order inside a chunk: block 3 sits before block 4
-            with tag("host_copies"):
-                chunk = torch.empty(next_pow2(sum(self.sizes[i] for i in units)), dtype=torch.uint8,
-                                    pin_memory=pinned)  # (1)!
+            chunk = torch.empty(next_pow2(sum(self.sizes[i] for i in units)), dtype=torch.uint8,
+                                pin_memory=pinned)  # (1)!
             offset = 0
             for i in units:
                 self.regions[i] = chunk[offset:offset + self.sizes[i]]  # (2)!

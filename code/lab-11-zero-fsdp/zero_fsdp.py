@@ -9,72 +9,44 @@ The same small GPT trains on N ranks (torchrun), each rank on its own micro-batc
     stage 3  FSDP2 fully_shard(reshard_after_forward=True): each block's gathered weights are freed
              after its forward and gathered again for its backward
 
-Every rank runs its own memory ledger (labkit). Rank 0 prints, for every stage and rank, the bytes of
-parameters, gradients, optimizer state and communication buffers next to Lab 01's ZeRO formulas
-(``zero_model_state``), and the losses next to DDP's. The other ranks print nothing.
+``wrap`` is the only place the stages differ; the step is Lab 02's. Every rank runs its own memory
+ledger (labkit) and counts its collectives (``labkit.traffic``); rank 0 holds the bytes of every
+rank against Lab 01's ZeRO formulas (``zero_model_state``) and the losses against DDP's. The
+tables and the report are in ``zero_report.py``.
 
 Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
-    torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu
-    torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json
+    .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu
+    .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json
 """
 
 from __future__ import annotations
 
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "lab-01-memory-accounting")]  # labkit, bench, Lab 01
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from labkit import cli, labs
+from labkit import dist as labdist
+from labkit.config import LabConfig, UsageError, option
+from labkit.cuda import allocator_stats, record_snapshot, reset_peak
+from labkit.ledger import Ledger
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.traffic import Traffic
+from zero_report import MODEL_STATE, STAGES, Result, StageRun, rank_measurement, report
 
-from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, UsageError, emit_json  # noqa: E402
-from labkit import lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import positive_float, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak  # noqa: E402
-from labkit.dist import CheckFailed, ranked, start, writable_dir  # noqa: E402
-from memory_accounting import zero_model_state  # noqa: E402  (Lab 01: the formulas we check)
-from ranks import Traffic, cut, gather, local  # noqa: E402
+lab01 = labs.load(1)  # zero_model_state: the formulas the bytes are held against
+lab02 = labs.load(2)  # train_step, unchanged: it gets the wrapped model
 
-LAB = "lab-11-zero-fsdp"
-STAGES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 reshard_after_forward=False",
-          3: "FSDP2 reshard_after_forward=True"}
 LOSS_RTOL = 1e-5  # losses (relative) and final parameters (absolute) against DDP; CPU runs measure 0
-MODEL_STATE = ("parameters", "gradients", "optimizer_state")
-
-
-# --8<-- [start:config]
-def parse_args(argv=None):
-    p = lab_parser("Train a toy GPT at ZeRO stages 0-3 under torchrun; memory per rank against Lab 01.")
-    p.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all",
-                   help="which stage to run; all runs 0, 1, 2, 3 (stage 0 is the reference)")
-    p.add_argument("--steps", type=positive_int, default=3, help="training steps per stage")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank")
-    p.add_argument("--seq-len", type=positive_int, default=32)
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--vocab", type=positive_int, default=128)
-    p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--timelines", action="store_true", help="--json: add rank 0's ledger timeline of the last step")
-    p.add_argument("--snapshot", type=Path, help="CUDA only: memory history, one pickle per stage and rank (NAME.stageS.rankR.pickle)")
-    args = p.parse_args(argv)
-    if args.width % args.heads:
-        raise UsageError(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.snapshot and pick_device(args.device).type != "cuda":
-        raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    if args.snapshot:
-        writable_dir(args.snapshot.parent, "--snapshot")  # before training: a bad path must not cost a run
-    args.stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
-    return args
-# --8<-- [end:config]
 
 
 # --8<-- [start:wrap]
@@ -94,149 +66,169 @@ def wrap(stage: int, model: TinyGPT, mesh, lr: float):
 
 
 # --8<-- [start:label]
-def label_model_state(ledger: Ledger, model, optimizer) -> None:
-    """Parameters, gradients and AdamW state, counted as what THIS rank holds."""
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def model_state(model, optimizer) -> dict[str, list[torch.Tensor]]:
+    """Parameters, gradients and AdamW state, as what THIS rank holds."""
     opt = getattr(optimizer, "optim", optimizer)  # (1)!
     params = list(model.parameters())
-    ledger.track([local(p) for p in params], "parameters")  # (2)!
-    ledger.track([local(p.grad) for p in params if p.grad is not None], "gradients")
-    ledger.track([local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
-                 "optimizer_state")
+    return {"parameters": [local(p) for p in params],  # (2)!
+            "gradients": [local(p.grad) for p in params if p.grad is not None],
+            "optimizer_state": [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]}
 # --8<-- [end:label]
 
 
-# --8<-- [start:step]
-def train_step(model, optimizer, x, y, ledger: Ledger, step: int) -> float:
-    with ledger.phase("zero_grad", step):
-        optimizer.zero_grad(set_to_none=True)
-    with ledger.phase("forward", step):
-        loss = model(x, y)[1]  # (1)!
-    with ledger.phase("backward", step):
-        loss.backward()  # (2)!
-    with ledger.phase("optimizer", step):
-        optimizer.step()  # (3)!
-    label_model_state(ledger, model, optimizer)  # (4)!
-    return loss.item()
-# --8<-- [end:step]
+# --8<-- [start:train]
+def train_stage(stage: int, model_config: GPTConfig, device: torch.device, mesh, *, seed: int, steps: int,
+                batch_size: int, lr: float, snapshot: Path | None = None) -> StageRun:
+    """This rank's training at ``stage`` under its own ledger and traffic counter.
+
+    ``model_config``: the GPT; ``device``: this rank's; ``mesh``: every rank (a ``DeviceMesh``);
+    ``seed``: the initial weights' (the same on every rank) and the data's; ``steps``;
+    ``batch_size``: sequences per rank; ``lr``: AdamW's; ``snapshot``: a CUDA memory history."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)  # the same initial weights on every rank and at every stage
+    model, optimizer = wrap(stage, TinyGPT(model_config).to(device), mesh, lr)
+    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed)
+    ledger = Ledger(device)
+    label(ledger, model, optimizer)
+    losses, t0 = [], time.perf_counter()
+    with record_snapshot(snapshot), ledger, Traffic() as traffic:  # (1)!
+        for step in cli.progress(range(steps), total=steps, desc=f"stage {stage}", quiet=rank != 0):
+            if step == steps - 1:
+                reset_peak(device)  # CUDA: the allocator's peak over the last step, like the ledger's
+            x, y = data.batch(step * world + rank, batch_size, device)  # (2)!
+            losses.append(lab02.train_step(model, optimizer, x, y, step))  # (3)!
+            label(ledger, model, optimizer)  # (4)!
+    return StageRun(stage, model, ledger.timeline(), traffic.summary(), losses, time.perf_counter() - t0,
+                    allocator_stats(device))
+# --8<-- [end:train]
+
+
+def label(ledger: Ledger, model, optimizer) -> None:
+    """Tell the ledger, from outside, which storages are this rank's model state (a label given
+    later wins, and labels are resolved when the ledger is read)."""
+    for category, tensors in model_state(model, optimizer).items():
+        ledger.track(tensors, category)
 
 
 def full_params(model) -> torch.Tensor:
-    """Every parameter, whole, on every rank (DTensor.full_tensor() all-gathers a sharded one)."""
+    """Every parameter, whole, on every rank (a collective: ``DTensor.full_tensor()`` all-gathers)."""
     return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().cpu()
                       for p in model.parameters()])
 
 
+# --8<-- [start:config]
+@dataclass
+class Config(LabConfig):
+    """Train a toy GPT at ZeRO stages 0-3 under torchrun; memory per rank against Lab 01."""
+
+    stage: Literal["0", "1", "2", "3", "all"] = option(
+        "all", "which stage to run; all runs 0, 1, 2, 3 (stage 0 is the reference)")
+    steps: int = option(3, "training steps per stage", min=1)
+    batch_size: int = option(4, "sequences per rank per step", min=1)
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    width: int = option(64, "model width", min=1)
+    layers: int = option(4, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(128, "vocabulary size", min=1)
+    lr: float = option(1e-3, "AdamW learning rate", above=0)
+    timelines: bool = option(False, "add rank 0's ledger timeline of each stage's last step to the result")
+    snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per stage and rank "
+                                         "(NAME.stageS.rankR.pickle)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+        device = cli.pick_device(self.device)  # resolves auto, refuses cuda without a GPU; launches nothing
+        if self.snapshot and device.type != "cuda":
+            raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+
+    @property
+    def stages(self) -> list[int]:
+        return [0, 1, 2, 3] if self.stage == "all" else [int(self.stage)]
+
+    def model(self) -> GPTConfig:
+        """The GPT; no dropout: each rank would draw its own masks."""
+        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
+                         heads=self.heads, dropout=0.0)
+# --8<-- [end:config]
+
+
 # --8<-- [start:run]
-def run_stage(stage: int, args, device, mesh, rank: int, world: int) -> dict:
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and at every stage
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width, layers=args.layers,
-                    heads=args.heads, dropout=0.0)
-    model, optimizer = wrap(stage, TinyGPT(cfg).to(device), mesh, args.lr)
-    data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=args.seed)
-    ledger = Ledger(device)
-    label_model_state(ledger, model, optimizer)
-    traffic = Traffic(ledger)  # (1)!
-    snapshot = args.snapshot and args.snapshot.with_name(f"{args.snapshot.stem}.stage{stage}.rank{rank}.pickle")
-    losses, t0 = [], time.perf_counter()
-    with record_snapshot(snapshot), ledger, traffic:
-        for step in progress(range(args.steps), total=args.steps, desc=f"stage {stage}", quiet=args.json or rank):
-            if step == args.steps - 1:
-                reset_peak(device)  # CUDA: the allocator's peak over the last step, like the ledger's
-            x, y = data.batch(step * world + rank, args.batch_size, device)  # (2)!
-            losses.append(train_step(model, optimizer, x, y, ledger, step))
-    tl = ledger.timeline()
-    last = [s for s in tl.spans if s.step == args.steps - 1]
-    lo, hi = min(s.start for s in last), max(s.end for s in last)
-    steady = cut(tl, lo, hi)  # (3)!
-    moved = traffic.summary()
-    scatter = moved["collectives"].get("_reduce_scatter_base_", {}).get("largest_in_bytes", 0)
-    hidden = scatter if dist.get_backend() == "gloo" else 0  # gloo copies each reduce-scatter input
-    return {"losses": losses, "at_end": ledger.at_end(), "peak_last_step": ledger.peak(steady),
-            "peaks_by_phase_last_step": ledger.peaks_by_phase(steady), "traffic": moved,
-            "cuda": ledger_vs_allocator(tl, allocator_stats(device), lo, hidden),  # (4)!
-            "wall_time_s": time.perf_counter() - t0,
-            "final_params": full_params(model), "timeline": steady.to_dict() if rank == 0 and args.timelines else None}
+def run(config: Config) -> Result | None:
+    """Every rank trains each stage; rank 0 gathers what every rank measured and holds it against
+    Lab 01's formulas and DDP's losses. The other ranks return None."""
+    if config.snapshot:
+        labdist.writable_dir(config.snapshot.parent, "--snapshot")  # (1)!
+    model_config, t0 = config.model(), time.perf_counter()
+    plain = list(TinyGPT(model_config).parameters())
+    params, tensors = sum(p.numel() for p in plain), len(plain)
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
+    with labdist.joined(config.device) as (device, backend):  # (2)!
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,))
+        stages, timelines, reference = [], {}, None
+        for stage in config.stages:
+            trained = train_stage(stage, model_config, device, mesh, **training,
+                                  snapshot=_per_rank(config.snapshot, stage, rank))
+            final = full_params(trained.model)  # a collective: every rank takes part
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, rank_measurement(trained, backend))  # (3)!
+            stages.append(against_lab01_and_ddp(stage, per_rank, params, tensors, final, reference))
+            if stage == 0:
+                reference = {"losses": stages[-1]["losses"], "final_params": final}  # DDP: what the others must equal
+            if config.timelines:
+                timelines[str(stage)] = trained.timeline.step_window(config.steps - 1).to_dict()
+            del trained  # its model holds the process group: it goes before the group does
+    if rank != 0:
+        return None
+    result = Result(config, model_config, device, backend, world, params, tensors, LOSS_RTOL, stages,
+                    timelines if config.timelines else None, time.perf_counter() - t0)
+    check_promises(result)  # (4)!
+    return result
 # --8<-- [end:run]
 
 
-def report_stage(stage: int, ranks: list[dict], cfg: dict, reference: dict | None) -> dict:
-    """Rank 0: the per-rank measurements of one stage, Lab 01's formulas, and the match with DDP."""
-    world, params, tensors = len(ranks), cfg["params"], cfg["tensors"]
-    derived = zero_model_state(params, "fp32", "adamw", zero_stage=stage, dp=world, tensors=tensors)  # (Lab 01)
-    losses = [sum(r["losses"][i] for r in ranks) / world for i in range(len(ranks[0]["losses"]))]
-    final = ranks[0]["final_params"]
+# ---------------------------------------------------------------------- what the lab derives and checks
+def against_lab01_and_ddp(stage: int, per_rank: list[dict], params: int, tensors: int, final: torch.Tensor,
+                          reference: dict | None) -> dict:
+    """One stage: every rank's measurements, Lab 01's formulas, the match with DDP.
+
+    ``per_rank``: ``rank_measurement`` of every rank; ``params``, ``tensors``: P and T of the
+    model; ``final``: this rank's whole parameters after the last step; ``reference``: DDP's losses
+    and final parameters (None while stage 0 has not run)."""
+    world = len(per_rank)
+    derived = lab01.zero_model_state(params, "fp32", "adamw", zero_stage=stage, dp=world, tensors=tensors)
+    losses = [sum(r["losses"][i] for r in per_rank) / world for i in range(len(per_rank[0]["losses"]))]
     out = {"stage": stage, "name": STAGES[stage], "losses": losses,
            "lab01": {k: derived[k] for k in MODEL_STATE} | {"master_weights": derived["master_weights"]},
-           "ranks": [{k: v for k, v in r.items() if k not in ("final_params", "timeline")} for r in ranks],
-           "timeline": ranks[0]["timeline"], "max_loss_rel_diff_vs_ddp": None, "max_param_abs_diff_vs_ddp": None}
+           "ranks": per_rank, "max_loss_rel_diff_vs_ddp": None, "max_param_abs_diff_vs_ddp": None}
     if reference is not None:
         out["max_loss_rel_diff_vs_ddp"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"]))
         out["max_param_abs_diff_vs_ddp"] = (final - reference["final_params"]).abs().max().item()
     return out
 
 
-def train(args) -> dict:
-    device, _ = start("code/lab-11-zero-fsdp/zero_fsdp.py", args.device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width, layers=args.layers, heads=args.heads)
-    probe = TinyGPT(cfg)
-    info = {"config": cfg.to_dict() | {"batch_size": args.batch_size, "steps": args.steps, "lr": args.lr},
-            "params": sum(p.numel() for p in probe.parameters()), "tensors": len(list(probe.parameters()))}
-    stages, reference, t0 = [], None, time.perf_counter()
-    for stage in args.stages:
-        ranks = gather(run_stage(stage, args, device, mesh, rank, world))  # (collective) every rank's numbers
-        if rank == 0:
-            stages.append(report_stage(stage, ranks, info, reference))
-            if stage == 0:
-                reference = {"losses": stages[-1]["losses"], "final_params": ranks[0]["final_params"]}
-    dist.barrier()  # the ranks leave together: gloo aborts a process whose peer has already gone
-    return {"lab": LAB, "device": str(device), "backend": dist.get_backend(), "world_size": world, "rank": rank,
-            **info, "loss_rtol": LOSS_RTOL, "stages": stages,
-            "provenance": provenance.collect(LAB, device, time.perf_counter() - t0)}
-
-
-def print_report(result: dict) -> None:
-    from labkit.plot import format_bytes  # matplotlib: only rank 0, only for the human report
-
-    n, p = result["world_size"], result["params"]
-    print(f"Lab 11 on {result['device']} ({result['backend']}, {n} ranks): TinyGPT with {p:,} parameters "
-          f"in {result['tensors']} tensors, AdamW fp32, {result['config']['steps']} steps per stage")
-    print("\nModel state per rank at the end of the run (ledger, measured) against Lab 01's zero_model_state "
-          "(derived),\nand the peak of the last step with the communication buffers inside it:")
-    print(f"{'stage':<6}{'rank':>4}  {'parameters':>23}  {'gradients':>23}  {'optimizer state':>23}  "
-          f"{'comm @peak':>11}  {'peak':>10}")
-    for s in result["stages"]:
-        for r, rank in enumerate(s["ranks"]):
-            cells = [f"{format_bytes(rank['at_end'][k])} / {format_bytes(s['lab01'][k])}" for k in MODEL_STATE]
-            peak = rank["peak_last_step"]
-            print(f"{s['stage']:<6}{r:>4}  " + "".join(f"{c:>23}  " for c in cells)
-                  + f"{format_bytes(peak['communication']):>11}  {format_bytes(peak['total']):>10}")
-    print("(each cell: measured / Lab 01)")
-    for s in result["stages"]:
-        diff = s["max_loss_rel_diff_vs_ddp"]
-        match = "" if diff is None else f"; vs DDP: loss rel. diff {diff:.1e}, params {s['max_param_abs_diff_vs_ddp']:.1e}"
-        print(f"stage {s['stage']} ({s['name']}): losses {[round(v, 4) for v in s['losses']]}{match}")
-
-
-def check(result: dict) -> None:
-    """Every stage must train like DDP within the stated tolerance. Checked after the report, so the
-    numbers are on screen; a broken tolerance is not bad input: one line and exit code 1, not 2."""
-    for s in result["stages"]:
+def check_promises(result: Result) -> None:
+    """Every stage must train like DDP within ``LOSS_RTOL``. A broken promise is not bad input:
+    ``CheckFailed`` (exit code 1, not 2), carrying the result, so that its numbers are reported
+    before the one line that says so."""
+    for s in result.stages:
         loss, params = s["max_loss_rel_diff_vs_ddp"], s["max_param_abs_diff_vs_ddp"]
         if loss is not None and not (loss <= LOSS_RTOL and params <= LOSS_RTOL):  # NaN fails too
-            raise CheckFailed(f"stage {s['stage']} differs from DDP beyond {LOSS_RTOL:.0e}: "
-                              f"loss rel. diff {loss:.1e}, params abs. diff {params:.1e}")
+            raise labdist.CheckFailed(f"stage {s['stage']} differs from DDP beyond {LOSS_RTOL:.0e}: "
+                                      f"loss rel. diff {loss:.1e}, params abs. diff {params:.1e}", result)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    result = train(args)
-    if result["rank"] != 0:
-        return
-    emit_json(result) if args.json else print_report(result)
-    check(result)
+def _per_rank(path: Path | None, stage: int, rank: int) -> Path | None:
+    return None if path is None else path.with_name(f"{path.stem}.stage{stage}.rank{rank}.pickle")
 
 
 if __name__ == "__main__":
-    run_lab(ranked(main))
+    with labdist.one_voice() as voice:  # rank 0 speaks for every rank
+        cli.main(Config, voice.ranked(run), report)

@@ -22,19 +22,18 @@ Instrument, not lesson. A torchrun lab ends like every other lab, inside one voi
   reported that result, so the numbers that broke a promise are on screen above the line that
   says so.
 * :func:`writable_dir` refuses an output folder that cannot be written, before any training.
-* :func:`launch` runs a torchrun lab from a notebook or a test: every ``Config`` at once, rank 0's
-  JSON summary of each. :func:`command_line` turns a ``Config`` back into its flags.
+* :func:`torchrun` starts a torchrun lab in other processes; :func:`launch` runs one from a
+  notebook or a test: every ``Config`` at once (its flags from :func:`labkit.cli.argv`), rank 0's
+  JSON summary of each.
 * :func:`world_of_one` is the environment torchrun would give a single rank: a lab's command line
   then runs in the calling process (the tests use it).
-
-Transitional (issue 12): ``start(script, device, backend)`` and ``ranked(main)`` are the entry
-points of the labs whose command line is still an argparse ``main(argv)`` (Lab 11).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import json
 import os
@@ -92,21 +91,23 @@ def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.
     memory). A process torchrun did not start, and NCCL without a GPU per rank, are refused
     (``UsageError``) before joining. At the end of the block every rank waits for the others
     (gloo aborts a process whose peer has already gone), then leaves; after an error it leaves at
-    once.
+    once. Before the wait, unreachable objects are collected: a finished model that holds the
+    group goes while the group is alive (see :func:`one_voice`).
     """
     this_device, backend = _join(device, backend)
     try:
         yield this_device, backend
+        gc.collect()  # what the block left that holds the group (a DDP, a sharded model) goes first
         dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _join(device_name: str, backend: str, script: str | None = None) -> tuple[torch.device, str]:
+def _join(device_name: str, backend: str) -> tuple[torch.device, str]:
     device = pick_device(device_name)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        script = script or (os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "LAB.py")
+        script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "LAB.py"
         raise UsageError(f"RANK and WORLD_SIZE are not set: launch with torchrun, e.g. "
                          f"torchrun --nproc_per_node=2 {script} --device {device.type}")
     check_backend(device, backend)
@@ -163,6 +164,7 @@ class Voice:
 
     def __exit__(self, kind, err, traceback) -> bool:
         self._silence.close()
+        gc.collect()  # see one_voice: nothing that holds a process group may outlive Python
         if dist.is_initialized():
             dist.destroy_process_group()
         if err is None and self.held is not None:
@@ -182,7 +184,13 @@ def one_voice() -> Voice:
     """Rank 0 alone speaks: bad input (exit 2) and a broken promise (exit 1) are one line from
     rank 0, and the other ranks exit with the same code without a word (bad input a moment later
     than rank 0, ``QUIET_EXIT_DELAY_S``). A real error surfaces on every rank, with what it had
-    printed. Every rank leaves the process group at the end."""
+    printed. Every rank leaves the process group at the end.
+
+    Every object ``run`` left that holds a process group (a DDP module, an FSDP-sharded model, a
+    ``ZeroRedundancyOptimizer``) is collected on the way out, while Python is still alive. Left to
+    the interpreter's shutdown, such an object keeps gloo's worker threads alive past it, and the
+    process may abort (``terminate called without an active exception``, SIGABRT) after a run
+    that succeeded."""
     return Voice()
 
 
@@ -249,49 +257,3 @@ def world_of_one() -> dict[str, str]:
         port = s.getsockname()[1]
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
-# ---------------------------------------------------------------------- transitional (issue 12)
-# Lab 11's command lines are still an argparse main(argv): they join with start() and speak with
-# ranked(main). Removed once Lab 11 has its Config.
-def start(script: str, device_name: str, backend: str = "auto") -> tuple[torch.device, str]:
-    """Transitional (issue 12): join the process group torchrun prepared (``joined`` without the
-    block); returns this rank's device and the backend."""
-    return _join(device_name, backend, script)
-
-
-def ranked(main):
-    """Transitional (issue 12): run a lab's ``main(argv)`` on every rank with one voice: rank 0's.
-
-    Rank 0 reports bad input (a ``UsageError``: one line, exit 2, via ``run_lab``) and a failed
-    check (a ``CheckFailed``: one line, exit 1). The other ranks exit with the same code without a
-    word, bad input a moment later than rank 0 (``QUIET_EXIT_DELAY_S``). A real error still
-    surfaces on every rank, with what it had printed. Every rank leaves the process group at the end.
-    """
-    def wrapped(argv=None):
-        quiet = int(os.environ.get("RANK", "0")) != 0
-        buf = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(buf) if quiet else contextlib.nullcontext():
-                return main(argv)
-        except UsageError:
-            if quiet:
-                time.sleep(QUIET_EXIT_DELAY_S)
-                raise SystemExit(2) from None
-            raise
-        except CheckFailed as err:
-            if not quiet:
-                print(f"{_prog(None)}: check failed: {err}", file=sys.stderr)
-            raise SystemExit(1) from None
-        except SystemExit as err:
-            if quiet and err.code == 2:
-                time.sleep(QUIET_EXIT_DELAY_S)
-                raise SystemExit(2) from None
-            raise
-        except BaseException:
-            print(buf.getvalue(), end="", file=sys.stderr)
-            raise
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return wrapped

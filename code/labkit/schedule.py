@@ -10,8 +10,13 @@ times are *GPU* times (when the stream reached that point), read back once at th
 synchronisation in between. On CPU the times are host clock times.
 
 From the marks: ``intervals()`` pairs them into bars (``transfer`` and ``compute``) for a Gantt
-chart of the compute stream against the copy stream (:func:`labkit.plot.plot_gantt`), and
-``stage_summary()`` gives per pipeline stage the bytes moved and the time spent moving them.
+chart of the compute stream against the copy stream (:func:`labkit.plot.plot_gantt`),
+``stage_summary()`` gives per pipeline stage the bytes moved and the time spent moving them, and
+``stage_ms(name)`` the time spent inside a stage (the recorder marks where each outermost phase
+begins and ends, on the compute stream), so the code it watches needs no clock of its own.
+
+:class:`Copies` counts from outside what the marks only claim: the bytes copied out of and into
+given host buffers (an offload engine's host masters) while it is entered.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import marks
 
@@ -32,6 +38,7 @@ BAR_KIND = {"prefetch_start": "transfer", "transfer_start": "transfer", "compute
 @dataclass
 class Mark:
     kind: str  # prefetch_start | ready | transfer_start | transfer_end | compute_start | compute_end | evict
+    #            | stage_start | stage_end (the recorder's own: an outermost phase begins or ends)
     unit: str  # what moved or ran: "denoiser.blocks.3", "text_encoder", ...
     lane: str  # "compute" or "copy": the stream the work was queued on
     nbytes: int
@@ -81,17 +88,16 @@ class Recorder:
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
         """``marks.phase`` while entered: the outermost open phase names the stage."""
+        outermost = not self._phases
         self._phases.append(name)
+        if outermost:
+            self.mark("stage_start", name)
         try:
             yield
         finally:
+            if outermost:
+                self.mark("stage_end", name)
             self._phases.pop()
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Transitional (issue 12): a stage by hand, for engines not yet on marks."""
-        with self.phase(name):
-            yield
 
     def mark(self, kind: str, unit: str, lane: str = "compute", nbytes: int = 0, stream=None) -> None:
         """``marks.event`` while entered."""
@@ -110,6 +116,15 @@ class Recorder:
             if m.t_ms is None:
                 m.t_ms = self._origin.elapsed_time(m.event) if m.event is not None else (m.host_s - self._t0) * 1e3
         return self
+
+    def stage_ms(self, name: str) -> float:
+        """Milliseconds spent inside stage ``name``: the sum of its spans (one per ``marks.phase``
+        block, e.g. one per denoising step). On CUDA, GPU time on the compute stream."""
+        if any(m.t_ms is None for m in self.marks):
+            self.finish()
+        starts = [m.t_ms for m in self.marks if m.kind == "stage_start" and m.unit == name]
+        ends = [m.t_ms for m in self.marks if m.kind == "stage_end" and m.unit == name]
+        return sum(end - start for start, end in zip(starts, ends))
 
     def intervals(self) -> list[Bar]:
         """Pair start and end marks of the same unit and lane into bars, in start order."""
@@ -140,6 +155,10 @@ class Recorder:
             s["start_ms"] = min(s["start_ms"], bar.start_ms)
             s["end_ms"] = max(s["end_ms"], bar.end_ms)
         return out
+
+    def bar_ms(self, kind: str | None = None, lane: str | None = None) -> float:
+        """Total milliseconds of the bars of ``kind`` (transfer, compute) on ``lane`` (copy, compute)."""
+        return sum(b.ms for b in self.intervals() if kind in (None, b.kind) and lane in (None, b.lane))
 
     def overlap_ms(self) -> float:
         """Time during which a copy-lane transfer and a compute-lane bar ran at once."""
@@ -180,3 +199,21 @@ class Recorder:
                 live.pop(m.unit, None)
             count(out[m.stage or "-"])
         return out
+
+
+class Copies(TorchDispatchMode):
+    """Bytes copied out of (``out_of``: host to device) and into (``into``: device to host) the
+    storages of ``buffers`` while entered, whatever code made the copies (every ``copy_`` is seen).
+    A dispatch mode costs time on every op: count in a run that is not timed."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.host = {b.untyped_storage().data_ptr() for b in buffers}
+        self.out_of = self.into = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            self.out_of += src.nbytes if src.untyped_storage().data_ptr() in self.host else 0
+            self.into += dst.nbytes if dst.untyped_storage().data_ptr() in self.host else 0
+        return func(*args, **(kwargs or {}))
