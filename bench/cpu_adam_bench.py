@@ -1,7 +1,7 @@
 """CPU AdamW benchmark: fused against foreach against the for-loop, on the same parameters, in one run.
 
-    python bench/cpu_adam_bench.py                  # writes results/cpu_adam_bench.json and .md
-    python bench/cpu_adam_bench.py --device cuda    # the GPU run: adds Lab 07's offload step overhead
+    .venv/bin/python bench/cpu_adam_bench.py                  # writes results/cpu_adam_bench.json
+    .venv/bin/python bench/cpu_adam_bench.py --device cuda    # the GPU run: adds Lab 07's offload step overhead
 
 One process measures:
 1. ``torch.optim.AdamW`` on CPU with ``fused=True``, ``foreach=True`` and ``foreach=False`` (the
@@ -19,53 +19,62 @@ One process measures:
    default there is off, and the GPU run is what measures them.
 """
 
-from __future__ import annotations
-
 import statistics
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "code"))
-sys.path.insert(0, str(ROOT / "code" / "lab-07-optimizer-offload"))
+import torch
 
-import torch  # noqa: E402
+from labkit import cli, labs, provenance
+from labkit.config import LabConfig, UsageError, option
+from labkit.models import GPTConfig, TinyGPT
+from labkit.provenance import REPO_ROOT
+from labkit.table import Table
 
-from labkit import GPTConfig, TinyGPT, emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import UsageError, non_negative_int, positive_int  # noqa: E402
-import optimizer_offload as lab  # noqa: E402
+lab07 = labs.load(7)
 
 BENCH = "cpu_adam"
 RESULT_FILE = "results/cpu_adam_bench.gpu.json"  # the GPU run; a CPU run writes results/cpu_adam_bench.json
 TARGET = 5.0  # fused over the for-loop (the issue's target; PyTorch PR #123074 reports 5.1x on 56 cores)
-GPU_SIZE = ["--width", "1024", "--layers", "8", "--heads", "16", "--seq-len", "512", "--batch-size", "8"]
-CPU_SIZE = ["--width", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "4"]
+GPU_SIZE = {"width": 1024, "layers": 8, "heads": 16, "seq_len": 512, "batch_size": 8}
+CPU_SIZE = {"width": 64, "layers": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
 
 
-def parse_args(argv=None):
-    p = lab_parser("Benchmark CPU AdamW (fused, foreach, for-loop) and, on a GPU, Lab 07's offload overhead.")
-    p.add_argument("--sizes", default="128x2,256x4,512x4",
-                   help="parameter sets as WIDTHxLAYERS of TinyGPT, comma separated")
-    p.add_argument("--rounds", type=positive_int, default=30, help="timed steps of each implementation")
-    p.add_argument("--threads", type=non_negative_int, default=1,
-                   help="torch threads for the AdamW comparison (default 1: one core, steady on a shared machine; "
-                        "0: torch's default); the offload timing always uses torch's default")
-    p.add_argument("--overhead", choices=["auto", "on", "off"], default="auto",
-                   help="time Lab 07's offload modes (auto: only on CUDA)")
-    p.add_argument("--steps", type=positive_int, default=None, help="training steps per offload mode (default 6)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default: results/cpu_adam_bench.json on CPU, results/cpu_adam_bench.gpu.json on CUDA")
-    args = p.parse_args(argv)
+def read_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"128x2,512x4"`` -> ``((128, 2), (512, 4))``."""
     try:
-        args.sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
+        sizes = tuple(tuple(int(v) for v in part.lower().split("x")) for part in text.split(","))
     except ValueError:
-        raise UsageError(f"--sizes takes WIDTHxLAYERS pairs, comma separated (like 128x2,512x4), got {args.sizes!r}") from None
-    if any(len(s) != 2 or min(s) <= 0 for s in args.sizes):
-        raise UsageError("--sizes takes WIDTHxLAYERS pairs of positive whole numbers, like 128x2,512x4")
-    if not lab.fused_cpu_adamw_available():
-        raise UsageError(f"torch {torch.__version__} has no fused CPU AdamW (it arrived in torch 2.4)")
-    return args
+        sizes = ()
+    if not sizes or any(len(s) != 2 or min(s) <= 0 for s in sizes):
+        raise ValueError(f"takes WIDTHxLAYERS pairs of positive whole numbers, comma separated (like 128x2,512x4), "
+                         f"got {text!r}")
+    return sizes
+
+
+@dataclass
+class Config(LabConfig):
+    """Benchmark CPU AdamW (fused, foreach, for-loop) and, on a GPU, Lab 07's offload overhead."""
+
+    sizes: tuple[tuple[int, int], ...] = option(((128, 2), (256, 4), (512, 4)), "parameter sets as WIDTHxLAYERS of "
+                                                "TinyGPT, comma separated (default: 128x2,256x4,512x4)",
+                                                parse=read_sizes, metavar="WxL,...")
+    rounds: int = option(30, "timed steps of each implementation", min=1)
+    threads: int = option(1, "torch threads for the AdamW comparison (1: one core, steady on a shared machine; 0: "
+                             "torch's default); the offload timing always uses torch's default", min=0)
+    overhead: Literal["auto", "on", "off"] = option("auto", "time Lab 07's offload modes (auto: only on CUDA)")
+    steps: int = option(6, "training steps per offload mode", min=1)
+    out: Path | None = option(None, "default: results/cpu_adam_bench.json on CPU, results/cpu_adam_bench.gpu.json "
+                                    "on CUDA")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(min(s) <= 0 for s in self.sizes):
+            raise UsageError(f"--sizes takes WIDTHxLAYERS pairs of positive whole numbers, got {self.sizes}")
+        if not lab07.fused_cpu_adamw_available():
+            raise UsageError(f"torch {torch.__version__} has no fused CPU AdamW (it arrived in torch 2.4)")
 
 
 # ------------------------------------------------------------------ 1. CPU AdamW, three ways
@@ -81,7 +90,7 @@ def parameter_set(width: int, layers: int, seed: int):
 def measure(width: int, layers: int, rounds: int, seed: int = 0) -> dict:
     params, grads = parameter_set(width, layers, seed)
     runs = {}
-    for name, kwargs in lab.IMPLS.items():
+    for name, kwargs in lab07.IMPLS.items():
         copies = [torch.nn.Parameter(p.clone()) for p in params]
         for c, g in zip(copies, grads):
             c.grad = g.clone()
@@ -113,15 +122,14 @@ def measure(width: int, layers: int, rounds: int, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------ 2. the offload step overhead
-def offload_overhead(device: torch.device, steps: int, seed: int, quiet: bool) -> list[dict]:
+def offload_overhead(device: torch.device, steps: int, seed: int) -> list[dict]:
     """Median training-step time of each Lab 07 mode, with and without overlap, against device AdamW."""
     size = GPU_SIZE if device.type == "cuda" else CPU_SIZE
     plan = [("none", "on"), ("optimizer", "on"), ("optimizer", "off"), ("gradients", "on"), ("gradients", "off")]
     rows = []
-    for mode, overlap in progress(plan, total=len(plan), desc="offload", quiet=quiet):
-        args = lab.parse_args(["--device", device.type, "--json", "--steps", str(steps), "--seed", str(seed),
-                               "--dropout", "0", "--overlap", overlap, *size])
-        run = lab.run_mode(mode, args, device, ledger_on=False)  # no ledger: its dispatch mode costs time
+    for mode, overlap in cli.progress(plan, total=len(plan), desc="offload"):
+        config = lab07.Config(device=device.type, steps=steps, seed=seed, dropout=0.0, overlap=overlap, **size)
+        run = lab07.run_mode(mode, config, device, measured=False)  # no ledger: its dispatch mode costs time
         timed = run.step_s[1:] or run.step_s
         rows.append({"mode": mode, "overlap": None if mode == "none" else overlap == "on",
                      "step_ms": 1e3 * statistics.median(timed),
@@ -139,66 +147,70 @@ def summary_rows(sets: list[dict], overhead: list[dict] | None) -> list[dict]:
         for name in ("fused", "foreach"):
             rows.append({"metric": f"CPU AdamW {name} over for-loop, {s['params']:,} parameters",
                          "value": s["impls"][name]["speedup_vs_forloop"], "unit": "x",
-                         "target": f">= {TARGET:g}" if name == "fused" else None, "lab": lab.LAB})
+                         "target": f">= {TARGET:g}" if name == "fused" else None, "lab": labs.slug(7)})
     for r in overhead or []:
         if r["mode"] != "none":
             rows.append({"metric": f"Lab 07 {r['mode']} offload, overlap {'on' if r['overlap'] else 'off'}: "
                                    f"step time against device AdamW", "value": r["step_time_vs_device_adamw"],
-                         "unit": "x", "target": None, "lab": lab.LAB})
+                         "unit": "x", "target": None, "lab": labs.slug(7)})
     return rows
 
 
-def table(result: dict, record: dict) -> str:
-    lines = ["| parameters (tensors) | AdamW | ms/step: median (best) | ns/param | speed-up: median (best) | "
-             "max abs diff |", "|---:|---|---:|---:|---:|---:|"]
-    for s in result["sets"]:
-        for name, r in s["impls"].items():
-            lines.append(f"| {s['params']:,} ({s['tensors']}) | `{name}` | {r['ms_median']:.2f} ({r['ms_min']:.2f}) | "
-                         f"{r['ns_per_param']:.2f} | {r['speedup_vs_forloop']:.2f}x ({r['speedup_vs_forloop_best']:.2f}x) | "
-                         f"{r['max_abs_diff_vs_forloop']:.1e} |")
-    lines.append("")
-    clock = "the thread's CPU time" if result["threads"] == 1 else "the wall clock"
-    lines.append("Speed-up and max abs diff are against the for-loop, on the same parameters after the same steps.")
-    lines.append("")
-    lines.append(f"Measured by `bench/cpu_adam_bench.py` ({result['rounds']} rounds, {result['threads']} torch "
-                 f"thread{'s' if result['threads'] != 1 else ''}, timed by {clock}) "
-                 f"on {provenance.describe(record)}.")
-    return "\n".join(lines) + "\n"
+@dataclass
+class Result:
+    path: Path  # where the run was written
+    record: dict  # its provenance
+    threads: int
+    rounds: int
+    sets: list[dict]  # the AdamW comparison, one per size
+    overhead: list[dict] | None  # Lab 07's step times (GPU run)
+
+    def summary(self) -> dict:
+        """What the results file holds, and what --json prints."""
+        return {"provenance": self.record, "bench": BENCH, "threads": self.threads, "rounds": self.rounds,
+                "target_fused_over_forloop": TARGET, "sets": self.sets, "offload_overhead": self.overhead,
+                "summary_rows": summary_rows(self.sets, self.overhead),
+                "note": None if self.record["device_type"] == "cuda" else "CPU-only machine: the AdamW times are real "
+                "CPU times; no GPU, PCIe or overlap claim comes from this run"}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = pick_device(args.device)
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
     default_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or default_threads)
+    torch.set_num_threads(config.threads or default_threads)
     t0 = time.perf_counter()
-    sets = [measure(w, n, args.rounds, args.seed) for w, n in progress(args.sizes, total=len(args.sizes),
-                                                                        desc="adamw", quiet=args.json)]
+    sets = [measure(w, n, config.rounds, config.seed) for w, n in cli.progress(config.sizes, total=len(config.sizes),
+                                                                                desc="adamw")]
     threads = torch.get_num_threads()
     torch.set_num_threads(default_threads)
     overhead = None
-    if args.overhead == "on" or (args.overhead == "auto" and device.type == "cuda"):
-        overhead = offload_overhead(device, args.steps or 6, args.seed, args.json)
-    result = {"bench": "cpu_adam", "threads": threads, "rounds": args.rounds, "target_fused_over_forloop": TARGET,
-              "sets": sets, "offload_overhead": overhead, "summary_rows": summary_rows(sets, overhead),
-              "note": None if device.type == "cuda" else "CPU-only machine: the AdamW times are real CPU times; "
-                                                          "no GPU, PCIe or overlap claim comes from this run"}
-    record = provenance.collect(lab.LAB, device, time.perf_counter() - t0)
-    out = args.out or ROOT / (RESULT_FILE if device.type == "cuda" else "results/cpu_adam_bench.json")
-    provenance.write_results(out, result, record)
-    out.with_suffix(".md").write_text(table(result, record))
-    if args.json:
-        emit_json({"provenance": record, **result})
-        return
-    print(f"CPU AdamW on {record['cpu']} ({result['threads']} torch thread(s)) -> {out}")
-    for s in sets:
-        ratios = ", ".join(f"{k} {v['ms_median']:.2f} ms ({v['speedup_vs_forloop']:.2f}x, best "
-                           f"{v['speedup_vs_forloop_best']:.2f}x)" for k, v in s["impls"].items())
-        print(f"  {s['params']:>11,} params in {s['tensors']:>3} tensors: {ratios}")
-    for r in overhead or []:
+    if config.overhead == "on" or (config.overhead == "auto" and device.type == "cuda"):
+        overhead = offload_overhead(device, config.steps, config.seed)
+    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else "results/cpu_adam_bench.json")
+    result = Result(path, provenance.collect(7, device, time.perf_counter() - t0), threads, config.rounds, sets,
+                    overhead)
+    data = result.summary()
+    provenance.write_results(path, {k: v for k, v in data.items() if k != "provenance"}, result.record)
+    return result
+
+
+def table(data: dict) -> Table:
+    """The AdamW comparison of a run (its results file's contents) as one row per size and implementation."""
+    return Table([("parameters", "int"), ("tensors", "int"), ("AdamW", "code"), ("ms/step median", "float:2"),
+                  ("best", "float:2"), ("ns/param", "float:2"), ("speed-up vs for-loop: median", "x:2"),
+                  ("best", "x:2"), ("max abs diff vs for-loop", "sci:1")],
+                 [[s["params"], s["tensors"], name, r["ms_median"], r["ms_min"], r["ns_per_param"],
+                   r["speedup_vs_forloop"], r["speedup_vs_forloop_best"], r["max_abs_diff_vs_forloop"]]
+                  for s in data["sets"] for name, r in s["impls"].items()])
+
+
+def report(result: Result) -> None:
+    print(f"CPU AdamW on {result.record['cpu']} ({result.threads} torch thread(s)) -> {result.path}")
+    print(table(result.summary()).text())
+    for r in result.overhead or []:
         label = r["mode"] + ("" if r["overlap"] is None else f", overlap {'on' if r['overlap'] else 'off'}")
         print(f"  {label:<24} {r['step_ms']:9.2f} ms/step  x{r['step_time_vs_device_adamw']:.2f}")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

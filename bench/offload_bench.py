@@ -1,7 +1,7 @@
 """Offload benchmark: Lab 08's engines side by side in one run, with the public baselines.
 
-    python bench/offload_bench.py --device cuda                      # writes results/offload_bench.json
-    python bench/offload_bench.py --device cpu --out /tmp/b.json     # a smoke run; CPU times only
+    .venv/bin/python bench/offload_bench.py --device cuda                    # writes results/offload_bench.json
+    .venv/bin/python bench/offload_bench.py --device cpu --out /tmp/b.json   # a smoke run; CPU times only
 
 One process measures, on the same pipeline and the same inputs:
 1. host-to-device and device-to-host copy bandwidth, pinned and pageable (CUDA only): the physical
@@ -14,74 +14,67 @@ One process measures, on the same pipeline and the same inputs:
    prefetching can no longer hide the copy: the ``crossover`` field names that width.
 
 Everything is reported as ratios against the all-resident run of the same process, with the
-provenance record. Timing runs do not use the memory ledger (its dispatch mode costs time per op);
-peak memory comes from ``torch.cuda.max_memory_allocated`` on CUDA.
+provenance record. Each mode is Lab 08's ``run_mode``: its bytes from a run under the memory ledger,
+its times from runs without it (the ledger's dispatch mode costs time per op); the sweep takes only
+the timed runs (``measure_time``). Peak memory comes from ``torch.cuda.max_memory_allocated`` on CUDA.
 """
 
-from __future__ import annotations
-
 import importlib.util
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-ROOT = Path(__file__).resolve().parents[1]
-LAB_DIR = ROOT / "code" / "lab-08-offload-memory-saving"
-sys.path.insert(0, str(ROOT / "code"))
-sys.path.insert(0, str(LAB_DIR))
+import torch
 
-import torch  # noqa: E402
+from labkit import cli, labs, provenance
+from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit.cuda import allocator_stats, reset_peak
+from labkit.diffusion import DTYPES, DenoiserBlock, ToyDiffusionPipeline
+from labkit.provenance import REPO_ROOT
+from labkit.table import format_bytes
 
-from labkit import emit_json, lab_parser, pick_device, progress, provenance, run_lab  # noqa: E402
-from labkit.cli import UsageError, positive_int  # noqa: E402
-from labkit.cuda import allocator_stats, reset_peak  # noqa: E402
-from labkit.diffusion import DTYPES, DenoiserBlock, ToyDiffusionPipeline  # noqa: E402
-from labkit.plot import format_bytes  # noqa: E402
-import offload  # noqa: E402
-from offload_engines import HostMaster  # noqa: E402
+lab08 = labs.load(8)
+HostMaster = labs.load(8, "offload_engines").HostMaster
 
-LAB = "lab-08-offload-memory-saving"
 BENCH = "offload"
 RESULT_FILE = "results/offload_bench.json"  # the GPU run; a CPU run writes results/offload_bench.cpu.json
 
 
-def parse_args(argv=None):
-    p = lab_parser("Benchmark Lab 08's offload engines against resident, accelerate and diffusers.")
-    p.add_argument("--width", type=positive_int, default=None, help="default: 1024 on CUDA, 64 on CPU")
-    p.add_argument("--heads", type=positive_int, default=None)
-    p.add_argument("--denoiser-layers", type=positive_int, default=None)
-    p.add_argument("--latent-tokens", type=positive_int, default=None)
-    p.add_argument("--steps", type=positive_int, default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--depths", default="0,1,2", help="layerwise prefetch depths, comma separated")
-    p.add_argument("--sweep-widths", default=None, help="widths for the crossover sweep (default by device)")
-    p.add_argument("--copy-mib", type=positive_int, default=256, help="bytes per copy in the bandwidth test")
-    p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--out", type=Path, default=None,
-                   help="default: results/offload_bench.json on CUDA, results/offload_bench.cpu.json on CPU")
-    args = p.parse_args(argv)
-    try:
-        args.depths = [int(d) for d in args.depths.split(",")]
-        args.sweep_widths = [int(w) for w in args.sweep_widths.split(",")] if args.sweep_widths else None
-    except ValueError:
-        raise UsageError("--depths and --sweep-widths take comma-separated whole numbers") from None
-    if any(d < 0 for d in args.depths) or any(w <= 0 for w in args.sweep_widths or []):
-        raise UsageError("prefetch depths must be >= 0 and widths > 0")
-    return args
+@dataclass
+class Config(LabConfig):
+    """Benchmark Lab 08's offload engines against resident, accelerate and diffusers."""
+
+    width: int | None = option(None, "default: 1024 on CUDA, 64 on CPU", min=1)
+    heads: int | None = option(None, "default: 16 on CUDA, 4 on CPU", min=1)
+    denoiser_layers: int | None = option(None, "default: 16 on CUDA, 6 on CPU", min=1)
+    latent_tokens: int | None = option(None, "default: 4096 on CUDA, 64 on CPU", min=1)
+    steps: int | None = option(None, "denoising steps (default: 4 on CUDA, 2 on CPU)", min=1)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = option(None, "default: bfloat16 on CUDA, float32 on CPU")
+    depths: tuple[int, ...] = option((0, 1, 2), "layerwise prefetch depths, comma separated", min=0)
+    sweep_widths: tuple[int, ...] | None = option(None, "widths for the crossover sweep (default: 512,1024,2048,4096 "
+                                                        "on CUDA, 32,64 on CPU)", min=1)
+    copy_mib: int = option(256, "bytes per copy in the bandwidth test (MiB)", min=1)
+    repeats: int = option(3, "timed pipeline runs per mode; the first warms up", min=1)
+    out: Path | None = option(None, "default: results/offload_bench.json on CUDA, results/offload_bench.cpu.json "
+                                    "on CPU")
 
 
-def lab_args(args, device: torch.device, **over):
-    """offload.py's arguments for this benchmark's sizes (GPU-sized on CUDA, tiny on CPU)."""
+def lab_config(config: Config, device: torch.device, **over) -> lab08.Config:
+    """Lab 08's Config for this benchmark's sizes (GPU-sized on CUDA, tiny on CPU), the denoiser alone
+    offloaded (the text encoder and decoder stay resident)."""
     gpu = device.type == "cuda"
-    size = {"width": args.width or (1024 if gpu else 64), "heads": args.heads or (16 if gpu else 4),
-            "denoiser_layers": args.denoiser_layers or (16 if gpu else 6),
-            "latent_tokens": args.latent_tokens or (4096 if gpu else 64), "steps": args.steps or (4 if gpu else 2),
-            "dtype": args.dtype or ("bfloat16" if gpu else "float32")} | over
-    argv = ["--device", device.type, "--repeats", str(args.repeats), "--seed", str(args.seed),
-            "--encoder-offload", "off", "--decoder-offload", "off"]  # compare the denoiser alone
-    for key, value in size.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return offload.parse_args(argv)
+    size = {"width": config.width or (1024 if gpu else 64), "heads": config.heads or (16 if gpu else 4),
+            "denoiser_layers": config.denoiser_layers or (16 if gpu else 6),
+            "latent_tokens": config.latent_tokens or (4096 if gpu else 64), "steps": config.steps or (4 if gpu else 2),
+            "dtype": config.dtype or ("bfloat16" if gpu else "float32")} | over
+    return lab08.Config(device=device.type, repeats=config.repeats, seed=config.seed, mode="layerwise",
+                        encoder_offload="off", decoder_offload="off", **size)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------ 1. the physical limit
@@ -111,11 +104,11 @@ def copy_bandwidth(device: torch.device, mib: int, repeats: int) -> dict | None:
 
 
 # ------------------------------------------------------------------ 2. modes and baselines
-def time_external(kind: str, args, device: torch.device) -> dict:
+def time_external(kind: str, config, device: torch.device) -> dict:
     """accelerate's cpu_offload or diffusers' group offloading on the denoiser, same pipeline."""
     if importlib.util.find_spec(kind) is None:
         return {"mode": kind, "skipped": f"{kind} is not installed (optional dependency)"}
-    pipe = ToyDiffusionPipeline(offload.config(args), seed=args.seed)
+    pipe = ToyDiffusionPipeline(config.pipeline(), seed=config.seed)
     pipe.text_encoder.to(device)
     pipe.decoder.to(device)
     try:
@@ -134,8 +127,8 @@ def time_external(kind: str, args, device: torch.device) -> dict:
             label = "diffusers group offloading (block level" + (", stream)" if device.type == "cuda" else ")")
     except Exception as err:  # an API that moved between versions is a note, not a crash
         return {"mode": kind, "skipped": f"{kind} could not be applied: {type(err).__name__}: {err}"}
-    prompt, noise = pipe.inputs(args.seed, device)
-    timed = time_denoise(pipe, prompt, noise, device, args.repeats)
+    prompt, noise = pipe.inputs(config.seed, device)
+    timed = time_denoise(pipe, prompt, noise, device, config.repeats)
     with torch.no_grad():
         timed["output"] = pipe.decode(timed["output"])  # the pipeline's output, as the modes report it
     return {"mode": kind, "label": label, **timed}
@@ -148,11 +141,11 @@ def time_denoise(pipe, prompt, noise, device, repeats: int) -> dict:
         times, out = [], None
         for r in range(repeats + 1):  # the first run warms up
             latents = noise
-            offload.sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for step in range(pipe.cfg.steps):
                 latents = pipe.denoise_step(latents, text, step)
-            offload.sync(device)
+            sync(device)
             if r:
                 times.append(time.perf_counter() - t0)
             out = latents
@@ -161,21 +154,20 @@ def time_denoise(pipe, prompt, noise, device, repeats: int) -> dict:
             "output": out}
 
 
-def mode_rows(args, device) -> list[dict]:
+def mode_rows(config: Config, device) -> list[dict]:
     rows = []
     reference = None
-    plan = [("none", None), ("model", None), ("sequential", None)] + [("layerwise", k) for k in args.depths]
-    for mode, depth in progress(plan, total=len(plan), desc="modes", quiet=args.json):
-        a = lab_args(args, device, **({"prefetch_depth": depth} if depth is not None else {}))
-        run = offload.run_mode(mode, a, device, reference, ledger_on=False)
+    plan = [("none", None), ("model", None), ("sequential", None)] + [("layerwise", k) for k in config.depths]
+    for mode, depth in cli.progress(plan, total=len(plan), desc="modes"):
+        a = lab_config(config, device, **({"prefetch_depth": depth} if depth is not None else {}))
+        run = lab08.run_mode(mode, a, device, reference)
         reference = run.output if reference is None else reference
         s = run.summary
         rows.append({"mode": mode if depth is None else f"layerwise k={depth}", "step_ms": s["step_ms"],
                      "max_memory_allocated": s["max_memory_allocated"], "max_resident_blocks": s["max_resident_blocks"],
                      "h2d_bytes": s["h2d_bytes"], "max_abs_diff": s["max_abs_diff"],
-                     "transfer_ms": sum(b.ms for b in run.recorder.intervals() if b.kind == "transfer"),
-                     "overlap_ms": run.recorder.overlap_ms()})
-    base = lab_args(args, device)
+                     "transfer_ms": run.schedule.bar_ms(kind="transfer"), "overlap_ms": run.schedule.overlap_ms()})
+    base = lab_config(config, device)
     for kind in ("accelerate", "diffusers"):
         r = time_external(kind, base, device)
         if "output" in r:
@@ -185,25 +177,26 @@ def mode_rows(args, device) -> list[dict]:
 
 
 # ------------------------------------------------------------------ 3. the crossover sweep
-def block_bytes(args) -> int:
+def block_bytes(config: lab08.Config) -> int:
     """One denoiser block's flat host buffer, from the block itself (built on the meta device: no memory)."""
     with torch.device("meta"):
-        block = DenoiserBlock(args.width, args.heads).to(DTYPES[args.dtype])
+        block = DenoiserBlock(config.width, config.heads).to(DTYPES[config.dtype])
     return HostMaster.plan(list(block.parameters()))[1]
 
 
-def crossover(args, device, bandwidth: dict | None) -> tuple[list[dict], dict]:
-    """Per width: per-block compute time (resident) against per-block copy time, and the overhead."""
-    widths = args.sweep_widths or ([512, 1024, 2048, 4096] if device.type == "cuda" else [32, 64])
+def crossover(config: Config, device, bandwidth: dict | None) -> tuple[list[dict], dict]:
+    """Per width: per-block compute time (resident) against per-block copy time, and the overhead.
+    Times only: Lab 08's timed runs, no ledger run."""
+    widths = config.sweep_widths or ((512, 1024, 2048, 4096) if device.type == "cuda" else (32, 64))
     rows = []
-    for w in progress(widths, total=len(widths), desc="sweep", quiet=args.json):
-        a = lab_args(args, device, width=w, heads=max(1, w // 64))
-        none = offload.run_mode("none", a, device, ledger_on=False).summary
-        layer = offload.run_mode("layerwise", a, device, ledger_on=False).summary
-        n = none["denoiser_blocks"]
-        rows.append({"width": w, "block_bytes": block_bytes(a), "compute_ms_per_block": none["step_ms"] / n,
-                     "step_ms_resident": none["step_ms"], "step_ms_layerwise": layer["step_ms"],
-                     "overhead": layer["step_ms"] / none["step_ms"] - 1})
+    for w in cli.progress(widths, total=len(widths), desc="sweep"):
+        a = lab_config(config, device, width=w, heads=max(1, w // 64))
+        resident_ms = lab08.measure_time("none", a, device)[2]
+        layerwise_ms = lab08.measure_time("layerwise", a, device)[2]
+        blocks = a.denoiser_layers
+        rows.append({"width": w, "block_bytes": block_bytes(a), "compute_ms_per_block": resident_ms / blocks,
+                     "step_ms_resident": resident_ms, "step_ms_layerwise": layerwise_ms,
+                     "overhead": layerwise_ms / resident_ms - 1})
     return rows, find_crossover(rows, bandwidth)
 
 
@@ -231,7 +224,7 @@ def summary_rows(modes: list[dict], bandwidth: dict | None) -> list[dict]:
     rows = []
 
     def add(metric, value, unit, target=None):
-        rows.append({"metric": metric, "value": value, "unit": unit, "target": target, "lab": LAB})
+        rows.append({"metric": metric, "value": value, "unit": unit, "target": target, "lab": labs.slug(8)})
 
     best = min((m for m in by if m.startswith("layerwise")), key=lambda m: by[m]["step_ms"], default=None)
     if best:
@@ -251,15 +244,33 @@ def summary_rows(modes: list[dict], bandwidth: dict | None) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    layers = lab_args(args, device).denoiser_layers
-    if max(args.depths) >= layers:
+@dataclass
+class Result:
+    path: Path  # where the run was written
+    record: dict  # its provenance
+    config: dict  # Lab 08's Config at this benchmark's sizes
+    bandwidth: dict | None  # the link (CUDA)
+    modes: list[dict]  # every mode and baseline, against all-resident
+    sweep: list[dict]  # per width: compute and copy time per block
+    crossover: dict
+
+    def summary(self) -> dict:
+        """What the results file holds, and what --json prints."""
+        return {"provenance": self.record, "bench": BENCH, "config": self.config, "bandwidth": self.bandwidth,
+                "modes": self.modes, "sweep": self.sweep, "crossover": self.crossover,
+                "summary_rows": summary_rows(self.modes, self.bandwidth),
+                "note": None if self.record["device_type"] == "cuda" else "CPU run: times are CPU times and "
+                "transfers are memcpy; no GPU speed or bandwidth claim comes from it"}
+
+
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    layers = lab_config(config, device).denoiser_layers
+    if max(config.depths) >= layers:
         raise UsageError(f"--depths: a prefetch depth must be below the {layers} denoiser blocks")
     t0 = time.perf_counter()
-    bandwidth = copy_bandwidth(device, args.copy_mib, args.repeats)
-    modes = mode_rows(args, device)
+    bandwidth = copy_bandwidth(device, config.copy_mib, config.repeats)
+    modes = mode_rows(config, device)
     base = next(r for r in modes if r["mode"] == "none")
     for r in modes:
         if "step_ms" in r:
@@ -270,34 +281,32 @@ def main(argv=None) -> None:
                 achieved = r["h2d_bytes"] / (r["transfer_ms"] / 1e3) / 1e9
                 r["achieved_h2d_gbps"] = achieved
                 r["fraction_of_pinned_bandwidth"] = achieved / bandwidth["h2d_pinned_gbps"]
-    sweep, found = crossover(args, device, bandwidth)
-    result = {"bench": BENCH, "config": vars(lab_args(args, device)) | {"device": device.type},
-              "bandwidth": bandwidth, "modes": modes, "sweep": sweep, "crossover": found,
-              "summary_rows": summary_rows(modes, bandwidth),
-              "note": None if device.type == "cuda" else "CPU run: times are CPU times and transfers are memcpy; "
-                                                           "no GPU speed or bandwidth claim comes from it"}
-    record = provenance.collect(LAB, device, time.perf_counter() - t0)
-    out = args.out or ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
-    result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in result["config"].items()}
-    provenance.write_results(out, result, record)
-    if args.json:
-        emit_json({"provenance": record, **result})
-        return
-    print(f"offload benchmark on {record['device_name']} -> {out}")
-    if bandwidth:
-        print("copy bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bandwidth.items() if k.endswith("gbps")))
-    for r in modes:
+    sweep, found = crossover(config, device, bandwidth)
+    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
+    result = Result(path, provenance.collect(8, device, time.perf_counter() - t0),
+                    summary_of(lab_config(config, device)), bandwidth, modes, sweep, found)
+    provenance.write_results(path, {k: v for k, v in result.summary().items() if k != "provenance"}, result.record)
+    return result
+
+
+def report(result: Result) -> None:
+    print(f"offload benchmark on {result.record['device_name']} -> {result.path}")
+    if result.bandwidth:
+        print("copy bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in result.bandwidth.items()
+                                                    if k.endswith("gbps")))
+    for r in result.modes:
         if "skipped" in r:
             print(f"  {r['mode']:<16} skipped: {r['skipped']}")
             continue
         mem = format_bytes(r["max_memory_allocated"]) if r.get("max_memory_allocated") else "-"
         print(f"  {r['mode']:<16} {r['step_ms']:9.2f} ms/step  x{r['step_time_vs_resident']:.2f}  peak {mem}")
-    for r in sweep:
+    for r in result.sweep:
         extra = f", copy {r['copy_ms_per_block']:.3f} ms/block" if "copy_ms_per_block" in r else ""
         print(f"  width {r['width']:>5}: compute {r['compute_ms_per_block']:.3f} ms/block{extra}, "
               f"layerwise overhead {100 * r['overhead']:+.1f}%")
+    found = result.crossover
     print(f"  crossover: width {found['width']}" if found["width"] else f"  crossover: none ({found['note']})")
 
 
 if __name__ == "__main__":
-    run_lab(main)
+    cli.main(Config, run, report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,26 +37,32 @@ def test_offload_bench_smoke_run_writes_results(tmp_path):
 
 
 def test_offload_bench_bad_input():
-    assert_clean_usage_error(run_bench("--depths", "1,x"), "comma-separated")
+    assert_clean_usage_error(run_bench("--depths", "1,x"), "--depths")
     assert_clean_usage_error(run_bench("--device", "cpu", "--depths", "6"), "below the 6 denoiser blocks")
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_offload_bench_names_the_crossover_width():
     """The first width whose block copy (bytes over the pinned bandwidth) outlasts its compute; the
     block bytes are one block's own flat buffer, not the denoiser's other weights."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import offload_bench
     import torch
 
+    offload_bench = load_bench("offload_bench")
     rows = [{"width": w, "compute_ms_per_block": c, "block_bytes": b}
             for w, c, b in [(512, 1.0, 8e6), (1024, 2.0, 34e6), (2048, 4.0, 134e6), (4096, 8.0, 537e6)]]
     found = offload_bench.find_crossover(rows, {"h2d_pinned_gbps": 25.0})  # copies 0.32, 1.36, 5.36, 21.5 ms
     assert [r["copy_bound"] for r in rows] == [False, False, True, True]
     assert found["width"] == 2048 and found["copy_ms_per_block"] > found["compute_ms_per_block"] == 4.0
     assert offload_bench.find_crossover(rows[:2], {"h2d_pinned_gbps": 25.0})["width"] is None
-    args = offload_bench.lab_args(offload_bench.parse_args([]), torch.device("cpu"), width=1024, heads=16,
-                                  dtype="bfloat16")
-    assert offload_bench.block_bytes(args) == 2 * (16 * 1024**2 + 19 * 1024)  # 33,593,344: just above 32 MiB
+    config = offload_bench.lab_config(offload_bench.Config(), torch.device("cpu"), width=1024, heads=16,
+                                      dtype="bfloat16")
+    assert offload_bench.block_bytes(config) == 2 * (16 * 1024**2 + 19 * 1024)  # 33,593,344: just above 32 MiB
 
 
 def test_training_bench_smoke_run_writes_each_labs_rows(tmp_path):

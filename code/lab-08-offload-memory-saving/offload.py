@@ -160,14 +160,14 @@ def run_mode(mode: str, config: Config, device, reference: torch.Tensor | None =
     output, counted = measure_bytes(mode, config, device, ledger)
     timed_output, schedule, step_ms, cuda = measure_time(mode, config, device)
     reference = output if reference is None else reference
-    peaks = ledger.timeline().peaks_by_phase()
-    stage_peak = {s: sum(peaks[s].values()) for s in STAGES}
-    moves = {part: mode in ("model", "sequential") or mode == "layerwise" and flag == "on"
-             for part, flag in (("encoder", config.encoder_offload), ("decoder", config.decoder_offload))}
+    tl = ledger.timeline()
+    stage_peak = {s: sum(peak.values()) for s, peak in tl.peaks_by_phase().items() if s in STAGES}
+    every_component = mode in ("model", "sequential")  # the text encoder and the decoder move too
     summary = {"mode": mode, "prefetch_depth": config.prefetch_depth if mode == "layerwise" else None,
-               "encoder_offload": moves["encoder"], "decoder_offload": moves["decoder"],
+               "encoder_offload": every_component or mode == "layerwise" and config.encoder_offload == "on",
+               "decoder_offload": every_component or mode == "layerwise" and config.decoder_offload == "on",
                "peak_device_bytes": max(stage_peak.values()), "peak_device_bytes_by_stage": stage_peak,
-               "peak_host_copy_bytes": max(ledger.timeline().host["host_copies"], default=0),  # the ledger's count
+               "peak_host_copy_bytes": max(tl.host["host_copies"], default=0),  # the ledger's count
                **counted, "denoiser_blocks": config.denoiser_layers,
                "max_memory_allocated": cuda["max_memory_allocated"] if cuda else None,
                "step_ms": step_ms,  # from the runs without the ledger
