@@ -43,9 +43,6 @@ def load_lab(lab: int | str, module: str | None = None):
     """A lab's starter (or its file ``module``) as a module: ``load_lab(8)``."""
     from labkit import labs
 
-    if isinstance(lab, str) and "/" in lab:  # transitional (issue 12): "lab-NN-slug/file.py"
-        lab, _, file = lab.partition("/")
-        module = file.removesuffix(".py")
     return labs.load(lab, module)
 
 
@@ -101,10 +98,7 @@ def assert_usage_error_in_process(lab, argv: list[str], capsys, *fragments: str)
     from labkit import cli
 
     with pytest.raises(SystemExit) as exc:
-        if callable(lab):  # transitional (issue 12): a lab's old main(argv)
-            cli.run_lab(lab, argv, prog="lab")
-        else:
-            cli.main(lab.Config, lab.run, lab.report, argv, prog="lab")
+        cli.main(lab.Config, lab.run, lab.report, argv, prog="lab")
     assert exc.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1, lines

@@ -88,10 +88,7 @@ CASES = [pytest.param(path, name, text, id=f"{path.parent.name}/{path.stem}:{nam
 
 @pytest.mark.parametrize("n", sorted(labs.STARTERS))
 def test_every_lab_has_a_command_line_under_the_contract(n):
-    starter = labs.starter(n)
-    if "run_lab(" in starter.read_text(encoding="utf-8"):
-        pytest.skip("transitional (issue 12): this lab still has its argparse main")
-    assert starter in command_lines()
+    assert labs.starter(n) in command_lines()
 
 
 def _never(config):

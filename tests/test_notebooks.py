@@ -47,16 +47,9 @@ def test_notebook_hygiene(path):
     assert path.stat().st_size < 3_000_000, "keep notebooks small"
     shown = json.dumps([o for c in code for o in c.outputs if o.output_type != "display_data"
                         or "image/png" not in o.get("data", {})])
-    if not thin(path):
-        return
     for leak in ("PosixPath(", "/work/", "/tmp/", "/home/", "/root/"):
         assert leak not in shown, f"{path.name} shows {leak!r}: a repr or a machine path leaked into an output"
     assert meta_of(path)["executed_by"] == "scripts/run_notebooks.py"
-
-
-def thin(path) -> bool:
-    """Transitional (issue 12): a notebook already on labkit.notebook's setup() and publish()."""
-    return "notebook.setup(" in (ROOT / "notebooks" / "src" / f"{path.stem}.py").read_text(encoding="utf-8")
 
 
 def meta_of(path):
@@ -67,8 +60,6 @@ def meta_of(path):
 def test_notebook_published_its_results_with_provenance(path):
     """One route for provenance: the notebook's publish() writes it beside its numbers, and the
     page's badge reads it from there."""
-    if not thin(path):
-        pytest.skip("transitional (issue 12): not yet on notebook.publish()")
     summary = json.loads((ROOT / "results" / path.stem / "summary.json").read_text())
     prov = summary["provenance"]
     for key in ("device_type", "device_name", "torch_version", "python_version", "git_commit",
@@ -98,8 +89,7 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
     for cell in fresh.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    env = dict(os.environ, INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1", INFRALAB_RESULTS_DIR=str(tmp_path / "results"),
-               INFRALAB_ROOT=str(ROOT))  # transitional (issue 12): the notebooks not yet on notebook.setup()
+    env = dict(os.environ, INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1", INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
     (tmp_path / path.name).write_text(json.dumps(fresh))
     client = NotebookClient(fresh, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}, allow_errors=False)

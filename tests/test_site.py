@@ -347,9 +347,4 @@ def test_no_page_includes_a_generated_results_file():
     """A page shows published numbers through the build hook, never text a notebook wrote."""
     for page in DOCS.rglob("*.md"):
         includes = [ref for ref in SNIPPET.findall(page.read_text(encoding="utf-8")) if ref.startswith("results/")]
-        from labkit import labs  # transitional (issue 12): a lab not converted yet keeps its includes
-
-        if includes and all(ref.count("/") > 1 and "run_lab(" in labs.starter(ref.split("/")[1]).read_text()
-                            or "cpu_adam_bench" in ref for ref in includes):
-            continue
         assert not includes, (page.name, includes)

@@ -36,16 +36,6 @@ _EXPORTS = {
     "GPTConfig": "labkit.models",
     "TinyGPT": "labkit.models",
     "SyntheticTokens": "labkit.models",
-    # transitional (issue 12): what the labs imported before each had a Config
-    "lab_parser": "labkit.cli",
-    "pick_device": "labkit.cli",
-    "run_lab": "labkit.cli",
-    "progress": "labkit.cli",
-    "emit_json": "labkit.cli",
-    "positive_int": "labkit.cli",
-    "positive_float": "labkit.cli",
-    "source_hash": "labkit.provenance",
-    "write_results": "labkit.provenance",
 }
 
 __all__ = sorted(_EXPORTS)

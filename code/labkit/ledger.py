@@ -473,13 +473,6 @@ class Ledger(TorchDispatchMode):
         """Shorthand for ``timeline().peak()``."""
         return (timeline or self.timeline()).peak()
 
-    # transitional (issue 12): removed once every lab reads the timeline
-    def at_end(self, timeline: Timeline | None = None) -> dict[str, int]:
-        return (timeline or self.timeline()).at_end()
-
-    def live_by_origin(self) -> list[dict]:
-        return stacks.live_by_origin(self)
-
     def current(self) -> dict[str, int]:
         """Device bytes by category right now (what is still alive, whenever you ask)."""
         out = {c: 0 for c in CATEGORIES}
@@ -523,31 +516,3 @@ def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             out.add((t.device, t.untyped_storage().data_ptr()))
     return out
-
-
-class NullLedger:
-    """Transitional (issue 12): the Ledger's interface doing nothing."""
-
-    def __init__(self, device="cpu") -> None:
-        self.device = torch.device(device)
-
-    def track_module(self, module):
-        return self
-
-    def track_optimizer(self, optimizer):
-        return self
-
-    def track(self, tensors, category: str) -> None:
-        pass
-
-    def category(self, name: str):
-        return contextlib.nullcontext()
-
-    def phase(self, name: str, step=None):
-        return contextlib.nullcontext()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None

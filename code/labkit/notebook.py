@@ -119,36 +119,3 @@ def _display_markdown(text: str) -> None:
         print(text)
         return
     display(Markdown(text))
-
-
-# ---------------------------------------------------------------------- transitional (issue 12)
-PROVENANCE_MIME = "application/vnd.infralab.provenance+json"
-
-
-def device_name() -> str:
-    return os.environ.get("INFRALAB_DEVICE", "auto")
-
-
-def results_dir(lab: str) -> Path:
-    out = Path(os.environ.get("INFRALAB_RESULTS_DIR") or REPO_ROOT / "results") / lab
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def load_lab(relative: str) -> ModuleType:
-    folder, _, file = relative.partition("/")
-    return labs.load(folder, file.removesuffix(".py") or None)
-
-
-def show_provenance(record: dict) -> None:
-    _display_markdown(provenance_table(record).markdown())
-
-
-def show_markdown(text: str) -> None:
-    _display_markdown(text)
-
-
-def provenance_markdown(record: dict) -> str:
-    from labkit.provenance import describe
-
-    return f"Measured: {describe(record)}. Written by the lab's notebook, `scripts/run_notebooks.py`.\n"

@@ -186,13 +186,3 @@ def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return fig
-
-
-# transitional (issue 12): removed once every lab renders tables with labkit.table
-from labkit.table import format_bytes  # noqa: E402,F401
-
-
-def peak_table(peaks, unit=None, label="phase") -> str:
-    from labkit.table import by_category
-
-    return by_category(peaks, label=label, unit=unit).markdown()

@@ -172,11 +172,6 @@ def _plain(obj):
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-# transitional (issue 12)
-def lab_dir(lab) -> Path:
-    return labs.folder(lab)
-
-
 # ---------------------------------------------------------------------- results files, checked before use
 _SCALAR = (str, int, float, bool, type(None))
 

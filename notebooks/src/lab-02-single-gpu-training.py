@@ -13,8 +13,11 @@
 # 3. AdamW's two moment tensors appear in the first `optimizer.step()` and never before.
 
 # %%
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 from IPython.display import display
 
 from labkit import notebook, plot
@@ -74,8 +77,6 @@ display(peaks, step_peaks, checks)
 # so every `backward()` adds into the previous gradients: accumulation.
 
 # %%
-import matplotlib.pyplot as plt  # noqa: E402
-
 modes = {m: lab.run(replace(config, steps=12, zero_grad=m)) for m in ("none", "zeros", "skip")}
 fig2, (ax_mem, ax_loss) = plt.subplots(1, 2, figsize=(11, 3.6), dpi=110, layout="constrained")
 for mode, r in modes.items():
@@ -105,9 +106,6 @@ display(zero_grad)
 # after `--resume`.
 
 # %%
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 with tempfile.TemporaryDirectory() as tmp:
     ckpt = Path(tmp) / "ckpt.pt"
     full = lab.run(replace(config, steps=4)).losses
