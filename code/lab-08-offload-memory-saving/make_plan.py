@@ -22,7 +22,7 @@ import offload
 import torch
 from offload_engines import HostMaster
 
-from labkit import cli
+from labkit import cli, files
 from labkit.config import LabConfig, UsageError, option
 from labkit.diffusion import ToyDiffusionPipeline
 from labkit.provenance import describe
@@ -133,7 +133,7 @@ def run(config: Config) -> Plan:
     check_writable(path)
     result = offload.run(config.lab_config())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(plan_text(result) + "\n")
+    files.write_text(path, plan_text(result) + "\n")
     return Plan(path, result)
 
 

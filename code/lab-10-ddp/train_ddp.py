@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_report import RankRun, Result, compare, ddp_reported, memory_report, report
-from labkit import cli, labs, marks
+from labkit import cli, files, labs, marks
 from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
@@ -223,7 +223,8 @@ def run(config: Config) -> Result | None:
                         grad_as_bucket_view=config.grad_as_bucket_view, snapshot=config.snapshot)
         mine = memory_report(trained.timeline, rank, trained.cuda)
         if config.ledger_dir:
-            (config.ledger_dir / f"rank{rank}.json").write_text(json.dumps(mine | {"timeline": trained.timeline.to_dict()}))
+            files.write_text(config.ledger_dir / f"rank{rank}.json",
+                             json.dumps(mine | {"timeline": trained.timeline.to_dict()}))
         buckets = bucket_report(trained, config.bucket_cap_mb)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})

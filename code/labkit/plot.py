@@ -145,12 +145,15 @@ def decimate(values: Sequence[float], max_points: int) -> list[int]:
 
 
 def save(fig, path: str | os.PathLike) -> Path:
-    """Write a figure as PNG or SVG (by suffix), creating folders; SVG text stays text."""
+    """Write a figure as PNG or SVG (by suffix), creating folders, all or nothing
+    (:mod:`labkit.files`); SVG text stays text."""
+    from labkit.files import atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {"metadata": {"Date": None}} if path.suffix == ".svg" else {"metadata": {"Software": None}}
-    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}):
-        fig.savefig(path, bbox_inches="tight", facecolor="white", dpi=160, **kwargs)
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
+        fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", facecolor="white", dpi=160, **kwargs)
     return path
 
 
