@@ -132,6 +132,26 @@ def test_removing_the_handles_leaves_the_model_exactly_as_it_was(lab08, mode):
         assert torch.equal(pipe(prompt, noise), out)  # and it still runs, with no hooks at all
 
 
+@pytest.mark.parametrize("mode", ["none", "model", "sequential", "layerwise"])
+def test_a_second_engine_on_the_same_modules_is_refused_and_the_weights_survive(lab08, engines, mode):
+    """Re-running a notebook cell installs again: the second install is refused in one line, and
+    removing the handles, in either order, gives every weight back bit for bit."""
+    pipe = small_pipeline()
+    before = snapshot(pipe)
+    device = torch.device("cpu")
+    for order in (reversed, list):
+        with torch.no_grad():
+            handles = lab08.install(mode, pipe, device, prefetch_depth=1, pinned=False)
+            with pytest.raises(ValueError, match="already have an offload engine") as err:
+                lab08.install(mode, pipe, device, prefetch_depth=1, pinned=False)
+            assert "\n" not in str(err.value)
+            for h in order(handles):
+                h.remove()
+                h.remove()  # twice: a no-op
+        assert_same(before, pipe)
+    assert not engines.OWNER  # every parameter released
+
+
 def test_handles_are_context_managers(lab08, engines):
     pipe = small_pipeline()
     before = snapshot(pipe)

@@ -20,10 +20,12 @@ import functools
 import torch
 import torch.nn as nn
 from pinned_arena import PinnedArena
+from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit import marks
 
 ALIGN = 64  # bytes; every parameter starts on a 64-byte boundary inside a flat buffer
+OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the engine that moves it
 
 
 # --8<-- [start:host-master]
@@ -84,8 +86,23 @@ class Offload:
         self.masters: list[HostMaster] = []
         self.arena: PinnedArena | None = None  # where the masters live
 
+    def claim(self, params: list[nn.Parameter]) -> None:
+        """One engine per parameter: a second one would take the first one's placeholders for the
+        weights, and its remove() would leave them empty. Refused, in one line."""
+        taken = {type(OWNER[p]).__name__ for p in params if p in OWNER}
+        if taken:
+            raise ValueError(f"these modules already have an offload engine ({', '.join(sorted(taken))}); "
+                             "remove() it before installing another")
+        for p in params:
+            OWNER[p] = self
+
+    def release(self) -> None:
+        for p in [p for p, owner in OWNER.items() if owner is self]:
+            del OWNER[p]
+
     def pack(self, units: list[list[nn.Parameter]]) -> list[HostMaster]:
         """Host masters for ``units`` in one arena; each unit's parameters released at once."""
+        self.claim([p for params in units for p in params])
         self.arena, masters = HostMaster.packed(units, self.pinned)
         for master in masters:
             master.detach()
@@ -116,6 +133,7 @@ class Offload:
             master.restore()
         self.masters.clear()
         self.arena = None  # the chunks go back to the (pinned) allocator
+        self.release()
 
     def __enter__(self):
         return self
@@ -131,6 +149,7 @@ class Resident(Offload):
         super().__init__(device, pinned=False)
         self.names = list(modules)
         self.homes = [(p, p.device) for m in modules.values() for p in m.parameters()]
+        self.claim([p for p, _ in self.homes])
         with marks.category("parameters"):
             for m in modules.values():
                 m.to(self.device)
@@ -139,6 +158,7 @@ class Resident(Offload):
         for p, device in self.homes:
             p.data = p.data.to(device)
         self.homes.clear()
+        self.release()
 
 
 def pieces(module: nn.Module) -> list[list[nn.Parameter]]:
