@@ -4,6 +4,7 @@ load each other, provenance, the one table renderer, plots, the toy models."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -412,3 +413,59 @@ def test_unusable_output_paths_are_refused_before_the_work(tmp_path, target, fra
     (tmp_path / "a-file").write_text("a file")
     with pytest.raises(UsageError, match=fragment):
         files.check_writable(target(tmp_path), "--out")
+
+
+# ---------------------------------------------------------------- distributed runs that end
+FROZEN = """
+import os, signal, time, torch, torch.distributed as tdist
+from labkit import dist
+with dist.joined("cpu", "gloo", timeout_s=2):
+    if tdist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # a rank that froze
+    tdist.all_reduce(torch.ones(1))
+"""
+
+SLEEPER = """
+import time
+from labkit import dist
+with dist.joined("cpu", "gloo"):
+    print("joined", flush=True)
+    time.sleep(120)
+"""
+
+
+def _torchrun(tmp_path, code: str) -> subprocess.Popen:
+    script = tmp_path / "rank.py"
+    script.write_text(code)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.Popen([str(torchrun), "--nproc_per_node=2", str(script)], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _ranks_left(tmp_path) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", str(tmp_path / "rank.py")], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def test_a_frozen_rank_ends_the_job_instead_of_hanging_for_30_minutes(tmp_path):
+    import time
+
+    t0, proc = time.perf_counter(), _torchrun(tmp_path, FROZEN)
+    proc.wait(timeout=120)  # gloo's default would wait 30 minutes; torchrun then grants 30 s to stop
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 90 and not _ranks_left(tmp_path)
+
+
+def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path):
+    import signal
+    import time
+
+    proc = _torchrun(tmp_path, SLEEPER)
+    while not proc.stdout.readline().startswith("joined"):  # torchrun's own warnings come first
+        assert proc.poll() is None, "the ranks ended before they joined"
+    os.killpg(proc.pid, 0)  # the launcher is alive; now kill it alone, as an OOM killer would
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.perf_counter() + 10
+    while _ranks_left(tmp_path) and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    assert not _ranks_left(tmp_path)

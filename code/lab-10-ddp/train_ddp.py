@@ -192,6 +192,7 @@ class Config(LabConfig):
                                         "several)", above=0)
     grad_as_bucket_view: bool = option(False, "gradients become views into the buckets instead of separate tensors")
     backend: Literal["auto", "gloo", "nccl"] = option("auto", "auto: nccl with one GPU per rank, else gloo")
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
     ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json")
     no_reference: bool = option(False, "skip rank 0's single-process replay")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)")
@@ -217,7 +218,7 @@ def run(config: Config) -> Result | None:
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
                              heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
     training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
-    with labdist.joined(config.device, config.backend) as (device, backend):  # (2)!
+    with labdist.joined(config.device, config.backend, config.timeout) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
         trained = train(model_config, device, **training, bucket_cap_mb=config.bucket_cap_mb,
                         grad_as_bucket_view=config.grad_as_bucket_view, snapshot=config.snapshot)

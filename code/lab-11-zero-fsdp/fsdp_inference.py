@@ -111,6 +111,7 @@ def run_placement(placement: str, pipeline: DiffusionConfig, device: torch.devic
 class Config(LabConfig):
     """Sharded inference with FSDP2 (and CPU offload of the shards) against Lab 08's single device."""
 
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
     placement: Literal["sharded", "sharded+offload", "both"] = option(
         "both", "sharded: shards on the device; sharded+offload: shards in host memory; both: each")
     width: int = option(64, "model width", min=1)
@@ -149,7 +150,7 @@ def run(config: Config) -> Result | None:
     """Every rank generates its image in each placement; rank 0 gathers what every rank measured,
     then runs Lab 08's engines on one device. The other ranks return None."""
     t0, timelines = time.perf_counter(), {}
-    with labdist.joined(config.device) as (device, backend):
+    with labdist.joined(config.device, timeout_s=config.timeout) as (device, backend):
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
         placements = {}

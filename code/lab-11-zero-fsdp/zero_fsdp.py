@@ -126,6 +126,7 @@ def full_params(model) -> torch.Tensor:
 class Config(LabConfig):
     """Train a toy GPT at ZeRO stages 0-3 under torchrun; memory per rank against Lab 01."""
 
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
     stage: Literal["0", "1", "2", "3", "all"] = option(
         "all", "which stage to run; all runs 0, 1, 2, 3 (stage 0 is the reference)")
     steps: int = option(3, "training steps per stage", min=1)
@@ -169,7 +170,7 @@ def run(config: Config) -> Result | None:
     plain = list(TinyGPT(model_config).parameters())
     params, tensors = sum(p.numel() for p in plain), len(plain)
     training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
-    with labdist.joined(config.device) as (device, backend):  # (2)!
+    with labdist.joined(config.device, timeout_s=config.timeout) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
         stages, timelines, reference = [], {}, None

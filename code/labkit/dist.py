@@ -32,6 +32,7 @@ Instrument, not lesson. A torchrun lab ends like every other lab, inside one voi
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import gc
 import io
@@ -82,10 +83,14 @@ def check_backend(device: torch.device, backend: str) -> None:
 
 
 @contextlib.contextmanager
-def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.device, str]]:
+def joined(device: str = "auto", backend: str = "auto", timeout_s: float = 60) -> Iterator[tuple[torch.device, str]]:
     """This process in the group torchrun prepared, for the block: yields its device and the backend.
 
     ``device``: ``auto``, ``cpu`` or ``cuda``; rank r on a node uses GPU ``r mod GPUs``.
+    ``timeout_s``: how long a collective waits for a rank that does not come (a rank that froze or
+    died) before it fails, and the job with it; PyTorch's default is 30 minutes, far beyond a lab.
+    The rank also ends when its launcher dies (Linux: ``PR_SET_PDEATHSIG``), so killing torchrun
+    leaves no orphans.
     ``backend``: ``auto`` is NCCL with one GPU per rank, gloo otherwise: on CPU, and when ranks
     share a GPU, which NCCL does not support (gloo then stages the CUDA tensors through host
     memory). A process torchrun did not start, and NCCL without a GPU per rank, are refused
@@ -94,7 +99,7 @@ def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.
     once. Before the wait, unreachable objects are collected: a finished model that holds the
     group goes while the group is alive (see :func:`one_voice`).
     """
-    this_device, backend = _join(device, backend)
+    this_device, backend = _join(device, backend, timeout_s)
     try:
         yield this_device, backend
         gc.collect()  # what the block left that holds the group (a DDP, a sharded model) goes first
@@ -104,7 +109,7 @@ def joined(device: str = "auto", backend: str = "auto") -> Iterator[tuple[torch.
             dist.destroy_process_group()
 
 
-def _join(device_name: str, backend: str) -> tuple[torch.device, str]:
+def _join(device_name: str, backend: str, timeout_s: float = 60) -> tuple[torch.device, str]:
     device = pick_device(device_name)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "LAB.py"
@@ -121,9 +126,24 @@ def _join(device_name: str, backend: str) -> tuple[torch.device, str]:
     if device.type == "cuda":
         device = torch.device("cuda", local % gpus)  # ranks beyond the GPU count share them
         torch.cuda.set_device(device)
+    _end_with_the_launcher()
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return device, backend
+
+
+def _end_with_the_launcher() -> None:
+    """Ask Linux to send this rank SIGTERM when its parent (torchrun's agent) dies. Elsewhere:
+    nothing (the process-group timeout still ends a job whose peer is gone)."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------- one voice
