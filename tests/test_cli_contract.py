@@ -112,3 +112,32 @@ def test_the_configs_have_a_help_text_for_every_flag():
     for path in command_lines():
         for f in dataclasses.fields(load(path).Config):
             assert f.metadata.get("help"), f"{path.name}: {flag(f.name)} has no help text"
+
+
+# A size that fits int64 but no machine: refused from the lab's own floor, before anything is allocated.
+TOO_BIG = {2: ["--width=1000000"], 3: ["--width=1000000"], 4: ["--width=1000000"], 5: ["--seq-lens=4000000"],
+           6: ["--width=1000000"], 7: ["--width=1000000"], 8: ["--width=1000000"], 9: ["--width=1000000"],
+           10: ["--width=1000000"], 11: ["--width=1000000"], 12: ["--width=1000000"]}
+
+
+@pytest.mark.parametrize("n", sorted(TOO_BIG))
+def test_sizes_the_machine_cannot_hold_are_refused_before_anything_is_allocated(n, capsys, monkeypatch):
+    import torch
+
+    from labkit.dist import world_of_one
+
+    for key, value in world_of_one().items():  # the torchrun labs refuse before joining a group
+        monkeypatch.setenv(key, value)
+    lab = labs.load(n)
+    real_empty = torch.empty
+
+    def small_only(*size, **kwargs):  # a floor that let the run start would allocate huge tensors
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        assert torch.Size(shape).numel() < 1 << 32, "allocated before refusing"
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", small_only)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(lab.Config, lab.run, None, ["--device=cpu", *TOO_BIG[n]], prog="lab")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "needs at least" in err[0] and "available RAM" in err[0], err

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, files, labs, marks, provenance
+from labkit import budget, cli, files, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -115,6 +115,7 @@ def run(config: Config) -> Result:
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
                              layers=config.layers, heads=config.heads, dropout=config.dropout)
+    budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
     model = TinyGPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     settings = asdict(model_config) | {k: getattr(config, k) for k in ("lr", "seed", "batch_size", "zero_grad")}

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -170,6 +170,7 @@ def train(config: Config, recipe: str) -> RecipeRun:
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
                              layers=config.layers, heads=config.heads, dropout=config.dropout)
+    budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
     model = TinyGPT(model_config).to(device)  # (1)!
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     scaler = make_scaler(recipe, device, config.init_scale, config.growth_interval)

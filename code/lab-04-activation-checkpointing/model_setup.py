@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import cli
+from labkit import budget, cli
 from labkit.config import LabConfig, UsageError, option
 from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
 
@@ -45,6 +45,7 @@ class ModelShape(LabConfig):
 def build(shape: ModelShape, device):
     """``(model, x, y)``: the TinyGPT of ``shape`` in train mode on ``device``, seeded with its seed,
     and batch 0 of ``SyntheticTokens``. Lab 09 builds the same."""
+    budget.require_gpt_training(shape.model_config(), shape.batch_size, device)  # too big for the machine: refused
     torch.manual_seed(shape.seed)
     model = TinyGPT(shape.model_config()).to(device).train()
     x, y = SyntheticTokens(shape.vocab, shape.seq_len, seed=shape.seed).batch(0, shape.batch_size, device)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention_measures import TOLERANCE, errors, fit_slope, report
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -190,6 +190,10 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     impls = IMPLS if config.impl == "all" else (config.impl,)
+    n, e = max(config.seq_lens), torch.finfo(DTYPES[config.dtype]).bits // 8  # too big for the machine: refused
+    budget.require(4 * config.batch * config.heads * n * config.head_dim * e + ("naive" in impls) * score_matrix_bytes(
+        n, batch=config.batch, heads=config.heads, e=e), device, f"q, k, v and the output at N = {n:,}"
+        + (" and one N x N matrix per head (naive)" if "naive" in impls else ""))
     with sdpa_backend(config.sdpa_backend if "sdpa" in impls else "auto", device):
         pass  # refuses a backend this machine does not have before anything runs
     jobs = [(impl, n) for n in config.seq_lens for impl in impls]

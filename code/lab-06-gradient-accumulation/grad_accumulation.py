@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -187,6 +187,7 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     micro, k = config.split()
+    budget.require_gpt_training(config.model(), micro, device)  # one micro-batch too big for the machine: refused
     ckpt, candidates = config.checkpoint == "on", []
     if config.budget is not None:  # (1)!
         batch = micro * k

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from offload_accounting import MODEL_STATE, after_step, bytes_per_param, checks, largest_difference
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
@@ -179,6 +179,7 @@ def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
+    budget.require_gpt_training(config.model(), config.batch_size, device)  # too big for the machine: refused
     modes = MODES if config.offload == "all" else dict.fromkeys(("none", config.offload))  # none: the reference
     with record_snapshot(config.snapshot):
         runs = [run_mode(mode, config, device) for mode in modes]

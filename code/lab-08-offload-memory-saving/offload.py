@@ -26,10 +26,10 @@ import torch
 from offload_engines import LayerwiseOffload, ModelOffload, Resident, SequentialOffload
 from pinned_arena import next_pow2
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
-from labkit.diffusion import DiffusionConfig, ToyDiffusionPipeline
+from labkit.diffusion import DTYPES, DiffusionConfig, ToyDiffusionPipeline
 from labkit.ledger import Ledger
 from labkit.schedule import Copies, Recorder
 from labkit.table import Table
@@ -130,6 +130,9 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     modes = MODES if config.mode == "all" else dict.fromkeys(("none", config.mode))  # none: the reference
+    e = torch.finfo(DTYPES[config.dtype]).bits // 8  # every denoiser weight, at least once: 16 w^2 per block
+    budget.require(16 * config.width**2 * config.denoiser_layers * e, device,
+                   f"16 x {config.width}^2 weights x {config.denoiser_layers} denoiser blocks x {e} B")
     runs, t0 = [], time.perf_counter()
     with record_snapshot(config.snapshot):
         for mode in cli.progress(modes, total=len(modes), desc="modes"):

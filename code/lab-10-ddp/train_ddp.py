@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_report import RankRun, Result, compare, ddp_reported, memory_report, report
-from labkit import cli, files, labs, marks
+from labkit import budget, cli, files, labs, marks
 from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
@@ -218,6 +218,7 @@ def run(config: Config) -> Result | None:
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
                              heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
     training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
+    budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device))  # every rank holds it
     with labdist.joined(config.device, config.backend, config.timeout) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
         trained = train(model_config, device, **training, bucket_cap_mb=config.bucket_cap_mb,

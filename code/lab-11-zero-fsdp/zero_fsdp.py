@@ -21,6 +21,7 @@ Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit import cli, labs
+from labkit import budget, cli, labs
 from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
@@ -167,6 +168,8 @@ def run(config: Config) -> Result | None:
     if config.snapshot:
         labdist.writable_dir(config.snapshot.parent, "--snapshot")  # (1)!
     model_config, t0 = config.model(), time.perf_counter()
+    budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device),
+                                dp=int(os.environ.get("WORLD_SIZE", 1)))  # ZeRO-3's floor: the shards
     plain = list(TinyGPT(model_config).parameters())
     params, tensors = sum(p.numel() for p in plain), len(plain)
     training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)

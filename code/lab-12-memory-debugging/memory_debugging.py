@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 import cuda_scenarios
-from labkit import cli, labs, marks, provenance, stacks
+from labkit import budget, cli, labs, marks, provenance, stacks
 from leak_report import report
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
@@ -152,6 +152,7 @@ def run_leak(config: Config, scenario: str, device: torch.device) -> Leak:
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
                              layers=config.layers, heads=config.heads)
+    budget.require_gpt_training(model_config, config.batch_size, device)  # too big for the machine: refused
     model = TinyGPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
