@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, labs, provenance
+from labkit import files, cli, labs, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.models import GPTConfig, TinyGPT
 from labkit.provenance import REPO_ROOT
@@ -176,6 +176,8 @@ class Result:
 
 def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
+    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else "results/cpu_adam_bench.json")
+    files.check_writable(path, "--out")  # before the run, not after it
     default_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads or default_threads)
     t0 = time.perf_counter()
@@ -186,7 +188,6 @@ def run(config: Config) -> Result:
     overhead = None
     if config.overhead == "on" or (config.overhead == "auto" and device.type == "cuda"):
         overhead = offload_overhead(device, config.steps, config.seed)
-    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else "results/cpu_adam_bench.json")
     result = Result(path, provenance.collect(7, device, time.perf_counter() - t0), threads, config.rounds, sets,
                     overhead)
     data = result.summary()

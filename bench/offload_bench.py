@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, labs, provenance
+from labkit import files, cli, labs, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, reset_peak
 from labkit.diffusion import DTYPES, DenoiserBlock, ToyDiffusionPipeline
@@ -268,6 +268,8 @@ def run(config: Config) -> Result:
     layers = lab_config(config, device).denoiser_layers
     if max(config.depths) >= layers:
         raise UsageError(f"--depths: a prefetch depth must be below the {layers} denoiser blocks")
+    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
+    files.check_writable(path, "--out")  # before the run, not after it
     t0 = time.perf_counter()
     bandwidth = copy_bandwidth(device, config.copy_mib, config.repeats)
     modes = mode_rows(config, device)
@@ -282,7 +284,6 @@ def run(config: Config) -> Result:
                 r["achieved_h2d_gbps"] = achieved
                 r["fraction_of_pinned_bandwidth"] = achieved / bandwidth["h2d_pinned_gbps"]
     sweep, found = crossover(config, device, bandwidth)
-    path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else RESULT_FILE.replace(".json", ".cpu.json"))
     result = Result(path, provenance.collect(8, device, time.perf_counter() - t0),
                     summary_of(lab_config(config, device)), bandwidth, modes, sweep, found)
     provenance.write_results(path, {k: v for k, v in result.summary().items() if k != "provenance"}, result.record)

@@ -6,7 +6,9 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import ROOT, assert_clean_usage_error
 
 
@@ -90,3 +92,21 @@ def test_training_bench_smoke_run_writes_each_labs_rows(tmp_path):
 
 def test_training_bench_bad_input():
     assert_clean_usage_error(run_bench("--steps", "0", script="training_bench.py"), "--steps")
+
+
+@pytest.mark.parametrize("script", ["offload_bench.py", "cpu_adam_bench.py", "training_bench.py"])
+@pytest.mark.parametrize("target", ["/proc/x/out.json", "DIR", "/dev/null"])
+def test_an_unusable_out_is_refused_before_the_benchmark_runs(script, target, tmp_path, monkeypatch, capsys):
+    from labkit import cli
+
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}_out", ROOT / "bench" / script)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench.provenance, "collect", lambda *a, **k: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(bench.Config, bench.run, None, ["--device", "cpu", "--out", str(tmp_path) if target == "DIR" else target],
+                 prog=script)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--out" in err[0], err
+    assert Path("/dev/null").is_char_device()

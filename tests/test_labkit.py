@@ -364,6 +364,19 @@ def test_a_write_is_all_or_nothing_and_leaves_no_temporary(tmp_path):
     assert target.read_text() == "first\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_a_write_never_replaces_a_device_a_pipe_or_a_folder(tmp_path):
+    import os
+
+    from labkit import files
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, tmp_path, Path("/dev/null")):
+        with pytest.raises(UsageError, match="not a regular file"):
+            files.write_text(target, "x")
+    assert fifo.is_fifo() and Path("/dev/null").is_char_device()
+
+
 def test_a_temporary_left_by_a_dead_writer_is_removed_at_the_next_write(tmp_path, capsys):
     from labkit import files
 

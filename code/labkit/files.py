@@ -62,6 +62,8 @@ def atomic(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     ``mode``: ``"wb"`` or ``"w"`` (text, UTF-8). Use as ``with atomic(p) as f: f.write(...)``.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():  # a rename would replace a device, a pipe or a folder
+        raise UsageError(f"cannot write {path}: it is not a regular file")
     _remove_stale(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
