@@ -29,7 +29,7 @@ from labkit import budget, cli, files, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from labkit.table import Table, by_category, format_bytes
 from labkit.timeline import Timeline
 
@@ -72,17 +72,12 @@ def load_checkpoint(path: Path, model, optimizer, settings: dict) -> int:
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Train a toy GPT with AdamW and watch memory phase by phase."""
 
     steps: int = option(6, "steps in this run", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
-    seq_len: int = option(64, "tokens per sequence", min=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0)
-    width: int = option(128, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
     zero_grad: Literal["none", "zeros", "skip"] = option(
         "none", "none: zero_grad(set_to_none=True); zeros: set_to_none=False; skip: no call")
@@ -93,8 +88,6 @@ class Config(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.resume and self.checkpoint is None:
             raise UsageError("--resume needs --checkpoint PATH")
         if self.save_every and self.checkpoint is None:
@@ -113,8 +106,7 @@ def run(config: Config) -> Result:
     if config.checkpoint:
         files.check_writable(config.checkpoint, "--checkpoint")  # (1)!
     torch.manual_seed(config.seed)
-    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
-                             layers=config.layers, heads=config.heads, dropout=config.dropout)
+    model_config = config.model_config()
     budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
     model = TinyGPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

@@ -31,7 +31,7 @@ from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from precision_report import ACTIVATION_BAND, LOSS_RTOL, compare, forward_end, report
 
 RECIPES = ("fp32", "fp16", "bf16")
@@ -130,18 +130,15 @@ def saved_for_backward(model, recipe: str, x, y) -> dict[str, int]:
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Train a toy GPT in fp32, fp16 + GradScaler and bf16 autocast; compare loss and memory."""
 
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    width: int = option(64, "model width", min=1)
     recipe: Literal["fp32", "fp16", "bf16", "all"] = option("all", "the recipe to train, or all three")
     steps: int = option(20, "training steps per recipe", min=1)
     ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
-    seq_len: int = option(32, "tokens per sequence", min=1)
-    width: int = option(64, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0)
     dropout: float = option(0.0, "dropout probability", min=0, below=1)
     init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0)
@@ -151,8 +148,6 @@ class Config(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if not FP32.tiny <= self.init_scale <= FP32.max:  # GradScaler keeps S, and uses 1/S, in float32
             raise UsageError(f"--init-scale {self.init_scale:g} does not fit float32, where GradScaler keeps the "
                              f"scale and its reciprocal: give a number in [{FP32.tiny:.3g}, {FP32.max:.3g}]")
@@ -168,8 +163,7 @@ def train(config: Config, recipe: str) -> RecipeRun:
     device = cli.pick_device(config.device)
     check_autocast(recipe, device)
     torch.manual_seed(config.seed)
-    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
-                             layers=config.layers, heads=config.heads, dropout=config.dropout)
+    model_config = config.model_config()
     budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
     model = TinyGPT(model_config).to(device)  # (1)!
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

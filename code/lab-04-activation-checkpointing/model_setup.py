@@ -15,31 +15,18 @@ from pathlib import Path
 import torch
 
 from labkit import budget, cli
-from labkit.config import LabConfig, UsageError, option
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.config import LabConfig, option
+from labkit.models import SyntheticTokens, TinyGPT, TinyGPTShape
 
 
 @dataclass
-class ModelShape(LabConfig):
+class ModelShape(TinyGPTShape, LabConfig):
     """The TinyGPT and the batch that Labs 04 and 09 measure (:func:`build`)."""
 
-    batch_size: int = option(4, "sequences per step", min=1)
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    width: int = option(128, "model width", min=1)
     layers: int = option(4, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
+    batch_size: int = option(4, "sequences per step", min=1)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
-
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
-                         heads=self.heads, dropout=self.dropout)
 
 
 def build(shape: ModelShape, device):

@@ -28,7 +28,7 @@ from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from accumulation_report import report
 from labkit.table import format_bytes
 
@@ -132,7 +132,7 @@ def parse_bytes(text: str) -> int:
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):  # (2)!
     """Gradient accumulation, and a trainer that picks micro-batch and checkpointing to fit a budget."""
 
     batch: int | None = option(None, "effective batch per optimizer step", min=1)
@@ -144,17 +144,10 @@ class Config(LabConfig):
         "auto", "checkpoint every block; auto: only if the budget needs it (off without --budget)")
     steps: int = option(4, "optimizer steps", min=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0)
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    width: int = option(128, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.budget is not None and (self.micro_batch or self.accum_steps):
             raise UsageError("--budget chooses the micro-batch: give --batch, not --micro-batch/--accum-steps")
         self.split()
@@ -174,10 +167,6 @@ class Config(LabConfig):
         if b % given:
             raise UsageError(f"--batch {b} is not a multiple of {name} {given}")
         return (m, b // m) if m else (b // k, k)
-
-    def model(self) -> GPTConfig:
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
-                         heads=self.heads, dropout=0.0)  # (2)!
 # --8<-- [end:config]
 
 
@@ -187,13 +176,13 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     micro, k = config.split()
-    budget.require_gpt_training(config.model(), micro, device)  # one micro-batch too big for the machine: refused
+    budget.require_gpt_training(config.model_config(), micro, device)  # one micro-batch too big for the machine: refused
     ckpt, candidates = config.checkpoint == "on", []
     if config.budget is not None:  # (1)!
         batch = micro * k
-        micro, ckpt, candidates = plan(config.model(), device, batch, config.budget, config.checkpoint, config.seed)
+        micro, ckpt, candidates = plan(config.model_config(), device, batch, config.budget, config.checkpoint, config.seed)
         k = batch // micro
-    result = train(config.model(), device, micro, k, ckpt, config.steps, config.seed, config.lr, config.snapshot)
+    result = train(config.model_config(), device, micro, k, ckpt, config.steps, config.seed, config.lr, config.snapshot)
     peak = result.ledger.timeline().peak()["total"]
     if config.budget is not None and peak > config.budget:  # (2)!
         raise RuntimeError(f"run peak {peak:,} B exceeds the budget of {config.budget:,} B: its candidate run "

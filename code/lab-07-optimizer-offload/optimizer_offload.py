@@ -31,7 +31,7 @@ from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import SyntheticTokens, TinyGPT, TinyGPTShape
 from labkit.schedule import Copies
 from labkit.table import Table
 
@@ -143,7 +143,7 @@ def fused_cpu_adamw_available() -> bool:
 
 
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Train a toy GPT with AdamW on the device, or with AdamW offloaded to the host."""
 
     offload: Literal["none", "optimizer", "gradients", "all"] = option(
@@ -155,31 +155,21 @@ class Config(LabConfig):
     lr: float = option(3e-3, "AdamW learning rate, both sides", above=0)
     weight_decay: float = option(0.01, "AdamW weight decay, both sides", min=0)
     batch_size: int = option(8, "sequences per step", min=1)
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    width: int = option(128, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.impl == "fused" and not fused_cpu_adamw_available():
             raise UsageError(f"torch {torch.__version__} has no fused CPU AdamW (torch >= 2.4): use --impl foreach")
 
-    def model(self) -> GPTConfig:
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
-                         heads=self.heads, dropout=self.dropout)
 
 
 def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    budget.require_gpt_training(config.model(), config.batch_size, device)  # too big for the machine: refused
+    budget.require_gpt_training(config.model_config(), config.batch_size, device)  # too big for the machine: refused
     modes = MODES if config.offload == "all" else dict.fromkeys(("none", config.offload))  # none: the reference
     with record_snapshot(config.snapshot):
         runs = [run_mode(mode, config, device) for mode in modes]
@@ -203,7 +193,7 @@ def run_mode(mode: str, config: Config, device, measured: bool = True) -> Run:
     """Train ``config.steps`` steps in ``mode`` from the same seed. ``measured``: under the memory
     ledger and a copy counter (both cost time per op); otherwise a plain run, for the step time."""
     torch.manual_seed(config.seed)
-    model = TinyGPT(config.model()).to(device)
+    model = TinyGPT(config.model_config()).to(device)
     data = SyntheticTokens(config.vocab, config.seq_len, seed=config.seed)
     ledger = Ledger(device).track_module(model) if measured else None
     reset_peak(device)

@@ -39,7 +39,7 @@ from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from labkit.timeline import Timeline
 
 lab02 = labs.load(2)  # Lab 02's train_step, unchanged: it gets the DDP model
@@ -177,17 +177,15 @@ def single_process_reference(model_config: GPTConfig, device, world: int, *, see
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Train a toy GPT data parallel with DDP under torchrun: buckets, identical replicas, memory per rank."""
 
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    width: int = option(64, "model width", min=1)
+    vocab: int = option(128, "vocabulary size", min=1)
     steps: int = option(3, "training steps (at least 2: DDP rebuilds its buckets after the first backward)", min=2)
     batch_size: int = option(4, "sequences per rank per step", min=1)
-    seq_len: int = option(32, "tokens per sequence", min=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0)
-    width: int = option(64, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(128, "vocabulary size", min=1)
     bucket_cap_mb: float = option(0.05, "DDP bucket size cap in MiB (PyTorch's default is 25; tiny here to get "
                                         "several)", above=0)
     grad_as_bucket_view: bool = option(False, "gradients become views into the buckets instead of separate tensors")
@@ -199,8 +197,6 @@ class Config(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         device = cli.pick_device(self.device)  # resolves auto; launches nothing
         labdist.check_backend(device, self.backend)
         if self.snapshot and device.type != "cuda":
@@ -215,8 +211,7 @@ def run(config: Config) -> Result | None:
     for flag, folder in (("--ledger-dir", config.ledger_dir), ("--snapshot", config.snapshot and config.snapshot.parent)):
         if folder:
             labdist.writable_dir(folder, flag)  # (1)!
-    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width, layers=config.layers,
-                             heads=config.heads, dropout=0.0)  # no dropout: each rank would draw its own masks
+    model_config = config.model_config()  # no --dropout: each rank would draw its own masks
     training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
     budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device))  # every rank holds it
     with labdist.joined(config.device, config.backend, config.timeout) as (device, backend):  # (2)!

@@ -40,7 +40,7 @@ from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from labkit.traffic import Traffic
 from zero_report import MODEL_STATE, STAGES, Result, StageRun, rank_measurement, report
 
@@ -124,19 +124,18 @@ def full_params(model) -> torch.Tensor:
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Train a toy GPT at ZeRO stages 0-3 under torchrun; memory per rank against Lab 01."""
 
+    seq_len: int = option(32, "tokens per sequence", min=1)
+    width: int = option(64, "model width", min=1)
+    layers: int = option(4, "transformer blocks", min=1)
+    vocab: int = option(128, "vocabulary size", min=1)
     timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
     stage: Literal["0", "1", "2", "3", "all"] = option(
         "all", "which stage to run; all runs 0, 1, 2, 3 (stage 0 is the reference)")
     steps: int = option(3, "training steps per stage", min=1)
     batch_size: int = option(4, "sequences per rank per step", min=1)
-    seq_len: int = option(32, "tokens per sequence", min=1)
-    width: int = option(64, "model width", min=1)
-    layers: int = option(4, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(128, "vocabulary size", min=1)
     lr: float = option(1e-3, "AdamW learning rate", above=0)
     timelines: bool = option(False, "add rank 0's ledger timeline of each stage's last step to the result")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per stage and rank "
@@ -144,8 +143,6 @@ class Config(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         device = cli.pick_device(self.device)  # resolves auto, refuses cuda without a GPU; launches nothing
         if self.snapshot and device.type != "cuda":
             raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
@@ -153,11 +150,6 @@ class Config(LabConfig):
     @property
     def stages(self) -> list[int]:
         return [0, 1, 2, 3] if self.stage == "all" else [int(self.stage)]
-
-    def model(self) -> GPTConfig:
-        """The GPT; no dropout: each rank would draw its own masks."""
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
-                         heads=self.heads, dropout=0.0)
 # --8<-- [end:config]
 
 
@@ -167,7 +159,7 @@ def run(config: Config) -> Result | None:
     Lab 01's formulas and DDP's losses. The other ranks return None."""
     if config.snapshot:
         labdist.writable_dir(config.snapshot.parent, "--snapshot")  # (1)!
-    model_config, t0 = config.model(), time.perf_counter()
+    model_config, t0 = config.model_config(), time.perf_counter()
     budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device),
                                 dp=int(os.environ.get("WORLD_SIZE", 1)))  # ZeRO-3's floor: the shards
     plain = list(TinyGPT(model_config).parameters())

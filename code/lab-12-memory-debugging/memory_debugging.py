@@ -29,7 +29,7 @@ from leak_report import report
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
 from labkit.timeline import Timeline
 
 toy_gpt = labs.load(1, "toy_gpt")  # Lab 01: every tensor TinyGPT saves for backward, counted
@@ -119,7 +119,7 @@ def expected_growth(scenario: str, model_config: GPTConfig, batch: int, device: 
 
 # --8<-- [start:config]
 @dataclass
-class Config(LabConfig):
+class Config(TinyGPTShape, LabConfig):
     """Reproduce memory leaks, fragmentation and an out-of-memory error, and diagnose each."""
 
     scenario: Literal["leak-losses", "leak-activations", "fixed", "fragmentation", "oom", "all"] = option(
@@ -127,11 +127,6 @@ class Config(LabConfig):
     steps: int = option(6, "training steps per leak scenario (growth is read from one step to the next)", min=2)
     top: int = option(12, "rows of each live-tensor table", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    width: int = option(128, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
     lr: float = option(1e-3, "AdamW learning rate", above=0)
     frag_iters: int = option(12, "fragmentation: batch sizes tried", min=1)
     frag_layers: int = option(8, "fragmentation: buffer pairs kept", min=1)
@@ -140,8 +135,6 @@ class Config(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
 # --8<-- [end:config]
 
 
@@ -150,8 +143,7 @@ def run_leak(config: Config, scenario: str, device: torch.device) -> Leak:
     """Loop ``scenario`` with ``config``'s sizes on ``device``, under a ledger with stacks, read
     after every step; what it kept dies on return."""
     torch.manual_seed(config.seed)
-    model_config = GPTConfig(vocab=config.vocab, seq_len=config.seq_len, width=config.width,
-                             layers=config.layers, heads=config.heads)
+    model_config = config.model_config()
     budget.require_gpt_training(model_config, config.batch_size, device)  # too big for the machine: refused
     model = TinyGPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.config import UsageError, option
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -51,6 +53,29 @@ def gpt_param_count(cfg: GPTConfig) -> int:
         + 4 * w * w + w  # MLP down
     )
     return v * w + s * w + n * per_block + 2 * w + w * v  # embeddings, blocks, final norm, head
+
+
+@dataclass
+class TinyGPTShape:
+    """TinyGPT's shape as a lab's flags: a lab's ``Config`` mixes it in
+    (``class Config(TinyGPTShape, LabConfig)``), so the same names, help and rules hold in every lab;
+    a lab with other defaults declares those fields again with its own."""
+
+    seq_len: int = option(64, "tokens per sequence", min=1)
+    width: int = option(128, "model width", min=1)
+    layers: int = option(2, "transformer blocks", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    vocab: int = option(256, "vocabulary size", min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the types and bounds of every field first
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+
+    def model_config(self) -> GPTConfig:
+        """The model these flags describe (with the lab's ``dropout``, if it has that flag)."""
+        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, width=self.width, layers=self.layers,
+                         heads=self.heads, dropout=getattr(self, "dropout", 0.0))
 
 
 class CausalSelfAttention(nn.Module):

@@ -38,7 +38,7 @@ config = lab.Config(device=nb.device.type, steps=2, **size)
 # off. The second table repeats k micro-batches but forgets to divide each loss by k.
 
 # %%
-small = lab.Config(device="cpu").model()
+small = lab.Config(device="cpu").model_config()
 gaps = [lab.gradient_gap(small, 16, k) for k in (1, 2, 4, 8, 16)]
 unscaled = [lab.gradient_gap(small, 16, k, scale=False) for k in (2, 4, 8, 16)]
 
