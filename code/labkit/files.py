@@ -77,8 +77,11 @@ def atomic(path: str | os.PathLike, mode: str = "wb") -> Iterator:
         if err.errno in _DISK_ERRORS:
             raise UsageError(f"cannot write {path}: {_why(err)}") from None
         raise
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        # a writer that hides the OSError (torch.save says "enforce fail at inline_container.cc")
+        if isinstance(err, Exception) and _nearly_full(path.parent):
+            raise UsageError(f"cannot write {path}: the disk is full") from None
         raise
 
 
@@ -92,6 +95,15 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with atomic(path, "wb") as f:
         f.write(data)
     return Path(path)
+
+
+def _nearly_full(folder: Path) -> bool:
+    import shutil
+
+    try:
+        return shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def _why(err: OSError) -> str:
