@@ -103,6 +103,9 @@ def test_lab_page_front_matter_names_real_files(page):
     for key in ("lab", "starter", "notebook", "run_cpu", "run_gpu"):
         assert meta.get(key), f"{page.name}: front matter needs {key}"
     assert (ROOT / meta["starter"]).is_file(), meta["starter"]
+    from labkit import labs  # the page quotes the file labs.load(N) returns: one starter per lab
+
+    assert (ROOT / meta["starter"]).resolve() == labs.starter(int(meta["lab"])).resolve()
     assert (ROOT / meta["notebook"]).is_file(), meta["notebook"]
     launch = rf"^(\.venv/bin/)?(python|torchrun( --\S+)*) {re.escape(meta['starter'])}( |$)"  # plain or distributed
     assert re.match(launch, meta["run_cpu"]) and "--device cpu" in meta["run_cpu"], meta["run_cpu"]
