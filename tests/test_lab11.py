@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
+from labkit.config import UsageError
 from labkit import cli
 from labkit import dist as labdist
 from labkit.ledger import Ledger
@@ -265,14 +266,14 @@ def test_traffic_counts_a_collective_and_labels_its_buffer_for_the_ledger():
 ])
 def test_the_config_refuses_what_cannot_run(lab11, inference, which, fields, fragment):
     lab, tiny = (lab11, TINY_TRAIN) if which == "train" else (inference, TINY_INFER)
-    with pytest.raises(lab.UsageError, match=fragment):
+    with pytest.raises(UsageError, match=fragment):
         lab.Config(**{**tiny, **fields})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused_by_the_config(lab11, inference):
     for lab in (lab11, inference):
-        with pytest.raises(lab.UsageError, match="no CUDA GPU"):
+        with pytest.raises(UsageError, match="no CUDA GPU"):
             lab.Config(device="cuda")
 
 

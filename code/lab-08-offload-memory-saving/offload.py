@@ -29,15 +29,13 @@ from pinned_arena import next_pow2
 from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
-from labkit.diffusion import DTYPES, DiffusionConfig, ToyDiffusionPipeline
+from labkit.diffusion import DTYPES, DiffusionShape, ToyDiffusionPipeline
 from labkit.ledger import Ledger
 from labkit.schedule import Copies, Recorder
 from labkit.table import Table
 
 MODES = ("none", "model", "sequential", "layerwise")
 STAGES = ("encode", "denoise", "decode")
-SHAPE = ("width", "heads", "denoiser_layers", "text_layers", "decoder_layers", "latent_tokens", "text_len", "steps",
-         "batch", "dtype")
 
 
 # --8<-- [start:install]
@@ -89,7 +87,7 @@ def run_pipeline(pipe: ToyDiffusionPipeline, handles: list, prompt, noise) -> to
 
 
 @dataclass
-class Config(LabConfig):
+class Config(DiffusionShape, LabConfig):
     """Run a toy diffusion pipeline under each offload engine and measure it."""
 
     mode: Literal["none", "model", "sequential", "layerwise", "all"] = option(
@@ -98,31 +96,17 @@ class Config(LabConfig):
     pinned: Literal["auto", "on", "off"] = option("auto", "pinned host masters (auto: on when CUDA is present)")
     encoder_offload: Literal["on", "off"] = option("on", "layerwise: the text encoder moves too (off: resident)")
     decoder_offload: Literal["on", "off"] = option("on", "layerwise: the decoder moves too (off: resident)")
-    width: int = option(128, "model width", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    denoiser_layers: int = option(8, "denoiser blocks", min=1)
-    text_layers: int = option(2, "text encoder blocks", min=1)
-    decoder_layers: int = option(2, "decoder layers", min=1)
-    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1)
-    text_len: int = option(16, "prompt tokens", min=1)
-    steps: int = option(3, "denoising steps", min=1)
     batch: int = option(1, "prompts per pipeline run", min=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "the weights' dtype")
     repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         if self.mode in ("layerwise", "all") and self.prefetch_depth >= self.denoiser_layers:
             raise UsageError(f"--prefetch-depth {self.prefetch_depth} is too deep for {self.denoiser_layers} denoiser "
                              f"blocks: at most {self.denoiser_layers - 1} (every other block) can be ahead")
         if self.pinned == "on" and not torch.cuda.is_available():
             raise UsageError("--pinned on needs a CUDA driver (pinned memory is page-locked for DMA)")
-
-    def pipeline(self) -> DiffusionConfig:
-        return DiffusionConfig(**{name: getattr(self, name) for name in SHAPE})
 
 
 def run(config: Config) -> Result:

@@ -30,17 +30,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard,
 from inference_report import Result, report
 from labkit import cli, labs, marks
 from labkit import dist as labdist
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import LabConfig, option
 from labkit.cuda import allocator_stats, reset_peak
-from labkit.diffusion import DiffusionConfig, ToyDiffusionPipeline, param_bytes
+from labkit.diffusion import DiffusionConfig, DiffusionShape, ToyDiffusionPipeline, param_bytes
 from labkit.ledger import Ledger
 from labkit.traffic import Traffic
 
 lab08 = labs.load(8)  # run_mode: Lab 08's single-device engines, measured on the same pipeline
 
 PLACEMENTS = ("sharded", "sharded+offload")
-SHAPE = ("width", "heads", "denoiser_layers", "text_layers", "decoder_layers", "latent_tokens", "text_len", "steps",
-         "dtype")
 OUTPUT_ATOL = 1e-5  # gathered weights are bit-identical; only reduction order could differ (float32)
 
 
@@ -108,28 +106,20 @@ def run_placement(placement: str, pipeline: DiffusionConfig, device: torch.devic
 
 
 @dataclass
-class Config(LabConfig):
+class Config(DiffusionShape, LabConfig):
     """Sharded inference with FSDP2 (and CPU offload of the shards) against Lab 08's single device."""
 
     timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
     placement: Literal["sharded", "sharded+offload", "both"] = option(
         "both", "sharded: shards on the device; sharded+offload: shards in host memory; both: each")
     width: int = option(64, "model width", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
     denoiser_layers: int = option(6, "denoiser blocks", min=1)
-    text_layers: int = option(2, "text encoder blocks", min=1)
-    decoder_layers: int = option(2, "decoder layers", min=1)
-    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1)
-    text_len: int = option(16, "prompt tokens", min=1)
     steps: int = option(2, "denoising steps", min=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "the weights' dtype")
     prefetch_depth: int = option(1, "Lab 08's layerwise offload: blocks copied ahead", min=0)
     timelines: bool = option(False, "add rank 0's ledger timelines (each placement, Lab 08 layerwise) to the result")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.width % self.heads:
-            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
         cli.pick_device(self.device)  # refuses cuda without a GPU; launches nothing
         self.lab08_config()  # Lab 08's rules too (--prefetch-depth), before any rank joins
 
@@ -137,13 +127,10 @@ class Config(LabConfig):
     def placements(self) -> tuple[str, ...]:
         return PLACEMENTS if self.placement == "both" else (self.placement,)
 
-    def pipeline(self) -> DiffusionConfig:
-        return DiffusionConfig(**{name: getattr(self, name) for name in SHAPE})
-
     def lab08_config(self):
         """Lab 08's Config for the same pipeline, inputs and prefetch depth (one timed run)."""
         return lab08.Config(mode="layerwise", repeats=1, prefetch_depth=self.prefetch_depth, device=self.device,
-                            seed=self.seed, **{name: getattr(self, name) for name in SHAPE})
+                            seed=self.seed, **self.shape())
 
 
 def run(config: Config) -> Result | None:

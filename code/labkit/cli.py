@@ -40,7 +40,7 @@ class LabArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _reader(kind, meta, name: str):
+def _reader(kind, meta):
     """The argparse ``type=`` for a field: reads the text; the bounds are the Config's to check."""
     parse = meta.get("parse")
     if parse is not None:
@@ -51,7 +51,7 @@ def _reader(kind, meta, name: str):
                 raise argparse.ArgumentTypeError(str(err)) from None
         return read
     if typing.get_origin(kind) is tuple:
-        item = _reader(typing.get_args(kind)[0], {}, name)
+        item = _reader(typing.get_args(kind)[0], {})
         return lambda text: tuple(item(part.strip()) for part in text.split(",") if part.strip())
     if kind in (int, float):
         what = "a whole number" if kind is int else "a number"
@@ -95,13 +95,13 @@ def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
             kwargs["type"] = type(choices[0])
             kwargs.pop("metavar")
         else:
-            kwargs["type"] = _reader(base, meta, f.name)
+            kwargs["type"] = _reader(base, meta)
         if shown not in (None, "") and "default:" not in help_text:
             help_text = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
         if meta.get("positional"):
             many = typing.get_origin(base) is tuple
             kwargs.pop("dest")
-            kwargs["type"] = _reader(typing.get_args(base)[0], {}, f.name) if many else kwargs["type"]
+            kwargs["type"] = _reader(typing.get_args(base)[0], {}) if many else kwargs["type"]
             p.add_argument(f.name, nargs="*" if many else "?" if default is not None else None, help=help_text,
                            **{**kwargs, "metavar": meta.get("metavar") or f.name.upper()})
             continue

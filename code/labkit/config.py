@@ -162,7 +162,7 @@ def _bounded(name: str, value, meta):
 
 def _range(lo, hi) -> str:
     if hi is None:
-        return f"{lo:g} or more" if lo != 1 else "1 or more"
+        return f"{lo:g} or more"
     if lo is None:
         return f"{hi:g} or less"
     return f"in [{lo:g}, {hi:g}]"

@@ -15,12 +15,16 @@ gradients (inference), so the pipeline is created with ``requires_grad=False``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from labkit.config import UsageError, option
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +57,36 @@ class DiffusionConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+@dataclass
+class DiffusionShape:
+    """The pipeline's shape as a lab's flags: a lab's ``Config`` mixes it in
+    (``class Config(DiffusionShape, LabConfig)``), so Lab 08, Lab 11 and their benchmark share the
+    names, help and rules; a lab with other defaults declares those fields again with its own."""
+
+    width: int = option(128, "model width", min=1)
+    heads: int = option(4, "attention heads (must divide --width)", min=1)
+    denoiser_layers: int = option(8, "denoiser blocks", min=1)
+    text_layers: int = option(2, "text encoder blocks", min=1)
+    decoder_layers: int = option(2, "decoder layers", min=1)
+    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1)
+    text_len: int = option(16, "prompt tokens", min=1)
+    steps: int = option(3, "denoising steps", min=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "the weights' dtype")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the types and bounds of every field first
+        if self.width % self.heads:
+            raise UsageError(f"--width {self.width} is not divisible by --heads {self.heads}")
+
+    def shape(self) -> dict:
+        """These flags' values, by name (to make another lab's Config of the same pipeline)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DiffusionShape)}
+
+    def pipeline(self) -> DiffusionConfig:
+        """The pipeline these flags describe (with the lab's ``batch``, if it has that flag)."""
+        return DiffusionConfig(**self.shape(), batch=getattr(self, "batch", 1))
 
 
 class Attention(nn.Module):

@@ -465,13 +465,13 @@ class Ledger(TorchDispatchMode):
                 return ev[2]
         return self.records[sid].nbytes
 
-    def peaks_by_phase(self, timeline: Timeline | None = None) -> dict[str, dict[str, int]]:
+    def peaks_by_phase(self) -> dict[str, dict[str, int]]:
         """Shorthand for ``timeline().peaks_by_phase()``."""
-        return (timeline or self.timeline()).peaks_by_phase()
+        return self.timeline().peaks_by_phase()
 
-    def peak(self, timeline: Timeline | None = None) -> dict[str, int]:
+    def peak(self) -> dict[str, int]:
         """Shorthand for ``timeline().peak()``."""
-        return (timeline or self.timeline()).peak()
+        return self.timeline().peak()
 
     def current(self) -> dict[str, int]:
         """Device bytes by category right now (what is still alive, whenever you ask)."""
