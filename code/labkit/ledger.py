@@ -50,6 +50,10 @@ The ledger is the recorder only. What it records is read as a :class:`labkit.tim
 (:mod:`labkit.marks`): while entered, the ledger watches them, so the code it measures passes no
 ledger around.
 
+Fake tensors (:mod:`labkit.fake`): a ledger entered inside ``fake.tensors()`` counts the fake
+storages of that fake mode as it counts real ones (rounded to the block ``fake.tensors`` names), so
+a lab's own step traced at real size gives the timeline the real step would give.
+
 Not seen: memory allocated outside the dispatcher (CUDA context, cuBLAS workspaces, NCCL
 buffers), and tensors created before the ledger was entered unless you register them
 (``track_module``, ``track_optimizer``, ``track``).
@@ -69,7 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from labkit import marks, stacks
+from labkit import fake, marks, stacks
 from labkit.timeline import (  # noqa: F401  (the categories are re-exported for the labs)
     ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, HOST_COPIES, OPTIMIZER_STATE, OTHER, PARAMETERS, PHASES,
     TEMPORARIES, PhaseSpan, Timeline)
@@ -146,6 +150,7 @@ class Ledger(TorchDispatchMode):
         self._depth = 0
         self._active_until: int | None = None
         self._t0 = time.perf_counter()
+        self._fake = fake.active()  # the labkit.fake trace this ledger counts, if made inside one
 
     # ------------------------------------------------------------------ registration
     def track_module(self, module: torch.nn.Module) -> Ledger:
@@ -218,7 +223,9 @@ class Ledger(TorchDispatchMode):
         if self._depth == 0:
             from labkit.cuda import warm_up
 
-            warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
+            self._fake = self._fake or fake.active()
+            if self._fake is None:
+                warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
             self._patch_resize()
             for m in _alive(self._modules):
                 self._install_hooks_for(m)
@@ -251,19 +258,24 @@ class Ledger(TorchDispatchMode):
         if _DTensor is not None and any(t is _DTensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops, then count those
         out = func(*args, **(kwargs or {}))
+        if func is _LIFT_FRESH:
+            # torch.tensor(data) builds its storage outside the dispatcher and hands it over through
+            # lift_fresh: a real run never sees that storage born, and a fake trace (where lift_fresh
+            # makes a new fake storage) must not either, or the two would differ by Adam's step counters.
+            return out
         flat_out, _ = tree_flatten(out)
         inputs_ptrs = None
         for t in flat_out:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
-            if st.device.type == "meta":
-                continue  # a fake tensor (e.g. DTensor's sharding propagation): it owns no memory
+            if st.device.type == "meta" and not self._counts_fake(t):
+                continue  # a fake tensor not of our trace (e.g. DTensor's sharding propagation)
             sid = self._sid_of.get(st)
             nbytes = st.nbytes()
             if sid is not None:
                 rec = self.records[sid]
-                new = counted_bytes(nbytes, rec.device)
+                new = self._counted(nbytes, rec.device)
                 if new != rec.nbytes and rec.alive:
                     self._event(("resize", sid, rec.nbytes, new))
                     rec.nbytes = new
@@ -272,7 +284,7 @@ class Ledger(TorchDispatchMode):
                 continue
             if inputs_ptrs is None:
                 inputs_ptrs = _storage_ptrs((args, kwargs))
-            if (t.device, st.data_ptr()) in inputs_ptrs:
+            if _storage_key(t, st) in inputs_ptrs:
                 continue  # a view or alias of an input we were not asked to track
             self._new_storage(st, t.device, str(func.overloadpacket.__name__))
         return out
@@ -281,6 +293,15 @@ class Ledger(TorchDispatchMode):
     def _check_category(self, name: str) -> None:
         if name not in CATEGORIES:
             raise ValueError(f"unknown category {name!r}; choose one of {', '.join(CATEGORIES)}")
+
+    def _counts_fake(self, t: torch.Tensor) -> bool:
+        """A fake tensor of the trace this ledger was entered in: counted as if it were real."""
+        return self._fake is not None and getattr(t, "fake_mode", None) is self._fake.mode
+
+    def _counted(self, nbytes: int, device: torch.device) -> int:
+        if self._fake is not None and self._fake.block and nbytes > 0:
+            return -(-nbytes // self._fake.block) * self._fake.block
+        return counted_bytes(nbytes, device)
 
     def _event(self, ev: tuple) -> None:
         self.events.append(ev)
@@ -297,7 +318,7 @@ class Ledger(TorchDispatchMode):
             label = self._category_stack[-1] if self._category_stack else None
             rec = StorageRecord(
                 sid=sid,
-                nbytes=counted_bytes(st.nbytes(), device),
+                nbytes=self._counted(st.nbytes(), device),
                 device=device,
                 born=len(self.events),
                 phase=phase,
@@ -330,7 +351,7 @@ class Ledger(TorchDispatchMode):
     def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
         if _DTensor is not None and isinstance(t, _DTensor):
             t = t._local_tensor  # this rank's shard is what occupies its memory
-        if t.device.type == "meta" or t.untyped_storage().device.type == "meta":
+        if t.device.type == "meta" or t.untyped_storage().device.type == "meta" and not self._counts_fake(t):
             return
         st = t.untyped_storage()
         sid = self._sid_of.get(st)
@@ -373,12 +394,14 @@ class Ledger(TorchDispatchMode):
                 sid = ledger._sid_of.get(storage)
                 if sid is not None:
                     rec = ledger.records[sid]
-                    new = counted_bytes(storage.nbytes(), rec.device)
+                    new = ledger._counted(storage.nbytes(), rec.device)
                     if new != rec.nbytes and rec.alive:
                         ledger._event(("resize", sid, rec.nbytes, new))
                         rec.nbytes = new
-                elif storage.nbytes() > 0 and storage.device.type != "meta":
-                    ledger._new_storage(storage, storage.device, "resize_")
+                elif storage.nbytes() > 0 and (storage.device.type != "meta" or ledger._fake is not None):
+                    # a fake storage knows no device of its own: it is on the trace's compute device
+                    ledger._new_storage(storage, storage.device if storage.device.type != "meta" else ledger.device,
+                                        "resize_")
             return result
 
         self._original_resize = original
@@ -509,10 +532,20 @@ except ImportError:  # pragma: no cover
     _DTensor = None
 
 
-def _storage_ptrs(tree) -> set[tuple[torch.device, int]]:
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
+    """Where a storage's bytes are: its address for a real one; a fake one has none, so its identity."""
+    if st.device.type == "meta":
+        return ("fake", st._cdata)
+    return (t.device, st.data_ptr())
+
+
+def _storage_ptrs(tree) -> set[tuple]:
     flat, _ = tree_flatten(tree)
     out = set()
     for t in flat:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            out.add((t.device, t.untyped_storage().data_ptr()))
+            out.add(_storage_key(t, t.untyped_storage()))
     return out

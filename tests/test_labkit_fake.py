@@ -1,0 +1,163 @@
+"""Fake-tensor traces (labkit.fake): the ledger of a step on fake tensors equals, to the byte, the
+ledger of the same step on real tensors, in every category, at every row and every phase peak."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+from labkit import GPTConfig, Ledger, TinyGPT, fake, marks
+
+TINY = GPTConfig(width=64, layers=2, heads=4, vocab=128, seq_len=32)
+
+
+def checkpointed(blocks, x):
+    for block in blocks:
+        x = cp.checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def train_step(model, optimizer, idx, precision="fp32", run_blocks=None, steps=2):
+    for step in range(steps):
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed"
+                    else contextlib.nullcontext())
+        with marks.phase("forward", step=step), autocast:
+            _, loss = model(idx, idx, run_blocks=run_blocks)
+        with marks.phase("backward", step=step):
+            loss.backward()
+        with marks.phase("optimizer", step=step):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def ledger_of(build, *, on_fake, precision="fp32", optimizer="adamw-foreach", run_blocks=None, block=None,
+              batch=2):
+    """The timeline of two training steps of ``build()``, on fake or on real tensors."""
+    torch.manual_seed(0)
+    scope = fake.tensors(block=block) if on_fake else contextlib.nullcontext()
+    with scope:
+        model = fake.materialize(build, dtype=torch.bfloat16 if precision == "bf16" else None)
+        params = list(model.parameters())
+        opt = {"adamw-foreach": lambda: torch.optim.AdamW(params, foreach=True),
+               "adamw-fused": lambda: torch.optim.AdamW(params, fused=True),
+               "adamw-for-loop": lambda: torch.optim.AdamW(params, foreach=False),
+               "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)}[optimizer]()
+        idx = torch.zeros(batch, model.cfg.seq_len if hasattr(model, "cfg") else 32, dtype=torch.long)
+        ledger = Ledger("cpu").track_module(model).track_optimizer(opt)
+        with ledger:
+            train_step(model, opt, idx, precision=precision, run_blocks=run_blocks)
+    return ledger
+
+
+def event_signature(ledger):
+    """The allocations in order (op, bytes, category, phase), each followed by what was freed before
+    the next one. Frees that happen together are compared as a set: autocast empties its cache of
+    casts in hash-table order, which differs from run to run on real tensors too."""
+    out, freed = [], []
+    for ev in ledger.events:
+        rec = ledger.records[ev[1]]
+        item = (rec.op, rec.nbytes, ledger.category_of(rec), ledger.scope_of(rec), rec.phase)
+        if ev[0] == "free":
+            freed.append(item)
+            continue
+        out.append(tuple(sorted(freed)))
+        freed = []
+        out.append((ev[0],) + item + tuple(ev[2:]))
+    return out + [tuple(sorted(freed))]
+
+
+def assert_same_timeline(real_ledger, traced_ledger):
+    real, traced = real_ledger.timeline(), traced_ledger.timeline()
+    assert len(real) == len(traced), "the fake step allocated and freed a different number of times"
+    assert event_signature(real_ledger) == event_signature(traced_ledger)
+    assert real.peaks_by_phase() == traced.peaks_by_phase()
+    assert real.step_peaks() == traced.step_peaks()
+    assert real.peak() == traced.peak()
+    for cat in real.categories:
+        assert max(real.device[cat]) == max(traced.device[cat]), cat
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16"])
+@pytest.mark.parametrize("optimizer", ["adamw-foreach", "adamw-fused", "adamw-for-loop", "sgd"])
+def test_tinygpt_fake_trace_equals_the_real_ledger_to_the_byte(precision, optimizer):
+    build = functools.partial(TinyGPT, TINY)
+    real = ledger_of(build, on_fake=False, precision=precision, optimizer=optimizer)
+    traced = ledger_of(build, on_fake=True, precision=precision, optimizer=optimizer)
+    timeline = traced.timeline()
+    assert max(timeline.device["activations"]) > 0 and max(timeline.device["gradients"]) > 0
+    assert_same_timeline(real, traced)
+
+
+def test_checkpointed_step_traces_the_same_on_fake_tensors():
+    build = functools.partial(TinyGPT, TINY)
+    real = ledger_of(build, on_fake=False, precision="mixed", run_blocks=checkpointed)
+    traced = ledger_of(build, on_fake=True, precision="mixed", run_blocks=checkpointed)
+    assert_same_timeline(real, traced)
+    plain = ledger_of(build, on_fake=True, precision="mixed")
+    fwd = "forward"
+    assert (traced.peaks_by_phase()[fwd]["activations"]
+            < plain.peaks_by_phase()[fwd]["activations"])
+
+
+def test_block_rounding_counts_each_storage_in_cuda_allocator_blocks():
+    build = functools.partial(TinyGPT, TINY)
+    exact = ledger_of(build, on_fake=True, block=None).timeline()
+    rounded = ledger_of(build, on_fake=True, block=512).timeline()
+    assert all(v % 512 == 0 for v in rounded.peak().values())
+    n_params = sum(1 for _ in TinyGPT(TINY).parameters())
+    param_bytes = exact.peak()["parameters"]
+    assert param_bytes <= rounded.peak()["parameters"] < param_bytes + 512 * n_params
+
+
+def test_nothing_real_is_allocated_at_real_size():
+    """A model far larger than this machine's memory, built and stepped on fake tensors."""
+    big = GPTConfig(width=8192, layers=4, heads=64, vocab=128_000, seq_len=4096)  # 4.3 G parameters
+    with fake.tensors():
+        model = fake.materialize(functools.partial(TinyGPT, big), dtype=torch.bfloat16)
+        idx = torch.zeros(1, 4096, dtype=torch.long)
+        ledger = Ledger("cpu").track_module(model)
+        with ledger, marks.phase("forward", step=0):
+            _, loss = model(idx, idx)
+        assert fake.is_fake(loss)
+    n = sum(p.numel() for p in model.parameters())
+    assert ledger.peak()["parameters"] >= 2 * n > 8 * 2**30
+
+
+def test_materialize_outside_a_trace_gives_real_tensors():
+    model = fake.materialize(functools.partial(TinyGPT, TINY))
+    assert not any(fake.is_fake(p) for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_ledger_ignores_fake_tensors_of_another_trace():
+    with fake.tensors():
+        outside = torch.ones(1024)
+    with fake.tensors():
+        ledger = Ledger("cpu")
+        with ledger:
+            y = outside * 2  # converted into this trace's mode: counted once, as the new storage
+            z = y + 1
+    assert z.shape == (1024,)
+    assert ledger.peak()["other"] == 2 * 1024 * 4
+
+
+def test_autocast_audit_finds_where_cpu_and_cuda_policies_differ():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with fake.autocast_audit() as differs, torch.autocast("cpu", dtype=torch.bfloat16):
+        x.exp()  # float32 on CUDA, bfloat16 under CPU autocast
+        torch.nn.functional.linear(x, torch.randn(8, 8))  # bfloat16 on both
+    assert differs == {"exp": 1}
+
+
+def test_tinygpt_mixed_step_holds_the_dtypes_cuda_autocast_would():
+    with fake.tensors(), fake.autocast_audit() as differs:
+        model = fake.materialize(functools.partial(TinyGPT, TINY))
+        idx = torch.zeros(2, 32, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+    assert differs == {}
