@@ -226,3 +226,32 @@ def test_zoo_llama_and_hugging_face_llama_trace_the_same_step_within_one_percent
     # query heads (repeat_kv) where the zoo passes enable_gqa=True: about 30 MiB a layer at 2k tokens.
     top_a, top_b = max(a.device["activations"]), max(b.device["activations"])
     assert abs(top_a - top_b) <= 0.05 * top_a, (top_a, top_b)
+
+
+def test_realscale_flags_pick_the_model_and_the_tensors(tmp_path):
+    from dataclasses import dataclass
+
+    from labkit.config import LabConfig, UsageError
+    from labkit.models import TinyGPTShape
+    from labkit.scale import RealScale
+
+    @dataclass
+    class Config(RealScale, TinyGPTShape, LabConfig):
+        pass
+
+    def tiny():
+        return TinyGPT(GPTConfig(width=32, layers=1, heads=2, vocab=64, seq_len=16))
+
+    assert isinstance(Config().build_model(tiny), TinyGPT)
+    config = Config(model="llama-3-8b", fake=True)
+    with config.tensors():
+        model = config.build_model(tiny, dtype=torch.bfloat16)
+        assert all(fake.is_fake(p) and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    real = Config(model="small-llama").build_model(tiny)
+    assert not any(fake.is_fake(p) for p in real.parameters())
+    for bad, fragment in [(dict(model="llama-9"), "llama-9"),
+                          (dict(model=str(tmp_path / "missing.json")), "missing.json"),
+                          (dict(fake=True, device="cuda"), "--fake")]:
+        with pytest.raises(UsageError, match=fragment):
+            Config(**bad)
