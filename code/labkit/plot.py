@@ -22,6 +22,7 @@ CATEGORY_COLORS = {
     "parameters": "#4C72B0",
     "gradients": "#DD8452",
     "optimizer_state": "#8172B3",
+    "kv_cache": "#CCB974",
     "activations": "#55A868",
     "temporaries": "#C44E52",
     "host_copies": "#937860",
