@@ -194,10 +194,10 @@ def page_layout(fig) -> None:
         if legend is None:
             continue
         anchor = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
-        if anchor.x0 >= 1.0:  # beside the axes: under them, in two columns across the full width
+        if anchor.x0 >= 1.0:  # beside the axes: under them (one column: labels are long, phones narrow)
             handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
             ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2),
-                      ncols=2, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2,
+                      ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2,
                       columnspacing=0.8, borderaxespad=0.0)
             continue
         for text in legend.get_texts():
