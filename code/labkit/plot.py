@@ -193,12 +193,13 @@ def page_layout(fig) -> None:
         legend = ax.get_legend()
         if legend is None:
             continue
-        anchor = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
-        if anchor.x0 >= 1.0:  # beside the axes: under them (one column: labels are long, phones narrow)
+        if legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 >= 1.0:  # beside the plot: under it, one column (labels are long, phones narrow)
             handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
-            ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2),
-                      ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2,
-                      columnspacing=0.8, borderaxespad=0.0)
+            legend.remove()
+            style = dict(ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.2)
+            moved = ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2),
+                              **style)
+            moved.set_in_layout(False)  # the plot keeps the full width; save() widens the page to it
             continue
         for text in legend.get_texts():
             text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
@@ -219,6 +220,7 @@ def save(fig, path: str | os.PathLike) -> Path:
     kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
         fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
+                    bbox_extra_artists=[ax.get_legend() for ax in fig.axes if ax.get_legend() is not None],
                     facecolor="none" if svg else "white", transparent=svg, **kwargs)
     return path
 
