@@ -146,6 +146,10 @@ def test_lab_page_features_on_a_phone_in_dark_mode(browser, server):
     assert overflow <= 1, f"the page scrolls sideways by {overflow}px on a phone"
     assert page.locator("[data-il=run-it]").is_visible()
     assert page.locator("[data-il-badge]").first.is_visible()
+    details = page.locator(".il-badge__details").first
+    assert not details.is_visible()
+    page.locator("[data-il-badge] > summary").first.tap()  # provenance opens on a tap, not only on hover
+    assert details.is_visible() and "torch" in details.inner_text()
     assert page.locator(".md-annotation").count() >= 4, "code annotations rendered"
     assert page.locator(".md-code__button, .md-clipboard").count() >= 3, "copy buttons"
     for img in page.locator("figure img").all():
