@@ -373,3 +373,69 @@ def on_page_context(context, page, config, nav):
         page.meta["measured"] = measured_badge(src)
         page.meta["notebook_download"] = f"{src[:-len('.ipynb')]}/{Path(src).name}"
     return context
+
+
+LONG_CODE = re.compile(r'<div class="(?:language-\w+ )?highlight"')
+
+
+def on_page_content(html: str, page, config, files: Files) -> str:
+    """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
+    lab page says the same in prose, and its outputs are numbers); on every other page a code
+    listing of more than three lines, its annotations and the tables (columns of numbers, which
+    nobody searches for) are left out; prose, headings and short commands stay."""
+    src = page.file.src_uri
+    if src.endswith(".ipynb"):
+        page.meta["search"] = {"exclude": True}
+        return html
+
+    def mark(m: re.Match) -> str:
+        block = html[m.start(): html.find("</pre>", m.start())]
+        return m.group(0) + " data-search-exclude" if block.count("\n") > 3 else m.group(0)
+
+    html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
+    # A code listing's annotations become tooltips on the page: a search hit there points at nothing
+    # the reader can see, and the prose around each listing says what it does.
+    return ANNOTATIONS.sub(r"\1<ol data-search-exclude>", html)
+
+
+ANNOTATIONS = re.compile(r"(</code></pre></div>\s*)<ol>")
+
+
+SEARCH_MARKUP = re.compile(r"</?(?:p|ol|ul|li|em|strong|span|a|div|br|sup|sub)\b[^>]*>")
+
+
+def on_post_build(config) -> None:
+    """The search index, lighter: markup that only shapes paragraphs and lists goes (inline code,
+    which the results show as code, stays), and runs of spaces become one. Runs after the search
+    plugin has written the index (hooks follow the configured plugins)."""
+    path = Path(config["site_dir"]) / "search" / "search_index.json"
+    if not path.is_file():
+        return
+    index = json.loads(path.read_text(encoding="utf-8"))
+    for doc in index.get("docs", []):
+        doc["text"] = re.sub(r"\s+", " ", SEARCH_MARKUP.sub(" ", doc["text"])).strip()
+    path.write_text(json.dumps(index, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+
+
+NOTEBOOK_STYLES = re.compile(r"<style[^>]*>.*?</style>", re.S)
+NOTEBOOK_CSS = "assets/notebook.css"
+
+
+def on_post_page(output: str, page, config) -> str:
+    """A notebook page inlines the same 600 KB of Jupyter styles that every other notebook page
+    does: they go into one stylesheet, fetched once and cached, linked where the styles stood."""
+    if not page.file.src_uri.endswith(".ipynb"):
+        return output
+    styles = NOTEBOOK_STYLES.findall(output)
+    if not styles:
+        return output
+    css = "\n".join(re.sub(r"^<style[^>]*>|</style>$", "", s) for s in styles)
+    target = Path(config["site_dir"]) / NOTEBOOK_CSS
+    if not target.is_file() or target.read_text(encoding="utf-8") != css:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(css, encoding="utf-8")
+    href = posixpath.relpath(NOTEBOOK_CSS, posixpath.dirname(page.url.rstrip("/") + "/index.html"))
+    first = output.index(styles[0])
+    for s in styles:
+        output = output.replace(s, "", 1)
+    return output[:first] + f'<link rel="stylesheet" href="{href}">' + output[first:]

@@ -369,3 +369,20 @@ def test_serve_refuses_a_busy_port_in_one_line_before_building():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--dev-addr 127.0.0.1:8001" in lines[0] and str(port) in lines[0]
     assert time.perf_counter() - t0 < 10, "refused before the install and the build"
+
+
+def test_page_weight_budgets(built_site):
+    """What a reader downloads: the search index every page loads <= 400 KB (no notebook outputs,
+    no code listings or their tooltips, no tables), each notebook page <= 600 KB (the Jupyter styles
+    in one shared stylesheet), each lab page <= 400 KB."""
+    site = built_site["dir"]
+    index = site / "search" / "search_index.json"
+    assert index.stat().st_size <= 400_000, f"search index {index.stat().st_size:,} B"
+    text = index.read_text(encoding="utf-8")
+    assert "Copied!" not in text and "data:image" not in text
+    heavy = [f"{p.relative_to(site)}: {p.stat().st_size:,} B"
+             for folder, budget in (("notebooks", 600_000), ("labs", 400_000))
+             for p in sorted((site / folder).glob("*/index.html")) if p.stat().st_size > budget]
+    assert not heavy, "\n".join(heavy)
+    nb = (site / "notebooks" / "lab-02-single-gpu-training" / "index.html").read_text(encoding="utf-8")
+    assert "notebook.css" in nb and len(re.findall(r"<style", nb)) == 0
