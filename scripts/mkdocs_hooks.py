@@ -273,31 +273,60 @@ def _code_state(data: dict, lab: str | None) -> str:
     return f"older lab code ({recorded})"
 
 
+TARGET = re.compile(r"^\s*(>=|<=|>|<|≥|≤)\s*([0-9.]+)")
+
+
+def target_met(value, target: str | None, gpu_target: bool, on_gpu: bool) -> str:
+    """'✓ met', '✗ not met', 'not comparable' (a GPU target read off a CPU run) or '-' (no target)."""
+    m = TARGET.match(target or "")
+    if not m or not isinstance(value, (int, float)):
+        return "-"
+    if gpu_target and not on_gpu:
+        return "not comparable (CPU run)"
+    op, bound = m.group(1), float(m.group(2))
+    ok = {">=": value >= bound, "≥": value >= bound, ">": value > bound,
+          "<=": value <= bound, "≤": value <= bound, "<": value < bound}[op]
+    return "✓ met" if ok else "✗ not met"
+
+
 def render_performance(page_src: str) -> str:
-    """Tables from results/*.json, ratios first, each row with its device, date, commit and code state."""
-    parts, measured_on_gpu = [], set()
+    """What has and has not been measured on a GPU first; then one table per results file, ratios
+    first, each row with its target and whether it is met, the state of the lab code it was
+    measured on, its device, date and commit, and a note where a CPU figure differs for a reason."""
+    tables, measured_on_gpu = [], set()
     for path in sorted((ROOT / "results").glob("*.json")):
         data = results(path.stem)
         prov, rows = data.get("provenance"), data.get("summary_rows")
         if not prov or not rows:
             continue
-        if prov.get("device_type") == "cuda":
+        on_gpu = prov.get("device_type") == "cuda"
+        if on_gpu:
             measured_on_gpu.add(data.get("bench"))
-        where = f"{escape(prov.get('device_name'))} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
+        where = f"{escape(prov.get('device_name'))} ({'GPU' if on_gpu else 'CPU'})"
         commit = escape((prov.get("git_commit") or "?")[:10])
         rows = sorted(rows, key=lambda r: (r["unit"] != "x", r["unit"] != "fraction"))
-        table = [[escape(r["metric"]), escape(_format_value(r["value"], r["unit"])), escape(r.get("target") or "-"), where,
-                  str(prov.get("date_utc", ""))[:10], f"`{commit}`", _code_state(data, r.get("lab"))] for r in rows]
-        parts += [f"## {escape(data.get('bench', path.stem))}", "",
-                  f"From `results/{path.name}`, written by the benchmark's own run "
-                  f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
-                  _table(["metric", "value", "target", "measured on", "date", "commit", "code"], table), ""]
-    pending = [b for b in _bench_scripts() if b["bench"] not in measured_on_gpu]
+        table = [[escape(r["metric"]), escape(_format_value(r["value"], r["unit"])), escape(r.get("target") or "-"),
+                  target_met(r["value"], r.get("target"), bool(r.get("gpu_target")), on_gpu),
+                  _code_state(data, r.get("lab")), escape(r.get("note") or ""), where,
+                  str(prov.get("date_utc", ""))[:10], f"`{commit}`"] for r in rows]
+        tables += [f"## {escape(data.get('bench', path.stem))}", "",
+                   f"From `results/{path.name}`, written by the benchmark's own run "
+                   f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
+                   '<div class="il-perf" markdown="1">', "",
+                   _table(["metric", "value", "target", "met?", "code", "note", "measured on", "date", "commit"],
+                          table), "", "</div>", ""]
+    scripts = _bench_scripts()
+    pending = [b for b in scripts if b["bench"] not in measured_on_gpu]
+    done = [b["bench"] for b in scripts if b["bench"] in measured_on_gpu]
+    head = ["## On a GPU: measured and not yet", "",
+            f"Measured on a GPU: {', '.join(done) if done else 'nothing yet'}. "
+            f"Not yet measured on a GPU: {', '.join(b['bench'] for b in pending) if pending else 'nothing'}. "
+            "Until a GPU run lands, a benchmark's CPU rows prove that the script runs and what a CPU "
+            "does; a GPU target read off a CPU run says \"not comparable\".", ""]
     if pending:
-        parts += ["## Not measured on a GPU yet", "",
-                  _table(["benchmark", "script", "writes"],
-                         [[b["bench"], f"`{b['script']}`", f"`{b['result']}`"] for b in pending]), ""]
-    return "\n".join(parts) if parts else "No benchmark results are committed yet."
+        head += [_table(["benchmark", "script", "writes"],
+                        [[b["bench"], f"`{b['script']}`", f"`{b['result']}`"] for b in pending]), ""]
+    return "\n".join(head + tables)
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
