@@ -250,7 +250,8 @@ def _bench_scripts() -> list[dict]:
         lab = re.search(r'^LAB = "([^"]+)"', text, re.M)
         if bench and result:
             out.append({"script": f"bench/{script.name}", "bench": bench.group(1), "result": result.group(1),
-                        "lab": lab.group(1) if lab else None})
+                        "lab": lab.group(1) if lab else None,
+                        "cpu_only": bool(re.search(r"^CPU_ONLY = True", text, re.M))})
     return out
 
 
@@ -316,7 +317,7 @@ def render_performance(page_src: str) -> str:
                    _table(["metric", "value", "target", "met?", "code", "note", "measured on", "date", "commit"],
                           table), "", "</div>", ""]
     scripts = _bench_scripts()
-    pending = [b for b in scripts if b["bench"] not in measured_on_gpu]
+    pending = [b for b in scripts if b["bench"] not in measured_on_gpu and not b["cpu_only"]]
     done = [b["bench"] for b in scripts if b["bench"] in measured_on_gpu]
     head = ["## On a GPU: measured and not yet", "",
             f"Measured on a GPU: {', '.join(done) if done else 'nothing yet'}. "
