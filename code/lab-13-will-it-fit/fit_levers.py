@@ -91,7 +91,7 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
             continue
         alone, how = _pulled(lever, changes, base, traced)
         rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost, "changes": changes,
-                     "flags": cli.argv(replace(base.config, **changes)), **_bytes(base, alone), "how": how,
+                     "flags": _flags(replace(base.config, **changes)), **_bytes(base, alone), "how": how,
                      "seconds": 0.0 if alone is base else alone.seconds, "together": ladder.get(lever.name)})
     return rows
 
@@ -111,7 +111,7 @@ def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
             kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
             current = after
         out[lever.name] = {"kept": saved > 0, "saving_bytes": saved, **_bytes(base, current), "how": how,
-                           "flags": cli.argv(replace(base.config, **trial)) if saved > 0 else None}
+                           "flags": _flags(replace(base.config, **trial)) if saved > 0 else None}
         if current.fits:
             break
     return out
@@ -132,8 +132,13 @@ def _bytes(base, after) -> dict:
             "per_rank_peak_bytes": after.per_rank_peak_bytes, "fits": after.fits}
 
 
+def _flags(config) -> list[str]:
+    """The command line of ``config`` (its ``--levers`` left at the default)."""
+    return cli.argv(replace(config, levers="needed"))
+
+
 def _key(config) -> tuple:
-    return tuple(cli.argv(replace(config, levers="none")))
+    return tuple(_flags(config))
 
 
 LEVER = {lever.name: lever for lever in LEVERS}
