@@ -42,7 +42,10 @@ from labkit.config import INT64_MAX, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
+from fit_gap import derive
 from fit_gpus import GPUS
+from fit_levers import search
+from fit_report import report, summary
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
@@ -111,7 +114,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             else:
                 prefill(model, idx, recipe=recipe)
         timeline = ledger.timeline()
-    return Trace(config, timeline, time.perf_counter() - t0, ledger)
+    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer))
 
 
 def shard(model, config: Config, mesh):
@@ -313,8 +316,6 @@ class Config(LabConfig):
 
 # ----------------------------------------------------------------------------- the run
 def run(config: Config) -> Result:
-    from fit_levers import search
-
     t0 = time.perf_counter()
     if config.seq > config.spec.context > 0:
         print(f"warning: --seq {config.seq} is longer than {config.model}'s context ({config.spec.context:,} "
@@ -344,11 +345,11 @@ class Trace:
     timeline: Timeline  # the ledger's: rank 0's device and host bytes over the step
     seconds: float
     ledger: Ledger | None = field(default=None, repr=False)  # the recorder, for tests that compare events
+    keep: tuple = field(default=(), repr=False)  # the model and optimizer: freed whenever Python collects them,
+    # they would log frees after the step, at a moment that varies from run to run
     derived: dict = field(default_factory=dict)  # filled by fit_gap.derive
 
     def __post_init__(self) -> None:
-        from fit_gap import derive
-
         self.derived = derive(self)
 
     @property
@@ -369,12 +370,8 @@ class Result:
     wall_time_s: float
 
     def summary(self) -> dict:
-        from fit_report import summary
-
         return summary(self) | {"provenance": provenance.collect(__file__, "cpu", self.wall_time_s)}
 
 
 if __name__ == "__main__":
-    from fit_report import report
-
     cli.main(Config, run, report)
