@@ -108,6 +108,9 @@ def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
         after, how = _pulled(lever, trial, current, traced)
         saved = current.per_rank_peak_bytes - after.per_rank_peak_bytes
         if saved > 0:
+            for name in kept:
+                if LEVER[name].kind == lever.kind:
+                    out[name]["replaced_by"] = lever.name
             kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
             current = after
         out[lever.name] = {"kept": saved > 0, "saving_bytes": saved, **_bytes(base, current), "how": how,

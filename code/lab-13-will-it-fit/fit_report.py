@@ -80,11 +80,13 @@ def levers_table(levers: list[dict]) -> Table:
     rows = []
     for r in levers:
         up = r["together"] or {}
-        rows.append([r["name"], r["saving_bytes"], r["fits"], r["how"].split(":")[0], up.get("kept"),
+        kept = None if not up else f"replaced by {up['replaced_by']}" if up.get("replaced_by") else \
+            "yes" if up["kept"] else "no: saves nothing here"
+        rows.append([r["name"], r["saving_bytes"], r["fits"], r["how"].split(":")[0], kept,
                      up.get("per_rank_peak_bytes") if up.get("kept") else None, up.get("fits") if up else None,
                      r["cost"]])
-    return Table(["lever", ("alone: saves", "bytes"), ("fits alone", "yes"), "how", ("on the ladder: kept", "yes"),
-                  ("peak with those before", "bytes"), ("fits", "yes"), "costs"], rows, unit="GiB")
+    return Table(["lever", ("alone: saves", "bytes"), ("fits alone", "yes"), "how", "on the ladder: kept",
+                  ("peak with those kept", "bytes"), ("fits", "yes"), "costs"], rows, unit="GiB")
 
 
 def to_fit(levers: list[dict]) -> list[str] | None:
