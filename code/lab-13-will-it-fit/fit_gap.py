@@ -126,7 +126,8 @@ def reasons(trace) -> dict[str, str]:
                         f"{format_bytes(logits)}"),
         "temporaries": ("no formula in Lab 01: "
                         + ("foreach AdamW's intermediates (a copy of a moment), " if c.optimizer in ("adamw", "adamw-foreach")
-                           else "") + "the fp32 logits and their gradient, autocast's casts, recomputed blocks"),
+                           else "") + ("autocast's cache of every weight's bf16 cast (2 B x P, until forward ends), "
+                                       if mixed else "") + "the fp32 logits and their gradient, recomputed blocks"),
         "communication": "no formula in Lab 01: " + ("FSDP2's gathered blocks in flight and reduce-scatter inputs"
                                                      if c.zero_stage >= 2 else "DDP's gradient buckets (derived)"
                                                      if c.dp > 1 else "none on one rank"),

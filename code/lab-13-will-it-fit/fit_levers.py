@@ -71,15 +71,19 @@ LEVERS = (
 
 
 def search(base, trace: Callable, every: bool = False) -> list[dict]:
-    """The levers for ``base`` (a traced step), cheapest first, each pulled alone and traced with
-    ``trace``. When ``base`` does not fit, the levers are also pulled one after another (the ladder:
-    each rung keeps the levers before it that saved bytes) until the step fits, and the levers
-    beyond that rung are left out unless ``every``."""
+    """The levers for ``base`` (a traced step), cheapest first, as rows.
+
+    When ``base`` does not fit, the ladder (:func:`climb`) pulls them one after another until it fits;
+    a row then says what its lever saved on the ladder (``together``) and, where that costs no extra
+    trace, what it saves alone (``alone``: the first rung is the lever alone; a lever that cannot
+    touch the peak's phase saves 0, derived). ``every``: every lever, each also traced alone."""
     traces = {_key(base.config): base}
 
-    def traced(changes: dict):
+    def traced(changes: dict, known_only: bool = False):
         config = replace(base.config, levers="none", **changes)
         if _key(config) not in traces:
+            if known_only:
+                return None
             traces[_key(config)] = trace(config)
         return traces[_key(config)]
 
@@ -87,18 +91,20 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
     ladder = {} if base.fits else climb(base, applicable, traced)
     rows = []
     for lever, changes in applicable:
-        if not every and (base.fits or lever.name not in ladder):
+        if not every and lever.name not in ladder:
             continue
-        alone, how = _pulled(lever, changes, base, traced)
+        alone, how = _pulled(lever, changes, base, lambda ch: traced(ch, known_only=not every))
         rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost, "changes": changes,
-                     "flags": _flags(replace(base.config, **changes)), **_bytes(base, alone), "how": how,
-                     "seconds": 0.0 if alone is base else alone.seconds, "together": ladder.get(lever.name)})
+                     "flags": _flags(replace(base.config, **changes)),
+                     "alone": None if alone is None else {**_bytes(base, alone), "how": how},
+                     "together": ladder.get(lever.name)})
     return rows
 
 
 def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
     """The ladder: pull the levers one after another, cheapest first, keeping each that saves bytes
-    (one of a kind: full checkpointing replaces selective), until the step fits."""
+    (one of a kind: full checkpointing replaces selective), until the step fits. Per lever: what it
+    saved on top of those kept before it, and the peak with every lever kept so far."""
     out, kept, current = {}, {}, base
     for lever, _ in applicable:
         changes = lever.pull(current.config)
@@ -113,8 +119,8 @@ def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
                     out[name]["replaced_by"] = lever.name
             kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
             current = after
-        out[lever.name] = {"kept": saved > 0, "saving_bytes": saved, **_bytes(base, current), "how": how,
-                           "flags": _flags(replace(base.config, **trial)) if saved > 0 else None}
+        out[lever.name] = {"kept": saved > 0, "saves_bytes": saved, "per_rank_peak_bytes": current.per_rank_peak_bytes,
+                           "fits": current.fits, "how": how, "flags": _flags(current.config)}
         if current.fits:
             break
     return out
@@ -127,7 +133,8 @@ def _pulled(lever: Lever, changes: dict, current, traced: Callable):
     phase = current.derived["peak_phase"]
     if lever.phases is not None and phase not in lever.phases:
         return current, f"derived: the peak is in {phase}, which this lever leaves as it is"
-    return traced(changes), "traced"
+    after = traced(changes)
+    return after, None if after is None else "traced"
 
 
 def _bytes(base, after) -> dict:

@@ -76,17 +76,17 @@ def gpu_table(result) -> Table:
 
 
 def levers_table(levers: list[dict]) -> Table:
-    """Each lever alone, and on the ladder (pulled after the cheaper ones it kept)."""
+    """Each lever on the ladder (pulled after the cheaper ones it kept) and, where traced, alone."""
     rows = []
     for r in levers:
-        up = r["together"] or {}
+        up, alone = r["together"] or {}, r["alone"] or {}
         kept = None if not up else f"replaced by {up['replaced_by']}" if up.get("replaced_by") else \
-            "yes" if up["kept"] else "no: saves nothing here"
-        rows.append([r["name"], r["saving_bytes"], r["fits"], r["how"].split(":")[0], kept,
-                     up.get("per_rank_peak_bytes") if up.get("kept") else None, up.get("fits") if up else None,
-                     r["cost"]])
-    return Table(["lever", ("alone: saves", "bytes"), ("fits alone", "yes"), "how", "on the ladder: kept",
-                  ("peak with those kept", "bytes"), ("fits", "yes"), "costs"], rows, unit="GiB")
+            "yes" if up["kept"] else "no: saves nothing there"
+        rows.append([r["name"], kept, up.get("saves_bytes"), up.get("per_rank_peak_bytes"), up.get("fits"),
+                     alone.get("saving_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0], r["cost"]])
+    return Table(["lever", "on the ladder: kept", ("saves there", "bytes"), ("peak with those kept", "bytes"),
+                  ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "costs"], rows,
+                 unit="GiB")
 
 
 def to_fit(levers: list[dict]) -> list[str] | None:
@@ -118,7 +118,8 @@ def report(result) -> None:
     print("\n" + gpu_table(result).text())
     print(f"\n{verdict(result)}")
     if result.levers:
-        print("\nLevers, cheapest first: each pulled alone, and on the ladder, after the cheaper ones that saved bytes:")
+        print("\nLevers, cheapest first, pulled one after another (kept when they save bytes) until it fits; alone "
+              "where that needs no other trace (--levers all traces each):")
         print(levers_table(result.levers).text())
         flags = to_fit(result.levers)
         print("\nTo fit: " + (" ".join(flags) if flags else "no combination of these levers fits; more ranks (--dp) "
