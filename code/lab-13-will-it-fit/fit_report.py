@@ -94,6 +94,16 @@ def to_fit(levers: list[dict]) -> list[str] | None:
     return next((r["together"]["flags"] for r in levers if r["together"] and r["together"]["fits"]), None)
 
 
+def fits_table(traces: list[tuple[str, object]], gpus: list[str]) -> Table:
+    """One row per traced step (``traces``: (label, Trace) pairs): its per-rank peak, where that peak
+    is, and on which of ``gpus`` it fits."""
+    return Table(["model", "step", ("per-rank peak", "bytes"), "peak in",
+                  *((g, "yes") for g in gpus)],
+                 [[t.config.model, label, t.per_rank_peak_bytes, t.derived["peak_phase"],
+                   *(t.per_rank_peak_bytes <= GPUS[g].capacity_bytes for g in gpus)] for label, t in traces],
+                 unit="GiB")
+
+
 def verdict(result) -> str:
     t, g = result.trace, GPUS[result.config.gpu]
     need, have = t.per_rank_peak_bytes, g.capacity_bytes
