@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 MiB = 2**20
 
+# --8<-- [start:capacity]
 #: The driver's reservation plus a PyTorch process's CUDA context (with CUDA's lazy module loading,
 #: PyTorch's default since CUDA 11.7, kernels load as first used). ASSUMED: PyTorch issue 34323
 #: measured 781 MB for a context before lazy loading; 1 GiB also covers cuBLAS's workspaces.
@@ -52,6 +53,7 @@ class Gpu:
     def capacity_bytes(self) -> int:
         """What one process's tensors may peak at: the total less the context, less the headroom."""
         return int((self.total_bytes - CUDA_CONTEXT_BYTES) * (1 - ALLOCATOR_HEADROOM))
+# --8<-- [end:capacity]
 
 
 _NV = "https://www.nvidia.com/en-us/data-center/"
