@@ -126,6 +126,16 @@ def test_autocast_caches_a_bf16_copy_of_every_weight_through_forward(lab13):
     assert forward_temporaries("bf16") < 2 * blocks / 20
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_real_step_holds_what_the_trace_says(lab13):
+    """The GPU issue's check: the step that fits runs for real; its ledger is the trace within 3 %
+    (AdamW's step counters stay on the host for CUDA parameters), and the allocator saw at least that."""
+    measured = lab13.run(lab13.Config(model="llama-3.2-1b", seq=512, device="cuda", levers="none")).measured
+    assert measured["measured"]
+    assert abs(measured["ledger_peak_bytes"] / measured["traced_peak_bytes"] - 1) <= 0.03
+    assert measured["allocated_peak_bytes"] >= measured["ledger_peak_bytes"]
+
+
 def test_json_has_the_issues_keys_and_the_formula_beside_each_category():
     proc = run_cli(SCRIPT, "--model", "small-llama", "--seq", "64", "--gpu", "l4-24gb", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -208,14 +208,15 @@ def run(config: Config) -> Result:
 
 
 def measure_on_gpu(config: Config, traced: Trace) -> dict:
-    """The same step on real tensors on this GPU, when one rank holds it all and it fits what is free."""
+    """The same step on real tensors on this GPU, when one rank holds it all and it fits what is free:
+    the real ledger's peak, and the most ``torch.cuda.memory_allocated`` read at any of its events."""
     free, _ = torch.cuda.mem_get_info()
     if config.dp > 1 or config.offload != "none" or traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
-    torch.cuda.reset_peak_memory_stats()
     real = trace(config, tensors=contextlib.nullcontext, device="cuda")
     return {"measured": True, "device_name": torch.cuda.get_device_name(), "free_bytes": free,
-            "ledger_peak_bytes": real.timeline.peak()["total"], "max_memory_allocated": torch.cuda.max_memory_allocated()}
+            "traced_peak_bytes": traced.timeline.peak()["total"], "ledger_peak_bytes": real.timeline.peak()["total"],
+            "allocated_peak_bytes": max(real.timeline.cuda_allocated, default=0)}
 
 
 @dataclass
