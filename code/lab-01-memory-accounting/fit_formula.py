@@ -1,0 +1,274 @@
+"""Lab 01 - will it fit? The bytes one rank holds at the peak of a real model's step, by formula.
+
+Lab 01's formulas (``memory_accounting.py``) count a GPT layer as Korthikanti et al. (2022) do and
+the model state as the ZeRO paper does. A Llama-shaped model, traced by Lab 13, keeps other tensors:
+grouped-query K and V, a SwiGLU MLP of width ``ffn``, RMSNorms that work in float32, an untied head,
+float32 logits for the loss, Mixtral's experts. This file extends the formulas to that model, term
+by term as PyTorch saves tensors for backward, and counts what a *peak* needs that a sum of
+categories does not: categories live at different moments, so the step is counted at each moment
+that can hold the peak (end of forward, start of backward, the head's gradient, the optimizer step)
+and the largest wins. Serving is Lab 14's budget: weights, a prefill's peak, the requests' KV blocks.
+``tests/test_fit_formula.py`` holds the formulas to Lab 01's functions and to Lab 13's traces.
+
+Every formula is an :class:`fit_expr.Expr`: its text in the symbols of ``SYMBOLS``, the same text
+filled in, and its value. Everything is per rank: tensor parallelism over t ranks divides the heads,
+KV heads (at least one per rank), MLP and vocabulary as Megatron does (Korthikanti et al. 2022,
+section 4.2); ZeRO divides the model state over dp ranks (Rajbhandari et al. 2020).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from fit_expr import ZERO, Expr, ceil_div, larger, sym
+from fit_inputs import Inputs
+from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
+
+# --8<-- [start:recipes]
+PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c, r)
+    "fp32": ("fp32", 4, 4),
+    "bf16": ("bf16", 2, 2),  # pure bf16: weights, gradients and AdamW's moments in bf16
+    "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
+}
+OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
+KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
+ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
+INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token
+# --8<-- [end:recipes]
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "kv_cache")
+SYMBOLS = {
+    "L": "layers", "h": "hidden size", "a": "attention heads (per rank)", "k": "KV heads (per rank)",
+    "d": "head size", "q": "a × d", "g": "k × d", "f": "MLP hidden size (per rank)", "V": "vocabulary (per rank)",
+    "E": "experts", "K": "experts per token", "s": "tokens per sequence", "T": "tokens per micro-batch",
+    "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
+    "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
+    "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
+    "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
+    "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
+    "p": "prefill tokens at once",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the formulas read off a model and a step, for ONE tensor-parallel rank."""
+
+    spec: object  # labkit.zoo.ModelSpec of the rank: heads, kv_heads, ffn and vocab divided by tp
+    P: int  # parameters of the rank
+    Pt: int  # trainable parameters: P, or the LoRA adapters'
+    n: int  # trainable parameter tensors (AdamW keeps an fp32 step count for each)
+    block: int  # parameters of one block
+    root: int  # parameters outside the blocks: embedding, final norm, head
+    matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16
+
+
+def rank_spec(spec, tp: int):
+    """The model one of ``tp`` tensor-parallel ranks holds (as Lab 14's ``per_gpu_spec``)."""
+    if tp == 1:
+        return spec
+    return replace(spec, heads=spec.heads // tp, kv_heads=max(1, spec.kv_heads // tp), ffn=spec.ffn // tp,
+                   vocab=-(-spec.vocab // tp), head_dim=spec.head_dim)
+
+
+def sizes(x: Inputs) -> Sizes:
+    """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
+    s = rank_spec(x.spec(), x.tp)
+    P, block = s.param_count(), replace(s, layers=1).param_count() - replace(s, layers=0).param_count()
+    gpt = s.family == "gpt"
+    n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
+    Pt = P
+    if x.lora_rank:  # adapters A (in x R) and B (R x out) on every matmul of every block
+        h, q, g = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim
+        Pt = s.layers * x.lora_rank * (2 * (h + q) + 2 * (h + g) + 3 * (h + s.ffn) * max(s.experts, 1))
+        n = s.layers * 2 * (4 + 3 * max(s.experts, 1))
+    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width))
+
+
+def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
+    """Each symbol of ``SYMBOLS`` as an :class:`Expr` with this configuration's value."""
+    s, (recipe, c, r) = z.spec, PRECISIONS[x.precision]
+    w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
+    new = min(x.prefill_chunk or x.context, x.context)
+    values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
+                  g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
+                  P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
+                  m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new)
+    return SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
+
+
+# --8<-- [start:activations]
+def norm(S, readers: int) -> Expr:
+    """Bytes per token an RMSNorm keeps: its float32 input, 1/rms, the normalised stream, and what the
+    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast)."""
+    kept = S.c * S.h if S.c.value == S.r.value else readers * S.c * S.h
+    return 4 * S.h + ROW + S.r * S.h + kept
+
+
+def layer(S, checkpointing: str, lora: bool) -> Expr:
+    """Bytes one Llama (or Mixtral) block keeps for backward."""
+    moe = S.E.value > 0
+    if checkpointing == "full":
+        return S.T * S.r * S.h  # the block's input; the rest is recomputed in backward
+    if checkpointing == "selective":  # Lab 04's save-matmuls: matmul and attention outputs, the input
+        mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
+        kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
+    else:
+        attention = norm(S, 3) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
+        if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
+            rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
+            mlp = norm(S, 1) + (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
+        else:
+            mlp = norm(S, 2) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
+        kept = attention + mlp
+    if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
+        kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
+    return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+
+
+def gpt_layer(S, checkpointing: str) -> Expr:
+    """Lab 01's GPT layer (Korthikanti et al. 2022), without dropout: ``activation_bytes_per_layer``."""
+    if checkpointing == "full":
+        return S.c * S.T * S.h
+    kept = 16 * S.c * S.T * S.h
+    return kept if checkpointing == "selective" else kept + S.c * S.a * S.s * S.T
+
+
+def activations(x: Inputs, S) -> dict[str, Expr]:
+    """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
+    mixed = x.precision == "mixed"
+    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
+    head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
+    casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
+    kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+    kept = kept + head if mixed else kept
+    kept = kept + casts if mixed and x.checkpointing == "none" else kept
+    return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
+            "loss": 4 * S.T * S.V + head if mixed else 4 * S.T * S.V}
+# --8<-- [end:activations]
+
+
+# --8<-- [start:state]
+def model_state(x: Inputs, S) -> dict[str, Expr]:
+    """Parameters, gradients and optimizer state on the device: Lab 01's ``zero_model_state`` (the test
+    holds them equal), a frozen LoRA base beside its adapters, and what an offload puts on the host."""
+    def share(what: str, count: Expr, stage: int = x.zero_stage) -> Expr:
+        return ceil_div(count, S.dp) if stage >= ZERO_SHARDS[what] else count
+
+    kind = OPTIMIZERS[x.optimizer]
+    fsdp = 3 if x.zero_stage == 2 else x.zero_stage  # FSDP2 keeps shards between steps at ZeRO-2 too
+    params = S.w * share("parameters", S.Pt, fsdp)
+    if x.lora_rank:  # the frozen base: weights only
+        params = params + S.w * share("parameters", S.P, fsdp)
+    state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
+    if kind == "adamw":
+        state = state + STEP_COUNTER * S.n
+    out = {"parameters": params, "gradients": S.w * share("gradients", S.Pt), "optimizer_state": state}
+    if x.offload == "params":  # FSDP2's CPU offload: shards, their gradients and the optimizer on the host
+        return dict.fromkeys(out, ZERO)
+    if x.offload == "optimizer":  # ZeRO-Offload: the state on the host; Lab 07 moves each gradient there too
+        out["optimizer_state"] = ZERO
+        out["gradients"] = out["gradients"] if x.zero_stage else ZERO
+    return out
+
+
+def communication(x: Inputs, S) -> dict[str, Expr]:
+    """Buffers of data-parallel training at each moment: DDP's gradient buckets (a copy of every
+    gradient, Lab 10), or what FSDP2 holds gathered (Lab 11's wrap: a unit per block, the root's own)."""
+    fwd = bwd = gather = opt = ZERO
+    weights = S.P + S.Pt if x.lora_rank else S.P
+    if x.dp > 1 and x.zero_stage <= 1:
+        fwd = bwd = gather = opt = S.w * S.Pt
+    elif x.zero_stage == 2:  # no resharding after forward: every weight stays gathered until backward ends
+        fwd, bwd = S.w * (weights + S.Pb), S.w * weights
+    elif x.zero_stage == 3:  # the root and one block gathered; backward gathers the root again (buffer + copy)
+        fwd = bwd = S.w * (S.Pr + S.Pb)
+        gather = 2 * S.w * S.Pr
+    if x.offload == "params":  # two blocks' shards copied to the device first (Lab 13, derived)
+        shards = 2 * S.w * ceil_div(ceil_div(S.P, S.L), S.dp)
+        fwd, bwd, gather, opt = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt))
+    return {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt}
+# --8<-- [end:state]
+
+
+# --8<-- [start:moments]
+def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
+    """The categories at each moment that can hold the step's peak, on one rank."""
+    S = symbols(x, sizes(x))
+    if x.task != "train":
+        return {x.task: _full(inference(x, S))}
+    state, comm, act = model_state(x, S), communication(x, S), activations(x, S)
+    carried = state["gradients"] if x.accumulation > 1 else ZERO  # earlier micro-batches' gradients
+    held = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"], "gradients": carried}
+    logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
+    out = {
+        "forward_end": held | {"activations": act["kept"],
+                               "temporaries": logits if act["cache"] is ZERO else act["cache"] + logits},
+        "backward_start": held | {"activations": act["kept"], "temporaries": 8 * S.T * S.V},  # fp32 gradients
+        "optimizer": dict(state),
+    }
+    if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
+        out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
+    if x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
+        head = S.w * S.V * S.h
+        out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
+                                       "activations": act["kept"] - act["loss"],
+                                       "temporaries": 8 * S.T * S.V + 4 * S.T * S.h}
+    if x.zero_stage == 3 and x.offload != "params":
+        out["root_gathered"] = held | {"activations": act["kept"]}
+    return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
+
+
+def peak(x: Inputs) -> tuple[str, dict[str, Expr]]:
+    """The moment with the most bytes, and its categories."""
+    return max(moments(x).items(), key=lambda kv: sum(e.value for e in kv[1].values()))
+
+
+def estimate(x: Inputs) -> dict[str, int]:
+    """Bytes per category on one rank at the step's peak."""
+    return {k: e.value for k, e in peak(x)[1].items()}
+# --8<-- [end:moments]
+
+
+# --8<-- [start:serve]
+def kv_per_token(S, scale: int) -> Expr:
+    """A key and a value per layer and KV head, and an fp32 scale per head when quantized (Lab 14)."""
+    return 2 * S.L * S.k * (S.d * S.e + scale) if scale else 2 * S.L * S.k * S.d * S.e
+
+
+def prefill(S) -> Expr:
+    """The peak of a serving prefill beyond weights and KV pool (Lab 14's forward: the last token's
+    logits only): p new tokens attending to C; the larger of an RMSNorm's and the MLP's moment."""
+    alive = S.p * (S.c * (2 * S.h + S.q + 2 * S.g) + 2 * S.d * S.c + INDICES)  # stream, normed, q, k, v, cos, sin
+    if S.E.value:  # Mixtral: the router's fp32 probabilities and the output, then one expert's tokens
+        mlp = (S.p * (2 * S.c * S.h + 4 * S.E + SLOT * S.K)
+               + ceil_div(S.p * S.K, S.E) * (2 * S.c * S.h + 3 * S.c * S.f + 4 * S.h))
+    else:
+        mlp = S.p * (S.c * S.h + 3 * S.c * S.f)  # the normed input, SiLU(gate), up, their product
+    read = 2 * S.c * S.g * S.C  # the keys and values read from the pool
+    if S.p.value < S.C.value:
+        read = read + S.p * S.C  # a chunk's attention mask
+    return alive + larger(8 * S.p * S.h, mlp) + read
+
+
+def inference(x: Inputs, S) -> dict[str, Expr]:
+    """``infer``: Lab 13's prefill of batch x seq (every position's logits, the K and V of those
+    tokens); ``serve``: Lab 14's budget (weights, a prefill's peak, the requests' KV blocks)."""
+    if x.task == "serve":
+        kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
+        return {"parameters": S.w * S.P, "activations": prefill(S), "kv_cache": kv}
+    work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
+    if x.precision == "mixed":  # autocast's cache of every weight's bf16 cast, until the forward ends
+        work = S.c * (S.Pm + S.V * S.h) + work
+    out = {"parameters": S.w * S.P, "kv_cache": 2 * S.L * S.T * S.g * S.c, "temporaries": work}
+    if x.zero_stage == 3:
+        out |= {"parameters": S.w * ceil_div(S.P, S.dp), "communication": S.w * (S.Pr + S.Pb)}
+    if x.offload == "params":
+        out["parameters"] = ZERO
+    return out
+# --8<-- [end:serve]
+
+
+def _full(m: dict) -> dict[str, Expr]:
+    return {k: m.get(k, ZERO) for k in CATEGORIES}

@@ -1,0 +1,158 @@
+"""Lab 01 - what the "Will it fit?" calculator is asked: a model, a task and the way it runs.
+
+The names are Lab 13's flags (``fit.py --model llama-3-8b --seq 4096 --precision bf16``) and Lab
+14's (``--kv-dtype --block-size --gpu-memory-utilization --tp``), so a page's address
+(``?model=llama-3-8b&seq=4096``) and a command line say the same thing. Every rule lives here, once:
+:class:`Inputs` raises :class:`labkit.config.UsageError` naming the flag, and ``fields()`` hands the
+bounds and choices to the page, whose JavaScript checks the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from labkit import zoo
+from labkit.config import UsageError, check_fields, choices_of, fields_of, option, split_optional
+
+#: A Hugging Face config.json's keys for each dimension, first found wins (as ``zoo.hf_spec`` reads them).
+HF_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
+    "heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",), "ffn": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",),
+    "experts": ("num_local_experts", "num_experts"), "top_k": ("num_experts_per_tok",),
+    "tied": ("tie_word_embeddings",),
+}
+DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
+CUSTOM = "custom"
+
+
+def presets() -> list[str]:
+    """The zoo's causal language models (the diffusion transformers take no tokens)."""
+    return [n for n in zoo.names() if zoo.get(n).family != "flux"]
+
+
+@dataclass
+class Inputs:
+    """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
+
+    model: str = option("llama-3-8b", "a zoo model, or custom: the dimensions below")
+    layers: int | None = option(None, "transformer blocks (default: the preset's)", min=1)
+    hidden: int | None = option(None, "hidden size", min=1)
+    heads: int | None = option(None, "attention heads", min=1)
+    kv_heads: int | None = option(None, "key/value heads (grouped-query attention when fewer than heads)", min=1)
+    head_dim: int | None = option(None, "size of one head (default: hidden / heads)", min=1)
+    ffn: int | None = option(None, "MLP hidden size (per expert)", min=1)
+    vocab: int | None = option(None, "vocabulary", min=1)
+    experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0)
+    top_k: int | None = option(None, "experts each token is routed to", min=0)
+    tied: bool | None = option(None, "the head shares the embedding's weight")
+    task: Literal["train", "infer", "serve"] = option(
+        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
+    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
+    seq: int = option(4096, "tokens per sequence", min=1)
+    accumulation: int = option(1, "micro-batches per optimizer step", min=1)
+    precision: Literal["fp32", "bf16", "mixed"] = option(
+        "mixed", "fp32; bf16: pure bf16 weights, gradients and state; mixed: fp32 weights and bf16 autocast")
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
+        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
+    checkpointing: Literal["none", "selective", "full"] = option("none", "activation checkpointing of every block")
+    dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
+    zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO: 1 shards the optimizer state, 2 the gradients, 3 the weights")
+    tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
+    offload: Literal["none", "optimizer", "params"] = option(
+        "none", "optimizer: state and step on the host; params: FSDP2's CPU offload of the shards")
+    lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)", min=0)
+    context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1)
+    requests: int = option(32, "serve: requests in flight at once", min=1)
+    kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
+        "bf16", "serve: how keys and values are stored (fp8, int8: with an fp32 scale per token and head)")
+    block_size: int = option(16, "serve: tokens per KV block", min=1)
+    gpu_memory_utilization: float = option(0.9, "serve: fraction of the GPU the engine may use", above=0, max=1)
+    prefill_chunk: int | None = option(None, "serve: prefill in chunks of this many tokens", min=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.model != CUSTOM and self.model not in presets():
+            raise UsageError(f"--model must be custom or one of {', '.join(presets())}, got {self.model!r}")
+        if self.model == CUSTOM:
+            missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "ffn", "vocab")
+                       if getattr(self, n) is None]
+            if missing:
+                raise UsageError(f"--model custom needs {' '.join(missing)}")
+        d = self.dims()
+        if d["experts"] and not 1 <= d["top_k"] <= d["experts"]:
+            raise UsageError(f"--top-k {d['top_k']} must be 1 to --experts {d['experts']}")
+        if not d["experts"] and d["top_k"]:
+            raise UsageError(f"--top-k {d['top_k']} routes to experts: give --experts too")
+        if not self.head_dim and d["hidden"] % d["heads"]:
+            raise UsageError(f"--heads {d['heads']} does not divide --hidden {d['hidden']} (or give --head-dim)")
+        if d["heads"] % d["kv_heads"]:
+            raise UsageError(f"--kv-heads {d['kv_heads']} does not divide --heads {d['heads']}")
+        t, kv = self.tp, d["kv_heads"]
+        if d["heads"] % t or d["ffn"] % t or (kv % t if t <= kv else t % kv):
+            raise UsageError(f"--tp {t} does not split {d['heads']} heads, {kv} KV heads and an MLP of {d['ffn']} evenly")
+        try:
+            family = self.spec().family
+            self.spec().param_count()
+        except ValueError as err:  # a GPT preset whose dimensions are no longer a GPT block's
+            raise UsageError(f"--model {self.model}: {err}") from None
+        if family == "gpt" and t > 1:
+            raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
+        if self.task == "train":
+            if self.zero_stage and self.dp == 1:
+                raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
+            if self.offload == "params" and self.zero_stage != 3:
+                raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+            if self.offload == "optimizer" and self.optimizer == "sgd":
+                raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+
+    def dims(self) -> dict:
+        """The model's dimensions: the preset's, each replaced by the one given."""
+        base = {} if self.model == CUSTOM else preset_dims(zoo.get(self.model))
+        given = {n: getattr(self, n) for n in DIMS if getattr(self, n) is not None}
+        d = {"experts": 0, "top_k": 0, "tied": False, "head_dim": 0} | base | given
+        return d | {"kv_heads": d.get("kv_heads") or d["heads"]}
+
+    def spec(self) -> zoo.ModelSpec:
+        """The zoo's specification of the model (its closed-form parameter count, its family)."""
+        d = self.dims()
+        family = zoo.get(self.model).family if self.model != CUSTOM else "llama"
+        family = "mixtral" if d["experts"] else ("llama" if family in ("hf", "mixtral") else family)
+        return zoo.ModelSpec(self.model, family, layers=d["layers"], width=d["hidden"], heads=d["heads"],
+                             kv_heads=d["kv_heads"], ffn=d["ffn"], vocab=d["vocab"], tied=d["tied"],
+                             experts=d["experts"], top_k=d["top_k"], head_dim=d["head_dim"],
+                             context=zoo.get(self.model).context if self.model != CUSTOM else 0)
+
+
+def preset_dims(spec: zoo.ModelSpec) -> dict:
+    return {"layers": spec.layers, "hidden": spec.width, "heads": spec.heads, "kv_heads": spec.kv_heads,
+            "head_dim": spec.head_dim if spec.head_dim * spec.heads != spec.width else 0, "ffn": spec.ffn,
+            "vocab": spec.vocab, "experts": spec.experts, "top_k": spec.top_k, "tied": spec.tied}
+
+
+def fields() -> list[dict]:
+    """Each input as the page needs it: name, flag, type, default, bounds, choices, help."""
+    out = []
+    for f, kind in fields_of(Inputs):
+        base, optional = split_optional(kind)
+        m = f.metadata
+        out.append({"name": f.name, "flag": f"--{f.name.replace('_', '-')}", "optional": optional,
+                    "type": "choice" if choices_of(base) else base.__name__, "default": f.default,
+                    "choices": list(choices_of(base) or ()), "help": m["help"],
+                    **{k: m[k] for k in ("min", "max", "above", "below") if m.get(k) is not None}})
+    return out
+
+
+def from_config_json(data: dict) -> dict:
+    """The dimensions a Hugging Face config.json gives (its text model's, for a multimodal config)."""
+    data = data.get("text_config", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise UsageError("a config.json is one JSON object")
+    out = {}
+    for name, keys in HF_KEYS.items():
+        value = next((data[k] for k in keys if data.get(k) is not None), None)
+        if value is not None:
+            out[name] = value
+    Inputs(model=CUSTOM, **out)  # the same rules as typed dimensions
+    return out
