@@ -74,7 +74,7 @@ def rank_spec(spec, tp: int):
 def sizes(x: Inputs) -> Sizes:
     """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
     s = rank_spec(x.spec(), x.tp)
-    P, block = s.param_count(), replace(s, layers=1).param_count() - replace(s, layers=0).param_count()
+    P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
     Pt = P

@@ -1,0 +1,339 @@
+"""The "Will it fit?" page's data, written by the Python that holds its formulas.
+
+    .venv/bin/python scripts/fit_table.py                  # results/fit/calculator.json and table.json
+    .venv/bin/python scripts/fit_table.py --count 800      # more checked configurations
+
+``calculator.json`` is what ``docs/fit.md`` loads: the inputs with their bounds (``fit_inputs``),
+the zoo's presets, Lab 13's GPU table, the constants the formulas use, the levers in Lab 13's order
+of cost, and every traced figure the labs have published for a preset configuration (Lab 13's
+steps and prefills; Lab 14's serving budgets once its results exist), each beside the formula's
+bytes and the gap. ``table.json`` is what the browser test loads: ``--count`` configurations, each
+with Python's bytes per category, moment, verdict and levers, that the page's JavaScript must
+reproduce within 0.1 %, and inputs the page must refuse next to the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from labkit import cli, files, labs, provenance, zoo
+from labkit.config import UsageError, check_fields, option
+
+ROOT = Path(__file__).resolve().parents[1]
+lab01_fit = labs.load(1, "fit_formula")
+lab01_inputs = labs.load(1, "fit_inputs")
+lab13_gpus = labs.load(13, "fit_gpus")
+lab13_levers = labs.load(13, "fit_levers")
+Inputs, Lever = lab01_inputs.Inputs, lab13_levers.Lever
+
+SERVE = ("serve",)
+#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
+SERVING_LEVERS = (
+    Lever("fp8 KV cache", "kv", "numerics: keys and values as scaled 8-bit floats (Lab 14 measures the error)", SERVE,
+          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None),
+    Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
+          lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
+    Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
+          lambda c: {"tp": c.tp * 2} if c.tp < 64 else None),
+)
+LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
+
+#: The lab that measures each category, and the lab behind each lever (linked from the page).
+MEASURED_BY = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
+               "communication": 11, "kv_cache": 14}
+LEVER_LAB = {"optimizer": 7, "precision": 3, "checkpointing": 4, "zero": 11, "batch": 6, "offload": 7, "kv": 14,
+             "prefill": 14, "tp": 14}
+
+
+@dataclass
+class Config:
+    """Write the calculator's data and the configurations its JavaScript is checked against."""
+
+    out_dir: Path = option(ROOT / "results" / "fit", "where calculator.json and table.json go")
+    count: int = option(600, "configurations in table.json", min=500, max=20000)
+    seed: int = option(0, "seed of the sampled configurations", min=0, max=2**32 - 1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+# ----------------------------------------------------------------------------- the verdict and the levers
+def verdict(x: Inputs, gpu: str) -> dict:
+    """Fit or not on ``gpu``: a step against Lab 13's usable bytes (NVML total less the CUDA context,
+    less the allocator's headroom); a server's weights, prefill peak and KV blocks against
+    ``gpu_memory_utilization`` of the total less the CUDA context, and the KV pool that is left."""
+    g, (moment, cats) = lab13_gpus.GPUS[gpu], lab01_fit.peak(x)
+    total = sum(e.value for e in cats.values())
+    out = {"moment": moment, "total": total}
+    if x.task != "serve":
+        return out | {"capacity": g.capacity_bytes, "fits": total <= g.capacity_bytes}
+    usable = int(x.gpu_memory_utilization * g.total_bytes) - lab13_gpus.CUDA_CONTEXT_BYTES
+    pool = usable - cats["parameters"].value - cats["activations"].value
+    S = lab01_fit.symbols(x, lab01_fit.sizes(x))
+    per_block = x.block_size * lab01_fit.kv_per_token(S, lab01_fit.KV_DTYPES[x.kv_dtype][1]).value
+    tokens = max(pool, 0) // per_block * x.block_size
+    return out | {"capacity": usable, "fits": total <= usable, "pool": pool, "pool_tokens": tokens,
+                  "pool_requests": tokens // (-(-x.context // x.block_size) * x.block_size)}
+
+
+def ladder(x: Inputs, gpu: str) -> list[dict]:
+    """Lab 13's ladder (``fit_levers.climb``) on the formulas: each lever that applies, cheapest first,
+    kept when it lowers the peak (replacing a kept one of its kind), until the configuration fits."""
+    base = verdict(x, gpu)
+    if base["fits"]:
+        return []
+    out, kept, current, now = [], {}, x, base
+    for lever in LEVERS:
+        if x.task not in lever.tasks or not lever.pull(current):
+            continue
+        changes = lever.pull(current)
+        trial = {k: v for name, ch in kept.items() if KIND[name] != lever.kind for k, v in ch.items()} | changes
+        try:
+            after = replace(x, **trial)
+        except UsageError:
+            continue
+        after_v = verdict(after, gpu)
+        saved = now["total"] - after_v["total"]
+        if saved > 0:
+            kept = {n: ch for n, ch in kept.items() if KIND[n] != lever.kind} | {lever.name: changes}
+            current, now = after, after_v
+        out.append({"name": lever.name, "kept": saved > 0, "saves": saved, "total": now["total"], "fits": now["fits"]})
+        if now["fits"]:
+            break
+    return out
+
+
+KIND = {lever.name: lever.kind for lever in LEVERS}
+
+
+# ----------------------------------------------------------------------------- what the labs traced
+def lab13_traced() -> list[dict]:
+    """Lab 13's published traces of preset configurations: its two summaries and its zoo table (whose
+    rows' configurations are the ``CONFIGS`` of its notebook source, read as literals)."""
+    data = json.loads((ROOT / "results" / labs.slug(13) / "summary.json").read_text())
+    source = ast.parse((ROOT / "notebooks" / "src" / f"{labs.slug(13)}.py").read_text())
+    configs = next(ast.literal_eval(_dict_calls(n.value)) for n in ast.walk(source)
+                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CONFIGS")
+    seq = next(k.value.value for n in ast.walk(source) if isinstance(n, ast.Call) and getattr(n.func, "attr", "")
+               == "Config" for k in n.keywords if k.arg == "seq")
+    out = []
+    for key in ("summary", "llama70b"):
+        s = data["numbers"][key]
+        out.append({"inputs": _train_fields(s["config"]), "bytes": s["per_rank_peak_bytes"], "phase": s["peak_phase"],
+                    "by_category": s["by_category"], "compared": None,
+                    "source": f"results/{labs.slug(13)}/summary.json: numbers.{key}"})
+    for row in data["tables"]["zoo"]["rows"]:
+        fields_ = {"model": row[0], "seq": seq} | configs[row[1]]
+        out.append({"inputs": _train_fields(fields_), "bytes": row[2], "phase": row[3], "by_category": None, "compared": None,
+                    "source": f"results/{labs.slug(13)}/summary.json: table zoo, {row[0]}, {row[1]}"})
+    return out
+
+
+def lab14_traced() -> list[dict]:
+    """Lab 14's traced serving budgets (weights and prefill peak), once its results exist."""
+    path = ROOT / "results" / "lab-14-serving-memory" / "summary.json"
+    if not path.is_file():
+        return []
+    table = json.loads(path.read_text())["tables"]["real_scale"]
+    cols = [c[0] for c in table["columns"]]
+    out = []
+    for row in table["rows"]:
+        r = dict(zip(cols, row))
+        x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"], precision="bf16",
+                   context=zoo.get(r["model"]).context, requests=1)
+        out.append({"inputs": _fields(x), "bytes": r["weights / GPU"] + r["prefill peak"], "phase": "prefill",
+                    "by_category": {"parameters": r["weights / GPU"], "activations": r["prefill peak"]},
+                    "compared": ["parameters", "activations"],  # the KV pool is the budget's remainder
+                    "source": f"{path.relative_to(ROOT)}: table real_scale"})
+    return out
+
+
+def _dict_calls(node):
+    """``dict(a=1)`` in a literal, as ``{"a": 1}`` (so ``ast.literal_eval`` reads it)."""
+    class Calls(ast.NodeTransformer):
+        def visit_Call(self, call):
+            self.generic_visit(call)
+            return ast.Dict([ast.Constant(k.arg) for k in call.keywords], [k.value for k in call.keywords])
+    return Calls().visit(node)
+
+
+def _train_fields(config: dict) -> dict:
+    keep = {f.name for f in fields(Inputs)}
+    return _fields(Inputs(**{k: v for k, v in config.items() if k in keep}))
+
+
+def _fields(x: Inputs) -> dict:
+    """The inputs that differ from the defaults: what the page's address carries."""
+    default = Inputs()
+    return {k: v for k, v in asdict(x).items() if v != getattr(default, k)}
+
+
+# ----------------------------------------------------------------------------- the configurations checked
+DIM_CHOICES = {"heads": (8, 12, 16, 24, 32, 40, 64), "head_dim": (64, 80, 128), "vocab": (32000, 50257, 128256, 151936)}
+
+
+def sample(rng: random.Random) -> tuple[Inputs, str]:
+    """One valid configuration and a GPU, drawn across every input the page has."""
+    while True:
+        f: dict = {"model": rng.choice([*lab01_inputs.presets(), "custom", "custom"])}
+        if f["model"] == "custom":
+            heads, head_dim = rng.choice(DIM_CHOICES["heads"]), rng.choice(DIM_CHOICES["head_dim"])
+            f |= {"layers": rng.randint(1, 96), "heads": heads, "hidden": heads * head_dim,
+                  "kv_heads": rng.choice([d for d in (1, 2, 4, 8, heads) if heads % d == 0]),
+                  "ffn": 256 * rng.randint(4, 120), "vocab": rng.choice(DIM_CHOICES["vocab"]), "tied": rng.random() < 0.3}
+            if rng.random() < 0.2:
+                f |= {"experts": rng.choice((4, 8, 16)), "top_k": rng.choice((1, 2))}
+            if rng.random() < 0.1:
+                f["head_dim"] = rng.choice(DIM_CHOICES["head_dim"])
+        task = f["task"] = rng.choices(("train", "infer", "serve"), (6, 1.5, 2.5))[0]
+        f["precision"] = rng.choice(("fp32", "bf16", "mixed"))
+        f["tp"] = rng.choice((1, 1, 2, 4, 8))
+        if task == "serve":
+            f |= {"context": rng.choice((512, 2048, 4096, 8192, 32768, 131072)), "requests": rng.choice((1, 8, 32, 64, 256)),
+                  "kv_dtype": rng.choice(("bf16", "fp8", "int8", "fp32")), "block_size": rng.choice((1, 8, 16, 32, 128)),
+                  "gpu_memory_utilization": rng.choice((0.5, 0.8, 0.9, 0.95, 1.0)),
+                  "prefill_chunk": rng.choice((None, None, 512, 2048))}
+        else:
+            f |= {"batch": rng.choice((1, 1, 2, 4, 8)), "seq": rng.choice((256, 1024, 2048, 4096, 8192))}
+            f["dp"] = rng.choice((1, 1, 2, 8, 64))
+            f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
+        if task == "train":
+            f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
+                  "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
+                  "lora_rank": rng.choice((0, 0, 0, 8, 64))}
+            f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
+        try:
+            return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
+        except UsageError:
+            continue
+
+
+#: Input the page must refuse next to the field named, with Python's message beside it.
+BAD = [
+    ({"layers": "-4"}, "layers"), ({"heads": "32.5"}, "heads"), ({"kv_heads": "5"}, "kv_heads"),
+    ({"kv_heads": "0"}, "kv_heads"), ({"seq": "-1"}, "seq"), ({"batch": "1e3"}, "batch"), ({"dp": "two"}, "dp"),
+    ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"zero_stage": "2"}, "zero_stage"),
+    ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
+    ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
+    ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),
+]
+BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
+                   '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '
+                   '"intermediate_size": 128, "vocab_size": 256}',
+                   '{"num_hidden_layers": 2, "num_attention_heads": 4}']
+
+
+def bad_cases() -> list[dict]:
+    """Each refused input with Python's message (the field is the one the page marks)."""
+    out = []
+    for given, field in BAD:
+        try:
+            Inputs(**{k: _parse(k, v) for k, v in given.items()})
+        except (UsageError, ValueError) as err:
+            out.append({"query": given, "field": field, "python": str(err)})
+            continue
+        raise AssertionError(f"{given} was accepted")
+    for text in BAD_CONFIG_JSON:
+        try:
+            lab01_inputs.from_config_json(json.loads(text))
+        except (UsageError, ValueError) as err:
+            out.append({"config_json": text, "field": "config_json", "python": str(err)})
+            continue
+        raise AssertionError(f"{text} was accepted")
+    return out
+
+
+def _parse(name: str, text: str):
+    """A field's text as the page's address carries it, read as the field's type (the Inputs judge it)."""
+    field = next(f for f in lab01_inputs.fields() if f["name"] == name)
+    kind = type(field["choices"][0]).__name__ if field["choices"] else field["type"]
+    try:
+        if kind == "int":
+            return int(text) if text.lstrip("-").isdigit() else float(text)
+        return float(text) if kind == "float" else text
+    except ValueError:
+        raise UsageError(f"{field['flag']} must be a number, got {text!r}") from None
+
+
+def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
+    moment, cats = lab01_fit.peak(x)
+    out = {"query": _fields(x), "gpu": gpu, "bytes": {k: e.value for k, e in cats.items()},
+           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"]] for r in ladder(x, gpu)]}
+    if with_formulas:
+        out["formulas"] = {k: [e.text, e.filled] for k, e in cats.items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- the files
+def calculator(traced: list[dict]) -> dict:
+    from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
+
+    from labkit.plot import CATEGORY_COLORS
+
+    f = lab01_fit
+    presets = {}
+    for name in lab01_inputs.presets():
+        spec = zoo.get(name)
+        presets[name] = lab01_inputs.preset_dims(spec) | {"family": spec.family, "context": spec.context,
+                                                          "source": spec.source, "params": spec.param_count()}
+    for t in traced:
+        x = Inputs(**t["inputs"])
+        moment, cats = f.peak(x)
+        formula = sum(cats[k].value for k in (t["compared"] or cats))
+        t |= {"formula": formula, "moment": moment, "gap": (formula - t["bytes"]) / t["bytes"]}
+    return {
+        "inputs": lab01_inputs.fields(), "presets": presets, "hf_keys": lab01_inputs.HF_KEYS,
+        "gpus": {n: {"stated": g.stated, "datasheet": g.datasheet, "total_bytes": g.total_bytes,
+                     "capacity_bytes": g.capacity_bytes} for n, g in lab13_gpus.GPUS.items()},
+        "cuda_context_bytes": lab13_gpus.CUDA_CONTEXT_BYTES, "allocator_headroom": lab13_gpus.ALLOCATOR_HEADROOM,
+        "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
+                      "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
+                      "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
+                      "slot": f.SLOT, "indices": f.INDICES},
+        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
+        "levers": [{"name": lv.name, "kind": lv.kind, "cost": lv.cost, "tasks": list(lv.tasks),
+                    "lab": _lab_link(LEVER_LAB[lv.kind])} for lv in LEVERS],
+        "measured_by": {k: _lab_link(n) for k, n in MEASURED_BY.items()},
+        "traced": traced,
+    }
+
+
+def _lab_link(n: int) -> dict | None:
+    """The lab page that measures it, when that page is in the site."""
+    page = next((ROOT / "docs" / "labs").glob(f"lab-{n:02d}-*.md"), None)
+    return {"lab": n, "page": f"labs/{page.stem}/"} if page else None
+
+
+def run(config: Config) -> dict:
+    t0 = time.perf_counter()
+    for name in ("calculator.json", "table.json"):
+        files.check_writable(config.out_dir / name, "--out-dir")
+    rng = random.Random(config.seed)
+    traced = lab13_traced() + lab14_traced()
+    core = [(Inputs(**t["inputs"]), "h100-80gb") for t in traced]
+    core += [(Inputs(model=m, task=task), "h100-80gb") for m in lab01_inputs.presets() for task in ("train", "serve")
+             if not (task == "serve" and zoo.get(m).family == "gpt")]
+    picked = core + [sample(rng) for _ in range(config.count - len(core))]
+    rows = [row(x, gpu, with_formulas=i % 8 == 0) for i, (x, gpu) in enumerate(cli.progress(picked, desc="rows"))]
+    record = provenance.collect(1, "cpu", time.perf_counter() - t0)
+    calc = calculator(traced)
+    provenance.write_results(config.out_dir / "calculator.json", calc, record)
+    body = ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows)
+    files.write_text(config.out_dir / "table.json", '{"provenance": ' + json.dumps(record) + ',\n"bad": '
+                     + json.dumps(bad_cases()) + ',\n"configurations": [\n' + body + "\n]}\n")
+    return {"rows": len(rows), "traced": calc["traced"], "out_dir": str(config.out_dir)}
+
+
+def report(result: dict) -> None:
+    print(f"{result['rows']} configurations -> {result['out_dir']}/table.json; calculator.json beside it")
+    for t in result["traced"]:
+        print(f"  traced {t['bytes']:>17,} formula {t['formula']:>17,} gap {100 * t['gap']:+6.2f} %  {t['source']}")
+
+
+if __name__ == "__main__":
+    cli.main(Config, run, report)

@@ -1,0 +1,230 @@
+"""The "Will it fit?" formulas (Lab 01's fit_formula.py): equal to Lab 01's functions where they overlap,
+the zoo's parameter counts, close to Lab 13's traces, the text a page shows evaluates to the bytes it
+shows, the results file the page's JavaScript is checked against is current, and bad input is refused
+naming the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit import labs, zoo
+from labkit.config import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+fit = labs.load(1, "fit_formula")
+fit_inputs = labs.load(1, "fit_inputs")
+lab01 = labs.load(1)
+Inputs = fit_inputs.Inputs
+
+
+def table_script():
+    """scripts/fit_table.py as a module (it is a script, not a package)."""
+    if "fit_table_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fit_table_script", ROOT / "scripts" / "fit_table.py")
+        sys.modules["fit_table_script"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["fit_table_script"])
+    return sys.modules["fit_table_script"]
+
+
+def state_of(x: Inputs) -> dict[str, int]:
+    return {k: e.value for k, e in fit.model_state(x, fit.symbols(x, fit.sizes(x))).items()}
+
+
+# ---------------------------------------------------------------- Lab 01's functions, where they overlap
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "mixed"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize(("dp", "zero_stage"), [(1, 0), (8, 1), (8, 2), (64, 3)])
+def test_model_state_is_lab01s_zero_model_state(precision, optimizer, dp, zero_stage):
+    x = Inputs(model="llama-3-8b", precision=precision, optimizer=optimizer, dp=dp, zero_stage=zero_stage)
+    z = fit.sizes(x)
+    recipe, kind = fit.PRECISIONS[precision][0], fit.OPTIMIZERS[optimizer]
+    want = lab01.zero_model_state(z.P, recipe, kind, zero_stage, dp, z.n if kind == "adamw" else 0)
+    got = state_of(x)
+    assert want["master_weights"] == 0  # fit.py's precisions keep no separate master copy
+    assert got["gradients"] == want["gradients"] and got["optimizer_state"] == want["optimizer_state"]
+    # FSDP2 keeps parameter shards between steps at ZeRO-2 too: Lab 01's stage-3 figure
+    stage = 3 if zero_stage == 2 else zero_stage
+    assert got["parameters"] == lab01.zero_model_state(z.P, recipe, kind, stage, dp)["parameters"]
+
+
+def test_amp_is_lab01s_fp32_recipe_for_the_state_and_16_bytes_per_parameter():
+    x = Inputs(model="llama-3-8b", precision="mixed")
+    assert sum(state_of(x).values()) == 16 * fit.sizes(x).P + 4 * fit.sizes(x).n
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_layer_is_lab01s_korthikanti_layer_without_dropout(checkpointing, precision):
+    x = Inputs(model="gpt-3-175b", seq=2048, batch=2, precision=precision, checkpointing=checkpointing)
+    S, s = fit.symbols(x, fit.sizes(x)), zoo.get("gpt-3-175b")
+    c = fit.PRECISIONS[precision][1]
+    want = lab01.activation_bytes_per_layer(2048, 2, s.width, s.heads, act=c, mask=None, recompute=checkpointing)
+    assert fit.gpt_layer(S, checkpointing).value == want
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-3-70b", "mixtral-8x7b"])
+def test_prefill_kv_cache_is_lab01s_kv_cache_bytes(model):
+    x = Inputs(model=model, task="infer", precision="bf16", batch=8, seq=4096)
+    s = zoo.get(model)
+    shape = labs.load(1, "toy_gpt").Shape(layers=s.layers, hidden=s.heads * s.head_dim, heads=s.heads, seq=4096,
+                                          batch=8, vocab=s.vocab, kv_heads=s.kv_heads)
+    assert fit.estimate(x)["kv_cache"] == lab01.kv_cache_bytes(shape, act=2)
+
+
+# ---------------------------------------------------------------- parameter counts: the zoo's closed forms
+@pytest.mark.parametrize("model", fit_inputs.presets())
+def test_parameter_count_of_every_preset_is_the_zoos(model):
+    assert fit.sizes(Inputs(model=model)).P == zoo.get(model).param_count()
+
+
+def test_published_counts_and_a_config_json_read_as_the_preset():
+    assert fit.sizes(Inputs(model="llama-3-8b")).P == 8_030_261_248
+    assert fit.sizes(Inputs(model="llama-3-70b")).P == 70_553_706_496
+    # Meta-Llama-3-8B's config.json, the keys that size it: the same model as the preset
+    config = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0}
+    custom = Inputs(model="custom", **fit_inputs.from_config_json(config))
+    assert fit.estimate(custom) == fit.estimate(Inputs(model="llama-3-8b"))
+
+
+@pytest.mark.parametrize(("model", "tp"), [("llama-3-70b", 8), ("llama-3-8b", 4), ("llama-3.1-405b", 8)])
+def test_tensor_parallel_ranks_split_all_but_the_norms(model, tp):
+    """tp ranks hold P plus tp - 1 extra copies of the replicated norms (two per block, the final one)."""
+    s = zoo.get(model)
+    rank = fit.sizes(Inputs(model=model, tp=tp)).P
+    assert rank * tp - s.param_count() == (tp - 1) * (2 * s.layers + 1) * s.width
+
+
+def test_lora_trains_only_its_adapters_on_a_frozen_base():
+    full, lora = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", lora_rank=16)
+    z = fit.sizes(lora)
+    h, q, g, f = 4096, 4096, 1024, 14336
+    assert z.Pt == 32 * 16 * (2 * (h + q) + 2 * (h + g) + 3 * (h + f))
+    assert state_of(lora)["gradients"] == 4 * z.Pt
+    assert state_of(lora)["parameters"] == 4 * (z.P + z.Pt)
+    assert fit.estimate(lora)["optimizer_state"] < fit.estimate(full)["optimizer_state"] / 100
+
+
+# ---------------------------------------------------------------- against Lab 13's traces
+@pytest.mark.parametrize("fields", [
+    {"precision": "fp32"},
+    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
+    {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "full", "accumulation": 2},
+    {"precision": "bf16", "dp": 4, "zero_stage": 3},
+    {"precision": "mixed", "offload": "optimizer"},
+    {"precision": "mixed", "task": "infer", "batch": 2},
+])
+def test_formulas_follow_lab13s_trace_category_by_category(fields):
+    """Four Llama-3-8B blocks at 1,024 tokens traced by Lab 13 (fake tensors, one steady-state step): the
+    peak within 0.5 %, each category of it within 0.5 % of the peak. (With fewer layers, shorter
+    sequences or a small vocabulary, FSDP2's buffers in the middle of backward can hold the peak: the
+    formulas count the moments that hold it at real size.)"""
+    lab13 = labs.load(13)
+    config = lab13.Config(model="llama-3-8b", seq=1024, levers="none", **fields)
+    config.__dict__["spec"] = dataclasses.replace(zoo.get("llama-3-8b"), layers=4)  # Lab 13's model, four blocks
+    traced = lab13.trace(config).derived["peak"]
+    mine = fit.estimate(Inputs(model="llama-3-8b", layers=4, seq=1024, **fields))
+    assert sum(mine.values()) == pytest.approx(traced["total"], rel=0.005)
+    for category, value in mine.items():
+        assert value == pytest.approx(traced[category], abs=0.005 * traced["total"]), category
+
+
+def test_committed_real_scale_traces_agree():
+    """Every configuration Lab 13 traced at real size: Llama within 0.1 %, everything within 5 %."""
+    script = table_script()
+    traced = script.lab13_traced()
+    assert len(traced) >= 10
+    for t in traced:
+        formula = fit.estimate(Inputs(**t["inputs"]))
+        gap = (sum(formula.values()) - t["bytes"]) / t["bytes"]
+        limit = 0.05 if t["inputs"].get("model") == "mixtral-8x7b" else 0.001
+        assert abs(gap) < limit, (t["source"], gap)
+
+
+# ---------------------------------------------------------------- what the page shows is what was computed
+NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?!\d)|\d+")
+
+
+def evaluate(filled: str) -> int:
+    """A filled-in formula's value: integers, + − ×, parentheses, ⌈a / b⌉ and max(a, b)."""
+    code = NUMBER.sub(lambda m: m.group(0).replace(",", ""), filled).replace("×", "*").replace("−", "-")
+    code = re.sub(r"⌈([^⌈⌉]*?) / ([^⌈⌉]*?)⌉", r"(-(-(\1) // (\2)))", code)
+    while "⌈" in code:
+        code = re.sub(r"⌈([^⌈⌉]*?) / ([^⌈⌉]*?)⌉", r"(-(-(\1) // (\2)))", code)
+    assert re.fullmatch(r"[\d\s+\-*/()max,]*", code), code
+    return eval(code, {"__builtins__": {}}, {"max": max})  # digits and operators only (checked above)
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"precision": "bf16", "checkpointing": "full", "dp": 8, "zero_stage": 3},
+    {"model": "mixtral-8x7b", "checkpointing": "selective", "tp": 2, "lora_rank": 8},
+    {"model": "llama-3-70b", "dp": 8, "zero_stage": 3, "offload": "params", "accumulation": 2},
+    {"model": "llama-3-70b", "task": "serve", "tp": 4, "kv_dtype": "fp8", "prefill_chunk": 2048},
+    {"model": "mixtral-8x7b", "task": "serve"}, {"model": "llama-3.2-1b", "task": "infer", "precision": "mixed"},
+    {"model": "gpt-3-175b", "precision": "fp32", "dp": 64, "zero_stage": 2},
+])
+def test_every_formula_filled_in_evaluates_to_its_bytes(fields):
+    for moment, categories in fit.moments(Inputs(**fields)).items():
+        for category, e in categories.items():
+            assert evaluate(e.filled) == e.value, (moment, category, e.filled)
+            symbols = set(re.findall(r"[A-Za-z]+", e.text)) - {"max"}
+            assert symbols <= set(fit.SYMBOLS), symbols - set(fit.SYMBOLS)
+
+
+def test_peak_is_the_largest_moment_and_fused_adamw_drops_the_step_copy():
+    foreach, fused = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", optimizer="adamw-fused")
+    moment, cats = fit.peak(foreach)
+    assert moment == "optimizer" and cats["temporaries"].value == 4 * fit.sizes(foreach).P
+    totals = {k: sum(e.value for e in v.values()) for k, v in fit.moments(foreach).items()}
+    assert sum(fit.estimate(foreach).values()) == max(totals.values())
+    assert fit.moments(fused)["optimizer"]["temporaries"].value == 0
+
+
+def test_serving_budget_holds_the_requests_in_whole_blocks():
+    x = Inputs(model="llama-3-8b", task="serve", context=1000, requests=3, block_size=16)
+    assert fit.estimate(x)["kv_cache"] == 3 * 63 * 16 * (2 * 32 * 8 * 128 * 2)  # 1000 tokens -> 63 blocks
+    fp8 = dataclasses.replace(x, kv_dtype="fp8")  # a byte per element and an fp32 scale per KV head
+    assert fit.estimate(fp8)["kv_cache"] == 3 * 63 * 16 * 2 * 32 * 8 * (128 + 4)
+    verdict = table_script().verdict(x, "h100-80gb")
+    assert verdict["fits"] and verdict["pool_requests"] == verdict["pool_tokens"] // (63 * 16)
+
+
+# ---------------------------------------------------------------- the results the page is checked against
+def test_results_table_is_what_the_python_computes_now():
+    """results/fit/table.json holds Python's answers for the browser test: it must be current."""
+    script = table_script()
+    table = json.loads((ROOT / "results" / "fit" / "table.json").read_text())
+    rows = table["configurations"]
+    assert len(rows) >= 500
+    for row in rows[::25]:
+        fields = {k: v for k, v in row["query"].items()}
+        again = script.row(Inputs(**fields), row["gpu"], with_formulas="formulas" in row)
+        assert again == {k: row[k] for k in again}, row["query"]
+    assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json"}
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("fields", "flag"), [
+    ({"layers": -4}, "--layers"), ({"heads": 32.5}, "--heads"), ({"kv_heads": 5}, "--kv-heads 5 does not divide"),
+    ({"heads": 7}, "--heads 7 does not divide --hidden"), ({"tp": 3}, "--tp 3"), ({"model": "nope"}, "--model"),
+    ({"model": "custom", "layers": 2}, "--hidden"), ({"zero_stage": 3}, "--dp"),
+    ({"experts": 4, "top_k": 5}, "--top-k"), ({"task": "serve", "gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
+])
+def test_bad_input_is_refused_naming_the_flag(fields, flag):
+    with pytest.raises(UsageError, match=re.escape(flag)):
+        Inputs(**fields)
+
+
+@pytest.mark.parametrize("text", ['{"hidden_size": 4096', "[1, 2]", '{"num_hidden_layers": 2}',
+                                  '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+                                  '"num_key_value_heads": 3, "intermediate_size": 128, "vocab_size": 256}'])
+def test_a_malformed_config_json_is_refused(text):
+    with pytest.raises((UsageError, ValueError)):
+        fit_inputs.from_config_json(json.loads(text))
