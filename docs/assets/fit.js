@@ -1,0 +1,892 @@
+/* InfraLab · "Will it fit?" — the formulas of code/lab-01-memory-accounting/fit_formula.py, in the browser.
+
+   One source of truth: the Python. This file is a line-for-line port of fit_expr.py, fit_inputs.py's
+   rules, fit_formula.py and scripts/fit_table.py's verdict and ladder; every constant, bound, preset, GPU
+   and lever comes from results/fit/calculator.json, which scripts/fit_table.py writes from the Python.
+   tests/test_browser.py sets 600 configurations of results/fit/table.json and holds every category
+   within 0.1 % of Python (the formulas here use BigInt: they are exact). Plain JavaScript, no library. */
+(function () {
+  "use strict";
+
+  // ---------------------------------------------------------------------------- Expr (fit_expr.py)
+  const fmt = (v) => String(v).replace(/\B(?=(\d{3})+(?!\d))/g, ",");  // Python's f"{v:,}"
+
+  // Texts are built only where they are shown: the levers are tried for their bytes alone.
+  let TEXT = true;
+
+  class Expr {
+    constructor(text, filled, value, sum) {
+      this.text = text; this.filled = filled; this.value = value; this.sum = !!sum;
+    }
+    add(o) {
+      o = lift(o);
+      if (!TEXT) return new Expr("", "", this.value + o.value, true);
+      return new Expr(`${this.text} + ${o.text}`, `${this.filled} + ${o.filled}`, this.value + o.value, true);
+    }
+    sub(o) {
+      o = lift(o);
+      if (!TEXT) return new Expr("", "", this.value - o.value, true);
+      return new Expr(`${this.text} − ${par(o, "text")}`, `${this.filled} − ${par(o, "filled")}`, this.value - o.value, true);
+    }
+    mul(o) {
+      o = lift(o);
+      if (!TEXT) return new Expr("", "", this.value * o.value, false);
+      return new Expr(`${par(this, "text")} × ${par(o, "text")}`, `${par(this, "filled")} × ${par(o, "filled")}`,
+        this.value * o.value, false);
+    }
+  }
+  const par = (e, which) => (e.sum ? `(${e[which]})` : e[which]);
+  const lift = (x) => (x instanceof Expr ? x : sym(String(x), x));
+  const sym = (name, value) => (TEXT ? new Expr(name, fmt(value), BigInt(value), false) : new Expr("", "", BigInt(value), false));
+  const cdiv = (a, b) => (a + b - 1n) / b;
+  const ceilDiv = (a, b) => {
+    a = lift(a); b = lift(b);
+    return new Expr(TEXT ? `⌈${a.text} / ${b.text}⌉` : "", TEXT ? `⌈${a.filled} / ${b.filled}⌉` : "", cdiv(a.value, b.value), false);
+  };
+  const larger = (a, b) => {
+    a = lift(a); b = lift(b);
+    return new Expr(TEXT ? `max(${a.text}, ${b.text})` : "", TEXT ? `max(${a.filled}, ${b.filled})` : "",
+      a.value > b.value ? a.value : b.value, false);
+  };
+  const ZERO = new Expr("0", "0", 0n, false);
+  const n = (x) => lift(x);  // a literal
+
+  // ---------------------------------------------------------------------------- the model (labkit.zoo's closed forms)
+  let D = null;  // calculator.json
+
+  function llamaParams(s) {
+    const w = BigInt(s.width), hd = BigInt(s.head_dim), a = BigInt(s.heads), kv = BigInt(s.kv_heads);
+    const attention = w * a * hd + 2n * w * kv * hd + a * hd * w;
+    let mlp = 3n * w * BigInt(s.ffn);
+    if (s.experts) mlp = BigInt(s.experts) * mlp + w * BigInt(s.experts);
+    const perBlock = attention + mlp + 2n * w;
+    return BigInt(s.vocab) * w * (s.tied ? 1n : 2n) + BigInt(s.layers) * perBlock + w;
+  }
+  function gptParams(s) {  // TinyGPT's closed form, the head tied to the embedding
+    const w = BigInt(s.width), v = BigInt(s.vocab);
+    const perBlock = 4n * w + w * 3n * w + 3n * w + w * w + w + w * 4n * w + 4n * w + 4n * w * w + w;
+    return v * w + BigInt(s.context) * w + BigInt(s.layers) * perBlock + 2n * w;
+  }
+  const paramCount = (s) => (s.family === "gpt" ? gptParams(s) : llamaParams(s));
+
+  function rankSpec(s, tp) {
+    if (tp === 1) return s;
+    return Object.assign({}, s, { heads: s.heads / tp, kv_heads: Math.max(1, Math.floor(s.kv_heads / tp)),
+      ffn: s.ffn / tp, vocab: Math.ceil(s.vocab / tp) });
+  }
+
+  // ---------------------------------------------------------------------------- the inputs (fit_inputs.py)
+  const field = (name) => D.inputs.find((f) => f.name === name);
+  const DIMS = ["layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied"];
+
+  function presetDims(name) {
+    const p = D.presets[name];
+    const out = {};
+    for (const k of DIMS) out[k] = p[k];
+    return out;
+  }
+  function dims(x) {
+    const base = x.model === "custom" ? {} : presetDims(x.model);
+    const d = Object.assign({ experts: 0, top_k: 0, tied: false, head_dim: 0 }, base);
+    for (const k of DIMS) if (x[k] !== null && x[k] !== undefined) d[k] = x[k];
+    d.kv_heads = d.kv_heads || d.heads;
+    return d;
+  }
+  function spec(x) {
+    const d = dims(x);
+    let family = x.model === "custom" ? "llama" : D.presets[x.model].family;
+    family = d.experts ? "mixtral" : (family === "hf" || family === "mixtral" ? "llama" : family);
+    return { family, layers: d.layers, width: d.hidden, heads: d.heads, kv_heads: d.kv_heads, ffn: d.ffn,
+      vocab: d.vocab, tied: !!d.tied, experts: d.experts, top_k: d.top_k,
+      head_dim: d.head_dim || d.hidden / d.heads, context: x.model === "custom" ? 0 : D.presets[x.model].context };
+  }
+
+  /** Text of one field (from the address or a control) as its type: [value, error]. */
+  function parseField(f, text) {
+    if (text === null || text === undefined || text === "") {
+      return f.optional ? [null, null] : [f.default, null];
+    }
+    text = String(text).trim();
+    if (f.type === "choice") {
+      const hit = f.choices.find((c) => String(c) === text);
+      return hit === undefined ? [null, `${f.flag} must be one of ${f.choices.join(", ")}, got ${text}`] : [hit, null];
+    }
+    if (f.type === "bool") {
+      if (["true", "1", "on", "yes"].includes(text)) return [true, null];
+      if (["false", "0", "off", "no"].includes(text)) return [false, null];
+      return [null, `${f.flag} is a switch (true or false), got ${text}`];
+    }
+    if (f.type === "str") return [text, null];
+    const num = Number(text);
+    if (text === "" || !Number.isFinite(num)) return [null, `${f.flag} must be a number, got ${text}`];
+    if (f.type === "int" && !/^-?\d+$/.test(text)) return [null, `${f.flag} must be a whole number, got ${text}`];
+    if (f.type === "int" && !Number.isSafeInteger(num)) return [null, `${f.flag} ${text} is too large`];
+    const range = () => (f.max === undefined ? `${f.min} or more` : f.min === undefined ? `${f.max} or less` : `in [${f.min}, ${f.max}]`);
+    if (f.min !== undefined && num < f.min) return [null, `${f.flag} must be ${range()}, got ${text}`];
+    if (f.max !== undefined && num > f.max) return [null, `${f.flag} must be ${range()}, got ${text}`];
+    if (f.above !== undefined && num <= f.above) return [null, `${f.flag} must be above ${f.above}, got ${text}`];
+    if (f.below !== undefined && num >= f.below) return [null, `${f.flag} must be below ${f.below}, got ${text}`];
+    return [num, null];
+  }
+
+  /** Inputs.__post_init__'s rules: {field name: message}, empty when the inputs are valid. */
+  function check(x) {
+    const err = {};
+    const say = (name, text) => { if (!err[name]) err[name] = text; };
+    if (x.model !== "custom" && !D.presets[x.model]) say("model", `--model must be custom or a zoo preset, got ${x.model}`);
+    if (x.model === "custom") {
+      for (const k of ["layers", "hidden", "heads", "ffn", "vocab"]) {
+        if (x[k] === null) say(k, `--model custom needs ${field(k).flag}`);
+      }
+    }
+    if (Object.keys(err).length) return err;
+    const d = dims(x);
+    if (d.experts && !(d.top_k >= 1 && d.top_k <= d.experts)) say("top_k", `--top-k ${d.top_k} must be 1 to --experts ${d.experts}`);
+    if (!d.experts && d.top_k) say("top_k", `--top-k ${d.top_k} routes to experts: give --experts too`);
+    if (!x.head_dim && d.hidden % d.heads) say("heads", `--heads ${d.heads} does not divide --hidden ${d.hidden} (or give --head-dim)`);
+    if (d.heads % d.kv_heads) say("kv_heads", `--kv-heads ${d.kv_heads} does not divide --heads ${d.heads}`);
+    const t = x.tp, kv = d.kv_heads;
+    if (d.heads % t || d.ffn % t || (t <= kv ? kv % t : t % kv)) {
+      say("tp", `--tp ${t} does not split ${d.heads} heads, ${kv} KV heads and an MLP of ${d.ffn} evenly`);
+    }
+    if (Object.keys(err).length) return err;
+    const s = spec(x);
+    if (s.family === "gpt" && (d.ffn !== 4 * d.hidden || d.kv_heads !== d.heads)) {
+      say("ffn", `--model ${x.model}: a GPT block has ffn = 4 * width and one KV head per head`);
+    }
+    if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
+    if (x.task === "train") {
+      if (x.zero_stage && x.dp === 1) say("zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`);
+      if (x.offload === "params" && x.zero_stage !== 3) say("offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3");
+      if (x.offload === "optimizer" && x.optimizer === "sgd") say("offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer");
+    }
+    return err;
+  }
+
+  // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
+  function sizes(x) {
+    const s = rankSpec(spec(x), x.tp);
+    const P = paramCount(s);
+    const block = paramCount(Object.assign({}, s, { layers: 2 })) - paramCount(Object.assign({}, s, { layers: 1 }));
+    const gpt = s.family === "gpt";
+    const L = BigInt(s.layers), E = BigInt(s.experts);
+    let nt = gpt ? 12n * L + 4n : L * (9n + (s.experts ? 3n * E - 2n : 0n)) + 2n + (s.tied ? 0n : 1n);
+    let Pt = P;
+    if (x.lora_rank) {
+      const h = BigInt(s.width), q = BigInt(s.heads * s.head_dim), g = BigInt(s.kv_heads * s.head_dim);
+      const e1 = BigInt(Math.max(s.experts, 1));
+      Pt = L * BigInt(x.lora_rank) * (2n * (h + q) + 2n * (h + g) + 3n * (h + BigInt(s.ffn)) * e1);
+      nt = L * 2n * (4n + 3n * e1);
+    }
+    return { spec: s, P, Pt, n: nt, block, root: P - L * block, matmuls: L * (block - (gpt ? 13n : 2n) * BigInt(s.width)) };
+  }
+
+  function symbols(x, z) {
+    const s = z.spec, [recipe, c0, r] = D.constants.precisions[x.precision];
+    const w = x.task !== "serve" ? D.constants.recipes[recipe].param : (x.precision === "fp32" ? 4 : 2);
+    const p = Math.min(x.prefill_chunk || x.context, x.context);
+    const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
+      g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
+      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
+      m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
+      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p };
+    const S = {};
+    for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
+    return S;
+  }
+
+  const K = () => D.constants;
+
+  function norm(S, readers) {
+    const kept = S.c.value === S.r.value ? S.c.mul(S.h) : n(readers).mul(S.c).mul(S.h);
+    return n(4).mul(S.h).add(K().row).add(S.r.mul(S.h)).add(kept);
+  }
+
+  function layer(S, checkpointing, lora) {
+    const moe = S.E.value > 0n;
+    if (checkpointing === "full") return S.T.mul(S.r).mul(S.h);
+    let kept;
+    if (checkpointing === "selective") {
+      const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
+      kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+    } else {
+      const attention = norm(S, 3).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
+      let mlp;
+      if (moe) {
+        const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
+          .add(S.c.mul(S.h)).add(K().slot);
+        mlp = norm(S, 1).add(S.c.add(4).mul(S.E)).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
+      } else {
+        mlp = norm(S, 2).add(n(4).mul(S.c).mul(S.f));
+      }
+      kept = attention.add(mlp);
+    }
+    if (lora) kept = kept.add(S.c.mul(S.R).mul(moe ? n(4).add(n(3).mul(S.K)) : n(7)));
+    return checkpointing === "selective" ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+  }
+
+  function gptLayer(S, checkpointing) {
+    if (checkpointing === "full") return S.c.mul(S.T).mul(S.h);
+    const kept = n(16).mul(S.c).mul(S.T).mul(S.h);
+    return checkpointing === "selective" ? kept : kept.add(S.c.mul(S.a).mul(S.s).mul(S.T));
+  }
+
+  function activations(x, S, family) {
+    const mixed = x.precision === "mixed";
+    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0);
+    const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
+    const casts = mixed ? S.c.mul(S.Pm) : ZERO;
+    let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
+    if (mixed) kept = kept.add(head);
+    if (mixed && x.checkpointing === "none") kept = kept.add(casts);
+    const loss = n(4).mul(S.T).mul(S.V);
+    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO, loss: mixed ? loss.add(head) : loss };
+  }
+
+  function modelState(x, S) {
+    const shards = K().zero_shards;
+    const share = (what, count, stage) => ((stage === undefined ? x.zero_stage : stage) >= shards[what] ? ceilDiv(count, S.dp) : count);
+    const kind = K().optimizers[x.optimizer];
+    const fsdp = x.zero_stage === 2 ? 3 : x.zero_stage;
+    let params = S.w.mul(share("parameters", S.Pt, fsdp));
+    if (x.lora_rank) params = params.add(S.w.mul(share("parameters", S.P, fsdp)));
+    let state = n(K().moments[kind]).mul(S.m).mul(share("optimizer_state", S.Pt));
+    if (kind === "adamw") state = state.add(n(K().step_counter).mul(S.n));
+    const out = { parameters: params, gradients: S.w.mul(share("gradients", S.Pt)), optimizer_state: state };
+    if (x.offload === "params") return { parameters: ZERO, gradients: ZERO, optimizer_state: ZERO };
+    if (x.offload === "optimizer") {
+      out.optimizer_state = ZERO;
+      out.gradients = x.zero_stage ? out.gradients : ZERO;
+    }
+    return out;
+  }
+
+  function communication(x, S) {
+    let fwd = ZERO, bwd = ZERO, gather = ZERO, opt = ZERO;
+    const weights = x.lora_rank ? S.P.add(S.Pt) : S.P;
+    if (x.dp > 1 && x.zero_stage <= 1) {
+      fwd = bwd = gather = opt = S.w.mul(S.Pt);
+    } else if (x.zero_stage === 2) {
+      fwd = S.w.mul(weights.add(S.Pb)); bwd = S.w.mul(weights);
+    } else if (x.zero_stage === 3) {
+      fwd = bwd = S.w.mul(S.Pr.add(S.Pb));
+      gather = n(2).mul(S.w).mul(S.Pr);
+    }
+    if (x.offload === "params") {
+      const sh = n(2).mul(S.w).mul(ceilDiv(ceilDiv(S.P, S.L), S.dp));
+      [fwd, bwd, gather, opt] = [fwd, bwd, gather, opt].map((e) => (e === ZERO ? sh : e.add(sh)));
+    }
+    return { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt };
+  }
+
+  function full(m) {
+    const out = {};
+    for (const k of D.categories) out[k] = m[k] || ZERO;
+    return out;
+  }
+
+  function moments(x) {
+    const z = sizes(x), S = symbols(x, z);
+    if (x.task !== "train") return { [x.task]: full(inference(x, S)) };
+    const state = modelState(x, S), comm = communication(x, S), act = activations(x, S, z.spec.family);
+    const carried = x.accumulation > 1 ? state.gradients : ZERO;
+    const held = { parameters: state.parameters, optimizer_state: state.optimizer_state, gradients: carried };
+    const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
+    const out = {
+      forward_end: Object.assign({}, held, { activations: act.kept, temporaries: act.cache === ZERO ? logits : act.cache.add(logits) }),
+      backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(8).mul(S.T).mul(S.V) }),
+      optimizer: Object.assign({}, state),
+    };
+    if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
+      out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
+    }
+    if (x.zero_stage <= 1 && !x.lora_rank) {
+      const head = S.w.mul(S.V).mul(S.h);
+      out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
+        activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
+    }
+    if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
+    const res = {};
+    for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] }));
+    return res;
+  }
+
+  const totalOf = (cats) => Object.values(cats).reduce((a, e) => a + e.value, 0n);
+
+  const peak = (x) => peakOf(moments(x));
+
+  function peakOf(all) {
+    let best = null;
+    for (const [name, cats] of Object.entries(all)) {
+      if (best === null || totalOf(cats) > best[2]) best = [name, cats, totalOf(cats)];
+    }
+    return best;
+  }
+
+  function kvPerToken(S, scale) {
+    const two = n(2).mul(S.L).mul(S.k);
+    return scale ? two.mul(S.d.mul(S.e).add(scale)) : two.mul(S.d).mul(S.e);
+  }
+
+  function prefill(S) {
+    const alive = S.p.mul(S.c.mul(n(2).mul(S.h).add(S.q).add(n(2).mul(S.g))).add(n(2).mul(S.d).mul(S.c)).add(K().indices));
+    let mlp;
+    if (S.E.value) {
+      mlp = S.p.mul(n(2).mul(S.c).mul(S.h).add(n(4).mul(S.E)).add(n(K().slot).mul(S.K)))
+        .add(ceilDiv(S.p.mul(S.K), S.E).mul(n(2).mul(S.c).mul(S.h).add(n(3).mul(S.c).mul(S.f)).add(n(4).mul(S.h))));
+    } else {
+      mlp = S.p.mul(S.c.mul(S.h).add(n(3).mul(S.c).mul(S.f)));
+    }
+    let read = n(2).mul(S.c).mul(S.g).mul(S.C);
+    if (S.p.value < S.C.value) read = read.add(S.p.mul(S.C));
+    return alive.add(larger(n(8).mul(S.p).mul(S.h), mlp)).add(read);
+  }
+
+  function inference(x, S) {
+    if (x.task === "serve") {
+      const kv = S.N.mul(ceilDiv(S.C, S.B)).mul(S.B).mul(kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]));
+      return { parameters: S.w.mul(S.P), activations: prefill(S), kv_cache: kv };
+    }
+    let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
+    if (x.precision === "mixed") work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
+    const out = { parameters: S.w.mul(S.P), kv_cache: n(2).mul(S.L).mul(S.T).mul(S.g).mul(S.c), temporaries: work };
+    if (x.zero_stage === 3) {
+      out.parameters = S.w.mul(ceilDiv(S.P, S.dp));
+      out.communication = S.w.mul(S.Pr.add(S.Pb));
+    }
+    if (x.offload === "params") out.parameters = ZERO;
+    return out;
+  }
+
+  // ---------------------------------------------------------------------------- verdict and levers (scripts/fit_table.py)
+  function verdict(x, gpu) {
+    const g = D.gpus[gpu], all = moments(x), [moment, cats, total] = peakOf(all);
+    const out = { moment, cats, total, all };
+    if (x.task !== "serve") return Object.assign(out, { capacity: BigInt(g.capacity_bytes), fits: total <= BigInt(g.capacity_bytes) });
+    const usable = BigInt(Math.trunc(x.gpu_memory_utilization * g.total_bytes)) - BigInt(D.cuda_context_bytes);
+    const pool = usable - cats.parameters.value - cats.activations.value;
+    const S = symbols(x, sizes(x));
+    const perBlock = BigInt(x.block_size) * kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]).value;
+    const tokens = (pool > 0n ? pool : 0n) / perBlock * BigInt(x.block_size);
+    const perRequest = cdiv(BigInt(x.context), BigInt(x.block_size)) * BigInt(x.block_size);
+    return Object.assign(out, { capacity: usable, fits: total <= usable, pool, pool_tokens: tokens, pool_requests: tokens / perRequest });
+  }
+
+  // Lab 13's fit_levers.LEVERS and fit_table.SERVING_LEVERS: what each lever changes, where it applies.
+  const ADAM = (c) => c.optimizer === "adamw" || c.optimizer === "adamw-foreach";
+  const PULLS = {
+    "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
+    "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
+    "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
+    "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
+    "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
+    "ZeRO-3": (c) => (c.dp > 1 && c.zero_stage < 3 && c.offload === "none" ? { zero_stage: 3 } : null),
+    "full checkpointing": (c) => (c.checkpointing !== "full" ? { checkpointing: "full" } : null),
+    "bf16 weights and state": (c) => (c.precision !== "bf16" ? { precision: "bf16" } : null),
+    "optimizer offload": (c) => (c.offload === "none" ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
+    "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 ? { offload: "params", zero_stage: 3 } : null),
+    "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
+    "chunked prefill": (c) => (c.context > 2048 && !c.prefill_chunk ? { prefill_chunk: 2048 } : null),
+    "tensor parallelism x2": (c) => (c.tp < 64 ? { tp: c.tp * 2 } : null),
+  };
+
+  function ladder(x, gpu, base) {
+    if (base.fits) return [];
+    const text = TEXT;
+    TEXT = false;
+    try {
+      return climb(x, gpu, base);
+    } finally {
+      TEXT = text;
+    }
+  }
+
+  function climb(x, gpu, base) {
+    const kind = {};
+    for (const lv of D.levers) kind[lv.name] = lv.kind;
+    const out = [];
+    let kept = {}, current = x, now = base;
+    for (const lv of D.levers) {
+      const pull = PULLS[lv.name];
+      if (!pull || !lv.tasks.includes(x.task) || !pull(current)) continue;
+      const changes = pull(current);
+      const trial = {};
+      for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) Object.assign(trial, ch);
+      Object.assign(trial, changes);
+      const after = Object.assign({}, x, trial);
+      if (Object.keys(check(after)).length) continue;
+      const afterV = verdict(after, gpu);
+      const saved = now.total - afterV.total;
+      if (saved > 0n) {
+        const next = {};
+        for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) next[name] = ch;
+        next[lv.name] = changes;
+        kept = next; current = after; now = afterV;
+      }
+      out.push({ lever: lv, kept: saved > 0n, saves: saved, total: now.total, fits: now.fits, changes });
+      if (now.fits) break;
+    }
+    return out;
+  }
+
+  // ---------------------------------------------------------------------------- the page
+  window.InfraLabFit = { load, moments, peak, verdict, check, ladder, parseQuery: (q) => readQuery(q) };
+  const root = document.getElementById("fit");
+  if (root) start(root);
+
+  async function start(el) {
+    try {
+      const res = await fetch(el.dataset.src);
+      D = await res.json();
+    } catch (e) {
+      el.querySelector(".il-fit__loading").textContent = `The calculator's data did not load (${e.message}).`;
+      return;
+    }
+    build(el);
+    load(window.location.search);
+    drawAllTraced(document.getElementById("fit-all-traced"));
+  }
+
+  /** Every traced configuration beside the formula (the page's "How close" table). */
+  function drawAllTraced(el) {
+    if (!el) return;
+    const body = h("tbody");
+    for (const t of D.traced) {
+      const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [k, String(v)])).toString();
+      const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${k}=${v}`).join(" ") || "defaults";
+      body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
+        h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
+        h("td", { class: "il-fit__num", text: `${t.gap >= 0 ? "+" : ""}${(100 * t.gap).toFixed(2)} %` })));
+    }
+    el.textContent = "";
+    el.append(h("table", { class: "il-fit__table" },
+      h("thead", {}, h("tr", {}, h("th", { text: "model" }), h("th", { text: "configuration" }),
+        h("th", {}, "traced ", h("span", { class: "il-tag il-tag--traced", text: "traced" })),
+        h("th", {}, "formula ", h("span", { class: "il-tag il-tag--derived", text: "derived" })), h("th", { text: "gap" }))),
+      body));
+  }
+
+  const UI = {};  // the controls and the output elements, by name
+  let state = null;  // the last valid inputs
+  let gpu = "h100-80gb";
+
+  function readQuery(search) {
+    const q = new URLSearchParams(search);
+    const raw = {};
+    for (const f of D.inputs) raw[f.name] = q.has(f.name) ? q.get(f.name) : "";
+    raw.gpu = q.get("gpu") || "h100-80gb";
+    return raw;
+  }
+
+  /** Set every control from an address's query (`?model=llama-3-8b&seq=4096`) and compute. */
+  function load(search) {
+    const raw = readQuery(search);
+    for (const f of D.inputs) setControl(f, raw[f.name]);
+    UI.gpu.value = D.gpus[raw.gpu] ? raw.gpu : "h100-80gb";
+    UI.config.value = "";
+    showError("config_json", null);
+    update(false);
+  }
+
+  function setControl(f, text) {
+    const c = UI[f.name];
+    if (c.type === "checkbox") c.checked = text === "true" || text === "1";
+    else if (c.tagName === "SELECT" && f.name === "tied") c.value = text === "" ? "" : String(text);
+    else if (c.tagName === "SELECT") c.value = text === "" ? String(f.default) : text;
+    else c.value = text === null || text === undefined || text === "" ? (f.default === null ? "" : String(f.default)) : text;
+    if (c.tagName === "SELECT" && c.value === "" && f.name !== "tied") c.value = String(f.default);
+  }
+  function controlText(f) {
+    const c = UI[f.name];
+    return c.type === "checkbox" ? String(c.checked) : c.value;
+  }
+
+  /** Read the controls, check them, compute, draw. ``push``: write the address (a result is a link). */
+  function update(push) {
+    const x = {}, errors = {};
+    for (const f of D.inputs) {
+      const [value, error] = parseField(f, controlText(f));
+      x[f.name] = value;
+      if (error) errors[f.name] = error;
+    }
+    gpu = UI.gpu.value;
+    Object.assign(errors, Object.keys(errors).length ? {} : check(x));
+    for (const f of D.inputs) showError(f.name, errors[f.name] || null);
+    if (x.model === "custom" || DIMS.some((k) => errors[k] || x[k] !== null)) UI.dims.open = true;  // errors in view
+    showTask(x.task);
+    hintPreset(x);
+    root.classList.toggle("il-fit--stale", Object.keys(errors).length > 0);
+    if (Object.keys(errors).length) {
+      if (state === null) {  // nothing valid yet: show the defaults rather than nothing
+        state = {};
+        for (const f of D.inputs) state[f.name] = f.default;
+        draw(state);
+      }
+      UI.status.textContent = "Fix the marked field: the result is for the last valid inputs.";
+      return;
+    }
+    state = x;
+    UI.status.textContent = "";
+    draw(x);
+    if (push) writeAddress(queryOf(x));
+  }
+
+  // The address follows the inputs a moment after the last keystroke: history.replaceState costs more
+  // than a whole redraw, and a link needs only the final state.
+  let pending = null;
+  function writeAddress(query) {
+    clearTimeout(pending);
+    pending = setTimeout(() => history.replaceState(null, "", query + window.location.hash), 120);
+  }
+
+  function queryOf(x) {
+    const q = new URLSearchParams();
+    q.set("model", x.model);
+    q.set("task", x.task);
+    for (const f of D.inputs) {
+      if (f.name === "model" || f.name === "task" || x[f.name] === null || x[f.name] === f.default) continue;
+      q.set(f.name, String(x[f.name]));
+    }
+    if (gpu !== "h100-80gb") q.set("gpu", gpu);
+    return "?" + q.toString();
+  }
+
+  const shown = {};  // what each error slot shows: a redraw writes only what changed
+
+  function showError(name, text) {
+    text = text || "";
+    if (shown[name] === text) return;
+    shown[name] = text;
+    const slot = document.getElementById(`fit-err-${name}`), c = name === "config_json" ? UI.config : UI[name];
+    slot.textContent = text;
+    slot.hidden = !text;
+    c.setAttribute("aria-invalid", text ? "true" : "false");
+  }
+
+  function showTask(task) {
+    if (shown.task === task) return;
+    shown.task = task;
+    for (const el of root.querySelectorAll("[data-task]")) el.hidden = !el.dataset.task.split(" ").includes(task);
+  }
+
+  function hintPreset(x) {
+    if (shown.preset === x.model) return;
+    shown.preset = x.model;
+    const preset = x.model !== "custom" && D.presets[x.model];
+    for (const k of DIMS) {
+      if (k === "tied") continue;
+      UI[k].placeholder = preset ? String(preset[k] || (k === "head_dim" ? preset.hidden / preset.heads : 0)) : "";
+    }
+  }
+
+  // ---------------------------------------------------------------------------- building the form and the output
+  const LABELS = {
+    model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
+    ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
+    task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
+    requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
+    gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
+  };
+  const GROUPS = [
+    ["The model", null, ["model"]],
+    ["The task", null, ["task", "precision"]],
+    ["The step", "train infer", ["batch", "seq"]],
+    ["", "train", ["accumulation", "checkpointing", "optimizer", "lora_rank"]],
+    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
+    ["", null, ["tp"]],
+    ["Serving", "serve", ["context", "requests", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"]],
+  ];
+  const MOMENTS = {
+    forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
+      "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
+    infer: "the prefill", serve: "the serving budget",
+  };
+
+  function h(tag, attrs, ...kids) {
+    const el = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "text") el.textContent = v; else el.setAttribute(k, v === true ? "" : v);
+    }
+    for (const kid of kids) if (kid) el.append(kid);
+    return el;
+  }
+
+  function control(f) {
+    const id = `fit-${f.name}`, described = `fit-hint-${f.name} fit-err-${f.name}`;
+    let c;
+    if (f.name === "model") {
+      c = h("select", { id, name: f.name, "aria-describedby": described });
+      for (const p of Object.keys(D.presets)) c.append(h("option", { value: p, text: p }));
+      c.append(h("option", { value: "custom", text: "custom (the dimensions below)" }));
+    } else if (f.name === "tied") {
+      c = h("select", { id, name: f.name, "aria-describedby": described });
+      c.append(h("option", { value: "", text: "the preset's" }), h("option", { value: "true", text: "yes" }),
+        h("option", { value: "false", text: "no" }));
+    } else if (f.type === "choice") {
+      c = h("select", { id, name: f.name, "aria-describedby": described });
+      for (const v of f.choices) c.append(h("option", { value: String(v), text: String(v) }));
+    } else {
+      c = h("input", { id, name: f.name, type: "text", inputmode: f.type === "float" ? "decimal" : "numeric",
+        autocomplete: "off", spellcheck: "false", "aria-describedby": described });
+    }
+    UI[f.name] = c;
+    return h("div", { class: "il-fit__field", "data-field": f.name },
+      h("label", { for: id, text: LABELS[f.name] || f.name }), c,
+      h("small", { class: "il-fit__hint", id: `fit-hint-${f.name}`, text: `${f.flag}: ${f.help}` }),
+      h("p", { class: "il-fit__error", id: `fit-err-${f.name}`, hidden: true }));
+  }
+
+  function build(el) {
+    el.textContent = "";
+    const form = h("form", { class: "il-fit__form", novalidate: true, "aria-label": "What to fit" });
+    for (const [title, task, names] of GROUPS) {
+      const set = h("fieldset", { class: "il-fit__group", "data-task": task },
+        title ? h("legend", { text: title }) : null);
+      for (const name of names) set.append(control(field(name)));
+      if (names[0] === "model") {
+        const dimsBox = h("details", { class: "il-fit__dims" }, h("summary", { text: "Dimensions: the preset's, or yours" }));
+        const grid = h("div", { class: "il-fit__fields" });
+        for (const k of DIMS) grid.append(control(field(k)));
+        UI.config = h("textarea", { id: "fit-config_json", rows: "3", spellcheck: "false",
+          "aria-describedby": "fit-hint-config_json fit-err-config_json", placeholder: '{"num_hidden_layers": 32, ...}' });
+        dimsBox.append(grid, h("div", { class: "il-fit__field il-fit__field--wide", "data-field": "config_json" },
+          h("label", { for: "fit-config_json", text: "Or paste a Hugging Face config.json" }), UI.config,
+          h("small", { class: "il-fit__hint", id: "fit-hint-config_json",
+            text: "read as a Llama-shaped decoder: layers, sizes, heads, KV heads, experts, a tied head" }),
+          h("p", { class: "il-fit__error", id: "fit-err-config_json", hidden: true })));
+        set.append(dimsBox);
+        UI.dims = dimsBox;
+      }
+      form.append(set);
+    }
+    UI.gpu = h("select", { id: "fit-gpu", name: "gpu", "aria-describedby": "fit-hint-gpu" });
+    for (const [name, g] of Object.entries(D.gpus)) UI.gpu.append(h("option", { value: name, text: `${name} (${g.stated})` }));
+    form.append(h("fieldset", { class: "il-fit__group" }, h("legend", { text: "The GPU" }),
+      h("div", { class: "il-fit__field", "data-field": "gpu" }, h("label", { for: "fit-gpu", text: "GPU" }), UI.gpu,
+        h("small", { class: "il-fit__hint", id: "fit-hint-gpu",
+          text: "--gpu: what a process can use is Lab 13's: the driver's total, less a CUDA context and headroom" }))));
+
+    UI.verdict = h("p", { class: "il-fit__verdict", id: "fit-verdict" });
+    UI.total = h("strong", { id: "fit-total" });
+    UI.capacity = h("span", { id: "fit-capacity" });
+    UI.moment = h("p", { class: "il-fit__line", id: "fit-moment" });
+    UI.bar = h("div", { class: "il-fit__bar", role: "img", id: "fit-bar" });
+    UI.status = h("p", { class: "il-fit__status", role: "status" });
+    const summary = h("section", { class: "il-fit__summary", id: "fit-result", "aria-live": "polite", "aria-label": "Result" },
+      UI.verdict, h("p", { class: "il-fit__line" }, "Per rank ", UI.total, " · can use ", UI.capacity), UI.moment, UI.bar,
+      UI.status);
+    UI.rows = {};
+    const body = h("tbody");
+    for (const cat of D.categories) {
+      const link = D.measured_by[cat];
+      const tr = h("tr", { "data-category": cat },
+        h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${D.colors[cat]}` }), cat.replace("_", " ")),
+        h("td", { class: "il-fit__num" }), h("td", { class: "il-fit__num" }),
+        h("td", {}, link ? h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` }) : "–"));
+      UI.rows[cat] = tr;
+      body.append(tr);
+    }
+    const table = h("table", { class: "il-fit__table", id: "fit-table" },
+      h("caption", { text: "Bytes per rank at the peak, by category" }),
+      h("thead", {}, h("tr", {}, h("th", { scope: "col", text: "category" }), h("th", { scope: "col", text: "bytes" }),
+        h("th", { scope: "col", text: "share" }), h("th", { scope: "col", text: "measured in" }))), body);
+    UI.formulas = h("div", { class: "il-fit__formulas", id: "fit-formulas" });
+    UI.moments = h("div", { id: "fit-moments" });
+    UI.traced = h("div", { id: "fit-traced", class: "il-fit__traced" });
+    UI.levers = h("div", { id: "fit-levers" });
+    UI.symbols = h("div", { id: "fit-symbols" });
+    el.append(summary, h("div", { class: "il-fit__scroll" }, table), form,
+      h("section", { class: "il-fit__details", "aria-label": "How it is computed" },
+        h("h3", { text: "Traced beside the formula" }), UI.traced,
+        h("h3", { text: "Levers, cheapest first" }), UI.levers,
+        h("h3", { text: "The formulas, filled in" }), UI.moments, UI.formulas,
+        h("details", {}, h("summary", { text: "The symbols and their values" }), UI.symbols)));
+    UI.symbols.parentElement.addEventListener("toggle", () => { if (state) drawSymbols(state); });
+    form.addEventListener("input", (e) => { if (e.target !== UI.config) update(true); });
+    form.addEventListener("change", (e) => { if (e.target !== UI.config) update(true); });
+    form.addEventListener("submit", (e) => e.preventDefault());
+    UI.config.addEventListener("input", readConfig);
+  }
+
+  /** A pasted config.json: its dimensions become a custom model (Python: fit_inputs.from_config_json). */
+  function readConfig() {
+    const text = UI.config.value.trim();
+    if (!text) { showError("config_json", null); return; }
+    let data;
+    try {
+      data = JSON.parse(text);
+    } catch (e) {
+      showError("config_json", `not JSON: ${e.message}`);
+      return;
+    }
+    if (data && typeof data === "object" && !Array.isArray(data) && data.text_config) data = data.text_config;
+    if (!data || typeof data !== "object" || Array.isArray(data)) {
+      showError("config_json", "a config.json is one JSON object");
+      return;
+    }
+    const raw = { model: "custom" };
+    for (const [name, keys] of Object.entries(D.hf_keys)) {
+      const key = keys.find((k) => data[k] !== undefined && data[k] !== null);
+      if (key !== undefined) raw[name] = String(data[key]);
+    }
+    const x = {}, errors = {};
+    for (const f of D.inputs) {
+      const text2 = f.name in raw ? raw[f.name] : (DIMS.includes(f.name) ? "" : controlText(f));
+      const [value, error] = parseField(f, text2);
+      x[f.name] = value;
+      if (error) errors[f.name] = error;
+    }
+    const problems = Object.assign(errors, Object.keys(errors).length ? {} : check(x));
+    const first = Object.values(problems)[0];
+    if (first) { showError("config_json", first); return; }
+    showError("config_json", null);
+    for (const f of D.inputs) if (f.name === "model" || DIMS.includes(f.name)) setControl(f, raw[f.name] === undefined ? "" : raw[f.name]);
+    update(true);
+  }
+
+  // ---------------------------------------------------------------------------- drawing a result
+  const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+  function bytes(v) {
+    const x = Number(v);
+    if (x === 0) return "0";
+    const [unit, size] = UNITS.find(([, s]) => Math.abs(x) >= s) || ["B", 1];
+    return size === 1 ? `${x} B` : `${(x / size).toFixed(2)} ${unit}`;
+  }
+
+  function draw(x) {
+    const v = verdict(x, gpu), g = D.gpus[gpu], total = v.total;
+    const ratio = Number(total) / Number(v.capacity);
+    UI.verdict.textContent = v.fits ? `✓ Fits on ${gpu}` : `✗ Does not fit on ${gpu}: ${ratio.toFixed(2)}× what it can use`;
+    UI.verdict.className = `il-fit__verdict il-fit__verdict--${v.fits ? "yes" : "no"}`;
+    UI.total.textContent = bytes(total);
+    UI.total.dataset.bytes = total.toString();
+    UI.capacity.textContent = bytes(v.capacity) + (x.task === "serve" ? ` (${x.gpu_memory_utilization} × ${bytes(g.total_bytes)} less the CUDA context)` : "");
+    UI.capacity.dataset.bytes = v.capacity.toString();
+    if (x.task === "serve") {
+      UI.moment.textContent = v.pool > 0n
+        ? `KV pool ${bytes(v.pool)}: ${fmt(v.pool_tokens)} tokens, ${fmt(v.pool_requests)} requests of ${fmt(x.context)}`
+        : "No KV pool: the weights and the prefill take everything";
+      UI.moment.dataset.poolRequests = v.pool_requests.toString();
+    } else {
+      UI.moment.textContent = `Peak at ${MOMENTS[v.moment]}`;
+      delete UI.moment.dataset.poolRequests;
+    }
+    UI.moment.dataset.moment = v.moment;
+    drawBar(v);
+    for (const cat of D.categories) {
+      const b = v.cats[cat].value, tr = UI.rows[cat];
+      tr.dataset.bytes = b.toString();
+      tr.children[1].textContent = bytes(b);
+      tr.children[2].textContent = total > 0n ? `${(100 * Number(b) / Number(total)).toFixed(1)} %` : "–";
+    }
+    drawFormulas(x, v);
+    drawTraced(x);
+    drawLevers(x, v);
+  }
+
+  function drawBar(v) {
+    const scale = Number(v.total > v.capacity ? v.total : v.capacity) || 1;
+    UI.bar.textContent = "";
+    const parts = [];
+    for (const cat of D.categories) {
+      const b = Number(v.cats[cat].value);
+      if (!b) continue;
+      UI.bar.append(h("span", { class: "il-fit__seg", "data-category": cat,
+        style: `width:${(100 * b / scale).toFixed(3)}%;--c:${D.colors[cat]}` }));
+      parts.push(`${cat.replace("_", " ")} ${bytes(b)}`);
+    }
+    UI.bar.append(h("span", { class: "il-fit__cap", style: `left:${(100 * Number(v.capacity) / scale).toFixed(3)}%` }));
+    UI.bar.setAttribute("aria-label", `${parts.join(", ")}; the GPU can use ${bytes(v.capacity)}`);
+  }
+
+  function drawFormulas(x, v) {
+    const all = v.all;
+    UI.moments.textContent = "";
+    if (Object.keys(all).length > 1) {
+      const list = h("ul", { class: "il-fit__moments" });
+      for (const [name, cats] of Object.entries(all)) {
+        list.append(h("li", { class: name === v.moment ? "il-fit__peak" : null, text: `${MOMENTS[name]}: ${bytes(totalOf(cats))}` }));
+      }
+      UI.moments.append(h("p", { text: "The step counted at each moment that can hold its peak; the largest is the answer:" }), list);
+    }
+    UI.formulas.textContent = "";
+    const used = new Set();
+    for (const cat of D.categories) {
+      const e = v.cats[cat];
+      if (!e.value) continue;
+      for (const m of e.text.matchAll(/\b[A-Za-z]+\b/g)) used.add(m[0]);
+      const link = D.measured_by[cat];
+      UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat },
+        h("p", {}, h("strong", { text: cat.replace("_", " ") }), " ", h("span", { class: "il-tag il-tag--derived", text: "derived" }),
+          link ? h("span", {}, " · measured in ", h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` })) : null),
+        h("code", { class: "il-fit__text", text: e.text }), h("code", { class: "il-fit__filled", text: `= ${e.filled}` }),
+        h("p", { class: "il-fit__value", text: `= ${fmt(e.value)} bytes (${bytes(e.value)})` })));
+    }
+    UI.used = used;
+    drawSymbols(x);
+  }
+
+  function drawSymbols(x) {  // inside a closed <details> until asked for
+    UI.symbols.textContent = "";
+    if (!UI.symbols.parentElement.open) return;
+    const S = symbols(x, sizes(x));
+    const rows = [...UI.used].filter((k) => D.symbols[k]).map((k) =>
+      h("tr", {}, h("th", { scope: "row" }, h("code", { text: k })), h("td", { text: D.symbols[k] }), h("td", { class: "il-fit__num", text: fmt(S[k].value) })));
+    UI.symbols.append(h("table", { class: "il-fit__table" }, h("tbody", {}, ...rows)));
+  }
+
+  /** The inputs that differ from the defaults, as text (Python: fit_table._fields). */
+  function nonDefault(x) {
+    const out = {};
+    for (const f of D.inputs) if (x[f.name] !== f.default) out[f.name] = String(x[f.name]);
+    return out;
+  }
+
+  function drawTraced(x) {
+    const mine = nonDefault(x);
+    const hit = D.traced.find((t) => {
+      const want = Object.entries(t.inputs).map(([k, v]) => [k, String(v)]);
+      return want.length === Object.keys(mine).length && want.every(([k, v]) => mine[k] === v);
+    });
+    UI.traced.textContent = "";
+    if (!hit) {
+      UI.traced.append(h("p", { text: "No lab has traced this configuration. Presets that Lab 13 or Lab 14 traced " +
+        "show the traced bytes here: try the Llama-3-8B default, or ?model=llama-3-70b&dp=8&zero_stage=3." }));
+      return;
+    }
+    const gap = 100 * hit.gap;
+    UI.traced.dataset.gap = String(hit.gap);
+    UI.traced.append(h("p", {}, "Traced on fake tensors ", h("span", { class: "il-tag il-tag--traced", text: "traced" }), ": ",
+      h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
+      h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${gap >= 0 ? "+" : ""}${gap.toFixed(2)} %.`),
+    h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
+      hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."));
+  }
+
+  function drawLevers(x, v) {
+    UI.levers.textContent = "";
+    if (v.fits) {
+      UI.levers.append(h("p", { text: "It fits: no lever is needed." }));
+      return;
+    }
+    const steps = ladder(x, gpu, v);
+    if (!steps.length) {
+      UI.levers.append(h("p", { text: "No lever here applies. Fewer tokens per rank, more ranks or a larger GPU remain." }));
+      return;
+    }
+    const list = h("ol", { class: "il-fit__levers" });
+    for (const s of steps) {
+      const q = new URLSearchParams(queryOf(Object.assign({}, x, s.changes)));
+      list.append(h("li", { "data-lever": s.lever.name, "data-kept": String(s.kept), "data-total": s.total.toString() },
+        h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name })),
+        s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
+        h("br"), h("small", {}, `cost: ${s.lever.cost}`,
+          s.lever.lab ? h("span", {}, " · ", h("a", { href: `../${s.lever.lab.page}`, text: `Lab ${String(s.lever.lab.lab).padStart(2, "0")}` })) : null)));
+    }
+    UI.levers.append(list);
+  }
+})();
