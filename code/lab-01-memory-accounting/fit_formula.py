@@ -95,7 +95,10 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new)
-    return SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
+    S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
+    if not x.lora_rank:
+        S.Pt = S.P  # every weight is trained: the formulas say P
+    return S
 
 
 # --8<-- [start:activations]

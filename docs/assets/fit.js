@@ -192,6 +192,7 @@
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
+    if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
     return S;
   }
 
@@ -457,7 +458,7 @@
       const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${k}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
-        h("td", { class: "il-fit__num", text: `${t.gap >= 0 ? "+" : ""}${(100 * t.gap).toFixed(2)} %` })));
+        h("td", { class: "il-fit__num", text: percent(t.gap) })));
     }
     el.textContent = "";
     el.append(h("table", { class: "il-fit__table" },
@@ -757,6 +758,12 @@
     return size === 1 ? `${x} B` : `${(x / size).toFixed(2)} ${unit}`;
   }
 
+  /** A relative gap as a signed percentage, with a digit that is not zero (−0.0001 %, not −0.00 %). */
+  function percent(gap) {
+    const p = 100 * gap, digits = Math.abs(p) >= 0.01 || p === 0 ? 2 : Math.min(8, 1 - Math.floor(Math.log10(Math.abs(p))));
+    return `${p >= 0 ? "+" : "−"}${Math.abs(p).toFixed(digits)} %`;
+  }
+
   function draw(x) {
     const v = verdict(x, gpu), g = D.gpus[gpu], total = v.total;
     const ratio = Number(total) / Number(v.capacity);
@@ -858,11 +865,10 @@
         "show the traced bytes here: try the Llama-3-8B default, or ?model=llama-3-70b&dp=8&zero_stage=3." }));
       return;
     }
-    const gap = 100 * hit.gap;
     UI.traced.dataset.gap = String(hit.gap);
     UI.traced.append(h("p", {}, "Traced on fake tensors ", h("span", { class: "il-tag il-tag--traced", text: "traced" }), ": ",
       h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
-      h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${gap >= 0 ? "+" : ""}${gap.toFixed(2)} %.`),
+      h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${percent(hit.gap)}.`),
     h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
       hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."));
   }
