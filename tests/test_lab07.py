@@ -326,7 +326,7 @@ def test_at_real_scale_offload_takes_the_fp32_master_and_moments_off_the_device(
     n = modes["none"]["params"]
     assert n == dataclasses.replace(zoo.get("llama-3-8b"), layers=2).param_count()
     block = 512 * modes["none"]["tensors"]  # the trace rounds every storage to the CUDA allocator's blocks
-    none, opt, grads = modes["none"], modes["optimizer"], modes["gradients"]
+    none, opt = modes["none"], modes["optimizer"]
     assert none["device_after_step"]["optimizer_state"] >= 12 * n  # fp32 master and two moments, on the device
     assert opt["device_after_step"]["optimizer_state"] == 0
     assert sum(opt["device_after_step"][c] for c in ("parameters", "gradients")) <= 4 * n + 2 * block  # bf16 w + g
