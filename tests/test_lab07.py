@@ -321,7 +321,7 @@ def llama_8b_two_layers(lab07):
     return result
 
 
-def test_at_real_scale_offload_takes_the_fp32_master_and_moments_off_the_device(llama_8b_two_layers):
+def test_at_real_scale_offload_takes_the_fp32_master_and_moments_off_the_device(accounting, llama_8b_two_layers):
     modes = llama_8b_two_layers.modes()
     n = modes["none"]["params"]
     assert n == dataclasses.replace(zoo.get("llama-3-8b"), layers=2).param_count()
@@ -334,6 +334,8 @@ def test_at_real_scale_offload_takes_the_fp32_master_and_moments_off_the_device(
     # master, fp32 gradients, two moments and the bf16 staging: 18 B/P, plus 64-byte alignment, step counters, blocks
     assert 18 * n <= opt["host_bytes"] < 18 * n + 5 * block
     assert opt["d2h_bytes_per_step"] == opt["h2d_bytes_per_step"] == 2 * n  # bf16 both ways, nothing else
+    assert opt["host_bytes"] > sum(none["device_after_step"][c] for c in accounting.MODEL_STATE)  # moved, not removed
+    assert none["peak_phase"] == "optimizer"  # device AdamW widens every gradient to fp32 for its step
 
 
 def test_at_real_scale_the_host_side_is_labelled_and_left_out_of_the_device_peak(llama_8b_two_layers):
@@ -350,6 +352,7 @@ def test_at_long_sequences_gradient_offload_leaves_the_peak_where_it_was(llama_8
     each gradient once copied lowers the state between steps, not the peak."""
     modes = llama_8b_two_layers.modes()
     assert modes["gradients"]["peak_device_bytes"] == modes["optimizer"]["peak_device_bytes"]
+    assert modes["optimizer"]["peak_phase"] == modes["gradients"]["peak_phase"] == "backward"
     assert modes["optimizer"]["device_at_peak"]["gradients"] == 0 < modes["optimizer"]["device_at_peak"]["activations"]
     assert modes["gradients"]["device_after_step"]["gradients"] == 0 < modes["optimizer"]["device_after_step"]["gradients"]
 

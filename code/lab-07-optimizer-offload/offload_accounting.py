@@ -126,8 +126,10 @@ def checks(modes: dict[str, dict], engine, precision: str = "fp32") -> Table:
 def real_scale(modes: dict[str, dict]) -> dict[str, dict[str, int]]:
     """What a real-scale answer quotes, per mode (``modes``: the mode summaries of a run, traced or
     measured): the device peak and the activations in it, the model state between steps, the host
-    bytes (pinned on a GPU) and the bytes that cross the bus per step, each way."""
-    return {mode: {"peak_device_bytes": s["peak_device_bytes"],
+    bytes (pinned on a GPU) and the bytes that cross the bus per step, each way. ``peak_phase``: the
+    phase the device peak falls in (a phase's peak counts the row it was entered in: a peak at the
+    start of backward is the end of forward plus the loss's gradient)."""
+    return {mode: {"peak_phase": s["peak_phase"], "peak_device_bytes": s["peak_device_bytes"],
                    "activations_at_peak": s["device_at_peak"]["activations"],
                    "device_between_steps": sum(s["device_after_step"][c] for c in MODEL_STATE),
                    "host_bytes": s["host_bytes"], "down_per_step": s["d2h_bytes_per_step"],
@@ -136,10 +138,10 @@ def real_scale(modes: dict[str, dict]) -> dict[str, dict[str, int]]:
 
 def real_scale_table(numbers: dict[str, dict[str, int]]) -> Table:
     """:func:`real_scale`'s numbers as the page's table, one row per mode."""
-    keys = ("peak_device_bytes", "activations_at_peak", "device_between_steps", "host_bytes", "down_per_step",
+    keys = ("peak_phase", "peak_device_bytes", "activations_at_peak", "device_between_steps", "host_bytes", "down_per_step",
             "up_per_step")
-    return Table(["mode", ("device peak", "bytes"), ("activations at the peak", "bytes"),
-                  ("device: weights, gradients, optimizer state between steps", "bytes"),
+    return Table(["mode", "device peak in", ("device peak", "bytes"), ("activations at the peak", "bytes"),
+                  ("device between steps", "bytes"),
                   ("host (pinned on a GPU)", "bytes"), ("down per step (gradients)", "bytes"),
                   ("up per step (weights)", "bytes")],
                  [[TITLES[mode], *(row[k] for k in keys)] for mode, row in numbers.items()], unit="GiB")

@@ -88,6 +88,7 @@ class Result:
                 "max_abs_diff_vs_device_adamw": None if traced else largest_difference(run.model, reference.model)[0],
                 "device_after_step": state, "device_saved_bytes": saved, "device_saved_per_param": saved / n,
                 "peak_device_bytes": tl.peak()["total"], "device_at_peak": tl.peak(),
+                "peak_phase": max(tl.peaks_by_phase().items(), key=lambda kv: sum(kv[1].values()))[0],
                 "host_bytes": tl.host["host_copies"][-1],  # master, gradients, AdamW state: labelled host_copies
                 "d2h_bytes_per_step": run.copies.into // steps if run.copies else 0,
                 "h2d_bytes_per_step": run.copies.out_of // steps if run.copies else 0,
