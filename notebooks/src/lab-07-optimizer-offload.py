@@ -125,8 +125,8 @@ display(bytes_per_param)
 # %% [markdown]
 # ## The same figures as exact bytes
 #
-# On CPU the ledger counts `storage.nbytes()`, and a copy counter (`labkit.schedule.Copies`, a
-# dispatch mode) sees every copy into and out of the host buffers, so formula and measurement agree
+# On CPU the ledger counts `storage.nbytes()`, and a copy counter (`offload_accounting.BusCopies`, a
+# dispatch mode) sees every copy between the device and the host buffers, so formula and measurement agree
 # to the byte (`tests/test_lab07.py` asserts each row). With gradient offload, at most one module's
 # gradients are on the device at a time.
 
