@@ -320,6 +320,14 @@ def test_at_real_scale_the_hooks_copy_a_tensor_once_for_every_op_that_saves_it(l
         assert host_per_layer > per_layer + 2 * 4096 * 4096 * 2, mode  # at least two extra bf16 (s, h) copies
 
 
+def test_at_real_scale_streamed_leaves_the_loss_log_softmax_after_forward(llama_8b_layers):
+    """keep-last 2: cross_entropy saves its fp32 log-softmax twice, the last tensors saved and the
+    first read; after forward that (and a few hundred bytes) is all the streamed hooks leave."""
+    log_softmax = 4096 * 128256 * 4  # tokens x vocabulary, fp32
+    for result in llama_8b_layers.values():
+        assert log_softmax <= result.results["streamed"]["kept_bytes"] < log_softmax + 4096
+
+
 def test_at_real_scale_checkpoint_streamed_moves_the_block_inputs_only(llama_8b_layers):
     r, b = llama_8b_layers[4].results, 4096 * 4096 * 2  # one bf16 block input
     assert llama_8b_layers[4].config.block_input_bytes == b
