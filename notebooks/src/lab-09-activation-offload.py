@@ -188,8 +188,9 @@ display(Table(["mode", ("ledger peak", "bytes"), ("max_memory_allocated", "bytes
 # allocates nothing; the ledger counts the storages, rounded to the CUDA allocator's 512-byte
 # blocks. The trace follows the CPU dispatch (`labkit/fake.py`; CPU flash attention keeps what
 # CUDA's keeps, less two 8-byte RNG tensors per layer) and leaves out the CUDA context, cuBLAS
-# workspaces and allocator fragmentation. The hooks pin their host buffers on CUDA only, so under a
-# trace nothing is pinned; the bytes are the same. No values (no gradient check), no time.
+# workspaces and allocator fragmentation. The streamed hooks pin their host buffers on CUDA only and
+# `save_on_cpu` when a CUDA driver is present: on a CPU-only build nothing is pinned in a trace; the
+# bytes are the same. No values (no gradient check), no time.
 
 # %%
 traced = {n: lab.run(lab.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_len=n, batch_size=1))
