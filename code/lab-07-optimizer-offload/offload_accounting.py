@@ -36,10 +36,10 @@ class BusCopies(TorchDispatchMode):
     """Bytes copied between the device and the storages of ``buffers`` while entered: ``into`` them
     (device to host) and ``out_of`` them (host to device), whatever code made the copies.
 
-    As ``labkit.schedule.Copies``, with two differences: a copy between two of the buffers is the
-    host's own work (bf16 to fp32 and back) and does not cross the bus, so it is not counted; and
-    storages are told apart by identity, not by ``data_ptr``, which is 0 for every fake storage.
-    A dispatch mode costs time on every op: count in a run that is not timed.
+    As ``labkit.schedule.Copies``, less the copies between two of the buffers: those are the
+    host's own work (bf16 to fp32 and back) and do not cross the bus. Storages are told apart by
+    identity (a fake storage has no address). A dispatch mode costs time on every op: count in a
+    run that is not timed.
     """
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
