@@ -343,3 +343,38 @@ def test_the_traced_prefill_equals_the_real_one_to_the_byte(chunk):
     traced = budget.trace_prefill(SPEC, tensors=lambda: fake.tensors(block=None), **kwargs)
     real = budget.trace_prefill(SPEC, tensors=contextlib.nullcontext, **kwargs)
     assert traced == real and traced["kv_cache"] == 112 * SPEC.kv_bytes_per_token(2)
+
+
+def test_llama_3_8b_on_an_h100_the_budget_and_what_paging_changes_at_real_size():
+    """The page's real-scale claims: 8B's pool at 0.9 of an H100 holds 55 sequences of 8k tokens, and
+    on a trace of shorter requests the paged cache runs several times as many at once as a static one."""
+    run = lab.run(lab.Config(model="llama-3-8b", fake=True, requests=200, arrival_rate=4, output_lens=(128, 1024)))
+    b, spec = run.budget, zoo.get("llama-3-8b")
+    assert b.kv_bytes_per_token == spec.kv_bytes_per_token(2) == 128 * 1024
+    assert abs(b.weights_bytes - 2 * spec.param_count()) < 512 * 300  # bf16, each tensor rounded to 512 B
+    assert b.kv_pool_bytes > 50 * 2**30 and b.sequences(8192) == 55 == b.sequences(8192, reserve=8192)
+    m = {k: s.metrics() for k, s in run.served.items()}
+    assert m["paged"]["max_concurrent"] > 3 * m["static"]["max_concurrent"]
+    assert m["paged"]["waste_fraction"] < 0.01 < 0.5 < m["static"]["waste_fraction"]
+    assert run.identical_tokens() is None and all(s.outputs for s in run.served.values())
+
+
+def test_chunked_prefill_cuts_the_32k_prefill_peak_of_llama_3_8b_below_a_fifth():
+    whole = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768)["activations"]
+    chunked = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768, chunk=2048)["activations"]
+    assert chunked < whole / 5 and whole > 3 * 2**30
+
+
+def test_block_size_trades_waste_for_block_table_entries(small_run):
+    measure = labs.load(14, "serving_measure")
+    table = measure.block_sizes(small_run.requests, spec=SPEC, pool=288, config=small_run.config, sizes=(1, 4, 16, 64))
+    waste, tables = [row[1] for row in table.rows], [row[5] for row in table.rows]
+    assert waste[0] == 0 and waste == sorted(waste) and tables == sorted(tables, reverse=True)
+
+
+def test_quantized_caches_against_fp32(model):
+    measure = labs.load(14, "serving_measure")
+    rows = {row[0]: row for row in measure.kv_dtype_errors(model, list(range(40)), steps=8).rows}
+    assert rows["fp32"][2] == 0 and rows["fp32"][4] == 1
+    assert rows["int8"][2] < 0.02 and rows["bf16"][2] < rows["int8"][2] < rows["fp8"][2] < 0.1
+    assert rows["int8"][1] == zoo.get("llama-3-8b").kv_bytes_per_token(1) * (128 + 4) // 128

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 
-import torch
 from paged_kv import KVStore
 
 
@@ -34,6 +33,7 @@ class StaticKVCache:
         self.free_regions = list(range(store.slots // max_len - 1, -1, -1))
         self.region: dict[int, int] = {}
         self.lengths: dict[int, int] = {}
+        self.copied = 0  # a static cache never moves a token
 
     def admit(self, seq: int, tokens: int, prefix=None) -> int | None:
         if tokens > self.max_len or not self.free_regions:
@@ -88,6 +88,7 @@ class GrowingKVCache:
         self.holes: list[tuple[int, int]] = [(0, store.slots)]  # free (start, size), sorted by start
         self.start: dict[int, int] = {}
         self.lengths: dict[int, int] = {}
+        self.copied = 0  # rows copied into longer regions
 
     def admit(self, seq: int, tokens: int, prefix=None) -> int | None:
         start = self._take(tokens)
@@ -101,9 +102,9 @@ class GrowingKVCache:
         new = self._take(length + n)  # the old region is still held while the new one is taken
         if new is None:
             return False
-        self.store.copy_rows(torch.arange(old, old + length), torch.arange(new, new + length))  # (1)!
+        self.store.copy_rows(range(old, old + length), range(new, new + length))  # (1)!
         self._give(old, length)
-        self.start[seq], self.lengths[seq] = new, length + n
+        self.start[seq], self.lengths[seq], self.copied = new, length + n, self.copied + length
         return True
 
     def free(self, seq: int) -> None:

@@ -85,10 +85,10 @@ class KVStore:
         return k, v
 # --8<-- [end:store]
 
-    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy rows ``src`` to rows ``dst`` in every layer (copy-on-write, a region moved)."""
+    def copy_rows(self, src: range, dst: range) -> None:
+        """Copy the rows of range ``src`` to range ``dst`` in every layer (copy-on-write, a region moved)."""
         for pool in self.tensors():
-            pool[dst] = pool[src]
+            pool[dst.start:dst.stop] = pool[src.start:src.stop]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every pool tensor (none for a bookkeeping-only store)."""
@@ -153,6 +153,7 @@ class PagedKVCache:
         self.prefix_of: dict[int, object] = {}
         self.fill = [0] * self.num_blocks  # slots of each block that hold a token
         self.stored = 0  # their sum: slots holding a token, a shared block once
+        self.copied = 0  # slots copied by copy-on-write
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -195,6 +196,7 @@ class PagedKVCache:
             copy = self.allocator.allocate()
             self.store.copy_rows(self._block_rows(table[-1]), self._block_rows(copy))
             self.fill[copy] = self.fill[table[-1]]
+            self.copied += self.block_size
             self.stored += self.fill[copy]
             self._release(table[-1])
             table[-1] = copy
@@ -227,8 +229,8 @@ class PagedKVCache:
         return [table[p // size] * size + p % size for p in range(start, end)]  # (3)!
 # --8<-- [end:paged]
 
-    def _block_rows(self, block: int) -> torch.Tensor:
-        return torch.arange(block * self.block_size, (block + 1) * self.block_size)
+    def _block_rows(self, block: int) -> range:
+        return range(block * self.block_size, (block + 1) * self.block_size)
 
     def _written(self, seq: int, start: int, end: int) -> None:
         """Positions start..end-1 of ``seq`` now hold tokens: count the slots they fill."""
@@ -274,11 +276,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: tor
 
     ``q``: (B, T, heads, head_dim), T new tokens of each of B sequences; ``keys``, ``values``:
     (B, L, kv_heads, head_dim), the cache rows read for each sequence (padded to the longest);
-    ``valid``: (B, T, L), True where query t may see key l (causal, and not padding).
+    ``valid``: (B, T, L), True where query t may see key l (causal, and not padding); None for one
+    whole prompt (T == L), plain causal attention, which needs no mask.
     Returns (B, T, heads * head_dim). Grouped-query attention when kv_heads < heads.
     """
     y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=valid[:, None], enable_gqa=q.size(2) != keys.size(2))
+                                       attn_mask=None if valid is None else valid[:, None], is_causal=valid is None,
+                                       enable_gqa=q.size(2) != keys.size(2))
     return y.transpose(1, 2).flatten(2)
 
 
@@ -287,11 +291,14 @@ def batch_index(cache, seqs: list[int], new: int) -> tuple[torch.Tensor, torch.T
 
     Returns ``index`` (B, L): the pool rows of each sequence's positions 0..length-1 (a paged cache's
     come from its block table), padded with row 0 to the longest; and ``valid`` (B, new, L): True where
-    a query may see a key (causal, and not padding). The same for every layer: computed once a step.
+    a query may see a key (causal, and not padding), or None when one sequence's whole prompt is new
+    (plain causal attention). The same for every layer: computed once a step.
     """
     lengths = [cache.lengths[s] for s in seqs]
     longest = max(lengths)
     index = torch.tensor([cache.slots(s, 0, n) + [0] * (longest - n) for s, n in zip(seqs, lengths)])
+    if len(seqs) == 1 and new == longest:
+        return index, None
     query_pos = torch.tensor(lengths)[:, None] - new + torch.arange(new)  # (B, new)
     valid = torch.arange(longest)[None, None, :] <= query_pos[:, :, None]
     return index, valid

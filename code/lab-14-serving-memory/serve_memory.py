@@ -37,7 +37,7 @@ from labkit.ledger import Ledger
 
 
 # --8<-- [start:serve]
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     request: Request
     tokens: list[int] = field(default_factory=list)  # generated so far
@@ -62,7 +62,7 @@ def serve(cache, requests: list[Request], model: ServingLlama | None = None, pro
                 waiting.append(Sequence(r))
             else:  # (1)!
                 served.rejected[r.id] = f"{r.prompt_len} + {r.output_len} tokens: more than the {cache.name} cache can ever hold"
-        preempted = new = 0
+        preempted = new = prefilled = 0
         for s in list(running):  # room for each running sequence's next token, oldest first
             while s in running and not cache.grow(s.seq):
                 victim = running.pop()  # (2)!
@@ -82,9 +82,9 @@ def serve(cache, requests: list[Request], model: ServingLlama | None = None, pro
             served.outputs[s.request.id] = s.tokens
         while waiting:  # admit while the pool has room: a prefill gives each its first token
             s, r = waiting[0], waiting[0].request
-            s.seq = served.next_seq()
+            s.seq, length = served.next_seq(), r.prompt_len + len(s.tokens)  # a recompute runs its output too
             prefix = (r.prefix, r.prefix_len) if r.prefix is not None else None
-            cached = cache.admit(s.seq, r.prompt_len + len(s.tokens), prefix)  # (4)!
+            cached = cache.admit(s.seq, length, prefix)  # (4)!
             if cached is None:
                 break
             waiting.popleft()
@@ -93,13 +93,13 @@ def serve(cache, requests: list[Request], model: ServingLlama | None = None, pro
                 s.tokens.append(model.prefill(cache, s.seq, context, cached) if model else 0)
             if prefix:
                 cache.publish_prefix(s.seq, prefix)
-            new += 1
+            new, prefilled = new + 1, prefilled + length - cached
             if s.done:
                 cache.free(s.seq)
                 served.outputs[r.id] = s.tokens
             else:
                 running.append(s)
-        served.record(step, running, waiting, new, preempted)
+        served.record(step, running, waiting, new, preempted, prefilled)
         step += 1
     return served
 # --8<-- [end:serve]

@@ -55,24 +55,34 @@ def trace_prefill(spec, *, tp: int = 1, seq_len: int, chunk: int | None = None, 
     the CUDA allocator's 512-byte blocks; a test passes real tensors to check the trace). Returns the
     ledger's peak by category in the prefill phase, plus ``activations``: what is not weights or KV pool.
     """
-    rank = per_gpu_spec(spec, tp)
     new = min(chunk or seq_len, seq_len)
+    return trace_step(spec, tp=tp, batch=1, context=seq_len, new=new, kv_dtype=kv_dtype, block_size=block_size,
+                      zoo_forward=zoo_forward, tensors=tensors)
+
+
+def trace_step(spec, *, tp: int = 1, batch: int, context: int, new: int, kv_dtype: str = "bf16",
+               block_size: int = 16, zoo_forward: bool = False, tensors=fake.tensors) -> dict:
+    """Peak bytes of one forward of ``batch`` sequences of ``context`` tokens whose last ``new`` are
+    computed (a prefill: batch 1, new = the chunk; a decode step: new = 1), on one of ``tp`` GPUs.
+    Arguments and result as :func:`trace_prefill`'s."""
+    rank = per_gpu_spec(spec, tp)
     with tensors():
         model = fake.materialize(rank.build, dtype=torch.bfloat16)
-        store = KVStore(layers=rank.layers, slots=-(-seq_len // block_size) * block_size, kv_heads=rank.kv_heads,
-                        head_dim=rank.head_dim, kv_dtype=kv_dtype)
+        store = KVStore(layers=rank.layers, slots=batch * -(-context // block_size) * block_size,
+                        kv_heads=rank.kv_heads, head_dim=rank.head_dim, kv_dtype=kv_dtype)
         cache = PagedKVCache(store, block_size)
         ledger = Ledger("cpu").track_module(model)
         ledger.track(store.tensors(), "kv_cache")
-        with ledger, torch.no_grad(), marks.phase("prefill"):
-            tokens = torch.zeros(1, new if not zoo_forward else seq_len, dtype=torch.long)
+        with ledger, torch.no_grad(), marks.phase("step"):
+            tokens = torch.zeros(batch, new if not zoo_forward else context, dtype=torch.long)
             if zoo_forward:
                 model(tokens)
             else:
-                cache.admit(0, seq_len - new)  # the earlier chunks' keys and values are in the cache
-                cache.grow(0, new)
-                ServingLlama(model).forward(cache, [0], tokens)
-    peak = ledger.timeline().peaks_by_phase()["prefill"]
+                for seq in range(batch):
+                    cache.admit(seq, context - new)  # the earlier tokens' keys and values are in the cache
+                    cache.grow(seq, new)
+                ServingLlama(model).forward(cache, list(range(batch)), tokens)
+    peak = ledger.timeline().peaks_by_phase()["step"]
     return peak | {"activations": sum(v for k, v in peak.items() if k not in ("parameters", "kv_cache"))}
 
 

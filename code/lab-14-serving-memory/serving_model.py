@@ -32,6 +32,7 @@ class ServingLlama:
     def __init__(self, model) -> None:
         self.model = model
         self.dtype = model.embed.weight.dtype
+        self.attention = attend  # the attention over what the cache holds (a measurement may wrap it)
 
     @torch.no_grad()
     def forward(self, cache, seqs: list[int], tokens: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,8 @@ class ServingLlama:
         lengths = [cache.lengths[s] for s in seqs]
         positions = torch.tensor([[n - t + i for i in range(t)] for n in lengths], device=device)  # (B, T)
         rows = torch.tensor([r for s, n in zip(seqs, lengths) for r in cache.slots(s, n - t, n)], device=device)
-        index, valid = (x.to(device) for x in batch_index(cache, seqs, t))  # (1)!
+        index, valid = batch_index(cache, seqs, t)  # (1)!
+        index, valid = index.to(device), valid if valid is None else valid.to(device)
         cos, sin = rotary_at(self.model.blocks[0].attn, positions, self.dtype)
         x = self.model.embed(tokens)
         for layer, block in enumerate(self.model.blocks):
@@ -55,7 +57,7 @@ class ServingLlama:
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             cache.store.write(layer, rows, k.flatten(0, 1), v.flatten(0, 1))  # (2)!
             keys, values = cache.store.read(layer, index, x.dtype)  # (3)!
-            x = x + attn.o_proj(attend(q, keys, values, valid))
+            x = x + attn.o_proj(self.attention(q, keys, values, valid))
             x = x + block.mlp(block.mlp_norm(x))
         return self.model.head(self.model.norm(x[:, -1]))  # (4)!
 

@@ -30,8 +30,10 @@ class StepRecord:
     reservation: int  # slots a static cache reserved and has not written
     fragmentation: int  # free slots no request can use
     new_tokens: int  # tokens generated in this step (decode and first tokens of prefills)
+    prefilled: int  # tokens run through a prefill (prompts; after a preemption, prompt and output again)
     preempted: int
     table_entries: int  # block-table entries (paged), regions (static, growing)
+    copied: int  # slots copied so far (growing: regions moved; paged: copy-on-write)
 
 
 class Served:
@@ -50,12 +52,12 @@ class Served:
         self.admissions += 1
         return self.admissions
 
-    def record(self, step: int, running: list, waiting, new: int, preempted: int) -> None:
+    def record(self, step: int, running: list, waiting, new: int, preempted: int, prefilled: int) -> None:
         c = self.cache
         internal, reservation = c.waste()
         self.records.append(StepRecord(step, len(running), len(waiting), sum(c.lengths.values()), c.stored_slots(),
-                                       c.held_slots(), internal,
-                                       reservation, c.unusable_free_slots(), new, preempted, c.table_entries()))
+                                       c.held_slots(), internal, reservation, c.unusable_free_slots(), new, prefilled,
+                                       preempted, c.table_entries(), c.copied))
 
     # ------------------------------------------------------------------ over the run
     def _mean(self, values) -> float:
@@ -77,6 +79,8 @@ class Served:
             "max_concurrent": max((r.running for r in self.records), default=0),
             "tokens_per_step": self._mean(r.new_tokens for r in self.records),
             "preemptions": self.preemptions, "rejected": len(self.rejected), "steps": len(self.records),
+            "prefilled_tokens": sum(r.prefilled for r in self.records),
+            "copied_bytes": (self.records[-1].copied if self.records else 0) * self.bytes_per_token,
             "peak_held_bytes": max((r.held for r in self.records), default=0) * self.bytes_per_token,
             "peak_stored_bytes": max((r.stored for r in self.records), default=0) * self.bytes_per_token,
             "mean_table_entries": self._mean(r.table_entries for r in self.records)}
