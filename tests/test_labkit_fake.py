@@ -255,3 +255,17 @@ def test_realscale_flags_pick_the_model_and_the_tensors(tmp_path):
                           (dict(fake=True, device="cuda"), "--fake")]:
         with pytest.raises(UsageError, match=fragment):
             Config(**bad)
+
+
+def test_copies_counts_copies_of_fake_host_buffers():
+    """schedule.Copies tells host buffers apart by storage; fake storages have no address."""
+    from labkit.schedule import Copies
+
+    with fake.tensors():
+        host = [torch.empty(1024), torch.empty(2048)]
+        dev = torch.empty(1024)
+        with Copies(host) as copies:
+            dev.copy_(host[0])  # out of a host buffer: 4 KiB
+            host[1][:1024].copy_(dev)  # into one: 4 KiB
+            dev.copy_(dev * 2)  # neither
+    assert (copies.out_of, copies.into) == (4096, 4096)
