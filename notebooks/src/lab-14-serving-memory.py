@@ -57,7 +57,7 @@ display(cost)
 # (`tests/test_lab14.py` asserts it at every step).
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=110, layout="constrained", sharey=True)
+fig, axes = plt.subplots(3, 1, figsize=(8, 9), dpi=110, layout="constrained", sharex=True, sharey=True)
 for ax, (name, served) in zip(axes, result.served.items()):
     rec, kib = served.records, served.bytes_per_token / 1024
     steps = [r.step for r in rec]
@@ -71,10 +71,10 @@ for ax, (name, served) in zip(axes, result.served.items()):
         bound = [(r.stored + r.running * (config.block_size - 1)) * kib for r in rec]
         ax.plot(steps, bound, "k--", lw=1, label="stored + bound on internal waste")
     ax.axhline(result.pool_tokens * kib, color="black", lw=0.8)
-    ax.set(title=f"{name} (measured)", xlabel="engine step")
+    ax.set(title=f"{name} (measured)", ylabel="KiB of the pool")
     ax.grid(alpha=0.3)
-axes[0].set_ylabel("KiB of the pool")
-axes[0].legend(fontsize=7, loc="lower right")
+axes[-1].set_xlabel("engine step")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
 fig_records = fig
 
 # %% [markdown]
@@ -84,8 +84,9 @@ fig_records = fig
 # once, the same bytes whatever it holds) and the short-lived tensors of each prefill and decode step.
 
 # %%
-fig_ledger = plot.plot_timeline(result.ledgers["paged"].timeline(), max_points=400,
-                                title=f"Lab 14 · paged cache serving {len(result.requests)} requests (measured by the ledger)")
+fig_ledger, ax_ledger = plt.subplots(figsize=(10, 5.2), dpi=110, layout="constrained")
+plot.plot_timeline(result.ledgers["paged"].timeline(), ax=ax_ledger, max_points=400,
+                   title=f"Lab 14 · paged cache serving {len(result.requests)} requests (measured by the ledger)")
 
 # %% [markdown]
 # ## Block size: waste against table size
@@ -148,12 +149,12 @@ display(real_scale, prefill)
 # ### What paging changes at real size
 #
 # Llama-3-8B's pool from the first row, served with each cache's bookkeeping (no tensors at this size:
-# the schedule is the same code, and depends on lengths alone): 200 requests, 4 arriving per step,
+# the schedule is the same code, and depends on lengths alone): 300 requests, 4 arriving per step,
 # prompts of 512 to 3,072 tokens and outputs of 128 to 1,024, the static cache reserving the model's
 # 8,192-token context per request.
 
 # %%
-at_8b = lab.run(lab.Config(model="llama-3-8b", fake=True, requests=200, arrival_rate=4, output_lens=(128, 1024)))
+at_8b = lab.run(lab.Config(model="llama-3-8b", fake=True, requests=300, arrival_rate=4, output_lens=(128, 1024)))
 real_serving = report.caches_table(at_8b)
 display(real_serving)
 
