@@ -336,13 +336,14 @@ def test_bytes_per_token_come_from_the_config():
     assert (rank.heads, rank.kv_heads, rank.ffn, rank.head_dim) == (8, 1, 3584, 128)
 
 
-@pytest.mark.parametrize("chunk", [None, 48])
-def test_the_traced_prefill_equals_the_real_one_to_the_byte(chunk):
-    """The trace is the truth: small-llama's serving prefill on fake tensors (exact bytes) and on real ones."""
-    kwargs = dict(seq_len=100, chunk=chunk, kv_dtype="bf16", block_size=16)
-    traced = budget.trace_prefill(SPEC, tensors=lambda: fake.tensors(block=None), **kwargs)
-    real = budget.trace_prefill(SPEC, tensors=contextlib.nullcontext, **kwargs)
-    assert traced == real and traced["kv_cache"] == 112 * SPEC.kv_bytes_per_token(2)
+@pytest.mark.parametrize(("batch", "new"), [(1, 100), (1, 48), (3, 1)], ids=["prefill", "chunk", "decode"])
+def test_the_traced_step_equals_the_real_one_to_the_byte(batch, new):
+    """The trace is the truth: small-llama's serving prefill, chunk and decode step on fake tensors (exact
+    bytes: no allocator rounding) and on real ones, through the same code, give the same ledger peaks."""
+    kwargs = dict(batch=batch, context=100, new=new, kv_dtype="bf16", block_size=16)
+    traced = budget.trace_step(SPEC, tensors=lambda: fake.tensors(block=None), **kwargs)
+    real = budget.trace_step(SPEC, tensors=contextlib.nullcontext, **kwargs)
+    assert traced == real and traced["kv_cache"] == batch * 112 * SPEC.kv_bytes_per_token(2)
 
 
 def test_llama_3_8b_on_an_h100_the_budget_and_what_paging_changes_at_real_size():

@@ -139,9 +139,11 @@ def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9, seq_len:
                   (f"static, {reserve // 1024}k reserved", "int")], rows), plans
 
 
-def prefill_peaks(name: str = "llama-3-8b", lengths=(8192, 32768), chunks=(None, 2048)) -> Table:
-    """Activations at the peak of one prefill, traced: the zoo's training-style forward (every position's
-    logits) against the serving prefill (last-token logits), whole and in chunks."""
+def prefill_peaks(name: str = "llama-3-8b", lengths=(8192, 32768), chunks=(None, 2048), decode_batch: int = 256) -> Table:
+    """Activations at the peak of one forward, traced: the zoo's training-style forward (every position's
+    logits) against the serving prefill (last-token logits), whole and in chunks; and one decode step of
+    ``decode_batch`` sequences, traced at a one-block context so that it holds its own activations and
+    not the gathered copies of the keys and values it reads (those are in the pool already)."""
     spec, rows = zoo_spec(name), []
     for length in lengths:
         zoo_forward = serving_budget.trace_prefill(spec, seq_len=length, zoo_forward=True)["activations"]
@@ -149,4 +151,6 @@ def prefill_peaks(name: str = "llama-3-8b", lengths=(8192, 32768), chunks=(None,
         for chunk in chunks:
             peak = serving_budget.trace_prefill(spec, seq_len=length, chunk=chunk)["activations"]
             rows.append([length, "serving prefill, " + (f"chunks of {chunk:,}" if chunk else "whole prompt"), peak])
-    return Table([("prompt tokens", "int"), "prefill", ("activations at the peak", "size")], rows)
+    decode = serving_budget.trace_step(spec, batch=decode_batch, context=16, new=1)["activations"]
+    rows.append([decode_batch, f"decode step: {decode_batch} sequences, one token each", decode])
+    return Table([("tokens", "int"), "forward", ("activations at the peak", "size")], rows)

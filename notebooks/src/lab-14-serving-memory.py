@@ -161,7 +161,7 @@ display(real_serving)
 # %%
 budget_8b = plans[0]
 budget_70b = {plan.tp: plan for plan in plans if plan.model == "llama-3-70b" and plan.kv_dtype == "bf16"}
-prefill_numbers = dict(zip(("zoo_8k", "whole_8k", "chunked_8k", "zoo_32k", "whole_32k", "chunked_32k"),
+prefill_numbers = dict(zip(("zoo_8k", "whole_8k", "chunked_8k", "zoo_32k", "whole_32k", "chunked_32k", "decode_256"),
                            (row[2] for row in prefill.rows)))
 real_metrics = {name: served.metrics() for name, served in at_8b.served.items()}
 kv_rows = {row[0]: row for row in kv_dtypes.rows}
