@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from labkit import budget, fake
-from labkit.models import SyntheticTokens
+from labkit.models import SyntheticTokens, gpt_param_count
 from labkit.timeline import Timeline
 
 #: What every traced figure is, said once.
@@ -48,7 +48,8 @@ class RandomTokens:
 
 def build_model(config, tiny, device, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``config.build_model(tiny, dtype)`` (the lab's TinyGPT, or the zoo model ``--model`` names) on
-    ``device``; a traced model stays where :func:`labkit.fake.materialize` put it (fake, on the CPU)."""
+    ``device``, its floating-point weights in ``dtype`` (None: float32); a traced model stays where
+    :func:`labkit.fake.materialize` put it (fake, on the CPU)."""
     model = config.build_model(tiny, dtype)
     spec = config.model_spec()
     if config.fake and spec is not None and spec.tied:  # to_empty, inside fake.materialize, unties shared weights
@@ -56,7 +57,9 @@ def build_model(config, tiny, device, dtype: torch.dtype | None = None) -> torch
             model.hf.tie_weights()
         else:
             model.head.weight = model.embed.weight  # as zoo.CausalLM.finish ties them
-    return model if config.fake else model.to(device)
+    if config.fake:
+        return model
+    return model.to(device) if dtype is None else model.to(device, dtype)  # (labkit's build_model casts a zoo model only)
 
 
 def token_source(config, model_config):
@@ -94,19 +97,22 @@ def adamw_options(impl: str, traced: bool) -> dict:
     return dict(ADAMW[impl])
 
 
-def require_memory(config, model_config, batch: int, device) -> None:
-    """Refuse a real run the machine cannot hold (a floor: 12 B per parameter for fp32 weights and
-    AdamW's moments, and 4 B per logit of a batch); a ``--fake`` run allocates nothing and passes."""
+def require_memory(config, model_config, batch: int, device, weights: torch.dtype | None = None) -> None:
+    """Refuse a real run the machine cannot hold; a ``--fake`` run allocates nothing and passes.
+
+    The floor: the weights and AdamW's two moments, in the weights' dtype (``weights``, float32 when
+    None: 12 B per parameter), and one logit per token and vocabulary entry of a batch, in that dtype."""
     if config.fake:
         return
-    spec = config.model_spec()
-    if spec is None:
+    spec, size = config.model_spec(), (weights or torch.float32).itemsize
+    if spec is None and size == 4:
         budget.require_gpt_training(model_config, batch, device)
         return
-    params = spec.param_count()
-    budget.require(12 * params + 4 * batch * config.seq_len * spec.vocab, device,
-                   f"12 B x {params:,} parameters of {spec.name} + 4 B x {batch} x {config.seq_len} tokens x "
-                   f"{spec.vocab:,} logits")
+    params, vocab, name = ((gpt_param_count(model_config), model_config.vocab, "TinyGPT") if spec is None
+                           else (spec.param_count(), spec.vocab, spec.name))
+    budget.require(3 * size * params + size * batch * config.seq_len * vocab, device,
+                   f"{3 * size} B x {params:,} parameters of {name} + {size} B x {batch} x {config.seq_len} tokens x "
+                   f"{vocab:,} logits")
 
 
 def peaks_by_step_and_phase(tl: Timeline, phases=("forward", "backward", "optimizer")) -> dict[str, dict[str, int]]:
