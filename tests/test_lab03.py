@@ -315,6 +315,14 @@ def test_a_traced_recipe_is_the_real_recipe_to_the_byte(lab03, monkeypatch, reci
     assert traced.losses == [] and len(real.losses) == 2
 
 
+def test_cpu_autocast_gives_every_op_of_the_traced_step_the_dtype_cuda_autocast_would(lab03):
+    """The page says so of its bf16 trace: the CPU autocast the trace runs and CUDA's agree on every
+    call of the lab's step on the zoo's Llama (labkit.fake.autocast_audit checks CUDA's op lists)."""
+    with fake.autocast_audit() as differs:
+        lab03.run(lab03.Config(model="small-llama", fake=True, recipe="bf16", seq_len=32, batch_size=2, steps=2))
+    assert differs == {}
+
+
 @pytest.fixture(scope="module")
 def traced_8b(lab03):
     """Llama-3-8B, one sequence of 4,096 tokens, one step of each recipe, traced (about 4 s each here)."""
