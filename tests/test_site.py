@@ -5,6 +5,7 @@ from __future__ import annotations
 import html as html_lib
 import json
 import re
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -351,3 +352,20 @@ def test_no_page_includes_a_generated_results_file():
     for page in DOCS.rglob("*.md"):
         includes = [ref for ref in SNIPPET.findall(page.read_text(encoding="utf-8")) if ref.startswith("results/")]
         assert not includes, (page.name, includes)
+
+
+def test_serve_refuses_a_busy_port_in_one_line_before_building():
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(ROOT / "scripts" / "serve"), "--dev-addr", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--dev-addr 127.0.0.1:8001" in lines[0] and str(port) in lines[0]
+    assert time.perf_counter() - t0 < 10, "refused before the install and the build"
