@@ -319,8 +319,8 @@ def test_a_traced_step_is_the_real_step_to_the_byte(lab02, monkeypatch, model):
     """The lab's own run on a zoo model, on real tensors and with --fake: the same allocations and
     frees in the same order, the same peaks by phase, step and category. The CPU run counts exact
     bytes, so the trace here counts exact bytes too (block=None); the 512-byte rounding a --fake run
-    adds is labkit.fake's own, tested there. small-gpt ties its head to the embedding, which
-    fake.materialize (to_empty) unties: the harness ties it again."""
+    adds is labkit.fake's own, tested there. small-gpt ties its head to the embedding: the trace
+    counts it once, as the real run does."""
     size = dict(model=model, adamw="foreach", seq_len=32, batch_size=2, steps=2, device="cpu")
     real = lab02.run(lab02.Config(**size))
     monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))

@@ -51,12 +51,6 @@ def build_model(config, tiny, device, dtype: torch.dtype | None = None) -> torch
     ``device``, its floating-point weights in ``dtype`` (None: float32); a traced model stays where
     :func:`labkit.fake.materialize` put it (fake, on the CPU)."""
     model = config.build_model(tiny, dtype)
-    spec = config.model_spec()
-    if config.fake and spec is not None and spec.tied:  # to_empty, inside fake.materialize, unties shared weights
-        if hasattr(model, "hf"):
-            model.hf.tie_weights()
-        else:
-            model.head.weight = model.embed.weight  # as zoo.CausalLM.finish ties them
     if config.fake:
         return model
     return model.to(device) if dtype is None else model.to(device, dtype)  # (labkit's build_model casts a zoo model only)
