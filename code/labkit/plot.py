@@ -9,6 +9,7 @@ or SVG (pages) by the file's suffix.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def decimate(values: Sequence[float], max_points: int) -> list[int]:
 PAGE_WIDTH_IN = 5.2
 MIN_FONT_PT = 12.0
 PANEL_HEIGHT_IN = 3.1
+LEGEND_WRAP = 34  # characters of a legend label per line, at MIN_FONT_PT under a PAGE_WIDTH_IN plot
 
 
 def page_layout(fig) -> None:
@@ -194,12 +196,12 @@ def page_layout(fig) -> None:
         if legend is None:
             continue
         if legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 >= 1.0:  # beside the plot: under it, one column (labels are long, phones narrow)
-            handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
+            # long labels wrap, so that the legend is never wider than the plot it sits under
+            handles = legend.legend_handles
+            labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
             legend.remove()
             style = dict(ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.2)
-            moved = ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2),
-                              **style)
-            moved.set_in_layout(False)  # the plot keeps the full width; save() widens the page to it
+            ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2), **style)
             continue
         for text in legend.get_texts():
             text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
@@ -220,7 +222,6 @@ def save(fig, path: str | os.PathLike) -> Path:
     kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
         fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
-                    bbox_extra_artists=[ax.get_legend() for ax in fig.axes if ax.get_legend() is not None],
                     facecolor="none" if svg else "white", transparent=svg, **kwargs)
     return path
 
