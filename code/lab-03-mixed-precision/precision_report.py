@@ -166,13 +166,12 @@ def real_scale_table(runs: dict[str, RecipeRun]) -> Table:
         moments = real_scale_rows(run)
         b, p = moments["backward"], moments["peak"]
         cats = ("parameters", "gradients", "optimizer_state", "activations")
-        rows.append([name, "start of step 1's backward", *(b[c] for c in cats), b["weight_copies"], b["log_probs"],
-                     b["temporaries"], sum(b[c] for c in (*cats, "temporaries", "other"))])
-        rows.append([name, f"peak: {p['phase']}", *(p[c] for c in cats), None, None, p["temporaries"], p["total"]])
-    return Table(["recipe", "when", ("parameters", "bytes"), ("gradients", "bytes"), ("AdamW state", "bytes"),
-                  ("activations", "bytes"), ("of which 16-bit weight copies", "bytes"),
-                  ("of which fp32 log-probs", "bytes"), ("temporaries", "bytes"), ("total", "bytes")], rows,
-                 strong=("total",))
+        rows.append([name, "start of step 1's backward", sum(b[c] for c in CATEGORIES), *(b[c] for c in cats),
+                     b["weight_copies"], b["log_probs"], b["temporaries"]])
+        rows.append([name, f"peak: {p['phase']}", p["total"], *(p[c] for c in cats), None, None, p["temporaries"]])
+    return Table(["recipe", "when", ("total", "bytes"), ("parameters", "bytes"), ("gradients", "bytes"),
+                  ("AdamW state", "bytes"), ("activations", "bytes"), ("of which 16-bit weight copies", "bytes"),
+                  ("of which fp32 log-probs", "bytes"), ("temporaries", "bytes")], rows, strong=("total",))
 
 
 def real_scale_peaks_table(runs: dict[str, RecipeRun], card: int) -> Table:
@@ -180,11 +179,10 @@ def real_scale_peaks_table(runs: dict[str, RecipeRun], card: int) -> Table:
     fits under ``card`` bytes."""
     peaks = {name: real_scale_rows(run)["peak"] for name, run in runs.items()}
     lowest = min(p["total"] for p in peaks.values())
-    return Table(["recipe", "weights", ("model state (weights, gradients, AdamW)", "bytes"), ("peak", "bytes"),
-                  "peak in", ("above the lowest peak", "bytes"), ("fits 80 GiB", "yes")],
-                 [[name, "/".join(run.param_dtypes), sum(run.ledger.timeline().at_end()[c] for c in (
-                     "parameters", "gradients", "optimizer_state")),
-                   p["total"], p["phase"], p["total"] - lowest, p["total"] <= card]
+    return Table(["recipe", ("peak", "bytes"), "peak in", ("above the lowest peak", "bytes"), ("fits 80 GiB", "yes"),
+                  "weights", ("model state (weights, gradients, AdamW)", "bytes")],
+                 [[name, p["total"], p["phase"], p["total"] - lowest, p["total"] <= card, "/".join(run.param_dtypes),
+                   sum(run.ledger.timeline().at_end()[c] for c in ("parameters", "gradients", "optimizer_state"))]
                   for (name, run), p in zip(runs.items(), peaks.values())], strong=("peak",))
 
 

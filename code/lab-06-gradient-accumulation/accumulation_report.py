@@ -22,12 +22,12 @@ def real_scale_table(runs: dict) -> Table:
         tl = r.ledger.timeline()
         peak, total = tl.peak(), tl.device_total()
         at = max(range(len(total)), key=total.__getitem__)
-        rows.append([name, f"{r.accum_steps} x {r.micro_batch}", r.accum_steps * r.micro_batch * r.config.seq_len,
-                     peak["parameters"], peak["gradients"], peak["optimizer_state"], peak["activations"],
-                     peak["temporaries"], peak["total"], f"step {tl.step[at]} {tl.phase[at]}"])
-    return Table(["run", "micro-batches x samples", ("tokens per optimizer step", "int"), ("parameters", "bytes"),
-                  ("gradients", "bytes"), ("AdamW state", "bytes"), ("activations", "bytes"), ("temporaries", "bytes"),
-                  ("peak", "bytes"), "peak in"], rows, strong=("peak",))
+        rows.append([name, peak["total"], f"step {tl.step[at]} {tl.phase[at]}", f"{r.accum_steps} x {r.micro_batch}",
+                     r.accum_steps * r.micro_batch * r.config.seq_len, peak["parameters"], peak["gradients"],
+                     peak["optimizer_state"], peak["activations"], peak["temporaries"]])
+    return Table(["run", ("peak", "bytes"), "peak in", "micro-batches x samples", ("tokens per optimizer step", "int"),
+                  ("parameters", "bytes"), ("gradients", "bytes"), ("AdamW state", "bytes"), ("activations", "bytes"),
+                  ("temporaries", "bytes")], rows, strong=("peak",))
 
 
 def report(result) -> None:

@@ -150,11 +150,11 @@ CARD = 80 * 2**30  # an 80 GB H100 holds at most 80 GiB (PyTorch sees a little l
 by_phase = {f"{name} · {key}": row for name, r in traced.items()
             for key, row in harness.peaks_by_step_and_phase(r.ledger.timeline()).items()}
 real_scale = by_category(by_phase, label="model · step · phase (traced)")
-fit = Table(["model", ("parameters", "int"), ("model state, 16 B x P", "bytes"),
-             ("step 0 forward/backward peak (no AdamW state yet)", "bytes"), ("peak of the two steps", "bytes"),
-             ("fits 80 GiB", "yes")],
-            [[name, r.params, 16 * r.params, max(sum(by_phase[f"{name} · step 0 {p}"].values()) for p in ("forward", "backward")),
-              r.ledger.peak()["total"], r.ledger.peak()["total"] <= CARD] for name, r in traced.items()])
+fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes"), ("parameters", "int"),
+             ("model state, 16 B x P", "bytes"), ("step 0 forward/backward peak (no AdamW state yet)", "bytes")],
+            [[name, r.ledger.peak()["total"], r.ledger.peak()["total"] <= CARD, r.params, 16 * r.params,
+              max(sum(by_phase[f"{name} · step 0 {p}"].values()) for p in ("forward", "backward"))]
+             for name, r in traced.items()])
 big = traced["llama-3-8b"].ledger.timeline()
 fig3 = plot.plot_timeline(big, title="Lab 02 · Llama-3-8B, fp32 AdamW (foreach), 4,096 tokens, 2 steps: "
                           "traced on fake tensors", show_allocator=False,
@@ -172,9 +172,9 @@ display(real_scale, fit)
 # %%
 impls = {"foreach": traced["llama-3-8b"]} | {impl: lab.run(replace(scale, model="llama-3-8b", adamw=impl))
                                             for impl in ("fused", "for-loop")}
-adamw_impls = Table(["AdamW", ("optimizer-phase temporaries", "bytes"), ("step peak", "bytes"), ("peak phase", "text")],
-                    [[impl, r.ledger.timeline().peaks_by_phase()["optimizer"]["temporaries"], r.ledger.peak()["total"],
-                      harness.peak_phase(r.ledger.timeline())] for impl, r in impls.items()])
+adamw_impls = Table(["AdamW", ("step peak", "bytes"), ("peak phase", "text"), ("optimizer-phase temporaries", "bytes")],
+                    [[impl, r.ledger.peak()["total"], harness.peak_phase(r.ledger.timeline()),
+                      r.ledger.timeline().peaks_by_phase()["optimizer"]["temporaries"]] for impl, r in impls.items()])
 display(adamw_impls)
 
 # %%
