@@ -156,8 +156,7 @@ fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes")
               max(sum(by_phase[f"{name} · step 0 {p}"].values()) for p in ("forward", "backward"))]
              for name, r in traced.items()])
 big = traced["llama-3-8b"].ledger.timeline()
-fig3 = plot.plot_timeline(big, title="Lab 02 · Llama-3-8B, fp32 AdamW (foreach), 4,096 tokens, 2 steps: "
-                          "traced on fake tensors", show_allocator=False,
+fig3 = plot.plot_timeline(big, title="Llama-3-8B, fp32 AdamW, 4,096 tokens (traced)", show_allocator=False,
                           overlay={"80 GiB: an H100's memory": [CARD] * len(big)})
 display(real_scale, fit)
 

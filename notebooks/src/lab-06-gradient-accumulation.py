@@ -206,7 +206,7 @@ display(Table(["allocator", ("bytes", "bytes")],
 # %%
 scale = lab.Config(model="llama-3-8b", fake=True, seq_len=4096, steps=2)
 traced = {"one batch of 4": lab.run(replace(scale, batch=4)),
-          "accumulation, 4 micro-batches of 1": lab.run(replace(scale, micro_batch=1, accum_steps=4))}
+          "4 micro-batches of 1": lab.run(replace(scale, micro_batch=1, accum_steps=4))}
 CARD = 80 * 2**30  # an 80 GB H100 holds at most 80 GiB (PyTorch sees a little less)
 real_scale = reporting.real_scale_table(traced)
 display(real_scale)
@@ -217,7 +217,7 @@ top = max(r.ledger.peak()["total"] for r in traced.values())
 for ax, (name, r) in zip(axes, traced.items()):
     tl_big = r.ledger.timeline()
     plot.plot_timeline(tl_big, ax=ax, ymax_bytes=top, show_allocator=False,
-                       title=f"Llama-3-8B, fp32 AdamW, {name} of 4,096 tokens: traced on fake tensors",
+                       title=f"Llama-3-8B, fp32: {name} (traced)",
                        overlay={"80 GiB: an H100's memory": [CARD] * len(tl_big)})
 
 # %%
