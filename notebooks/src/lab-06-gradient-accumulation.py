@@ -177,6 +177,7 @@ fig_budget = plot.plot_timeline(
     tl, title=(f"Lab 06 · budget {format_bytes(pick.config.budget)}: {pick.accum_steps} micro-batches of "
                f"{pick.micro_batch}, checkpointing {'on' if pick.checkpoint else 'off'} ({nb.device.type}, ledger)"),
     overlay={f"budget {format_bytes(pick.config.budget)}": [pick.config.budget] * len(tl)})
+fig_budget.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 
 # %% [markdown]
 # ## Allocated against reserved (CUDA only)
@@ -214,9 +215,9 @@ display(real_scale)
 # %%
 fig_scale, axes = plt.subplots(2, 1, figsize=(10, 7.5), dpi=110, layout="constrained")
 top = max(r.ledger.peak()["total"] for r in traced.values())
-for ax, (name, r) in zip(axes, traced.items()):
+for i, (ax, (name, r)) in enumerate(zip(axes, traced.items())):
     tl_big = r.ledger.timeline()
-    plot.plot_timeline(tl_big, ax=ax, ymax_bytes=top, show_allocator=False,
+    plot.plot_timeline(tl_big, ax=ax, ymax_bytes=top, show_allocator=False, legend=i == 0,
                        title=f"Llama-3-8B, fp32: {name} (traced)",
                        overlay={"80 GiB: an H100's memory": [CARD] * len(tl_big)})
 
