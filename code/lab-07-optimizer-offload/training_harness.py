@@ -18,21 +18,8 @@ from offload_accounting import (MODEL_STATE, TRACED, BusCopies, after_step, byte
 from labkit import budget, labs, provenance
 from labkit.config import summary_of
 from labkit.ledger import Ledger
-from labkit.models import SyntheticTokens
+from labkit.models import RandomTokens, SyntheticTokens
 from labkit.table import Table
-
-
-class RandomTokens:
-    """Uniform token ids for a zoo model (``SyntheticTokens`` keeps a seq_len x vocab table: 4 GB at
-    Llama 3's vocabulary); batch ``i`` depends only on ``(seed, i)``."""
-
-    def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-
-    def batch(self, index: int, batch_size: int, device):
-        seq = torch.randint(self.vocab, (batch_size, self.seq_len + 1),
-                            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + index))
-        return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
 def token_source(config):
