@@ -210,8 +210,8 @@ display(Table(["strategy", ("ledger peak", "bytes"), ("max_memory_allocated", "b
 # ## At real scale: Llama 3 8B and 70B, traced on fake tensors
 #
 # The same `lab.run`, with `model=` a zoo architecture and `fake=True`: the lab's own four
-# strategies, through the same `run_blocks` seam, on Llama-3-8B (32 blocks) and Llama-3-70B
-# (80 blocks) at 8,192 and 32,768 tokens, batch 1, **pure bf16** weights and activations (no
+# strategies, through the same `run_blocks` seam, on Llama-3-8B (32 blocks) at 8,192 and 32,768
+# tokens and Llama-3-70B (80 blocks) at 8,192, batch 1, **pure bf16** weights and activations (no
 # autocast; the loss upcasts the logits to fp32, as Hugging Face and torchtitan do). Every figure in
 # this section is **traced on fake tensors** (`labkit.fake`): the ledger counts every storage the
 # step would hold, rounded to the CUDA caching allocator's 512-byte blocks, and `FlopCounterMode`
@@ -223,7 +223,7 @@ display(Table(["strategy", ("ledger peak", "bytes"), ("max_memory_allocated", "b
 
 # %%
 at_scale = labs.load(4, "at_scale")
-traced = {(m, t): at_scale.trace(m, t) for m in at_scale.MODELS for t in at_scale.SEQ_LENS}
+traced = {(m, t): at_scale.trace(m, t) for m, t in at_scale.CONFIGS}
 real_scale = at_scale.table(traced)
 display(real_scale)
 
