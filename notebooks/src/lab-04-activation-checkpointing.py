@@ -240,7 +240,7 @@ display(real_scale)
 
 # %%
 rule70 = at_scale.segment_rule(traced["llama-3-70b", 8192], ks=(1, 2, 3, 4, 9))
-n70 = traced["llama-3-70b", 8192].config.depth
+n70, k70 = traced["llama-3-70b", 8192].config.depth, traced["llama-3-70b", 8192].every
 real_scale_segments = seg.table(rule70, n70, kind="bytes", evidence="traced")
 display(real_scale_segments)
 
@@ -258,7 +258,7 @@ ax.plot(grid70, [max(w, h) for w, h in zip(window, head)], color="#d62728", lw=1
 traced_ks = list(rule70["measured"])
 ax.plot(traced_ks, [rule70["measured"][k]["activation_peak_bytes"] / 2**30 for k in traced_ks], "o", color="#d62728",
         ms=7, label="traced activation peak")
-ax.axvline(round(n70 ** 0.5), color="black", lw=1, ls="-.", label="textbook k = round(√n)")
+ax.axvline(k70, color="black", lw=1, ls="-.", label="textbook k = round(√n)")
 ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel="GiB", ylim=(0, 40),
        title="Llama-3-70B, 80 blocks, 8,192 tokens, bf16 (traced on fake tensors)")
 ax.set_xticks([1, 2, 3, 4, 9, 16], ["1", "2", "3", "4", "9", "16"])
@@ -272,4 +272,7 @@ notebook.publish(
                 "real_scale": real_scale, "real_scale_segments": real_scale_segments},
     figures={"timelines": timelines, "cost": cost, "segments": segments, "real_scale_segments": real_segments},
     summary=result.summary(), segments={"n": n, "tolerance": seg.TOLERANCE, **rules}, segment_findings=findings,
-    real_scale=at_scale.numbers(traced), real_scale_rule=rule70 | {"n": n70, "textbook_k": round(n70 ** 0.5)})
+    real_scale=at_scale.numbers(traced), real_scale_rule=rule70 | {
+        "n": n70, "textbook_k": k70, "a_over_b": rule70["per_block_bytes"] / rule70["block_input_bytes"],
+        "textbook_k_peak_bytes": rule70["measured"][k70]["activation_peak_bytes"],
+        "best_k_peak_bytes": rule70["measured"][rule70["best_k_measured"]]["activation_peak_bytes"]})
