@@ -77,8 +77,9 @@ def k_star(n: int, a: float, b: int) -> float:
 # --8<-- [start:head]
 def predict_with_head(n: int, k: int, a: float, b: int, C: int, G: float, S: float) -> tuple[int, float]:
     """:func:`predict` (same arguments) with a second peak outside the segments: as backward starts,
-    the loss and the head hold ``S`` bytes above what forward kept (at a real vocabulary: the logits,
-    their fp32 copy and its gradient), on top of every kept block input. The higher peak counts."""
+    the loss holds ``S`` bytes above what forward kept (at a real vocabulary, its gradient through
+    the fp32 log-softmax: two float32 tensors of the logits' shape), on top of every kept block
+    input. The higher peak counts."""
     return predict(n, k, a, b, C, G)[0], max(two_peaks(n, k, a, b, C, G, S))
 
 
