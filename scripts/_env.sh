@@ -31,7 +31,7 @@ want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 have="$(cat "$VENV/.requirements.sha256" 2>/dev/null || true)"
 if [ "$want" != "$have" ]; then
   echo "installing pinned dependencies into $VENV (first run only; torch is the large one)" >&2
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -r requirements.txt
   # labkit, editable: the venv's own setuptools builds it (torch requires setuptools), no download
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
   echo "$want" > "$VENV/.requirements.sha256"

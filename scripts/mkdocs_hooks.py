@@ -250,7 +250,8 @@ def _bench_scripts() -> list[dict]:
         lab = re.search(r'^LAB = "([^"]+)"', text, re.M)
         if bench and result:
             out.append({"script": f"bench/{script.name}", "bench": bench.group(1), "result": result.group(1),
-                        "lab": lab.group(1) if lab else None})
+                        "lab": lab.group(1) if lab else None,
+                        "cpu_only": bool(re.search(r"^CPU_ONLY = True", text, re.M))})
     return out
 
 
@@ -273,31 +274,60 @@ def _code_state(data: dict, lab: str | None) -> str:
     return f"older lab code ({recorded})"
 
 
+TARGET = re.compile(r"^\s*(>=|<=|>|<|≥|≤)\s*([0-9.]+)")
+
+
+def target_met(value, target: str | None, gpu_target: bool, on_gpu: bool) -> str:
+    """'✓ met', '✗ not met', 'not comparable' (a GPU target read off a CPU run) or '-' (no target)."""
+    m = TARGET.match(target or "")
+    if not m or not isinstance(value, (int, float)):
+        return "-"
+    if gpu_target and not on_gpu:
+        return "not comparable (CPU run)"
+    op, bound = m.group(1), float(m.group(2))
+    ok = {">=": value >= bound, "≥": value >= bound, ">": value > bound,
+          "<=": value <= bound, "≤": value <= bound, "<": value < bound}[op]
+    return "✓ met" if ok else "✗ not met"
+
+
 def render_performance(page_src: str) -> str:
-    """Tables from results/*.json, ratios first, each row with its device, date, commit and code state."""
-    parts, measured_on_gpu = [], set()
+    """What has and has not been measured on a GPU first; then one table per results file, ratios
+    first, each row with its target and whether it is met, the state of the lab code it was
+    measured on, its device, date and commit, and a note where a CPU figure differs for a reason."""
+    tables, measured_on_gpu = [], set()
     for path in sorted((ROOT / "results").glob("*.json")):
         data = results(path.stem)
         prov, rows = data.get("provenance"), data.get("summary_rows")
         if not prov or not rows:
             continue
-        if prov.get("device_type") == "cuda":
+        on_gpu = prov.get("device_type") == "cuda"
+        if on_gpu:
             measured_on_gpu.add(data.get("bench"))
-        where = f"{escape(prov.get('device_name'))} ({'GPU' if prov.get('device_type') == 'cuda' else 'CPU'})"
+        where = f"{escape(prov.get('device_name'))} ({'GPU' if on_gpu else 'CPU'})"
         commit = escape((prov.get("git_commit") or "?")[:10])
         rows = sorted(rows, key=lambda r: (r["unit"] != "x", r["unit"] != "fraction"))
-        table = [[escape(r["metric"]), escape(_format_value(r["value"], r["unit"])), escape(r.get("target") or "-"), where,
-                  str(prov.get("date_utc", ""))[:10], f"`{commit}`", _code_state(data, r.get("lab"))] for r in rows]
-        parts += [f"## {escape(data.get('bench', path.stem))}", "",
-                  f"From `results/{path.name}`, written by the benchmark's own run "
-                  f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
-                  _table(["metric", "value", "target", "measured on", "date", "commit", "code"], table), ""]
-    pending = [b for b in _bench_scripts() if b["bench"] not in measured_on_gpu]
+        table = [[escape(r["metric"]), escape(_format_value(r["value"], r["unit"])), escape(r.get("target") or "-"),
+                  target_met(r["value"], r.get("target"), bool(r.get("gpu_target")), on_gpu),
+                  _code_state(data, r.get("lab")), escape(r.get("note") or ""), where,
+                  str(prov.get("date_utc", ""))[:10], f"`{commit}`"] for r in rows]
+        tables += [f"## {escape(data.get('bench', path.stem))}", "",
+                   f"From `results/{path.name}`, written by the benchmark's own run "
+                   f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
+                   '<div class="il-perf" markdown="1">', "",
+                   _table(["metric", "value", "target", "met?", "code", "note", "measured on", "date", "commit"],
+                          table), "", "</div>", ""]
+    scripts = _bench_scripts()
+    pending = [b for b in scripts if b["bench"] not in measured_on_gpu and not b["cpu_only"]]
+    done = [b["bench"] for b in scripts if b["bench"] in measured_on_gpu]
+    head = ["## On a GPU: measured and not yet", "",
+            f"Measured on a GPU: {', '.join(done) if done else 'nothing yet'}. "
+            f"Not yet measured on a GPU: {', '.join(b['bench'] for b in pending) if pending else 'nothing'}. "
+            "Until a GPU run lands, a benchmark's CPU rows prove that the script runs and what a CPU "
+            "does; a GPU target read off a CPU run says \"not comparable\".", ""]
     if pending:
-        parts += ["## Not measured on a GPU yet", "",
-                  _table(["benchmark", "script", "writes"],
-                         [[b["bench"], f"`{b['script']}`", f"`{b['result']}`"] for b in pending]), ""]
-    return "\n".join(parts) if parts else "No benchmark results are committed yet."
+        head += [_table(["benchmark", "script", "writes"],
+                        [[b["bench"], f"`{b['script']}`", f"`{b['result']}`"] for b in pending]), ""]
+    return "\n".join(head + tables)
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
@@ -373,3 +403,69 @@ def on_page_context(context, page, config, nav):
         page.meta["measured"] = measured_badge(src)
         page.meta["notebook_download"] = f"{src[:-len('.ipynb')]}/{Path(src).name}"
     return context
+
+
+LONG_CODE = re.compile(r'<div class="(?:language-\w+ )?highlight"')
+
+
+def on_page_content(html: str, page, config, files: Files) -> str:
+    """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
+    lab page says the same in prose, and its outputs are numbers); on every other page a code
+    listing of more than three lines, its annotations and the tables (columns of numbers, which
+    nobody searches for) are left out; prose, headings and short commands stay."""
+    src = page.file.src_uri
+    if src.endswith(".ipynb"):
+        page.meta["search"] = {"exclude": True}
+        return html
+
+    def mark(m: re.Match) -> str:
+        block = html[m.start(): html.find("</pre>", m.start())]
+        return m.group(0) + " data-search-exclude" if block.count("\n") > 3 else m.group(0)
+
+    html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
+    # A code listing's annotations become tooltips on the page: a search hit there points at nothing
+    # the reader can see, and the prose around each listing says what it does.
+    return ANNOTATIONS.sub(r"\1<ol data-search-exclude>", html)
+
+
+ANNOTATIONS = re.compile(r"(</code></pre></div>\s*)<ol>")
+
+
+SEARCH_MARKUP = re.compile(r"</?(?:p|ol|ul|li|em|strong|span|a|div|br|sup|sub)\b[^>]*>")
+
+
+def on_post_build(config) -> None:
+    """The search index, lighter: markup that only shapes paragraphs and lists goes (inline code,
+    which the results show as code, stays), and runs of spaces become one. Runs after the search
+    plugin has written the index (hooks follow the configured plugins)."""
+    path = Path(config["site_dir"]) / "search" / "search_index.json"
+    if not path.is_file():
+        return
+    index = json.loads(path.read_text(encoding="utf-8"))
+    for doc in index.get("docs", []):
+        doc["text"] = re.sub(r"\s+", " ", SEARCH_MARKUP.sub(" ", doc["text"])).strip()
+    path.write_text(json.dumps(index, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+
+
+NOTEBOOK_STYLES = re.compile(r"<style[^>]*>.*?</style>", re.S)
+NOTEBOOK_CSS = "assets/notebook.css"
+
+
+def on_post_page(output: str, page, config) -> str:
+    """A notebook page inlines the same 600 KB of Jupyter styles that every other notebook page
+    does: they go into one stylesheet, fetched once and cached, linked where the styles stood."""
+    if not page.file.src_uri.endswith(".ipynb"):
+        return output
+    styles = NOTEBOOK_STYLES.findall(output)
+    if not styles:
+        return output
+    css = "\n".join(re.sub(r"^<style[^>]*>|</style>$", "", s) for s in styles)
+    target = Path(config["site_dir"]) / NOTEBOOK_CSS
+    if not target.is_file() or target.read_text(encoding="utf-8") != css:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(css, encoding="utf-8")
+    href = posixpath.relpath(NOTEBOOK_CSS, posixpath.dirname(page.url.rstrip("/") + "/index.html"))
+    first = output.index(styles[0])
+    for s in styles:
+        output = output.replace(s, "", 1)
+    return output[:first] + f'<link rel="stylesheet" href="{href}">' + output[first:]

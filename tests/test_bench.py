@@ -110,3 +110,18 @@ def test_an_unusable_out_is_refused_before_the_benchmark_runs(script, target, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "--out" in err[0], err
     assert Path("/dev/null").is_char_device()
+
+
+def test_trace_bench_times_each_case_in_a_fresh_process(tmp_path, monkeypatch):
+    """The benchmark's mechanics on a small model: each case's trace seconds, process seconds and
+    peak RSS, written with provenance and targets; the 8B and 70B cases are what it runs by default."""
+    bench = load_bench("trace_bench")
+    assert {c[0]["model"] for c in bench.CASES.values()} == {"llama-3-8b", "llama-3-70b"}
+    monkeypatch.setattr(bench, "CASES", {"small Llama": (dict(model="small-llama", seq=64), 15)})
+    result = bench.run(bench.Config(out=tmp_path / "trace.json"))
+    case = result["cases"]["small Llama"]
+    assert 0 < case["trace_s"] < case["process_s"] and 50 < case["peak_rss_mib"] < 4096
+    assert case["per_rank_peak_bytes"] > 0
+    data = json.loads((tmp_path / "trace.json").read_text())
+    assert data["provenance"]["lab"] is None and data["source_hashes"]
+    assert [r["target"] for r in data["summary_rows"]] == ["<= 15", "<= 2048"]

@@ -146,6 +146,10 @@ def test_lab_page_features_on_a_phone_in_dark_mode(browser, server):
     assert overflow <= 1, f"the page scrolls sideways by {overflow}px on a phone"
     assert page.locator("[data-il=run-it]").is_visible()
     assert page.locator("[data-il-badge]").first.is_visible()
+    details = page.locator(".il-badge__details").first
+    assert not details.is_visible()
+    page.locator("[data-il-badge] > summary").first.tap()  # provenance opens on a tap, not only on hover
+    assert details.is_visible() and "torch" in details.inner_text()
     assert page.locator(".md-annotation").count() >= 4, "code annotations rendered"
     assert page.locator(".md-code__button, .md-clipboard").count() >= 3, "copy buttons"
     for img in page.locator("figure img").all():
@@ -168,3 +172,61 @@ def test_instant_navigation_and_notebook_figures(browser, server):
     assert download.endswith(".ipynb")
     assert not watch.errors and not watch.outside
     page.close()
+
+
+FIGURE_FONTS = """async (img) => {
+  // The smallest text of an SVG figure, in CSS pixels as this screen shows it: the font size in the
+  // SVG's own units, times the rendered width over the viewBox width.
+  const text = await (await fetch(img.currentSrc || img.src)).text();
+  const doc = new DOMParser().parseFromString(text, "image/svg+xml");
+  const box = doc.documentElement.getAttribute("viewBox").split(/[ ,]+/).map(Number);
+  const sizes = [...text.matchAll(/font-size:\\s*([0-9.]+)px/g)].map(m => Number(m[1]));
+  const scale = img.getBoundingClientRect().width / box[2];
+  return {src: img.getAttribute("src"), min_px: Math.min(...sizes) * scale, width: img.getBoundingClientRect().width};
+}"""
+
+
+def test_figures_read_on_a_phone_in_dark_mode(browser, server, built_site):
+    """At 390 px, every figure on every lab page shows its smallest text at 11 CSS px or more, fits
+    the screen, and in dark mode is drawn inverted on a transparent background (no white box)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme="dark",
+                                  device_scale_factor=2, is_mobile=True, has_touch=True)
+    page = context.new_page()
+    small, checked = [], 0
+    for path in site_pages(built_site["dir"]):
+        if not path.startswith("/labs/lab-"):
+            continue
+        page.goto(server + path, wait_until="load")
+        for img in page.locator("article img[src$='.svg']").all():
+            img.scroll_into_view_if_needed()
+            info = img.evaluate(FIGURE_FONTS)
+            checked += 1
+            assert info["width"] <= 390, info
+            if info["min_px"] < 11:
+                small.append(f"{path} {info['src']}: {info['min_px']:.1f}px")
+            assert img.evaluate("i => getComputedStyle(i).filter").startswith("invert(1)")
+    context.close()
+    assert checked >= 12, f"only {checked} figures found"
+    assert not small, "text under 11 CSS px on a 390-px phone:\n" + "\n".join(small)
+
+
+def test_tables_show_their_total_without_scrolling(browser, server, built_site):
+    """At 1280 px every lab table fits its column, or scrolls by a few pixels at most, and a table's
+    "total" column is on screen before any scrolling (it comes right after the row label)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    problems = []
+    for path in site_pages(built_site["dir"]):
+        if not path.startswith("/labs/lab-"):
+            continue
+        page.goto(server + path, wait_until="load")
+        problems += page.evaluate("""(path) => [...document.querySelectorAll('article .md-typeset__scrollwrap')].flatMap(w => {
+            const out = [], over = w.scrollWidth - w.clientWidth, head = w.querySelector('tr');
+            if (over > 48) out.push(`${path}: a table scrolls by ${over}px: ${head.innerText.slice(0, 60)}`);
+            for (const th of w.querySelectorAll('th')) {
+              if (th.innerText.trim() === 'total' && th.getBoundingClientRect().right > w.getBoundingClientRect().right + 1)
+                out.push(`${path}: "total" is off screen: ${head.innerText.slice(0, 60)}`);
+            }
+            return out; })""", path)
+    context.close()
+    assert not problems, "\n".join(problems)

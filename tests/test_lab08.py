@@ -3,6 +3,7 @@ peak ordering, clean removal, exception safety, exact transfer accounting, the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -10,8 +11,9 @@ import re
 import pytest
 import torch
 from conftest import ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from test_labkit_fake import assert_same_timeline
 
-from labkit import marks
+from labkit import fake, marks, zoo
 from labkit.diffusion import DenoiserBlock, DiffusionConfig, ToyDiffusionPipeline
 from labkit.ledger import Ledger
 from labkit.schedule import Copies
@@ -422,6 +424,85 @@ def test_flat_bytes_leaves_the_random_state_alone(lab08):
     torch.manual_seed(123)
     load_lab(8, "make_plan").flat_bytes(lab08.Config(**SIZE))  # builds a pipeline (which seeds itself) on the meta device
     assert torch.equal(torch.rand(3), expected)
+
+
+# ------------------------------------------------------------------ at real size, on fake tensors
+@pytest.mark.parametrize("model", ["toy", "small-flux"])
+def test_the_trace_on_fake_tensors_is_the_ledger_of_the_real_run(lab08, model):
+    """Each mode run on real tensors and traced on fake ones through the same code (``run_mode``,
+    with ``fake.tensors(block=None)``: exact bytes, as the CPU run counts them; ``--fake`` rounds to
+    the CUDA allocator's 512-byte blocks instead): the same allocations and frees in the same order,
+    the same peaks by phase and category, the same blocks resident and bytes moved in, step by step."""
+    real_config = lab08.Config(**SIZE, model=model)
+    cpu = torch.device("cpu")
+    for mode in lab08.MODES:
+        real = lab08.run_mode(mode, real_config, cpu)
+        with fake.tensors(block=None):
+            traced = lab08.run_mode(mode, dataclasses.replace(real_config, fake=True), cpu)
+        assert fake.is_fake(traced.output) and real.summary["max_abs_diff"] == 0.0
+        assert_same_timeline(real.ledger, traced.ledger)
+        for key in ("peak_device_bytes_by_stage", "peak_host_copy_bytes", "max_resident_blocks", "h2d_bytes",
+                    "h2d_bytes_by_step", "host_bytes", "host_weight_bytes", "denoiser_blocks"):
+            assert traced.summary[key] == real.summary[key], (mode, key)  # h2d_bytes: marks against copies
+        assert (traced.schedule, traced.summary["step_ms"], traced.summary["max_abs_diff"]) == (None, None, None)
+
+
+@pytest.fixture(scope="module")
+def flux_width_trace(lab08):
+    """Flux.1-dev's blocks at their real shape (width 3072, bf16, a 1024 x 1024 image: 4096 latent
+    tokens, 512 prompt tokens) but 2 double-stream and 4 single-stream blocks instead of 19 and 38,
+    traced in every mode (the whole model takes 10 to 20 s a mode on this machine; the claims below
+    are per block)."""
+    reduced = dataclasses.replace(zoo.get("flux-dev"), layers=2, single_layers=4)
+    config = lab08.Config(model="flux-dev", fake=True, dtype="bfloat16", latent_tokens=4096, text_len=512, steps=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lab08.Config, "model_spec", lambda self: reduced)
+        result = lab08.run(config)
+    return reduced, {r.mode: r.summary for r in result.runs}
+
+
+def test_at_flux_width_layerwise_holds_two_blocks_and_moves_every_block_every_step(engines, flux_width_trace):
+    """The page's real-scale claims, block by block: layerwise offload (k = 1) holds the denoiser's
+    weights outside its blocks, two blocks and one step's activations, and every step after the first
+    moves every block's flat buffer in again; model-level offload of a pipeline whose only component
+    is the denoiser holds what the resident run holds and moves nothing after the first step."""
+    spec, runs = flux_width_trace
+    with torch.device("meta"):
+        flux = spec.build().to(torch.bfloat16)
+    double, single = (engines.HostMaster.plan(list(b[0].parameters()))[1] for b in (flux.double_blocks, flux.single_blocks))
+    blocks = spec.layers * double + spec.single_layers * single
+    shell = engines.HostMaster.plan([p for name, p in flux.named_parameters() if "_blocks." not in name])[1]
+    layerwise, none, model = runs["layerwise"], runs["none"], runs["model"]
+    assert layerwise["max_resident_blocks"] == 2
+    assert layerwise["h2d_bytes_by_step"] == [shell + blocks + double, blocks]  # step 0 also prefetches block 0 of step 1
+    weights = sum(p.numel() * p.element_size() for p in flux.parameters())
+    activations = none["peak_device_bytes"] - weights  # what the resident run holds besides its weights
+    assert 0 < activations < double  # one step's activations weigh less than one double-stream block
+    assert shell + 2 * double < layerwise["peak_device_bytes"] <= shell + 2 * double + activations + 2 * 512
+    # the same bytes, packed otherwise: one flat buffer per piece against one storage per parameter
+    assert model["peak_device_bytes"] == pytest.approx(none["peak_device_bytes"], rel=1e-5)
+    assert model["h2d_bytes_by_step"][1] == 0
+    assert runs["sequential"]["h2d_bytes_by_step"][0] == runs["sequential"]["h2d_bytes_by_step"][1] > blocks
+
+
+def test_a_fake_trace_refuses_what_it_cannot_do(lab08):
+    with pytest.raises(lab08.UsageError, match="--fake traces on this machine's CPU dispatch"):
+        lab08.Config(**{**SIZE, "device": "cuda"}, fake=True)
+    with pytest.raises(lab08.UsageError, match="--pinned on"):
+        lab08.Config(**SIZE, fake=True, pinned="on")
+    with pytest.raises(lab08.UsageError, match="too deep for 4 denoiser blocks"):
+        lab08.Config(**SIZE, model="small-flux", prefetch_depth=4)
+    assert lab08.Config(**SIZE, model="flux-dev", prefetch_depth=56).denoiser_blocks() == 57
+
+
+def test_the_real_scale_command_reports_a_trace():
+    proc = run_cli(SCRIPT, *SMALL, "--model", "small-flux", "--fake", "--mode", "layerwise", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    layerwise = data["modes"][0]
+    assert data["config"]["fake"] and layerwise["step_ms"] is None and layerwise["d2h_bytes"] is None
+    assert layerwise["max_resident_blocks"] == 2 and len(layerwise["h2d_bytes_by_step"]) == 2
+    assert all(layerwise[k] % 512 == 0 for k in ("peak_device_bytes", "peak_host_copy_bytes"))  # CUDA's blocks
 
 
 # ------------------------------------------------------------------ GPU only

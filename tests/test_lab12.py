@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import labs, marks
+from labkit import fake, labs, marks, zoo
 
 SCRIPT = "lab-12-memory-debugging/memory_debugging.py"
 WORKER = "lab-12-memory-debugging/cuda_scenarios.py"
@@ -312,6 +313,89 @@ def test_the_worker_command_line_has_help_and_refuses_out_of_memory_on_cpu():
     assert run_cli(WORKER, "--help").returncode == 0
     proc = run_cli(WORKER, "--device", "cpu", "--experiment", "out_of_memory")
     assert_clean_usage_error(proc, "--experiment out_of_memory needs a CUDA GPU")
+
+
+# ------------------------------------------------------------------ at real size, on fake tensors
+SMALL_LLAMA = {"device": "cpu", "model": "small-llama", "seq_len": 32, "batch_size": 2, "steps": 3, "precision": "bf16"}
+
+
+@pytest.mark.parametrize("scenario", ["leak-losses", "leak-activations", "fixed"])
+def test_the_trace_on_fake_tensors_reads_what_the_real_run_reads(lab12, scenario):
+    """Each loop on a small Llama, bf16 autocast, foreach AdamW: on real tensors, and traced on fake
+    ones through the same ``run_leak`` (``fake.tensors(block=None)``: exact bytes, as the CPU run
+    counts them; ``--fake`` rounds each storage to the CUDA allocator's 512 bytes). The same peaks
+    by phase, step and category, and the same live tensors by origin after every step and at the
+    peak, line for line."""
+    real_scale = load_lab(12, "real_scale")
+    config = lab12.Config(**SMALL_LLAMA)
+    real = lab12.run_leak(config, scenario, torch.device("cpu"))
+    with fake.tensors(block=None), real_scale.NoValues():
+        traced = lab12.run_leak(dataclasses.replace(config, fake=True), scenario, torch.device("cpu"))
+    assert len(traced.timeline) == len(real.timeline)
+    assert traced.timeline.peaks_by_phase() == real.timeline.peaks_by_phase()
+    assert traced.timeline.step_peaks() == real.timeline.step_peaks()
+    assert traced.after_step == real.after_step and traced.at_peak == real.at_peak
+    assert traced.growth_per_step == real.growth_per_step and traced.tensors_kept == real.tensors_kept
+    assert len(real.losses) == SMALL_LLAMA["steps"] and traced.losses == []  # a trace has no values
+
+
+def test_live_at_peak_is_the_ledger_at_its_highest_row(result):
+    for leak in result.leaks.values():
+        device = [r for r in leak.at_peak if r["scope"] == "device"]
+        assert sum(r["bytes"] for r in device) == leak.timeline.peak()["total"]
+        by_category = {}
+        for r in device:
+            by_category[r["category"]] = by_category.get(r["category"], 0) + r["bytes"]
+        assert by_category == {c: b for c, b in leak.timeline.peak().items() if b and c != "total"}
+
+
+@pytest.fixture(scope="module")
+def llama_width_trace(lab12):
+    """Llama-3-8B's layers at their real shape (width 4096, 128k vocabulary, 4096 tokens, bf16
+    autocast, foreach AdamW) but 2 of them instead of 32, each loop traced for 2 steps (the whole
+    model takes 15 to 20 s a loop on this machine; the claims below hold layer by layer)."""
+    reduced = dataclasses.replace(zoo.get("llama-3-8b"), layers=2)
+    config = lab12.Config(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1, precision="bf16", steps=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lab12.Config, "model_spec", lambda self: reduced)
+        return {name: lab12.run(dataclasses.replace(config, scenario=name)).leaks[name]
+                for name in ("fixed", "leak-losses")}
+
+
+def test_at_llama_width_the_peak_is_adamw_and_a_kept_loss_keeps_a_forward(lab12, llama_width_trace):
+    """The page's real-scale claims. The step's peak is inside ``optimizer.step()``: the parameters,
+    their gradients, AdamW's two moments and a foreach temporary the size of every parameter (fp32
+    master weights under autocast: 4 bytes each, in 512-byte blocks). A monitoring loss kept as a
+    tensor keeps what the training forward saves for backward, plus the 512-byte training loss."""
+    fixed, losses = llama_width_trace["fixed"], llama_width_trace["leak-losses"]
+    peak = fixed.timeline.peak()
+    params = peak["parameters"]
+    n_params = sum(r["tensors"] for r in fixed.at_peak if r["category"] == "parameters")
+    assert peak["gradients"] == peak["temporaries"] == params
+    assert peak["optimizer_state"] == 2 * params + 512 * n_params  # exp_avg, exp_avg_sq, step
+    (temp,) = [r for r in fixed.at_peak if r["category"] == "temporaries"]
+    assert temp["where"].endswith("optimizer.step()") and temp["tensors"] == n_params
+    phases = fixed.timeline.peaks_by_phase()
+    assert peak == phases["optimizer"] | {"total": peak["total"]} and peak["total"] > sum(phases["backward"].values())
+    graph = max(fixed.timeline.device["activations"][i] for i in range(len(fixed.timeline))
+                if fixed.timeline.step[i] == 0)
+    assert losses.growth_per_step == [graph + 512]
+    assert losses.expected_growth is None  # Lab 01 counts TinyGPT's graph, not Llama's
+
+
+def test_the_real_scale_config(lab12):
+    with pytest.raises(lab12.UsageError, match="--fake traces on this machine's CPU dispatch"):
+        lab12.Config(**{**SIZE, "device": "cuda"}, fake=True)
+    with pytest.raises(lab12.UsageError, match="unknown model 'llama-9b'"):
+        lab12.Config(**SIZE, model="llama-9b")
+
+
+def test_the_real_scale_command_reports_a_trace():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--fake", "--seq-len", "32", "--batch-size", "2",
+                   "--steps", "2", "--precision", "bf16", "--scenario", "leak-losses", "--top", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "small-llama, AdamW" in proc.stdout and "traced on fake tensors" in proc.stdout
+    assert "alive at the peak of the run" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------- GPU only

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import html as html_lib
+import importlib.util
 import json
 import re
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -17,7 +19,7 @@ DOCS = ROOT / "docs"
 LAB_PAGES = sorted((DOCS / "labs").glob("lab-*.md"))
 TEMPLATE_SECTIONS = [
     "Concept goal", "Mental model", "Run it", "Annotated code", "Line by line", "Measured results",
-    "What to notice", "Common misunderstandings", "Interview: how to say it out loud", "Exercises",
+    "At real scale", "What to notice", "Common misunderstandings", "Interview: how to say it out loud", "Exercises",
     "Further reading",
 ]
 SNIPPET = re.compile(r'^\s*-{1,}8<-{1,}\s+"([^"]+)"', re.M)
@@ -279,12 +281,12 @@ def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypat
                                                                 "summary_rows": rows}))
     monkeypatch.setattr(hooks, "ROOT", tmp_path)
     text = hooks.render_performance("performance.md")
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
-    assert lines[1].startswith("| overhead | 1.02x | &lt;= 1.03 | Some GPU (GPU) | 2026-11-22 | `abcdef1234`")
-    assert lines[2].startswith("| bandwidth | 50.0 GB/s |")
-    assert "## Not measured on a GPU yet" in text and "`bench/other_bench.py`" in text
-    assert "`bench/demo_bench.py`" not in text
-    assert all(line.endswith("| current |") for line in lines[1:3])
+    assert "Measured on a GPU: demo. Not yet measured on a GPU: other." in text
+    pending, rest = text.split("## demo", 1)
+    assert "`bench/other_bench.py`" in pending and "`bench/demo_bench.py`" not in text
+    lines = [line for line in rest.splitlines() if line.startswith("| ")]
+    assert lines[1] == "| overhead | 1.02x | &lt;= 1.03 | ✓ met | current |  | Some GPU (GPU) | 2026-11-22 | `abcdef1234` |"
+    assert lines[2].startswith("| bandwidth | 50.0 GB/s | - | - | current |")
 
 
 def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp_path, monkeypatch):
@@ -298,9 +300,10 @@ def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp
     (tmp_path / "results" / "multi.json").write_text(json.dumps({"bench": "multi", "provenance": prov,
                                                                  "source_hashes": hashes, "summary_rows": rows}))
     monkeypatch.setattr(hooks, "ROOT", tmp_path)
-    lines = [line for line in hooks.render_performance("performance.md").splitlines() if line.startswith("| ")]
-    assert lines[1].startswith("| bf16 speed | 2.00x |") and lines[1].endswith("| current |")
-    assert lines[2].startswith("| full overhead | 30.0 % |") and lines[2].endswith("| older lab code (0000000000000000) |")
+    text = hooks.render_performance("performance.md").split("## multi", 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert lines[1].startswith("| bf16 speed | 2.00x | - | - | current |")
+    assert lines[2].startswith("| full overhead | 30.0 % | - | - | older lab code (0000000000000000) |")
 
 
 def test_results_become_tables_and_numbers_on_a_page_escaped(tmp_path, monkeypatch):
@@ -351,3 +354,51 @@ def test_no_page_includes_a_generated_results_file():
     for page in DOCS.rglob("*.md"):
         includes = [ref for ref in SNIPPET.findall(page.read_text(encoding="utf-8")) if ref.startswith("results/")]
         assert not includes, (page.name, includes)
+
+
+def test_serve_refuses_a_busy_port_in_one_line_before_building():
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(ROOT / "scripts" / "serve"), "--dev-addr", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--dev-addr 127.0.0.1:8001" in lines[0] and str(port) in lines[0]
+    assert time.perf_counter() - t0 < 10, "refused before the install and the build"
+
+
+def test_page_weight_budgets(built_site):
+    """What a reader downloads: the search index every page loads <= 400 KB (no notebook outputs,
+    no code listings or their tooltips, no tables), each notebook page <= 600 KB (the Jupyter styles
+    in one shared stylesheet), each lab page <= 400 KB."""
+    site = built_site["dir"]
+    index = site / "search" / "search_index.json"
+    assert index.stat().st_size <= 400_000, f"search index {index.stat().st_size:,} B"
+    text = index.read_text(encoding="utf-8")
+    assert "Copied!" not in text and "data:image" not in text
+    heavy = [f"{p.relative_to(site)}: {p.stat().st_size:,} B"
+             for folder, budget in (("notebooks", 600_000), ("labs", 400_000))
+             for p in sorted((site / folder).glob("*/index.html")) if p.stat().st_size > budget]
+    assert not heavy, "\n".join(heavy)
+    nb = (site / "notebooks" / "lab-02-single-gpu-training" / "index.html").read_text(encoding="utf-8")
+    assert "notebook.css" in nb and len(re.findall(r"<style", nb)) == 0
+
+
+def test_performance_rows_say_whether_their_target_is_met():
+    spec = importlib.util.spec_from_file_location("infralab_hooks_perf", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.target_met(5.2, ">= 5", gpu_target=False, on_gpu=False) == "✓ met"
+    assert hooks.target_met(2.8, ">= 5", gpu_target=False, on_gpu=True) == "✗ not met"
+    assert hooks.target_met(12.0, "<= 15 s", gpu_target=False, on_gpu=False) == "✓ met"
+    assert hooks.target_met(2.8, ">= 5", gpu_target=True, on_gpu=False) == "not comparable (CPU run)"
+    assert hooks.target_met(2.8, None, gpu_target=False, on_gpu=False) == "-"
+    page = hooks.render_performance("performance.md")
+    assert page.startswith("## On a GPU: measured and not yet")
+    assert "| metric | value | target | met? | code | note |" in page

@@ -9,9 +9,15 @@ The engines are in ``offload_engines.py``; here ``install`` places them and ``ru
 pipeline. Each mode is then measured twice: once under the memory ledger (the bytes), once without
 it, whose dispatch mode costs time on every op (the time per denoising step, the schedule).
 
+``--model flux-dev --fake`` puts the Flux.1-dev transformer (``flux_pipeline.py``) in the denoiser's
+place and traces every mode on fake tensors: the bytes a GPU would hold and move, nothing allocated,
+no values and no time.
+
 Run it:
     .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode all --device cpu
     .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode layerwise --prefetch-depth 2 --json
+    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --model flux-dev --fake --dtype bfloat16 \
+        --latent-tokens 4096 --text-len 512 --steps 2
 """
 
 from __future__ import annotations
@@ -23,16 +29,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.nn as nn
+from flux_pipeline import build_pipeline
+from offload_report import report
 from offload_engines import LayerwiseOffload, ModelOffload, Resident, SequentialOffload
 from pinned_arena import next_pow2
 
-from labkit import budget, cli, labs, marks, provenance
+from labkit import budget, cli, fake, labs, marks, provenance, zoo
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.diffusion import DTYPES, DiffusionShape, ToyDiffusionPipeline
 from labkit.ledger import Ledger
 from labkit.schedule import Copies, Recorder
-from labkit.table import Table
 
 MODES = ("none", "model", "sequential", "layerwise")
 STAGES = ("encode", "denoise", "decode")
@@ -55,18 +63,22 @@ def install(mode: str, pipe: ToyDiffusionPipeline, device, *, prefetch_depth: in
         return [ModelOffload(parts, device, pinned)]  # (1)!
     if mode == "sequential":
         return [SequentialOffload(pipe, device, pinned)]  # (2)!
-    blocks = pipe.denoiser.blocks
+    blocks = denoiser_blocks(pipe.denoiser)
     handles = [LayerwiseOffload(blocks, device, prefetch_depth, pinned, name="denoiser.blocks")]  # (3)!
-    chain = {"denoiser": parts["denoiser"]}  # its few weights outside the blocks
-    if encoder_offload:
-        chain = {"text_encoder": parts["text_encoder"], **chain}
-    if decoder_offload:
-        chain["decoder"] = parts["decoder"]
+    moves = {"text_encoder": encoder_offload, "denoiser": True, "decoder": decoder_offload}
+    chain = {name: m for name, m in parts.items() if moves[name]}  # the denoiser: its weights outside the blocks
     handles.append(ModelOffload(chain, device, pinned, skip=[blocks]))  # (4)!
     stay = {name: m for name, m in parts.items() if name not in chain}
     if stay:
         handles.append(Resident(stay, device))
     return handles
+
+
+def denoiser_blocks(denoiser: nn.Module) -> nn.ModuleList:
+    """Every block of every ``ModuleList`` the denoiser holds, in the order they were registered:
+    the toy's ``blocks``; Flux's 19 double-stream blocks, then its 38 single-stream ones (as they run)."""
+    lists = [child for child in denoiser.children() if isinstance(child, nn.ModuleList)]
+    return nn.ModuleList(block for blocks in lists for block in blocks)
 # --8<-- [end:install]
 
 
@@ -99,26 +111,51 @@ class Config(DiffusionShape, LabConfig):
     batch: int = option(1, "prompts per pipeline run", min=1)
     repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    model: Literal["toy", "flux-dev", "small-flux"] = option(
+        "toy", "the denoiser: toy (this lab's pipeline, from the shape flags) or a zoo Flux transformer "
+        "(flux-dev: Flux.1-dev, 11.9 B; small-flux: its toy twin), whose shape replaces --width, --heads, "
+        "--denoiser-layers, --text-layers and --decoder-layers")
+    fake: bool = option(False, "trace on fake tensors: every byte held and moved is counted (rounded like "
+                        "the CUDA allocator), nothing is allocated; no values, no time, no pinning")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode in ("layerwise", "all") and self.prefetch_depth >= self.denoiser_layers:
-            raise UsageError(f"--prefetch-depth {self.prefetch_depth} is too deep for {self.denoiser_layers} denoiser "
-                             f"blocks: at most {self.denoiser_layers - 1} (every other block) can be ahead")
-        if self.pinned == "on" and not torch.cuda.is_available():
-            raise UsageError("--pinned on needs a CUDA driver (pinned memory is page-locked for DMA)")
+        blocks = self.denoiser_blocks()
+        if self.mode in ("layerwise", "all") and self.prefetch_depth >= blocks:
+            raise UsageError(f"--prefetch-depth {self.prefetch_depth} is too deep for {blocks} denoiser "
+                             f"blocks: at most {blocks - 1} (every other block) can be ahead")
+        if self.pinned == "on" and (self.fake or not torch.cuda.is_available()):
+            raise UsageError("--pinned on needs a CUDA driver (pinned memory is page-locked for DMA), "
+                             "and a trace on fake tensors pins nothing")
+        if self.fake and self.device == "cuda":
+            raise UsageError("--fake traces on this machine's CPU dispatch; leave --device at cpu or auto")
+
+    def model_spec(self) -> zoo.ModelSpec | None:
+        """The zoo's Flux ``--model`` names; None for the toy pipeline."""
+        return None if self.model == "toy" else zoo.get(self.model)
+
+    def denoiser_blocks(self) -> int:
+        """Blocks in the denoiser: ``--denoiser-layers``, or the Flux's double- and single-stream blocks."""
+        spec = self.model_spec()
+        return self.denoiser_layers if spec is None else spec.layers + spec.single_layers
+
+    def tensors(self):
+        """Where the run happens: ``fake.tensors()`` with ``--fake``, else nothing special."""
+        return fake.tensors() if self.fake else contextlib.nullcontext()
 
 
 def run(config: Config) -> Result:
-    device = cli.pick_device(config.device)
+    device = torch.device("cpu") if config.fake else cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     modes = MODES if config.mode == "all" else dict.fromkeys(("none", config.mode))  # none: the reference
-    e = torch.finfo(DTYPES[config.dtype]).bits // 8  # every denoiser weight, at least once: 16 w^2 per block
-    budget.require(16 * config.width**2 * config.denoiser_layers * e, device,
-                   f"16 x {config.width}^2 weights x {config.denoiser_layers} denoiser blocks x {e} B")
+    e, spec = torch.finfo(DTYPES[config.dtype]).bits // 8, config.model_spec()
+    weights, what = ((spec.param_count(), f"{spec.name}: {spec.param_count():,}") if spec else  # 16 w^2 per block
+                     (16 * config.width**2 * config.denoiser_layers, f"16 x {config.width}^2 x {config.denoiser_layers} blocks"))
+    if not config.fake:  # every denoiser weight, at least once (a trace allocates nothing)
+        budget.require(weights * e, device, f"{what} weights x {e} B")
     runs, t0 = [], time.perf_counter()
-    with record_snapshot(config.snapshot):
+    with record_snapshot(config.snapshot), config.tensors():
         for mode in cli.progress(modes, total=len(modes), desc="modes"):
             runs.append(run_mode(mode, config, device, runs[0].output if runs else None))
     shown = [r for r in runs if config.mode in ("all", r.mode)]
@@ -145,7 +182,10 @@ def run_mode(mode: str, config: Config, device, reference: torch.Tensor | None =
     """
     ledger = Ledger(device)
     output, counted = measure_bytes(mode, config, device, ledger)
-    timed_output, schedule, step_ms, cuda = measure_time(mode, config, device)
+    if config.fake:  # traced on fake tensors: bytes, no values, no time
+        timed_output, schedule, step_ms, cuda = output, None, None, None
+    else:
+        timed_output, schedule, step_ms, cuda = measure_time(mode, config, device)
     reference = output if reference is None else reference
     tl = ledger.timeline()
     stage_peak = {s: sum(peak.values()) for s, peak in tl.peaks_by_phase().items() if s in STAGES}
@@ -155,24 +195,33 @@ def run_mode(mode: str, config: Config, device, reference: torch.Tensor | None =
                "decoder_offload": every_component or mode == "layerwise" and config.decoder_offload == "on",
                "peak_device_bytes": max(stage_peak.values()), "peak_device_bytes_by_stage": stage_peak,
                "peak_host_copy_bytes": max(tl.host["host_copies"], default=0),  # the ledger's count
-               **counted, "denoiser_blocks": config.denoiser_layers,
+               **counted, "denoiser_blocks": config.denoiser_blocks(),
                "max_memory_allocated": cuda["max_memory_allocated"] if cuda else None,
                "step_ms": step_ms,  # from the runs without the ledger
-               "max_abs_diff": max((out.float() - reference.float()).abs().max().item() for out in (output, timed_output))}
+               "max_abs_diff": None if config.fake else max((out.float() - reference.float()).abs().max().item()
+                                                            for out in (output, timed_output))}
     return ModeRun(mode, output, ledger, schedule, summary)
 
 
 def measure_bytes(mode: str, config: Config, device, ledger: Ledger) -> tuple[torch.Tensor, dict]:
     """One pipeline run under ``ledger``; also counted from outside: the denoiser blocks on the
-    device whenever a block module starts, and the bytes copied out of and into the host masters."""
-    pipe = ToyDiffusionPipeline(config.pipeline(), seed=config.seed)  # built on the host, as from a checkpoint
+    device whenever a block module starts, the bytes copied out of and into the host masters, and
+    the bytes the engines mark as moved in, per denoising step.
+
+    With ``config.fake`` (inside ``config.tensors()``) the copies are not counted: ``Copies`` knows
+    the host buffers by address, and a fake storage has none. The engines' marks count what moved in.
+    """
+    pipe = build_pipeline(config)  # built on the host, as from a checkpoint
     prompt, noise = pipe.inputs(config.seed, device)
     ledger.track_module(pipe).track([prompt, noise], "other")
     with torch.no_grad(), ledger, installed(mode, pipe, device, config) as handles:
         host = [chunk for h in handles for chunk in h.host_buffers()]
         ledger.track(host, "host_copies")  # the arenas' chunks: host memory, labelled from outside
-        with BlockCount(pipe.denoiser.blocks, handles) as blocks, Copies(host) as copies:
+        copies = None if config.fake else Copies(host)
+        with (BlockCount(denoiser_blocks(pipe.denoiser), handles) as blocks, Recorder(device) as marked,
+              copies or contextlib.nullcontext()):
             output = run_pipeline(pipe, handles, prompt, noise)
+        by_step = h2d_by_step(marked)
         arenas = [h.arena for h in handles if h.arena is not None]
         return output, {
             "pinned": any(h.pinned for h in handles),
@@ -180,13 +229,27 @@ def measure_bytes(mode: str, config: Config, device, ledger: Ledger) -> tuple[to
             "host_bytes": sum(a.nbytes for a in arenas),  # the arenas' chunks: pinned on a GPU
             "host_weight_bytes": sum(a.unit_bytes for a in arenas),  # what the masters hold
             "host_bytes_one_buffer_per_unit": sum(next_pow2(size) for a in arenas for size in a.sizes),
-            "max_resident_blocks": blocks.most, "h2d_bytes": copies.out_of, "d2h_bytes": copies.into}
+            "max_resident_blocks": blocks.most, "h2d_bytes_by_step": by_step,
+            "h2d_bytes": copies.out_of if copies else sum(s["h2d_bytes"] for s in marked.stage_summary().values()),
+            "d2h_bytes": copies.into if copies else None}
+
+
+def h2d_by_step(schedule: Recorder, stage: str = "denoise") -> list[int]:
+    """Bytes the engines marked as moved in during each span of ``stage`` (one span per denoising step)."""
+    steps, inside = [], False
+    for m in schedule.marks:
+        if m.unit == stage and m.kind in ("stage_start", "stage_end"):
+            inside = m.kind == "stage_start"
+            steps += [0] if inside else []
+        elif inside and m.kind in ("prefetch_start", "transfer_start"):
+            steps[-1] += m.nbytes
+    return steps
 
 
 def measure_time(mode: str, config: Config, device) -> tuple[torch.Tensor, Recorder, float, dict | None]:
     """``config.repeats`` pipeline runs with no ledger: the output, the last run's schedule, the
     milliseconds per denoising step (warm runs), the allocator's counters (CUDA)."""
-    pipe = ToyDiffusionPipeline(config.pipeline(), seed=config.seed)
+    pipe = build_pipeline(config)
     prompt, noise = pipe.inputs(config.seed, device)
     denoise_ms = []
     with torch.no_grad(), installed(mode, pipe, device, config) as handles:
@@ -247,42 +310,6 @@ class Result:
         return {"lab": labs.slug(__file__), "device": str(self.device), "config": summary_of(self.config),
                 "modes": [r.summary for r in self.runs],
                 "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
-
-
-def modes_table(runs: list[ModeRun], times: bool = True) -> Table:
-    """One row per mode: what it keeps on the device, what it moves, and (``times``) how fast."""
-    resident = next((r.summary["peak_device_bytes"] for r in runs if r.mode == "none"), None)
-    columns = ["mode", ("peak device bytes", "bytes"), ("vs resident", "x:2"), "denoiser blocks resident",
-               ("host to device per run", "bytes"), ("device to host", "B"), ("max abs diff", "sci:1")]
-    rows = []
-    for r in runs:
-        s = r.summary
-        name = f"layerwise (k={s['prefetch_depth']})" if r.mode == "layerwise" else r.mode
-        rows.append([name, s["peak_device_bytes"], resident and s["peak_device_bytes"] / resident,
-                     f"{s['max_resident_blocks']} of {s['denoiser_blocks']}", s["h2d_bytes"], s["d2h_bytes"],
-                     s["max_abs_diff"]] + ([s["step_ms"]] if times else []))
-    return Table(columns + ([("ms per step (no ledger)", "float:2")] if times else []), rows)
-
-
-def host_table(runs: list[ModeRun]) -> Table:
-    """What the host masters cost: the arenas against one pinned buffer per unit."""
-    rows = [[r.mode, s["host_weight_bytes"], s["host_bytes"], s["host_bytes"] / s["host_weight_bytes"],
-             s["host_bytes_one_buffer_per_unit"], s["host_bytes_one_buffer_per_unit"] / s["host_weight_bytes"]]
-            for r in runs if (s := r.summary)["host_weight_bytes"]]
-    return Table(["mode", ("weights on the host", "bytes"), ("arena (measured: ledger `host_copies`)", "bytes"),
-                  ("vs weights", "x:2"), ("one pinned buffer per unit would take", "bytes"), ("vs weights", "x:2")], rows)
-
-
-def report(result: Result) -> None:
-    c, cpu = result.config, result.device.type == "cpu"
-    print(f"Lab 08 on {result.device}: {c.denoiser_layers}-block denoiser, {c.steps} steps, width {c.width}, "
-          f"{c.dtype}{' (CPU: times are CPU times, transfers are memcpy)' if cpu else ''}")
-    print(modes_table(result.runs).text())
-    if any(r.summary["host_weight_bytes"] for r in result.runs):
-        print("\nHost masters (the arenas' power-of-two chunks, pinned on a GPU):")
-        print(host_table(result.runs).text())
-    if c.snapshot:
-        print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 if __name__ == "__main__":

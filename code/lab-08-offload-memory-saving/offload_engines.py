@@ -151,8 +151,8 @@ class Resident(Offload):
         self.homes = [(p, p.device) for m in modules.values() for p in m.parameters()]
         self.claim([p for p, _ in self.homes])
         with marks.category("parameters"):
-            for m in modules.values():
-                m.to(self.device)
+            for p, _ in self.homes:
+                p.data = p.data.to(self.device)
 
     def remove(self) -> None:
         for p, device in self.homes:

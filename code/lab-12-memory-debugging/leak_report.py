@@ -46,8 +46,10 @@ def grew_table(result) -> Table:
 
 def report(result) -> None:
     config = result.config
-    print(f"Lab 12 on {result.device}: TinyGPT, AdamW, {config.steps} steps per leak scenario, "
-          "a monitoring forward each step")
+    model = "TinyGPT" if config.model == "tiny" else config.model
+    print(f"Lab 12 on {result.device}: {model}, AdamW, {config.steps} steps per leak scenario, "
+          f"a monitoring forward each step{', bf16 autocast' if config.precision == 'bf16' else ''}"
+          + ("; traced on fake tensors: bytes, no values (.item() reads NaN), no time" if config.fake else ""))
     if result.leaks:
         print("\nGrowth per step: measured by the ledger, derived from the shapes")
         print(growth_table(result).text())
@@ -58,6 +60,8 @@ def report(result) -> None:
         if leak.cuda:
             print("  the CUDA allocator's count: " + "  ".join(
                 map(format_bytes, leak.summary(config.top)["cuda"]["allocated_after_step"])))
+        print(f"alive at the peak of the run, {format_bytes(leak.timeline.peak()['total'])} (top {config.top}):")
+        print(origin_table(leak.at_peak, config.top).text())
         print(f"alive at the end of the last step (top {config.top}):")
         print(origin_table(leak.after_step[-1], config.top).text())
     cuda_scenarios.print_results(result.fragmentation, result.oom)

@@ -8,14 +8,19 @@
     oom               CUDA only: torch.OutOfMemoryError caught and its message read line by line
 
 The loop pauses after every step; the memory ledger (stacks=True) then says what is alive, by the
-line that allocated it and the line of this file that called the model. The CUDA scenarios live in
-cuda_scenarios.py, the OOM reader in oom_reader.py. Run it:
+line that allocated it and the line of this file that called the model, and, from its record,
+what was alive at the run's peak. The CUDA scenarios live in cuda_scenarios.py, the OOM reader in
+oom_reader.py. ``--model llama-3-8b --fake`` runs the loops on the zoo's Llama-3-8B, traced on fake
+tensors (bytes, no values, no time). Run it:
     .venv/bin/python code/lab-12-memory-debugging/memory_debugging.py --device cpu --scenario leak-losses --top 10
     .venv/bin/python code/lab-12-memory-debugging/memory_debugging.py --device cuda --scenario oom
+    .venv/bin/python code/lab-12-memory-debugging/memory_debugging.py --model llama-3-8b --fake --seq-len 4096 \
+        --batch-size 1 --precision bf16 --scenario fixed --steps 2
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +29,14 @@ from typing import Literal
 import torch
 
 import cuda_scenarios
-from labkit import budget, cli, labs, marks, provenance, stacks
+from labkit import cli, labs, marks, provenance, stacks
 from leak_report import report
+from real_scale import live_at_peak, numbers, shape_of, tensors, training_setup
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.models import GPTConfig, TinyGPTShape
+from labkit.scale import RealScale
 from labkit.timeline import Timeline
 
 toy_gpt = labs.load(1, "toy_gpt")  # Lab 01: every tensor TinyGPT saves for backward, counted
@@ -39,14 +46,17 @@ CUDA_ONLY = ("fragmentation", "oom")
 
 
 # --8<-- [start:loop]
-def training_loop(model, optimizer, data, val, steps: int, batch_size: int, leak: str | None = None):
+def training_loop(model, optimizer, data, val, steps: int, batch_size: int, leak: str | None = None,
+                  bf16: bool = False):
     """Train ``steps`` steps of ``batch_size`` sequences from ``data`` (a SyntheticTokens), each
     followed by a monitoring loss on the held-out batch ``val``; yield what the loop keeps after each.
 
     ``leak``: ``"losses"`` keeps both losses as tensors, the monitoring one computed with autograd
     on; ``"activations"`` keeps every block's output from a forward hook; None keeps numbers only.
+    ``bf16``: each forward under ``torch.autocast`` to bfloat16 (weights and optimizer stay fp32).
     """
     losses, debug = [], []  # what the loop keeps from one step to the next
+    autocast = functools.partial(torch.autocast, val[0].device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def capture(block, inputs, output):  # a forward hook, "for debugging"
         if block.training:
@@ -56,7 +66,7 @@ def training_loop(model, optimizer, data, val, steps: int, batch_size: int, leak
     try:
         for step in range(steps):
             x, y = data.batch(step, batch_size, val[0].device)
-            with marks.phase("forward", step):
+            with marks.phase("forward", step), autocast():
                 loss = model(x, y)[1]
             with marks.phase("backward", step):
                 loss.backward()  # (2)!
@@ -65,7 +75,7 @@ def training_loop(model, optimizer, data, val, steps: int, batch_size: int, leak
                 optimizer.zero_grad(set_to_none=True)
             with marks.phase("forward", step):  # monitoring: the loss on a held-out batch
                 model.eval()  # (3)!
-                with torch.set_grad_enabled(leak == "losses"):  # (4)!
+                with torch.set_grad_enabled(leak == "losses"), autocast():  # (4)!
                     val_loss = model(*val)[1]
                 model.train()
             if leak == "losses":
@@ -119,7 +129,7 @@ def expected_growth(scenario: str, model_config: GPTConfig, batch: int, device: 
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):
+class Config(RealScale, TinyGPTShape, LabConfig):
     """Reproduce memory leaks, fragmentation and an out-of-memory error, and diagnose each."""
 
     scenario: Literal["leak-losses", "leak-activations", "fixed", "fragmentation", "oom", "all"] = option(
@@ -128,6 +138,7 @@ class Config(TinyGPTShape, LabConfig):
     top: int = option(12, "rows of each live-tensor table", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
     lr: float = option(1e-3, "AdamW learning rate", above=0)
+    precision: Literal["fp32", "bf16"] = option("fp32", "bf16: each forward under bfloat16 autocast")
     frag_iters: int = option(12, "fragmentation: batch sizes tried", min=1)
     frag_layers: int = option(8, "fragmentation: buffer pairs kept", min=1)
     cap_mb: int = option(1024, "oom: the memory cap in MiB (the patterns need at least 128)", min=128)
@@ -142,32 +153,25 @@ class Config(TinyGPTShape, LabConfig):
 def run_leak(config: Config, scenario: str, device: torch.device) -> Leak:
     """Loop ``scenario`` with ``config``'s sizes on ``device``, under a ledger with stacks, read
     after every step; what it kept dies on return."""
-    torch.manual_seed(config.seed)
-    model_config = config.model_config()
-    budget.require_gpt_training(model_config, config.batch_size, device)  # too big for the machine: refused
-    model = TinyGPT(model_config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
-    val = data.batch(10**6, config.batch_size, device)  # a held-out batch, never trained on
+    model, optimizer, data, val = training_setup(config, device)  # TinyGPT, AdamW, SyntheticTokens
     ledger = Ledger(device, stacks=True)  # (1)!
     ledger.track_module(model).track_optimizer(optimizer)
     reset_peak(device)
     after_step, t0 = [], time.perf_counter()
     with ledger:
         for losses, debug in training_loop(model, optimizer, data, val, config.steps, config.batch_size,
-                                           LEAKS[scenario]):
+                                           LEAKS[scenario], bf16=config.precision == "bf16"):
             after_step.append(stacks.live_by_origin(ledger))  # (2)!
             held = [*debug, *(v for pair in losses for v in pair)]  # what the loop holds now
-    return Leak(scenario, model_config, ledger.timeline(), after_step,
-                [tuple(v.item() if isinstance(v, torch.Tensor) else v for v in pair) for pair in losses],
-                sum(isinstance(v, torch.Tensor) for v in held),
-                expected_growth(scenario, model_config, config.batch_size, device),
-                time.perf_counter() - t0, allocator_stats(device))
+    timeline = ledger.timeline()
+    return Leak(scenario, shape_of(config), timeline, after_step, live_at_peak(ledger, timeline),  # (3)!
+                numbers(losses, config), sum(isinstance(v, torch.Tensor) for v in held),
+                derived_growth(config, scenario, device), time.perf_counter() - t0, allocator_stats(device))
 # --8<-- [end:run]
 
 
 def run(config: Config) -> Result:
-    device = cli.pick_device(config.device)
+    device = torch.device("cpu") if config.fake else cli.pick_device(config.device)
     wanted = [*LEAKS, *CUDA_ONLY] if config.scenario == "all" else [config.scenario]
     if device.type != "cuda":
         if config.scenario in CUDA_ONLY:
@@ -183,7 +187,7 @@ def run(config: Config) -> Result:
         path = config.snapshot
         if path and len(leaks) > 1:  # one history per loop, named after it
             path = path.with_name(f"{path.stem}-{name}{path.suffix}")
-        with record_snapshot(path) as written:
+        with record_snapshot(path) as written, tensors(config):
             result.leaks[name] = run_leak(config, name, device)
         if written:
             result.snapshots.append(written.name)
@@ -196,6 +200,16 @@ def run(config: Config) -> Result:
     return result
 
 
+# ---------------------------------------------------------------------- what run_leak needs
+def derived_growth(config: Config, scenario: str, device: torch.device) -> int | None:
+    """``expected_growth`` where its count holds: Lab 01's count of a kept graph is TinyGPT's, in
+    exact bytes (a trace rounds each storage to 512); the block outputs' count holds for any model
+    whose residual stream is fp32."""
+    if scenario == "leak-losses" and (config.model_spec() is not None or config.fake):
+        return None
+    return expected_growth(scenario, shape_of(config), config.batch_size, device)
+
+
 # ---------------------------------------------------------------------- the result and its report
 @dataclass
 class Leak:
@@ -205,7 +219,8 @@ class Leak:
     model_config: GPTConfig
     timeline: Timeline
     after_step: list[list[dict]]  # stacks.live_by_origin after each step
-    losses: list[tuple[float, float]]  # (training, monitoring) per step, as numbers
+    at_peak: list[dict]  # stacks.live_by_origin at the run's highest device total
+    losses: list[tuple[float, float]]  # (training, monitoring) per step, as numbers (none when traced)
     tensors_kept: int  # tensors the loop still held at its end (in its losses and debug lists)
     expected_growth: int | None
     wall_time_s: float
@@ -230,7 +245,8 @@ class Leak:
         out = {"live_bytes_after_step": self.live_after_step, "growth_per_step_bytes": self.growth_per_step,
                "expected_growth_per_step_bytes": self.expected_growth,
                "grew_in_last_step": self.grew(top),
-               "live_at_end": self.after_step[-1][:top], "peak_bytes": self.timeline.peak(),
+               "live_at_end": self.after_step[-1][:top], "live_at_peak": self.at_peak[:top],
+               "peak_bytes": self.timeline.peak(),
                "wall_time_s": round(self.wall_time_s, 3), "cuda": self.cuda}
         if self.cuda:  # the allocator's own count at the end of each step, next to the ledger's
             tl = self.timeline

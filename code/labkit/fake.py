@@ -130,7 +130,23 @@ def materialize(build: Callable[[], nn.Module], device: str | torch.device = "cp
         module = build()
         if dtype is not None:
             module = module.to(dtype)
-    return module.to_empty(device=device)
+    shared = _shared_parameters(module)
+    module = module.to_empty(device=device)
+    for owners in shared:  # to_empty gives every owner of a tied weight its own copy: tie them again
+        first, name = owners[0]
+        for owner, other in owners[1:]:
+            setattr(owner, other, getattr(first, name))
+    return module
+
+
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Each parameter held by more than one (module, name): tied embeddings, for instance."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((sub, name))
+    return [group for group in owners.values() if len(group) > 1]
 
 
 def _outside_fake():

@@ -20,6 +20,8 @@ category                  rule
 ``temporaries``           born inside any phase and not one of the above
 ``host_copies``           labelled so from outside (``ledger.track(engine.host_tensors(),
                           "host_copies")``), or born inside ``marks.category("host_copies")``
+``kv_cache``              labelled so by a serving lab (``ledger.track(pool, "kv_cache")`` or
+                          ``marks.category("kv_cache")``): the preallocated keys and values
 ``communication``         labelled so by an instrument (``labkit.traffic``): gradient buckets,
                           all-gather and reduce-scatter buffers of data-parallel training
 ``other``                 born outside every phase (input batches, buffers, ...)
@@ -75,7 +77,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit import fake, marks, stacks
 from labkit.timeline import (  # noqa: F401  (the categories are re-exported for the labs)
-    ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, HOST_COPIES, OPTIMIZER_STATE, OTHER, PARAMETERS, PHASES,
+    ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, HOST_COPIES, KV_CACHE, OPTIMIZER_STATE, OTHER, PARAMETERS, PHASES,
     TEMPORARIES, PhaseSpan, Timeline)
 
 CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
@@ -519,6 +521,7 @@ _AUTO_RANK = {
     OPTIMIZER_STATE: 1,
     GRADIENTS: 2,
     HOST_COPIES: 3,
+    KV_CACHE: 3,
     COMMUNICATION: 4,
     ACTIVATIONS: 5,
     TEMPORARIES: 6,

@@ -59,7 +59,37 @@ def setup(lab: int | str) -> Notebook:
     out.mkdir(parents=True, exist_ok=True)
     record = collect(lab, device)
     _display_markdown(provenance_table(record).markdown())
+    _page_layout_inline_figures()
     return Notebook(module, slug, device, out, record, time.perf_counter())
+
+
+def _page_layout_inline_figures() -> None:
+    """Figures a cell shows are laid out as the pages show them (:func:`labkit.plot.page_layout`:
+    one column, phone-sized, readable text), just before the inline backend draws them."""
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import flush_figures
+    except ImportError:  # not in a kernel: nothing is drawn inline
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def page_layout_open_figures() -> None:
+        import matplotlib.pyplot as plt
+
+        from labkit.plot import page_layout
+
+        for number in plt.get_fignums():
+            page_layout(plt.figure(number))
+
+    for callback in (page_layout_open_figures, flush_figures):  # ours first, then the drawing
+        try:
+            shell.events.unregister("post_execute", callback)
+        except ValueError:
+            pass
+    shell.events.register("post_execute", page_layout_open_figures)
+    shell.events.register("post_execute", flush_figures)
 
 
 def provenance_table(record: dict) -> Table:

@@ -9,6 +9,7 @@ or SVG (pages) by the file's suffix.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ CATEGORY_COLORS = {
     "parameters": "#4C72B0",
     "gradients": "#DD8452",
     "optimizer_state": "#8172B3",
+    "kv_cache": "#CCB974",
     "activations": "#55A868",
     "temporaries": "#C44E52",
     "host_copies": "#937860",
@@ -144,16 +146,83 @@ def decimate(values: Sequence[float], max_points: int) -> list[int]:
     return sorted(keep)
 
 
+# ---------------------------------------------------------------------------------- the page style
+#: Every figure a page shows is laid out for a phone first: one column of panels this wide, text no
+#: smaller than MIN_FONT_PT. Shown at its natural width on a desktop (about 500 CSS px) and scaled
+#: to a 390-px phone's content width (about 350 px), 12-pt text stays at 11 CSS px or more.
+PAGE_WIDTH_IN = 5.2
+MIN_FONT_PT = 12.0
+PANEL_HEIGHT_IN = 3.1
+LEGEND_WRAP = 34  # characters of a legend label per line, at MIN_FONT_PT under a PAGE_WIDTH_IN plot
+
+
+def page_layout(fig) -> None:
+    """Re-lay a figure for the page: panels in one column, PAGE_WIDTH_IN wide, text at MIN_FONT_PT
+    or more, legends that sat beside the plot moved under it. Notebooks draw as they like; what a
+    page shows passes through here (:func:`save` calls it for SVG), so every figure on the site
+    reads on a phone."""
+    import matplotlib.gridspec as gridspec
+    from matplotlib.text import Text
+
+    groups: dict[tuple, list] = {}
+    for ax in fig.axes:
+        spec = ax.get_subplotspec()
+        if spec is None:
+            continue
+        rows, cols = spec.rowspan, spec.colspan
+        groups.setdefault((rows.start, cols.start, rows.stop, cols.stop, id(spec.get_gridspec())), []).append(ax)
+    panels = sorted(groups)
+    if len(panels) > 1 and len({key[1] for key in panels}) > 1:  # side by side: stack them
+        grid = gridspec.GridSpec(len(panels), 1, figure=fig)
+        for k, key in enumerate(panels):
+            for ax in groups[key]:
+                ax.set_subplotspec(grid[k, 0])
+                if len(ax.get_shared_y_axes().get_siblings(ax)) > 1:
+                    ax.tick_params(axis="y", labelleft=True)  # a shared y axis is no longer beside its twin
+    n_rows = len({key[0] for key in panels}) if len({key[1] for key in panels}) == 1 else len(panels)
+    width, height = fig.get_size_inches()
+    new_height = max(height * PAGE_WIDTH_IN / width, PANEL_HEIGHT_IN * max(n_rows, 1))
+    fig.set_size_inches(PAGE_WIDTH_IN, new_height)
+    for text in fig.findobj(Text):
+        if text.get_text() and text.get_fontsize() < MIN_FONT_PT:
+            text.set_fontsize(MIN_FONT_PT)
+    for ax in fig.axes:  # tick labels are made at draw time, from the axis' own size
+        for axis in (ax.xaxis, ax.yaxis):
+            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+            if any(t.label1.get_fontsize() < MIN_FONT_PT for t in ticks[:1]) or not ticks:
+                axis.set_tick_params(which="both", labelsize=MIN_FONT_PT)
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        if legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 >= 1.0:  # beside the plot: under it, one column (labels are long, phones narrow)
+            # long labels wrap, so that the legend is never wider than the plot it sits under
+            handles = legend.legend_handles
+            labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
+            legend.remove()
+            style = dict(ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.2)
+            ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2), **style)
+            continue
+        for text in legend.get_texts():
+            text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
+
+
 def save(fig, path: str | os.PathLike) -> Path:
     """Write a figure as PNG or SVG (by suffix), creating folders, all or nothing
-    (:mod:`labkit.files`); SVG text stays text."""
+    (:mod:`labkit.files`); SVG text stays text. An SVG (what pages show) is laid out for the page
+    first (:func:`page_layout`) and has a transparent background, so the site's dark palette shows
+    through (the stylesheet inverts its ink there)."""
     from labkit.files import atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {"metadata": {"Date": None}} if path.suffix == ".svg" else {"metadata": {"Software": None}}
+    svg = path.suffix == ".svg"
+    if svg:
+        page_layout(fig)
+    kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
-        fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", facecolor="white", dpi=160, **kwargs)
+        fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
+                    facecolor="none" if svg else "white", transparent=svg, **kwargs)
     return path
 
 

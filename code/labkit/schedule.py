@@ -208,12 +208,18 @@ class Copies(TorchDispatchMode):
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         super().__init__()
-        self.host = {b.untyped_storage().data_ptr() for b in buffers}
+        self.host = {_where(b) for b in buffers}
         self.out_of = self.into = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
-            self.out_of += src.nbytes if src.untyped_storage().data_ptr() in self.host else 0
-            self.into += dst.nbytes if dst.untyped_storage().data_ptr() in self.host else 0
+            self.out_of += src.nbytes if _where(src) in self.host else 0
+            self.into += dst.nbytes if _where(dst) in self.host else 0
         return func(*args, **(kwargs or {}))
+
+
+def _where(t: torch.Tensor):
+    """A storage's address; a fake storage (labkit.fake) has none, so its identity."""
+    st = t.untyped_storage()
+    return ("fake", st._cdata) if st.device.type == "meta" else st.data_ptr()

@@ -15,7 +15,7 @@ import sys
 
 #: labkit's model code: a tensor born there is named by that line and by the lab line that called
 #: it. Every other labkit module is an instrument, never where a tensor comes from.
-MODEL_CODE = frozenset({"models.py", "diffusion.py"})
+MODEL_CODE = frozenset({"models.py", "diffusion.py", "zoo.py"})
 
 
 def origin() -> dict[str, str | None]:

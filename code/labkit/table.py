@@ -178,12 +178,13 @@ class Table:
 
 def by_category(peaks: dict[str, dict[str, int]], label: str = "phase", categories: Sequence[str] | None = None,
                 unit: str | None = None) -> Table:
-    """One row per phase (or other ``label``), one ``bytes`` column per category that ever holds
-    bytes, and the total in bold: the ledger's peaks as a table."""
+    """One row per phase (or other ``label``), the total in bold next to it (the column a reader
+    looks for first, visible on a phone before the table scrolls), then one ``bytes`` column per
+    category that ever holds bytes: the ledger's peaks as a table."""
     from labkit.timeline import CATEGORIES
 
     cats = [c for c in (categories or CATEGORIES) if any(row.get(c, 0) for row in peaks.values())]
-    rows = [[name, *(row.get(c, 0) for c in cats), sum(v for k, v in row.items() if k in CATEGORIES)]
+    rows = [[name, sum(v for k, v in row.items() if k in CATEGORIES), *(row.get(c, 0) for c in cats)]
             for name, row in peaks.items()]
-    return Table([label, *((c.replace("_", " "), "bytes") for c in cats), ("total", "bytes")], rows,
+    return Table([label, ("total", "bytes"), *((c.replace("_", " "), "bytes") for c in cats)], rows,
                  unit=unit, strong=("total",))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
+KV_CACHE = "kv_cache"  # a serving engine's pool of keys and values (labelled by the lab that owns it)
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
 HOST_COPIES = "host_copies"
@@ -24,7 +25,7 @@ COMMUNICATION = "communication"
 OTHER = "other"
 
 #: Plot and table order: long-lived state first, short-lived last.
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, COMMUNICATION,
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, KV_CACHE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, COMMUNICATION,
               OTHER)
 
 #: The phase names the labs use; any other name is allowed too.

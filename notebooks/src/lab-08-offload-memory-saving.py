@@ -23,6 +23,7 @@ from labkit.table import Table, format_bytes
 nb = notebook.setup(8)
 lab = nb.lab
 plan = labs.load(8, "make_plan")  # the schedule tables and the plan's arithmetic
+tables = labs.load(8, "offload_report")  # the tables the command line prints
 # small on a CPU, GPU-sized on a GPU: the same code either way; the timed runs: one warm-up, then measured
 size = dict(width=1024, heads=16, denoiser_layers=16, latent_tokens=4096, steps=4, dtype="bfloat16", repeats=3) \
     if nb.on_gpu else dict(repeats=2)
@@ -40,7 +41,7 @@ config = lab.Config(device=nb.device.type, **size)
 # %%
 result = lab.run(config)
 runs = {r.mode: r for r in result.runs}
-modes = lab.modes_table(result.runs, times=nb.on_gpu)
+modes = tables.modes_table(result.runs, times=nb.on_gpu)
 display(modes)
 
 # %% [markdown]
@@ -54,7 +55,7 @@ display(modes)
 # GPU run pins.
 
 # %%
-host = lab.host_table(result.runs)
+host = tables.host_table(result.runs)
 display(host)
 
 # %% [markdown]
@@ -136,11 +137,37 @@ depth = Table([("depth k", "int"), ("blocks resident", "int"), ("peak while deno
                for k, m, d in zip(depths, measured, derived)])
 display(depth)
 
+# %% [markdown]
+# ## At real scale: Flux.1-dev, traced on fake tensors
+#
+# The same `run`, with the zoo's Flux.1-dev transformer (11.9 B parameters, bf16) in the
+# denoiser's place: a 1024 x 1024 image, 4096 latent tokens of 64 channels and 512 prompt tokens
+# of 4096, batch 1, two denoising steps. `fake=True` runs every mode on fake tensors: the ledger
+# counts every byte a GPU would hold (rounded to the CUDA allocator's 512-byte blocks) and the
+# engines' marks count every byte they move in, but nothing is allocated: no values, no times,
+# nothing pinned, and each op takes its CPU path (`labkit.fake` says where that differs from CUDA).
+# The text encoders (T5-XXL, CLIP) and the VAE are not modelled: the prompt's embeddings are the
+# input, so the pipeline's one component is the denoiser, and model-level offload has nothing else
+# to swap it with.
+
+# %%
+flux = lab.run(lab.Config(model="flux-dev", fake=True, dtype="bfloat16", latent_tokens=4096, text_len=512, steps=2))
+traced = {r.mode: r for r in flux.runs}
+real_scale = tables.steps_table(flux.runs)
+display(real_scale)
+fig4, axes4 = plt.subplots(1, 2, figsize=(12, 3.4), dpi=110, layout="constrained", sharey=True)
+for ax, mode in zip(axes4, ("none", "layerwise")):
+    plot.plot_timeline(traced[mode].ledger.timeline().window("denoise"), ax=ax, legend=(mode == "none"),
+                       max_points=400, unit="GiB", ymax_bytes=traced["none"].summary["peak_device_bytes"],
+                       title=f"Flux.1-dev, {mode}: two denoising steps (traced on fake tensors)")
+    ax.set_xlabel("ledger events")
+
 # %%
 weights = plan.flat_bytes(config)
 notebook.publish(
-    nb, tables={"modes": modes, "host": host, "depth": depth, "overlap": overlap,
+    nb, tables={"modes": modes, "host": host, "depth": depth, "overlap": overlap, "real_scale": real_scale,
                 **{f"residency_{mode}": table for mode, table in residency.items()}},
-    figures={"timelines": fig, "gantt": fig2, "depth": fig3},
+    figures={"timelines": fig, "gantt": fig2, "depth": fig3, "real_scale": fig4},
     summary=result.summary(), depth_sweep={str(k): s for k, s in sweep.items()}, overlap_ms=overlap_ms,
-    copy_lane_transfer_ms=copy_ms, block_bytes=weights["block"], shell_bytes=weights["shell"])
+    copy_lane_transfer_ms=copy_ms, block_bytes=weights["block"], shell_bytes=weights["shell"],
+    real_scale={mode: run.summary for mode, run in traced.items()})

@@ -144,10 +144,39 @@ oom = scenarios.oom_table(result.oom)
 oom_numbers = scenarios.oom_numbers_table(result.oom)
 display(oom, oom_numbers)
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B, traced on fake tensors
+#
+# The same loops, on the zoo's Llama-3-8B: 4096 tokens, batch 1, each forward under bf16 autocast
+# (fp32 weights, gradients and AdamW state), foreach AdamW (what CUDA runs by default), two steps.
+# `fake=True` traces them on fake tensors: the ledger, with stacks, counts every byte a GPU would
+# hold (rounded to the CUDA allocator's 512-byte blocks) and remembers the line that allocated it,
+# but nothing is allocated, so there are no losses to print (`.item()` reads NaN) and no times.
+# Each op takes its CPU path (`labkit.fake` says where that differs from CUDA). First the fixed
+# loop, read at its peak (`Leak.at_peak`: the ledger's record read back to its highest row); then
+# the loop that keeps its monitoring loss as a tensor, read after each step.
+
+# %%
+at_8b = dict(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1, precision="bf16", steps=2)
+step_8b = lab.run(lab.Config(**at_8b, scenario="fixed")).leaks["fixed"]
+leak_8b = lab.run(lab.Config(**at_8b, scenario="leak-losses")).leaks["leak-losses"]
+real_scale = tables.origin_table(step_8b.at_peak, config.top)
+real_scale_grew = tables.origin_table(leak_8b.grew(config.top), config.top)
+display(real_scale, real_scale_grew)
+ymax_8b = max(max(leak.timeline.device_total()) for leak in (step_8b, leak_8b))
+fig4, axes4 = plt.subplots(2, 1, figsize=(10, 6), dpi=110, layout="constrained")
+for ax, (name, leak) in zip(axes4, (("fixed", step_8b), ("leak-losses", leak_8b))):
+    plot.plot_timeline(leak.timeline, ax=ax, ymax_bytes=ymax_8b, unit="GiB", legend=(name == "fixed"),
+                       title=f"Llama-3-8B, {name}: 2 steps (traced on fake tensors)")
+figures["real_scale"] = fig4
+
 # %%
 notebook.publish(
     nb, tables={"growth": growth, "grew": grew, "alive_losses": alive_losses, "alive_fixed": alive_fixed,
-                "fragmentation": fragmentation, "oom": oom, "oom_numbers": oom_numbers},
+                "fragmentation": fragmentation, "oom": oom, "oom_numbers": oom_numbers,
+                "real_scale": real_scale, "real_scale_grew": real_scale_grew},
     figures=figures, summary=result.summary(),
     graph_growth=leaks["leak-losses"].growth_per_step[-1],
-    block_outputs_growth=leaks["leak-activations"].growth_per_step[-1])
+    block_outputs_growth=leaks["leak-activations"].growth_per_step[-1],
+    real_scale={"peak": step_8b.timeline.peak(), "peaks_by_phase": step_8b.timeline.peaks_by_phase(),
+                "kept_graph": leak_8b.growth_per_step[-1], "live_after_step": leak_8b.live_after_step})
