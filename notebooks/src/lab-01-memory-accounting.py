@@ -258,4 +258,5 @@ notebook.publish(
     sweep={str(dropout): [[s, meas, listed, paper] for s, _, meas, listed, paper in points]
            for dropout, points in curves.items()},
     derived_7b={"mixed_adamw_bytes": per_rank[0], "zero3_dp8_bytes_per_rank": per_rank[3]},
-    zoo=zoo_models, parallel_70b=parallel, traced_70b_layer=traced_layer)
+    zoo=zoo_models, parallel_70b=parallel, traced_70b_layer=traced_layer,
+    llama_3_70b_params=zoo_models["llama-3-70b"]["params"])
