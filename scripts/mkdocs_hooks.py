@@ -331,7 +331,7 @@ def render_performance(page_src: str) -> str:
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
-VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.-]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
 
 
 def _lookup(name: str, path: str, page_src: str):
