@@ -224,17 +224,17 @@ real_scale = zero_report.real_scale_table(traces)
 real_scale_gap = zero_report.gap_table(traces)
 display(real_scale, real_scale_gap)
 rows = zero_report.trace_rows(traces)
-fig_real, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.2), dpi=110, layout="constrained")
-labels = [f"{name} · stage {st['stage']}" for name, _, st in rows]
+fig_real, ax = plt.subplots(figsize=(5.2, 0.45 * len(rows) + 1.4), dpi=110, layout="constrained")
+labels = [f"{s['model'].split('-')[-1].upper()} ×{s['world_size']} s{st['stage']}" for _, s, st in rows]  # 8B ×64 s3
 left = [0.0] * len(rows)
 for cat in [c for c in plot.CATEGORY_COLORS if any(st["peak_last_step"].get(c) for _, _, st in rows)]:
     widths = [st["peak_last_step"][cat] / 2**30 for _, _, st in rows]
     ax.barh(labels, widths, left=left, color=plot.CATEGORY_COLORS[cat], label=cat.replace("_", " "))
     left = [a + b for a, b in zip(left, widths)]
-ax.scatter([st["lab01_model_state"] / 2**30 for _, _, st in rows], labels, marker="|", s=300, color="black",
+ax.scatter([st["lab01_model_state"] / 2**30 for _, _, st in rows], labels, marker="|", s=250, color="black",
            zorder=3, label="Lab 01 model state (derived)")
 ax.invert_yaxis()
-ax.set(xlabel="GiB on rank 0 at the peak of a step", title="one rank of N at real size (traced on fake tensors)")
+ax.set(xlabel="GiB on rank 0 at its peak", title="Llama 3, one rank of N (traced)")
 ax.grid(axis="x", alpha=0.3)
 legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
