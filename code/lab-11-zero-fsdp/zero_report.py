@@ -134,10 +134,8 @@ def losses_table(summary: dict) -> Table:
 
 # ---------------------------------------------------------------------- the report
 def report(result: Result | TraceResult) -> None:
-    if isinstance(result, TraceResult):
-        print_trace(result.summary())
-    else:
-        print_summary(result.summary())
+    """The human report of a torchrun run, or of one rank traced in this process."""
+    (print_trace if isinstance(result, TraceResult) else print_summary)(result.summary())
 
 
 def print_summary(s: dict) -> None:
