@@ -342,3 +342,13 @@ def test_cuda_measure_rounds_each_tensor_to_512_bytes(lab01):
     assert m.measured["optimizer_state"] == 2 * rounded
     assert m.measured["optimizer_state_on_host"] == 4 * len(list(model.parameters()))  # the counters, on the host
     assert m.cuda["max_memory_allocated"] >= m.ledger.peak()["total"] - m.measured["activations"]
+
+
+def test_zoo_model_state_uses_the_exact_published_parameter_counts():
+    sweeps = labs.load(1, "accounting_sweeps")
+    models = sweeps.zoo_model_state(("llama-3-8b", "llama-3-70b"))
+    assert models["llama-3-8b"]["params"] == 8_030_261_248
+    assert models["llama-3-70b"]["params"] == 70_553_706_496
+    assert models["llama-3-8b"]["mixed_adamw"] == 16 * 8_030_261_248
+    assert models["llama-3-8b"]["zero3_per_rank"] == 16 * -(-8_030_261_248 // 8)
+    assert models["llama-3-8b"]["kv_bf16_per_token"] == 2 * 32 * 8 * 128 * 2  # 128 KiB per token

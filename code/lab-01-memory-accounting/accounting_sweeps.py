@@ -126,3 +126,31 @@ def sweep_table(points: list[list], elem: int = 4) -> Table:
     return Table([("seq", "int"), ("dropout", "float:1"), ("measured", "B"), ("TinyGPT list", "B"),
                   (f"paper, e={elem}", "B"), ("measured / paper", "float:3")],
                  [[*p, p[2] / p[4]] for p in points])
+
+
+# ---------------------------------------------------------------------- real architectures, derived
+ZOO_MODELS = ("llama-3.2-1b", "llama-3-8b", "mixtral-8x7b", "llama-3-70b", "gpt-3-175b", "llama-3.1-405b")
+
+
+def zoo_model_state(names=ZOO_MODELS, dp: int = 8) -> dict[str, dict]:
+    """Each real model's exact parameter count (labkit.zoo's closed form, equal to the published
+    count), its mixed-precision AdamW model state on one GPU and per rank under ZeRO-3 over ``dp``
+    ranks, and its bf16 KV cache per token."""
+    from labkit import zoo
+
+    out = {}
+    for name in names:
+        spec = zoo.get(name)
+        params = spec.param_count()
+        out[name] = {"params": params,
+                     "mixed_adamw": sum(model_state_bytes(params, "mixed", "adamw").values()),
+                     "zero3_per_rank": sum(zero_model_state(params, "mixed", "adamw", 3, dp).values()),
+                     "kv_bf16_per_token": spec.kv_bytes_per_token(2)}
+    return out
+
+
+def zoo_table(models: dict[str, dict], dp: int = 8) -> Table:
+    return Table(["model", ("parameters", "int"), ("mixed AdamW state (16 B/param)", "bytes"),
+                  (f"per rank, ZeRO-3 over {dp}", "bytes"), ("KV cache per token, bf16", "B")],
+                 [[name, m["params"], m["mixed_adamw"], m["zero3_per_rank"], m["kv_bf16_per_token"]]
+                  for name, m in models.items()])

@@ -4,9 +4,8 @@ Lab 02's step, Lab 03's recipes and Lab 06's accumulation loop run as they are; 
 around them changes at real size. Labs 03 and 06 use this file too (``labs.load(2, "scale_harness")``).
 
 * :func:`build_model`: the lab's TinyGPT or the zoo's model, real or fake.
-* :class:`RandomTokens`: batches for a zoo model. ``SyntheticTokens`` keeps a (seq_len + 1) x vocab
-  table of token ids, 4.2 GB of int64 at Llama 3's 128,256 tokens and 4,096 positions; random ids
-  cost only the batch and make the same (B, T) int64 tensors.
+* :func:`token_source`: ``SyntheticTokens`` for TinyGPT, :class:`labkit.models.RandomTokens` for a
+  zoo model (SyntheticTokens' table is 4.2 GB of int64 at Llama 3's vocabulary and 4,096 positions).
 * :func:`values_read_as_zero`: a fake tensor has no value, so ``loss.item()`` in a lesson's step
   would raise; inside this block such a read gives 0 (a step that reads a value, such as
   GradScaler's inf check, takes the path of a normal step). A traced run reports no loss.
@@ -25,25 +24,11 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from labkit import budget, fake
-from labkit.models import SyntheticTokens, gpt_param_count
+from labkit.models import RandomTokens, SyntheticTokens, gpt_param_count
 from labkit.timeline import Timeline
 
 #: What every traced figure is, said once.
 TRACED = "traced on fake tensors: bytes, no values, no time"
-
-
-class RandomTokens:
-    """Token ids drawn uniformly from ``vocab``; batch ``i`` depends only on ``(seed, i)``, like
-    :class:`labkit.models.SyntheticTokens`, whose ``batch`` signature it shares."""
-
-    def __init__(self, vocab: int, seq_len: int, seed: int = 0) -> None:
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-
-    def batch(self, index: int, batch_size: int, device: torch.device | str = "cpu"):
-        """Inputs and next-token targets, both ``(batch_size, seq_len)`` int64."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        seq = torch.randint(self.vocab, (batch_size, self.seq_len + 1), generator=g)
-        return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
 def build_model(config, tiny, device, dtype: torch.dtype | None = None) -> torch.nn.Module:

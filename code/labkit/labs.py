@@ -43,6 +43,7 @@ STARTERS = {
     10: "train_ddp.py",
     11: "zero_fsdp.py",
     12: "memory_debugging.py",
+    14: "serve_memory.py",
 }
 
 _SLUG = re.compile(r"^lab-(\d\d)-[a-z0-9-]+$")

@@ -204,14 +204,27 @@ ax.grid(alpha=0.3, which="both")
 sweep = sweeps.sweep_table([p for points in curves.values() for p in points])
 display(sweep)
 
+# %% [markdown]
+# ## Real architectures (derived, from exact parameter counts)
+#
+# The same formulas for the zoo's real models: the parameter counts are the closed forms of
+# `labkit.zoo`, equal to the published ones (a test holds them to the digit). Lab 13 traces the
+# steps of these models on fake tensors and sets these formulas beside the trace.
+
+# %%
+zoo_models = sweeps.zoo_model_state()
+real_scale = sweeps.zoo_table(zoo_models)
+display(real_scale)
+
 # %%
 notebook.publish(
     nb, tables={"recipes": recipes, "zero_stages": zero_table, "activations_7b": act_table, "kv_cache": kv_table,
                 "measure": measure_table, "measure_mixed": mixed_table, "gap": gap, "saved": saved,
-                "sweep": sweep},
+                "sweep": sweep, "real_scale": real_scale},
     figures={"zero_stages": fig_zero, "activations_vs_seq": fig_act, "timeline": fig_timeline,
              "toy_activations_vs_seq": fig_sweep},
     summary=result.summary(), mixed=mixed.summary(), kv_cache=kv,
     sweep={str(dropout): [[s, meas, listed, paper] for s, _, meas, listed, paper in points]
            for dropout, points in curves.items()},
-    derived_7b={"mixed_adamw_bytes": per_rank[0], "zero3_dp8_bytes_per_rank": per_rank[3]})
+    derived_7b={"mixed_adamw_bytes": per_rank[0], "zero3_dp8_bytes_per_rank": per_rank[3]},
+    zoo=zoo_models)

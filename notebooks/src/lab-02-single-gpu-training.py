@@ -54,6 +54,7 @@ print(f"{result.params:,} parameters in {result.tensors} tensors; {len(tl)} ledg
 fig = plot.plot_timeline(
     tl, title=f"Lab 02 · 3 training steps on {nb.device.type} (measured by the ledger)",
     overlay={"derived: params + grads + AdamW state": lab.predicted_model_state(tl, result.params, result.tensors)})
+fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 
 # %% [markdown]
 # ## Peaks: per phase, per step, and the formulas against the ledger (measured)
@@ -156,9 +157,9 @@ fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes")
               max(sum(by_phase[f"{name} · step 0 {p}"].values()) for p in ("forward", "backward"))]
              for name, r in traced.items()])
 big = traced["llama-3-8b"].ledger.timeline()
-fig3 = plot.plot_timeline(big, title="Lab 02 · Llama-3-8B, fp32 AdamW (foreach), 4,096 tokens, 2 steps: "
-                          "traced on fake tensors", show_allocator=False,
+fig3 = plot.plot_timeline(big, title="Llama-3-8B, fp32 AdamW, 4,096 tokens (traced)", show_allocator=False,
                           overlay={"80 GiB: an H100's memory": [CARD] * len(big)})
+fig3.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 display(real_scale, fit)
 
 # %% [markdown]

@@ -92,8 +92,8 @@ display(recipes)
 # %%
 fig_timelines, axes = plt.subplots(3, 1, figsize=(10, 10.5), dpi=110, layout="constrained")
 top = max(max(r.ledger.timeline().device_total()) for r in runs.values())
-for ax, (name, r) in zip(axes, runs.items()):
-    plot.plot_timeline(r.ledger.timeline(), ax=ax, max_points=300, ymax_bytes=top,
+for i, (ax, (name, r)) in enumerate(zip(axes, runs.items())):
+    plot.plot_timeline(r.ledger.timeline(), ax=ax, max_points=300, ymax_bytes=top, legend=i == 0,
                        title=f"{name}: 2 training steps on {nb.device.type} (ledger, measured)")
 
 # %% [markdown]
