@@ -286,15 +286,16 @@ def test_a_traced_rank_is_rank_0_of_the_launched_job(lab10, launched, monkeypatc
     in every phase but the check and at the end; the rest of a peak within the few hundred bytes
     gloo's worker thread moves between ranks too (the test above). Two phases differ: the check
     (the trace has no replicas to compare, so no digests are gathered) and the wrap, where gloo's
-    worker frees the flat copy of the weights `DDP(...)` broadcasts early or late (4 or 8 B x P of
-    communication at the wrap's peak), and the fake group, which has no worker, at once (4 B x P).
+    worker frees the flat copy of the weights `DDP(...)` broadcasts (and a few hundred bytes of
+    collective buffers) early or late, 4 to 8 B x P of communication at the wrap's peak, and the
+    fake group, which has no worker, at once (4 B x P).
     (The trace names AdamW's for-loop, what PyTorch picks on CPU tensors, as the launched run did.)"""
     trace = traced_exactly(lab10, monkeypatch, **TINY, world_size=2, fake=True, adamw="for-loop")
     rank0, mine = launched["copy"]["memory"][0], trace["memory"]
     assert trace["traced"].startswith("traced on fake tensors") and trace["params"] == launched["copy"]["params"]
     p = trace["params"]
     assert mine["peaks_by_phase"]["wrap"]["communication"] == 4 * p
-    assert rank0["peaks_by_phase"]["wrap"]["communication"] in (4 * p, 8 * p)
+    assert 4 * p <= rank0["peaks_by_phase"]["wrap"]["communication"] <= 8 * p + 1024  # and a small buffer or not
     phases = [phase for phase in rank0["peaks_by_phase"] if phase not in ("check", "wrap")]
     for a, b in [(rank0["peak"], mine["peak"]), (rank0["at_end"], mine["at_end"]),
                  *((rank0["peaks_by_phase"][p], mine["peaks_by_phase"][p]) for p in phases)]:
