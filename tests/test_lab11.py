@@ -395,15 +395,22 @@ def test_a_traced_rank_is_rank_0_of_the_launched_job_to_the_byte(trained, lab11,
     fake process group on fake tensors: every stage's last step peaks at the same bytes, category by
     category, overall and in every phase, and ends with the same model state. The collectives that
     moved data there move none here; the buffers they need are the same. (The trace names AdamW's
-    for-loop, what PyTorch picks on CPU tensors, as the launched run did.)"""
+    for-loop, what PyTorch picks on CPU tensors, as the launched run did.) Model state and
+    communication are compared to the byte; the rest within the few hundred bytes by which gloo's
+    worker thread, freeing a finished collective's buffers on its own schedule, may move a peak
+    (Lab 10's tests; every run here so far has matched to the byte)."""
     trace = traced_exactly(lab11, monkeypatch, **TINY_TRAIN, world_size=2, fake=True, adamw="for-loop")
     assert trace["traced"].startswith("traced on fake tensors") and trace["world_size"] == 2
     assert [s["stage"] for s in trace["stages"]] == [0, 1, 2, 3]
+    exact = (*MODEL_STATE, "communication")
     for launched_stage, mine in zip(trained["stages"], trace["stages"]):
         rank0 = launched_stage["ranks"][0]
-        assert mine["peak_last_step"] == rank0["peak_last_step"], mine["stage"]
-        assert mine["peaks_by_phase_last_step"] == rank0["peaks_by_phase_last_step"], mine["stage"]
-        assert mine["at_end"] == rank0["at_end"], mine["stage"]
+        pairs = [(rank0["peak_last_step"], mine["peak_last_step"]), (rank0["at_end"], mine["at_end"]),
+                 *((row, mine["peaks_by_phase_last_step"][phase])
+                   for phase, row in rank0["peaks_by_phase_last_step"].items())]
+        for a, b in pairs:
+            assert {c: a[c] for c in exact} == {c: b[c] for c in exact}, mine["stage"]
+            assert sum(abs(a[c] - b[c]) for c in ("activations", "temporaries", "other")) < 1024, (a, b)
         assert mine["lab01"] == {c: launched_stage["lab01"][c] for c in MODEL_STATE}
         ops = rank0["traffic"]["collectives"]
         assert mine["collectives_per_step"]["allreduce_" if mine["stage"] <= 1 else "_allgather_base_"]["out_bytes"] \
