@@ -22,7 +22,7 @@ from labkit.config import UsageError
 from labkit import cli, fake, zoo
 from labkit import dist as labdist
 from labkit.ledger import Ledger
-from labkit.timeline import Timeline
+from labkit.timeline import CATEGORIES, Timeline
 from labkit.traffic import Traffic
 
 TRAIN = "lab-11-zero-fsdp/zero_fsdp.py"
@@ -390,31 +390,33 @@ def traced_exactly(lab11, monkeypatch, **fields) -> dict:
     return lab11.run(lab11.Config(**fields)).summary()
 
 
-def test_a_traced_rank_is_rank_0_of_the_launched_job_to_the_byte(trained, lab11, monkeypatch):
+def test_a_traced_rank_is_rank_0_of_the_launched_job(trained, lab11, monkeypatch):
     """The two-process gloo run's rank 0, and the same job's rank 0 traced in this process under the
-    fake process group on fake tensors: every stage's last step peaks at the same bytes, category by
-    category, overall and in every phase, and ends with the same model state. The collectives that
-    moved data there move none here; the buffers they need are the same. (The trace names AdamW's
-    for-loop, what PyTorch picks on CPU tensors, as the launched run did.) Model state and
-    communication are compared to the byte; the rest within the few hundred bytes by which gloo's
-    worker thread, freeing a finished collective's buffers on its own schedule, may move a peak
-    (Lab 10's tests; every run here so far has matched to the byte)."""
+    fake process group on fake tensors: every stage ends its run with the same bytes in every
+    category, and its last step holds the same parameters and optimizer state at the peak of every
+    phase. The collectives that moved data there move none here; the buffers they need are the same,
+    but not always for as long: gloo's worker thread finishes a collective, and frees what it held,
+    on its own schedule, where the fake group finishes at once. So a peak of the launched run may
+    hold one collective buffer more (at most the largest the run sent: stage 2 was seen with one
+    block's all-gather buffer more) and its gradients a little earlier or later. (The trace names
+    AdamW's for-loop, what PyTorch picks on CPU tensors, as the launched run did.)"""
     trace = traced_exactly(lab11, monkeypatch, **TINY_TRAIN, world_size=2, fake=True, adamw="for-loop")
     assert trace["traced"].startswith("traced on fake tensors") and trace["world_size"] == 2
     assert [s["stage"] for s in trace["stages"]] == [0, 1, 2, 3]
-    exact = (*MODEL_STATE, "communication")
     for launched_stage, mine in zip(trained["stages"], trace["stages"]):
         rank0 = launched_stage["ranks"][0]
-        pairs = [(rank0["peak_last_step"], mine["peak_last_step"]), (rank0["at_end"], mine["at_end"]),
+        assert mine["at_end"] == rank0["at_end"], mine["stage"]
+        assert mine["lab01"] == {c: launched_stage["lab01"][c] for c in MODEL_STATE}
+        slack = max(v["largest_in_bytes"] for v in rank0["traffic"]["collectives"].values()) + 1024
+        pairs = [(rank0["peak_last_step"], mine["peak_last_step"]),
                  *((row, mine["peaks_by_phase_last_step"][phase])
                    for phase, row in rank0["peaks_by_phase_last_step"].items())]
         for a, b in pairs:
-            assert {c: a[c] for c in exact} == {c: b[c] for c in exact}, mine["stage"]
-            assert sum(abs(a[c] - b[c]) for c in ("activations", "temporaries", "other")) < 1024, (a, b)
-        assert mine["lab01"] == {c: launched_stage["lab01"][c] for c in MODEL_STATE}
+            assert (a["parameters"], a["optimizer_state"]) == (b["parameters"], b["optimizer_state"]), mine["stage"]
+            assert abs(sum(a[c] for c in CATEGORIES) - sum(b[c] for c in CATEGORIES)) <= slack, (mine["stage"], a, b)
         ops = rank0["traffic"]["collectives"]
-        assert mine["collectives_per_step"]["allreduce_" if mine["stage"] <= 1 else "_allgather_base_"]["out_bytes"] \
-            == ops["allreduce_" if mine["stage"] <= 1 else "_allgather_base_"]["out_bytes"] // TINY_TRAIN["steps"]
+        op = "allreduce_" if mine["stage"] <= 1 else "_allgather_base_"
+        assert mine["collectives_per_step"][op]["out_bytes"] == ops[op]["out_bytes"] // TINY_TRAIN["steps"]
 
 
 def test_fake_and_real_tensors_trace_the_same_rank(lab11, monkeypatch):
