@@ -487,10 +487,18 @@ def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path):
     assert not _ranks_left(tmp_path)
 
 
-def test_progress_bar_is_silent_off_a_terminal(capsys, monkeypatch):
-    """A notebook's or a log's stderr is no terminal: no bar in it, however long the loop."""
-    import time as time_module
+def test_progress_bar_is_silent_off_a_terminal(monkeypatch):
+    """A notebook's or a log's stderr is no terminal: no bar in it, however long the loop; a
+    terminal's gets one."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
 
     monkeypatch.setattr(cli, "_quiet", False)
-    assert list(progress((time_module.sleep(0.01) or i for i in range(3)), total=3)) == [0, 1, 2]
-    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert progress(range(3), total=3).disable
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert not progress(range(3), total=3).disable
