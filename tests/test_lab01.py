@@ -362,14 +362,8 @@ MTNLG = {"seq": 2048, "batch": 1, "hidden": 20480, "heads": 128}  # section 5: 5
 TABLE_3 = {"22B": (64, 6144, 48), "175B": (96, 12288, 96), "530B": (128, 20480, 105), "1T": (160, 25600, 128)}
 
 
-@pytest.fixture(scope="module")
-def model_parallel():
-    return labs.load(1, "model_parallel")
-
-
-@pytest.fixture(scope="module")
-def tp_trace():
-    return labs.load(1, "tp_trace")
+model_parallel = labs.load(1, "model_parallel")  # Layout, params_per_rank, total_params
+tp_trace = labs.load(1, "tp_trace")  # a layer split by DTensor, traced on one GPU of t
 
 
 def per_layer(lab01, shape, **kw):
@@ -434,14 +428,14 @@ def test_pipeline_stage_0_holds_L_layers_of_activations_whatever_p(lab01, recomp
 
 # ---------------------------------------------------------------- parameters per GPU
 @pytest.mark.parametrize("shape", [dict(SMALL), {"layers": 4, "hidden": 96, "heads": 6, "seq": 10, "batch": 1, "vocab": 70}])
-def test_one_gpu_holds_tinygpts_whole_count(toy, model_parallel, shape):
+def test_one_gpu_holds_tinygpts_whole_count(toy, shape):
     s = toy.Shape(**shape)
     mine = model_parallel.params_per_rank(s)
     assert mine == {"dense": toy.param_count(s), "experts": 0, "tensors": toy.param_tensors(s)}
     assert model_parallel.total_params(s) == toy.param_count(s)
 
 
-def test_tensor_and_pipeline_parallel_parameters_per_gpu(toy, model_parallel):
+def test_tensor_and_pipeline_parallel_parameters_per_gpu(toy):
     """Megatron's split: matrices (and column-parallel biases) / t, norms and row-parallel biases whole,
     the vocabulary / t; stage 0 holds L/p layers and the embeddings, the last stage the head."""
     L, h, s, V = 8, 64, 32, 1000
@@ -459,7 +453,7 @@ def test_tensor_and_pipeline_parallel_parameters_per_gpu(toy, model_parallel):
     assert 8 * split - 7 * (L * layer_whole + s * h + 2 * h) == toy.param_count(shape)
 
 
-def test_expert_parallelism_divides_only_the_experts(lab01, toy, model_parallel):
+def test_expert_parallelism_divides_only_the_experts(lab01, toy):
     L, h, E = 4, 64, 8
     shape = toy.Shape(layers=L, hidden=h, heads=4, seq=16, batch=1, vocab=100)
     expert = 8 * h * h + 5 * h  # each expert: the dense MLP (fc1 weight and bias, fc2 weight and bias)
@@ -532,7 +526,7 @@ def test_a_bad_split_is_one_line_from_the_command_line(lab01, capsys):
 
 
 # ---------------------------------------------------------------- tensor parallelism traced (DTensor, fake process group)
-def trace(tp_trace, *args, **kw):
+def trace(*args, **kw):
     try:
         return tp_trace.trace_block(*args, **kw)
     except tp_trace.FakeGroupUnavailable as exc:  # pragma: no cover - torch 2.11 and 2.13 have it
@@ -540,7 +534,7 @@ def trace(tp_trace, *args, **kw):
 
 
 @pytest.mark.parametrize(("t", "sp"), [(1, False), (2, False), (4, False), (2, True), (4, True)])
-def test_dtensor_tensor_parallelism_keeps_the_formulas_terms(lab01, toy, model_parallel, tp_trace, t, sp):
+def test_dtensor_tensor_parallelism_keeps_the_formulas_terms(lab01, toy, t, sp):
     """One GPU of t, as PyTorch's ColwiseParallel/RowwiseParallel (and SequenceParallel) run a plain
     transformer layer, traced on fake tensors under the fake process group: its weights are the
     lab's per-GPU split of one layer, and what it keeps for backward is the paper's formula for a
@@ -548,7 +542,7 @@ def test_dtensor_tensor_parallelism_keeps_the_formulas_terms(lab01, toy, model_p
     the terms gap_to_formula names: the norms' statistics, flash attention's log-sum-exp and, with
     SP, the all-gathered inputs PyTorch saves whole where Megatron keeps a shard."""
     h, a, s, b = 64, 8, 32, 2
-    traced = trace(tp_trace, h, a, s, b, t, sp)
+    traced = trace(h, a, s, b, t, sp)
     one_layer = [model_parallel.params_per_rank(toy.Shape(layers=n, hidden=h, heads=a, seq=s, batch=b, vocab=64),
                                                 model_parallel.Layout(tp=t))["dense"] for n in (1, 2)]
     assert traced.parameters == 4 * (one_layer[1] - one_layer[0]) == 4 * ((12 * h * h + 7 * h) // t + 6 * h)
@@ -560,10 +554,10 @@ def test_dtensor_tensor_parallelism_keeps_the_formulas_terms(lab01, toy, model_p
     assert sum(split_ops) == 12 * s * b * h * 4 // t + a // t * b * s * 4
 
 
-def test_dtensor_sequence_parallelism_leaves_two_gathered_inputs_whole(tp_trace):
+def test_dtensor_sequence_parallelism_leaves_two_gathered_inputs_whole():
     """What PyTorch's SP keeps that Megatron's does not: with t = 4 the layer keeps two all-gathered
     s x b x h inputs (one per sublayer, 'cat' in the trace) at full size on every GPU."""
     h, a, s, b = 64, 8, 32, 2
-    traced = trace(tp_trace, h, a, s, b, 4, sp=True)
+    traced = trace(h, a, s, b, 4, sp=True)
     gathered = [n for op, n in traced.saved if op == "cat"]
     assert gathered == [s * b * h * 4] * 2
