@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -240,9 +241,6 @@ def serve_as_deployed(page, site_dir: Path) -> str:
     """Answer the page's requests for the site's own address (``site_url``) from the built site,
     without a server, and return that address. Material's instant navigation follows only links
     under the address its sitemap names, so a server on another port reloads every page."""
-    import re
-    from urllib.parse import unquote
-
     site_url = re.search(r"^site_url:\s*(\S+)", (Path(__file__).parents[1] / "mkdocs.yml").read_text(encoding="utf-8"),
                          re.M).group(1).rstrip("/")
 
@@ -258,25 +256,38 @@ def serve_as_deployed(page, site_dir: Path) -> str:
     return site_url
 
 
+def home_on_a_phone(browser, site_dir: Path):
+    """A 390-px phone in dark mode on the home page, served as deployed, marked so that
+    ``follow_instantly`` can tell an instant navigation from a page load."""
+    context = browser.new_context(**PHONE_DARK)
+    page = context.new_page()
+    watch = Watch(page)
+    page.goto(serve_as_deployed(page, site_dir) + "/", wait_until="load")
+    page.evaluate("window.__same_document = true")
+    return context, page, watch
+
+
+def follow_instantly(page, link, path: str, title: str) -> None:
+    """Tap a link and wait for the page it opens (the address changes before the content does)."""
+    link.tap()
+    page.wait_for_url(f"**{path}", timeout=10_000)
+    page.locator("article h1", has_text=title).wait_for(timeout=10_000)
+    assert page.evaluate("window.__same_document === true"), "instant navigation, not a page load"
+
+
 def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site):
     """The drill deals every question once, in a random order, one at a time: set up after an
     instant navigation, started from the keyboard, the answer hidden until Space, N and ← moving,
     Esc leaving, nothing passed on to Material's own N (next page), no sideways scrolling at 390 px."""
-    context = browser.new_context(**PHONE_DARK)
-    page = context.new_page()
-    watch = Watch(page)
-    site = serve_as_deployed(page, built_site["dir"])
-    page.goto(site + "/", wait_until="load")
-    page.evaluate("window.__same_document = true")
-    page.locator("article a[href$='interview/']").first.tap()
-    page.wait_for_url("**/interview/", timeout=10_000)
-    assert page.evaluate("window.__same_document === true"), "instant navigation, not a page load"
+    context, page, watch = home_on_a_phone(browser, built_site["dir"])
+    follow_instantly(page, page.locator("article a[href$='interview/']").first, "/interview/", "Interview prep")
+    start = page.get_by_role("button", name="Start the drill")
+    start.wait_for(timeout=10_000)  # set up by drill.js on Material's document$
     assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") == "slate"
     questions = page.locator("article details.question")
     n = questions.count()
     assert n >= 40, f"only {n} questions gathered"
     panel, answer = page.locator(".il-drill__panel"), page.locator(".il-drill__answer")
-    start = page.get_by_role("button", name="Start the drill")
     assert not panel.is_visible()
 
     start.focus()
@@ -325,19 +336,11 @@ def test_oom_page_is_one_tap_from_the_home_page_on_a_phone(browser, built_site):
     """The home page's first screen links "I have an OOM"; the page opens by instant navigation,
     reads on a 390-px phone in dark mode without sideways scrolling, and its lever tabs switch on a
     tap."""
-    context = browser.new_context(**PHONE_DARK)
-    page = context.new_page()
-    watch = Watch(page)
-    site = serve_as_deployed(page, built_site["dir"])
-    page.goto(site + "/", wait_until="load")
-    page.evaluate("window.__same_document = true")
+    context, page, watch = home_on_a_phone(browser, built_site["dir"])
     link = page.locator("article a[href$='oom/']").first
     box = link.bounding_box()
     assert box and box["y"] + box["height"] <= 844, f"the OOM link is below the first screen: {box}"
-    link.tap()
-    page.wait_for_url("**/oom/", timeout=10_000)
-    assert page.evaluate("window.__same_document === true"), "instant navigation, not a page load"
-    assert page.locator("article h1").inner_text().strip().startswith("I have an OOM")
+    follow_instantly(page, link, "/oom/", "I have an OOM")
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the OOM page scrolls sideways by {overflow}px on a phone"
     page.locator(".tabbed-labels label", has_text="Optimizer step").tap()
