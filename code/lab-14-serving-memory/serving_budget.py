@@ -25,13 +25,14 @@ import torch
 from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
 from serving_model import ServingLlama
 
-from labkit import fake, marks
+from labkit import fake, labs, marks
 from labkit.ledger import Ledger
 
 GIB = 1 << 30
-#: Memory per GPU, the datasheet's figure read as GiB (the total the CUDA driver reports is a little lower).
-GPUS = {"h100-80gb": 80 * GIB, "h200-141gb": 141 * GIB, "a100-80gb": 80 * GIB, "a100-40gb": 40 * GIB,
-        "l40s-48gb": 48 * GIB}
+#: Memory per GPU: the total the CUDA driver reports, from Lab 13's GPU table (one place for it; the
+#: datasheets' "80 GB" is a little more than an 80 GB card's driver total).
+GPUS = {name: gpu.total_bytes for name, gpu in labs.load(13, "fit_gpus").GPUS.items()
+        if name in ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb")}
 
 
 def per_gpu_spec(spec, tp: int):

@@ -43,6 +43,7 @@ STARTERS = {
     10: "train_ddp.py",
     11: "zero_fsdp.py",
     12: "memory_debugging.py",
+    13: "fit.py",
     14: "serve_memory.py",
 }
 

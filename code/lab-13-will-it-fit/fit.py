@@ -1,0 +1,259 @@
+"""Lab 13 - will it fit? A real model's training step (or prefill), traced at real size, per rank.
+
+The other labs each teach one technique on a toy. This one composes them on a real architecture
+(``labkit.zoo``: Llama 3 8B/70B/405B, Mixtral, any Hugging Face causal-LM config.json) and asks the
+question a reader brings: does this step fit this GPU? The answer is a trace, not a formula: the
+model is built on fake tensors (``labkit.fake``), one steady-state step runs (forward, backward,
+optimizer, with AdamW's state already there), and the memory ledger counts every storage the
+step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so Llama-3-70B
+traces on a laptop in seconds.
+
+    precision       Lab 03's recipes: fp32, bf16 (pure), mixed (fp32 weights + bf16 autocast)
+    checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
+    accumulation    Lab 06's micro-batches into one optimizer step
+    --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
+    --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap; all under the fake
+                    process group, as rank 0 of --dp ranks
+
+Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
+usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
+(``fit_levers.py``).
+
+Run it:
+    .venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --seq 4096 --gpu h100-80gb
+    .venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-70b --dp 8 --zero-stage 3 --json
+    .venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --task infer --precision bf16 --gpu l4-24gb
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cached_property, partial
+from typing import Literal
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from labkit import cli, fake, labs, marks, provenance, zoo
+from labkit.config import INT64_MAX, LabConfig, UsageError, option
+from labkit.ledger import Ledger
+from labkit.timeline import Timeline
+from labkit.traffic import Traffic
+from fit_gap import derive
+from fit_gpus import GPUS
+from fit_levers import search
+from fit_report import report, summary
+from fit_setup import ShardOptimizer, build, create_state, fake_process_group, label, label_gradients
+
+lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
+lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
+lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
+lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
+
+
+# --8<-- [start:recipes]
+PRECISIONS = {  # the weights' dtype, and Lab 03's autocast recipe for the forward
+    "fp32": (torch.float32, "fp32"),  # fp32 weights, gradients, optimizer state; no autocast
+    "bf16": (torch.bfloat16, "fp32"),  # (1)!
+    "mixed": (torch.float32, "bf16"),  # (2)!
+}
+OPTIMIZERS = {  # (3)!
+    "adamw": (torch.optim.AdamW, fake.cuda_default_optimizer_kwargs("adamw")),  # CUDA's default: foreach
+    "adamw-foreach": (torch.optim.AdamW, {"foreach": True}),
+    "adamw-fused": (torch.optim.AdamW, {"fused": True}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
+}
+CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  # (4)!
+# --8<-- [end:recipes]
+
+
+# --8<-- [start:step]
+def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1) -> None:
+    """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``."""
+    for _ in range(micro_batches):
+        with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
+            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy))[1]  # (1)!
+        with marks.phase("backward", 1):
+            (loss / micro_batches).backward()  # (2)!
+    with marks.phase("optimizer", 1):
+        optimizer.step()  # (3)!
+    with marks.phase("zero_grad", 1):
+        optimizer.zero_grad(set_to_none=True)
+
+
+def prefill(model, idx, *, recipe: str) -> None:
+    """The forward of a prompt of ``idx`` tokens, as a server's prefill runs it: no graph is kept."""
+    with torch.no_grad(), marks.phase("prefill", 0), lab03.autocast(recipe, idx.device):
+        model(idx)  # (4)!
+# --8<-- [end:step]
+
+
+# --8<-- [start:trace]
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
+    """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
+
+    ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
+    weights, recipe = PRECISIONS[config.precision]
+    t0 = time.perf_counter()
+    with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
+        model = build(config.spec, weights, device)  # (1)!
+        optimizer = shard(model, config, mesh)  # (2)!
+        idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
+        if optimizer is not None:
+            create_state(optimizer)  # (3)!
+        ledger = Ledger(device)
+        with ledger, Traffic():  # (4)!
+            label(ledger, model, optimizer)
+            if config.task == "train":
+                train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
+                           micro_batches=config.accumulation)
+            else:
+                prefill(model, idx, recipe=recipe)
+        timeline = ledger.timeline()
+    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer))
+
+
+def shard(model, config: Config, mesh):
+    """Who holds which bytes: ZeRO over the ranks of ``mesh``, or offload to the host; returns rank
+    0's optimizer (None for inference)."""
+    make, kwargs = OPTIMIZERS[config.optimizer]
+    if config.offload == "params":  # (5)!
+        for module in (*model.blocks, model):
+            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    elif config.zero_stage >= 2:
+        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)  # (6)!
+    if config.task == "infer":
+        return None
+    if config.zero_stage >= 2:
+        return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
+    if config.zero_stage == 1:  # (7)!
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
+    if config.offload == "optimizer":  # (8)!
+        label_gradients(model)
+        return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
+                             impl="fused" if kwargs.get("fused") else "foreach")
+    return make(model.parameters(), **kwargs)
+# --8<-- [end:trace]
+
+
+# ----------------------------------------------------------------------------- the configuration
+@dataclass
+class Config(LabConfig):
+    """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
+
+    model: str = option("llama-3-8b", "a zoo model (llama-3-8b, llama-3-70b, mixtral-8x7b, ...) or the path of a "
+                        "Hugging Face config.json of a causal LM", metavar="NAME|PATH")
+    task: Literal["train", "infer"] = option("train", "train: one training step; infer: one prefill forward")
+    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
+    seq: int = option(4096, "tokens per sequence", min=1)
+    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
+    precision: Literal["fp32", "bf16", "mixed"] = option(
+        "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
+        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
+    checkpointing: Literal["none", "selective", "full"] = option(
+        "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    dp: int = option(1, "data-parallel ranks (the trace is rank 0's)", min=1, max=2**20)
+    zero_stage: Literal[0, 1, 2, 3] = option(
+        0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
+    offload: Literal["none", "optimizer", "params"] = option(
+        "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+    gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
+    levers: Literal["needed", "all", "none"] = option(
+        "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        spec, z = self.spec, self.zero_stage
+        if spec.family == "flux":
+            raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
+        if z and self.dp == 1:
+            raise UsageError(f"--zero-stage {z} shards over data-parallel ranks: give --dp N (N > 1)")
+        if self.offload == "params" and z != 3:
+            raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+        if self.offload == "optimizer" and self.optimizer == "sgd":
+            raise UsageError("--offload optimizer runs Lab 07's AdamW on the host: choose an adamw --optimizer")
+        if self.task == "infer":
+            for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
+                              ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
+                if bad:
+                    raise UsageError(f"{flag} needs a backward or an optimizer: --task infer has neither")
+        logits = self.batch * self.seq * max(spec.vocab, 1) * 4
+        if logits > INT64_MAX:
+            raise UsageError(f"--batch {self.batch} x --seq {self.seq} x {spec.vocab:,} logits x 4 bytes is {logits:.3g} "
+                             "bytes: more than a 64-bit integer counts")
+
+    @cached_property
+    def spec(self):
+        """The zoo entry (or Hugging Face config) ``--model`` names."""
+        return zoo.get(self.model)
+
+
+# ----------------------------------------------------------------------------- the run
+def run(config: Config) -> Result:
+    t0 = time.perf_counter()
+    if config.seq > config.spec.context > 0:
+        print(f"warning: --seq {config.seq} is longer than {config.model}'s context ({config.spec.context:,} "
+              "tokens); tracing it anyway", file=sys.stderr)
+    traced = trace(config)
+    measured = measure_on_gpu(config, traced) if cli.pick_device(config.device).type == "cuda" else None
+    levers = [] if config.levers == "none" else search(traced, trace, every=config.levers == "all")
+    return Result(config, traced, levers, measured, time.perf_counter() - t0)
+
+
+def measure_on_gpu(config: Config, traced: Trace) -> dict:
+    """The same step on real tensors on this GPU, when one rank holds it all and it fits what is free:
+    the real ledger's peak, and the most ``torch.cuda.memory_allocated`` read at any of its events."""
+    free, _ = torch.cuda.mem_get_info()
+    if config.dp > 1 or config.offload != "none" or traced.per_rank_peak_bytes > free:
+        return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
+    real = trace(config, tensors=contextlib.nullcontext, device="cuda")
+    return {"measured": True, "device_name": torch.cuda.get_device_name(), "free_bytes": free,
+            "traced_peak_bytes": traced.timeline.peak()["total"], "ledger_peak_bytes": real.timeline.peak()["total"],
+            "allocated_peak_bytes": max(real.timeline.cuda_allocated, default=0)}
+
+
+@dataclass
+class Trace:
+    """A traced step and what is derived from it (``fit_gap``): the peak per rank, by category."""
+
+    config: Config
+    timeline: Timeline  # the ledger's: rank 0's device and host bytes over the step
+    seconds: float
+    ledger: Ledger | None = field(default=None, repr=False)  # the recorder, for tests that compare events
+    keep: tuple = field(default=(), repr=False)  # the model and optimizer: freed whenever Python collects them,
+    # they would log frees after the step, at a moment that varies from run to run
+    derived: dict = field(default_factory=dict)  # filled by fit_gap.derive
+
+    def __post_init__(self) -> None:
+        self.derived = derive(self)
+
+    @property
+    def per_rank_peak_bytes(self) -> int:
+        return self.derived["peak"]["total"]
+
+    @property
+    def fits(self) -> bool:
+        return self.per_rank_peak_bytes <= GPUS[self.config.gpu].capacity_bytes
+
+
+@dataclass
+class Result:
+    config: Config
+    trace: Trace
+    levers: list[dict]
+    measured: dict | None
+    wall_time_s: float
+
+    def summary(self) -> dict:
+        return summary(self) | {"provenance": provenance.collect(__file__, "cpu", self.wall_time_s)}
+
+
+if __name__ == "__main__":
+    cli.main(Config, run, report)

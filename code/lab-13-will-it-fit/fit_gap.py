@@ -1,0 +1,145 @@
+"""Lab 13 - what is read from a trace, what is derived beside it, and Lab 01's formulas against it.
+
+``derive(trace)`` reads the ledger's timeline of the traced step and adds what the trace cannot hold,
+each addition labelled **derived**:
+
+* ``kv_cache`` (``--task infer``): the zoo's models return no cache, so the K and V of every layer
+  for ``--seq`` tokens are counted from the shape (a server holds them from the end of prefill on);
+* DDP's gradient buckets (``--dp`` > 1 at ZeRO stage 0 or 1): a copy of every gradient that DDP
+  keeps for its all-reduce (Lab 10 measures them); DDP's C++ reducer cannot run on fake tensors;
+* ``--offload optimizer`` at a ZeRO stage: the optimizer state, and the optimizer step's
+  temporaries, leave the device for the host (Lab 07's engine is single-rank, so it is derived);
+* ``--offload params``: FSDP2 copies each block's shard from the host to the device before it
+  gathers it; on a CPU trace host and device are one memory and no copy is made, so two blocks'
+  shards (one gathering, one prefetched) are added to ``communication``.
+
+``predicted(trace)`` is Lab 01's formula for each category, and ``reasons(trace)`` one line per
+category on why the trace differs.
+"""
+
+from __future__ import annotations
+
+from labkit import labs
+from labkit.table import format_bytes
+from labkit.timeline import CATEGORIES, HOST_COPIES, Timeline
+
+lab01 = labs.load(1)  # zero_model_state, activation_bytes_per_layer, kv_cache_bytes, RECIPES
+Shape = labs.load(1, "toy_gpt").Shape
+
+KV_CACHE = "kv_cache"
+DEVICE_CATEGORIES = tuple(c for c in CATEGORIES if c != HOST_COPIES) + (KV_CACHE,)
+ELEMENT = {"fp32": 4, "bf16": 2, "mixed": 2}  # bytes of an activation (and a K or V) element
+WEIGHT = {"fp32": 4, "bf16": 2, "mixed": 4}  # bytes of a weight and of its gradient, as traced
+
+
+def derive(trace) -> dict:
+    """The per-rank peak of ``trace`` by category and by phase, the most each category held, what
+    lives on the host, and where each category's figure comes from (traced or derived)."""
+    c, tl = trace.config, trace.timeline
+    params = c.spec.param_count()
+    columns = {k: list(tl.device[k]) for k in tl.device if k != HOST_COPIES}
+    host = list(tl.host_total())
+    sources = {k: "traced" for k in columns}
+    n = len(tl)
+    if c.task == "infer":
+        columns[KV_CACHE] = [kv_cache_bytes(c)] * n
+        sources[KV_CACHE] = "derived: 2 x layers x batch x seq x kv_heads x head_dim x element (no cache is returned)"
+    if c.dp > 1 and c.zero_stage <= 1:
+        buckets = params * WEIGHT[c.precision]
+        columns["communication"] = [v + buckets for v in columns["communication"]]
+        sources["communication"] = "derived: DDP's gradient buckets, one copy of every gradient (Lab 10)"
+    if c.offload == "params":
+        shards = 2 * -(-params // max(c.spec.layers, 1) // c.dp) * WEIGHT[c.precision]
+        columns["communication"] = [v + shards for v in columns["communication"]]
+        sources["communication"] = "traced + derived: two blocks' shards copied to the device, 2 x P / layers / dp x e"
+    if c.offload == "optimizer" and c.zero_stage:
+        in_step = optimizer_rows(tl)
+        for i in range(n):
+            moved = columns["optimizer_state"][i] + (columns["temporaries"][i] if i in in_step else 0)
+            host[i] += moved
+            columns["optimizer_state"][i] = 0
+            if i in in_step:
+                columns["temporaries"][i] = 0
+        sources["optimizer_state"] = "derived: on the host (ZeRO-Offload); the step's temporaries with it"
+    view = Timeline(categories=DEVICE_CATEGORIES, index=tl.index, phase=tl.phase, step=tl.step,
+                    device={k: columns.get(k, [0] * n) for k in DEVICE_CATEGORIES}, spans=tl.spans)
+    total = view.device_total()
+    at = max(range(n), key=total.__getitem__) if n else 0
+    return {"peak": view.peak(), "peak_phase": tl.phase[at] if n else None, "by_phase": view.peaks_by_phase(),
+            "category_max": {k: max(v, default=0) for k, v in view.device.items()},
+            "host_peak_bytes": max(host, default=0), "sources": {k: sources.get(k, "traced") for k in DEVICE_CATEGORIES},
+            "params": params}
+
+
+def optimizer_rows(tl: Timeline) -> set[int]:
+    return {i for s in tl.spans if s.name == "optimizer" for i in range(s.start, s.end)}
+
+
+def kv_cache_bytes(config) -> int:
+    """Lab 01's KV cache, 2 x L x b x s x kv_heads x head_dim x e, for the zoo model's shape."""
+    s = config.spec
+    shape = Shape(layers=s.layers, hidden=s.head_dim * s.heads, heads=s.heads, seq=config.seq, batch=config.batch,
+                  vocab=s.vocab, kv_heads=s.kv_heads)
+    return lab01.kv_cache_bytes(shape, act=ELEMENT[config.precision])
+
+
+# ----------------------------------------------------------------------------- Lab 01 beside the trace
+def predicted(trace) -> dict[str, int | None]:
+    """Lab 01's formula for each category, per rank (None: Lab 01 has none for it)."""
+    c, s = trace.config, trace.config.spec
+    params = trace.derived["params"]
+    out: dict[str, int | None] = dict.fromkeys(DEVICE_CATEGORIES)
+    if c.task == "infer":
+        out["parameters"] = lab01.RECIPES[c.precision].param * (-(-params // c.dp) if c.zero_stage == 3 else params)
+        out[KV_CACHE] = kv_cache_bytes(c)
+        return out
+    optimizer = "momentum" if c.optimizer == "sgd" else "adamw"
+    state = lab01.zero_model_state(params, c.precision, optimizer, c.zero_stage, c.dp)
+    out["parameters"] = state["parameters"] + state["master_weights"]
+    out["gradients"], out["optimizer_state"] = state["gradients"], state["optimizer_state"]
+    out["activations"] = s.layers * lab01.activation_bytes_per_layer(
+        c.seq, c.batch, s.width, s.heads, act=lab01.RECIPES[c.precision].act, mask=None, recompute=c.checkpointing)
+    return out
+
+
+def reasons(trace) -> dict[str, str]:
+    """One line per category: why the trace and Lab 01's formula differ."""
+    c, s = trace.config, trace.config.spec
+    mixed = c.precision == "mixed"
+    shard = {k: f" / {c.dp}" if c.zero_stage >= lab01.ZERO_SHARDS[k] else "" for k in lab01.ZERO_SHARDS}
+    logits = c.batch * c.seq * s.vocab * 4
+    out = {
+        "parameters": ("Lab 01's mixed is Megatron's: a bf16 copy (2 B) and an fp32 master (4 B) per parameter; torch AMP "
+                       "keeps one fp32 copy (4 B) and casts each weight as forward uses it" if mixed else
+                       f"{WEIGHT[c.precision]} B x P{shard['parameters']}: equal, but for 512-byte rounding per tensor"),
+        "gradients": ("Megatron keeps bf16 gradients (2 B); AMP's have the weights' dtype (4 B)" if mixed else
+                      f"{WEIGHT[c.precision]} B x P{shard['gradients']}, alive from backward to zero_grad"),
+        "optimizer_state": (f"{'SGD momentum: one' if c.optimizer == 'sgd' else 'AdamW: two'} moment(s) in the "
+                            f"weights' dtype{shard['optimizer_state']}" + ("; Lab 01 counts Megatron's fp32 moments"
+                                                                           if c.precision == "bf16" else "")),
+        "activations": (f"Korthikanti's formula is a GPT block (4h MLP, LayerNorm, dropout, s x s scores); this "
+                        f"{s.family} block keeps a {s.ffn:,}-wide SwiGLU, fp32 RMSNorm inputs, RoPE'd q and k and "
+                        f"SDPA's output and log-sum-exp, no scores; plus the loss's fp32 log-softmax, "
+                        f"{format_bytes(logits)}" if c.checkpointing != "full" else
+                        "full checkpointing keeps each block's input in the residual stream's dtype "
+                        f"({'fp32 under autocast' if mixed else c.precision}); plus the loss's fp32 log-softmax, "
+                        f"{format_bytes(logits)}"),
+        "temporaries": ("no formula in Lab 01: "
+                        + ("foreach AdamW's intermediates (a copy of a moment), " if c.optimizer in ("adamw", "adamw-foreach")
+                           else "") + ("autocast's cache of every weight's bf16 cast (2 B x P, until forward ends), "
+                                       if mixed else "") + "the fp32 logits and their gradient, recomputed blocks"),
+        "communication": "no formula in Lab 01: " + ("FSDP2's gathered blocks in flight and reduce-scatter inputs"
+                                                     if c.zero_stage >= 2 else "DDP's gradient buckets (derived)"
+                                                     if c.dp > 1 else "none on one rank"),
+        "other": "the token ids of the batch",
+        KV_CACHE: "derived from the shape: the same formula",
+    }
+    if c.offload == "optimizer":
+        out["optimizer_state"] = "on the host (ZeRO-Offload): Lab 01 counts it on the device"
+    if c.offload == "params":
+        out["parameters"] = "the shards live on the host (FSDP2's CPU offload): Lab 01 counts them on the device"
+    if c.task == "infer":
+        out["activations"] = "none: a prefill under no_grad keeps nothing for a backward"
+        out["temporaries"] = (f"no formula in Lab 01: the logits of every position, {format_bytes(logits // 4 * ELEMENT[c.precision])}"
+                              ", and each block's intermediates while it runs")
+    return out

@@ -1,0 +1,161 @@
+"""Lab 13 - the levers that make a step fit, cheapest first, each re-traced.
+
+A lever is one change to the configuration. ``LEVERS`` lists them in the order of what they cost,
+stated for each: first what costs nothing (the same math, a better kernel), then a little
+recomputation or communication, then a slower step, then numerics, then PCIe traffic every step.
+That order is a judgement, written down once here; the savings are not: :func:`search` traces the
+step with each lever pulled alone and reports the bytes it saved at the per-rank peak.
+
+One saving is derived rather than traced, and says so: a lever that changes only some phases
+(fused AdamW only the optimizer step; checkpointing and the micro-batch only forward and backward)
+cannot lower a peak that lies in another phase, which it leaves exactly as it was: it saves 0.
+
+When no lever fits alone, the levers that saved bytes are pulled together, cheapest first (a
+stronger lever of the same kind replacing a weaker one), re-traced after each, until the step fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from labkit import cli
+
+TRAIN, INFER = ("train",), ("train", "infer")
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    kind: str  # levers of one kind replace each other when pulled together
+    cost: str  # what it costs, in speed, numerics or complexity
+    tasks: tuple[str, ...]
+    phases: tuple[str, ...] | None  # the phases it changes (None: all of them)
+    pull: Callable  # config -> the fields it changes, or None where it does not apply
+
+
+def _adam(c) -> bool:
+    return c.optimizer in ("adamw", "adamw-foreach")
+
+
+# --8<-- [start:levers]
+LEVERS = (
+    Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
+          ("optimizer",), lambda c: {"optimizer": "adamw-fused"} if _adam(c) and c.offload == "none" else None),
+    Lever("mixed precision", "precision", "none on tensor cores (faster): autocast's bf16 matmuls, fp32 weights",
+          INFER, None, lambda c: {"precision": "mixed"} if c.precision == "fp32" else None),
+    Lever("selective checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
+          TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "selective"} if c.checkpointing == "none" else None),
+    Lever("ZeRO-1", "zero", "no more communication than DDP: each rank updates its share of the state", TRAIN, None,
+          lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" else None),
+    Lever("ZeRO-2", "zero", "DDP's communication volume, as reduce-scatter and all-gather", TRAIN, None,
+          lambda c: {"zero_stage": 2} if c.dp > 1 and c.zero_stage < 2 and c.offload == "none" else None),
+    Lever("half the micro-batch", "batch", "twice the steps of accumulation for the same tokens: smaller matmuls",
+          INFER, ("forward", "backward", "prefill"),
+          lambda c: {"batch": c.batch // 2, "accumulation": c.accumulation * 2 if c.task == "train" else 1}
+          if c.batch > 1 else None),
+    Lever("ZeRO-3", "zero", "1.5x DDP's communication: parameters gathered in forward and again in backward", INFER,
+          None, lambda c: {"zero_stage": 3} if c.dp > 1 and c.zero_stage < 3 and c.offload == "none" else None),
+    Lever("full checkpointing", "checkpointing", "one more forward per step: about a third more compute", TRAIN,
+          ("forward", "backward"), lambda c: {"checkpointing": "full"} if c.checkpointing != "full" else None),
+    Lever("bf16 weights and state", "precision", "numerics: bf16 weights and moments lose small updates "
+          "(stochastic rounding or Kahan summation make up for it)", INFER, None,
+          lambda c: {"precision": "bf16"} if c.precision != "bf16" else None),
+    Lever("optimizer offload", "offload", "PCIe: every gradient down and every parameter back, each step; AdamW on "
+          "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer == "sgd"
+                                             else c.optimizer} if c.offload == "none" else None),
+    Lever("parameter offload", "offload", "PCIe: every parameter up in forward and again in backward", INFER, None,
+          lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 else None),
+)
+# --8<-- [end:levers]
+
+
+def search(base, trace: Callable, every: bool = False) -> list[dict]:
+    """The levers for ``base`` (a traced step), cheapest first, as rows.
+
+    When ``base`` does not fit, the ladder (:func:`climb`) pulls them one after another until it fits;
+    a row then says what its lever saved on the ladder (``together``) and, where that costs no extra
+    trace, what it saves alone (``alone``: the first rung is the lever alone; a lever that cannot
+    touch the peak's phase saves 0, derived). ``every``: every lever, each also traced alone."""
+    traces = {_key(base.config): base}
+
+    def traced(changes: dict, known_only: bool = False):
+        config = replace(base.config, levers="none", **changes)
+        if _key(config) not in traces:
+            if known_only:
+                return None
+            traces[_key(config)] = trace(config)
+        same = traces[_key(config)]  # the same step; only what is derived from it may differ (0 s: not traced again)
+        return same if same.config == config else type(same)(config, same.timeline, 0.0, same.ledger, same.keep)
+
+    applicable = [(lv, ch) for lv in LEVERS if base.config.task in lv.tasks and (ch := lv.pull(base.config))]
+    ladder = {} if base.fits else climb(base, applicable, traced)
+    rows = []
+    for lever, changes in applicable:
+        if not every and lever.name not in ladder:
+            continue
+        alone, how = _pulled(lever, changes, base, lambda ch: traced(ch, known_only=not every))
+        rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost, "changes": changes,
+                     "flags": _flags(replace(base.config, **changes)),
+                     "alone": None if alone is None else {**_bytes(base, alone), "how": how},
+                     "together": ladder.get(lever.name)})
+    return rows
+
+
+def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
+    """The ladder: pull the levers one after another, cheapest first, keeping each that saves bytes
+    (one of a kind: full checkpointing replaces selective), until the step fits. Per lever: what it
+    saved on top of those kept before it, and the peak with every lever kept so far."""
+    out, kept, current = {}, {}, base
+    for lever, _ in applicable:
+        changes = lever.pull(current.config)
+        if not changes:
+            continue
+        trial = {k: v for name, ch in kept.items() if LEVER[name].kind != lever.kind for k, v in ch.items()} | changes
+        after, how = _pulled(lever, trial, current, traced)
+        saved = current.per_rank_peak_bytes - after.per_rank_peak_bytes
+        if saved > 0:
+            for name in kept:
+                if LEVER[name].kind == lever.kind:
+                    out[name]["replaced_by"] = lever.name
+            kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
+            current = after
+        out[lever.name] = {"kept": saved > 0, "saves_bytes": saved, "per_rank_peak_bytes": current.per_rank_peak_bytes,
+                           "fits": current.fits, "how": how, "flags": _flags(current.config)}
+        if current.fits:
+            break
+    return out
+
+
+def _pulled(lever: Lever, changes: dict, current, traced: Callable):
+    """The step with ``changes`` to the base configuration (a Trace), and how that was known: traced,
+    or derived where ``lever`` cannot touch the phase of ``current``'s peak (it leaves that phase
+    exactly as it was: the peak stays, it saves 0)."""
+    phase = current.derived["peak_phase"]
+    if lever.phases is not None and phase not in lever.phases:
+        return current, f"derived: the peak is in {phase}, which this lever leaves as it is"
+    after = traced(changes)
+    if after is None or after.seconds:
+        return after, None if after is None else "traced"
+    moved = [why for why in after.derived["sources"].values() if why.startswith("derived")]
+    return after, "derived from the traced step: " + "; ".join(moved)
+
+
+def _bytes(base, after) -> dict:
+    return {"saving_bytes": base.per_rank_peak_bytes - after.per_rank_peak_bytes,
+            "per_rank_peak_bytes": after.per_rank_peak_bytes, "fits": after.fits}
+
+
+def _flags(config) -> list[str]:
+    """The command line of ``config`` (its ``--levers`` left at the default)."""
+    return cli.argv(replace(config, levers="needed"))
+
+
+def _key(config) -> tuple:
+    """What decides the traced step: the flags, but for a derived offload (the optimizer state of a
+    ZeRO stage moved to the host is derived from the step without it)."""
+    derived_offload = config.offload == "optimizer" and config.zero_stage
+    return tuple(_flags(replace(config, offload="none") if derived_offload else config))
+
+
+LEVER = {lever.name: lever for lever in LEVERS}

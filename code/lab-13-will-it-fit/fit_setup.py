@@ -1,0 +1,122 @@
+"""Lab 13 - the plumbing of a trace: the model built on fake storage, the fake process group, the
+optimizer of rank 0's shards, its state made before the step, and the ledger told what is what.
+
+None of it is the lesson (``fit.py`` is); each piece says why it is needed on fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from labkit import fake, labs, marks
+from labkit.config import UsageError
+from labkit.ledger import Ledger
+
+lab07 = labs.load(7)  # OptimizerOffload: its host buffers and state are labelled host_copies
+
+
+def holder(optimizer):
+    """The ``torch.optim`` optimizer that holds the state: the one inside Lab 07's engine,
+    ZeroRedundancyOptimizer or :class:`ShardOptimizer`, or the optimizer itself."""
+    for name in ("optimizer", "optim", "inner"):
+        inner = getattr(optimizer, name, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return inner
+    return optimizer
+
+
+def create_state(optimizer) -> None:
+    """The optimizer's state (AdamW's moments, SGD's momentum), made now by one step on zero gradients,
+    as a real run's first step makes it: the traced step is then the steady state, step 1 on."""
+    inner = holder(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    inner.step()
+    inner.zero_grad(set_to_none=True)
+
+
+class ShardOptimizer:
+    """The optimizer of rank 0's local shards of FSDP2's parameters.
+
+    DTensor's own optimizer step runs exactly these local ops; it also propagates the sharding
+    (global shapes, metadata only), which on fake tensors is slow and, under an ambient fake mode,
+    is counted as if allocated. ``make(params)``: the optimizer; ``host``: the shards live on the
+    host (FSDP2's CPU offload), where the step then runs."""
+
+    def __init__(self, params, make, host: bool = False) -> None:
+        self.params = list(params)
+        self.local = [p._local_tensor for p in self.params]
+        self.inner, self.host = make(self.local), host
+
+    def step(self) -> None:
+        for p, local in zip(self.params, self.local):
+            local.grad = None if p.grad is None else p.grad._local_tensor
+        with marks.category("host_copies") if self.host else contextlib.nullcontext():
+            self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, local in zip(self.params, self.local):
+            p.grad = local.grad = None
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int | None, device: str):
+    """``world`` ranks that exchange nothing (PyTorch's fake process group: collectives return at
+    once), and their device mesh; no group at all for ``None``."""
+    if world is None:
+        yield None
+        return
+    if dist.is_initialized():
+        raise UsageError("--dp: this process already belongs to a process group; fit.py traces under its own")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield init_device_mesh(torch.device(device).type, (world,))  # outside the fake mode: it reads ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def build(spec, dtype: torch.dtype, device: str):
+    """``spec``'s model on meta, then with (fake or real) storage on ``device``, in ``dtype``."""
+    return fake.materialize(spec.build, device=device, dtype=dtype).train()
+
+
+def label_gradients(model) -> None:
+    """Label each gradient as backward makes it, for every ledger watching: hooks registered before
+    Lab 07's, which copy the gradient to the host and drop it (a ledger's own hooks come after)."""
+    def label(param) -> None:
+        for instrument in marks.watching():
+            if hasattr(instrument, "track") and param.grad is not None:
+                instrument.track(param.grad, "gradients")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(label)
+
+
+def label(ledger: Ledger, model, optimizer) -> None:
+    """Tell ``ledger`` the model state, from outside: parameters (under FSDP2, the local shards),
+    gradients and optimizer state; what lives on the host is ``host_copies``. Inside the ledger, so
+    that these storages are adopted as the timeline's first events."""
+    ledger.track_module(model)
+    if optimizer is None:
+        return
+    inner = holder(optimizer)
+    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    on_host = isinstance(optimizer, lab07.OptimizerOffload) or isinstance(optimizer, ShardOptimizer) and optimizer.host
+    if isinstance(optimizer, ShardOptimizer):
+        kind = "host_copies" if on_host else "parameters"
+        ledger.track(optimizer.local, kind)
+        inner.register_step_pre_hook(lambda *_: ledger.track(
+            [t.grad for t in optimizer.local if t.grad is not None], "host_copies" if on_host else "gradients"))
+    if isinstance(optimizer, lab07.OptimizerOffload):
+        ledger.track(optimizer.host_buffers(), "host_copies")
+    if on_host:
+        ledger.track(state, "host_copies")
+    else:
+        ledger.track_optimizer(inner)

@@ -1,0 +1,145 @@
+# %% [markdown]
+# # Lab 13 · Will it fit? Real models, traced at real size
+#
+# This notebook runs the Lab 13 starter, `code/lab-13-will-it-fit/fit.py`, on real architectures
+# from `labkit.zoo`: Llama-3-8B, Llama-3-70B, Mixtral-8x7B, Llama-3.2-1B. It is executed by
+# `scripts/run_notebooks.py`, never edited by hand; the table below says where and on which code.
+#
+# Every byte below is **traced on fake tensors**, not measured on a GPU: the model is built with
+# `labkit.fake.materialize` inside `labkit.fake.tensors()`, one steady-state step runs (AdamW's state
+# already exists), and the memory ledger counts every storage the step would hold, rounded to the
+# CUDA caching allocator's 512-byte blocks. Nothing is allocated, so a 70B step traces on this
+# laptop. The trace takes CPU dispatch (CPU autocast, CPU flash attention; `labkit/fake.py` says
+# where that differs from CUDA) and does not see the CUDA context, cuBLAS workspaces, NCCL buffers
+# or fragmentation: `fit_gpus.py` deducts an assumed allowance for those from each GPU.
+#
+# What to look for:
+#
+# 1. The peak of a Llama-3-8B step under torch AMP is in the optimizer step, not at the turn from
+#    forward to backward: CUDA's default AdamW (foreach) holds a copy of a moment there.
+# 2. Lab 01's formulas land near the trace category by category, and where they do not, the gap
+#    table says why (Megatron's mixed precision is not torch AMP's; a Llama block is not a GPT block).
+# 3. Levers are pulled cheapest first; the first rung that fits is the cheapest way found.
+
+# %%
+import contextlib
+from functools import partial
+
+from IPython.display import display
+
+from labkit import fake, labs, notebook, plot
+
+nb = notebook.setup(13)
+lab, tables = nb.lab, labs.load(13, "fit_report")
+GPUS = ["h100-80gb", "h200-141gb", "a100-40gb", "l40s-48gb", "l4-24gb", "rtx4090-24gb"]
+
+# %% [markdown]
+# ## The trace is the real step
+#
+# Measured first: the same code path (`lab.trace`) on real CPU tensors and on fake ones, for a small
+# Llama (`small-llama`, 2 blocks of width 64) in four configurations, both counted in exact bytes
+# (no CUDA rounding on either side). `tests/test_lab13.py` holds them equal allocation by allocation
+# in nine configurations; the table shows the per-rank peaks.
+
+# %%
+TWINS = {"AMP + AdamW": {}, "ZeRO-3 on 2 ranks, full checkpointing": dict(dp=2, zero_stage=3, checkpointing="full"),
+         "optimizer offload (Lab 07)": dict(offload="optimizer"), "prefill": dict(task="infer")}
+pairs = []
+for label, fields in TWINS.items():
+    config = lab.Config(model="small-llama", seq=64, batch=2, levers="none", **fields)
+    pairs.append((label, lab.trace(config, tensors=contextlib.nullcontext),
+                  lab.trace(config, tensors=partial(fake.tensors, block=None))))
+twin = tables.twin_table(pairs)
+display(twin)
+
+# %% [markdown]
+# ## Llama-3-8B: one training step at 4,096 tokens on an H100
+#
+# Batch 1, torch AMP (fp32 weights, bf16 autocast), AdamW as CUDA runs it by default (foreach), no
+# checkpointing: the configuration people try first. `lab.run` is what the command line runs:
+# `.venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --seq 4096 --gpu h100-80gb`.
+
+# %%
+llama8b = lab.run(lab.Config(model="llama-3-8b", seq=4096, gpu="h100-80gb"))
+step = llama8b.trace.timeline.step_window(1)
+fig = plot.plot_timeline(step, title="Llama-3-8B, AMP + AdamW, 4,096 tokens (traced)")
+fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
+phases8b, gap8b, gpu8b = tables.phases_table(llama8b.trace), tables.gap_table(llama8b.trace), tables.gpu_table(llama8b)
+levers8b = tables.levers_table(llama8b.levers)
+display(phases8b, gpu8b)
+print(tables.verdict(llama8b))
+
+# %% [markdown]
+# ## The trace against Lab 01's formulas
+#
+# For each category, the most it holds at any moment of the step (traced) against Lab 01's formula
+# (`zero_model_state`, `activation_bytes_per_layer`), and why they differ. Lab 01's per-rank figure
+# is a sum of categories; the trace's peak is one moment, when some of them are not alive.
+
+# %%
+display(gap8b)
+
+# %% [markdown]
+# ## The levers, cheapest first
+#
+# Each lever is one change of configuration. The ladder pulls them in order of what they cost
+# (`fit_levers.LEVERS` states each cost), keeps a lever when it lowers the peak, re-traces after each,
+# and stops at the first rung that fits. A lever that cannot touch the phase holding the peak saves
+# nothing there (derived, not traced).
+
+# %%
+display(levers8b)
+to_fit = tables.to_fit(llama8b.levers)
+print("to fit: " + " ".join(to_fit or ["nothing fits"]))
+
+# %% [markdown]
+# ## Llama-3-70B on 8 ranks, ZeRO-3
+#
+# The same step with FSDP2's `fully_shard` (Lab 11's `wrap`) under PyTorch's fake process group, as
+# rank 0 of 8: parameters, gradients and AdamW state sharded; each block gathered for its forward and
+# again for its backward (the pink communication band).
+
+# %%
+llama70b = lab.run(lab.Config(model="llama-3-70b", seq=4096, dp=8, zero_stage=3, levers="none"))
+fig70 = plot.plot_timeline(llama70b.trace.timeline.step_window(1), title="Llama-3-70B, ZeRO-3 over 8, rank 0 (traced)")
+fig70.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
+phases70b = tables.phases_table(llama70b.trace)
+display(phases70b)
+print(tables.verdict(llama70b))
+
+# %% [markdown]
+# ## Which zoo model fits which GPU
+#
+# One trace per row (levers off), held against each GPU's usable bytes. Training rows are one step
+# at 4,096 tokens, batch 1; the inference row is a prefill of 8 prompts of 4,096 tokens in bf16 with
+# their KV cache (derived from the shape: the zoo's models return none).
+
+# %%
+CONFIGS = {
+    "train: AMP + AdamW": {},
+    "train: bf16, fused AdamW, full checkpointing": dict(precision="bf16", optimizer="adamw-fused",
+                                                         checkpointing="full"),
+    "train: ZeRO-3 on 8 ranks, AMP, full checkpointing": dict(dp=8, zero_stage=3, checkpointing="full"),
+    "prefill: bf16, 8 x 4,096 tokens": dict(task="infer", precision="bf16", batch=8),
+}
+ROWS = {"llama-3.2-1b": list(CONFIGS)[:2] + list(CONFIGS)[3:], "llama-3-8b": list(CONFIGS),
+        "mixtral-8x7b": list(CONFIGS)[2:], "llama-3-70b": list(CONFIGS)[2:]}
+traced = [(label, llama8b.trace if model == "llama-3-8b" and not CONFIGS[label]
+             else lab.trace(lab.Config(model=model, seq=4096, levers="none", **CONFIGS[label])))
+          for model, labels in ROWS.items() for label in labels]
+zoo = tables.fits_table(traced, GPUS)
+display(zoo)
+
+# %%
+d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
+notebook.publish(
+    nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
+                "phases_70b": phases70b, "zoo": zoo},
+    figures={"timeline_8b": fig, "timeline_70b": fig70},
+    summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
+    peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
+    foreach_temporaries_8b=d8["by_phase"]["optimizer"]["temporaries"],
+    activations_8b=d8["category_max"]["activations"], activations_70b=d70["category_max"]["activations"],
+    capacity_h100=summary8b["capacity_bytes"],
+    seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
+    twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))

@@ -1,0 +1,195 @@
+"""Lab 13: the traced step is the real step, byte for byte; the figures the page quotes; the levers'
+claims re-traced; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import assert_clean_usage_error, load_lab, run_cli
+from test_labkit_fake import assert_same_timeline
+
+from labkit import cli, fake, zoo
+
+SCRIPT = "lab-13-will-it-fit/fit.py"
+ISSUE_KEYS = {"model", "params", "per_rank_peak_bytes", "by_category", "predicted", "gpu", "capacity_bytes", "fits",
+              "levers"}
+
+
+@pytest.fixture(scope="module")
+def lab13():
+    return load_lab(13)
+
+
+def small(lab13, **fields):
+    return lab13.Config(model="small-llama", seq=32, batch=2, levers="none", **fields)
+
+
+EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exact bytes: so does this trace
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # mixed, AdamW as CUDA runs it (foreach)
+    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
+    {"precision": "fp32", "optimizer": "sgd", "checkpointing": "full", "accumulation": 2},
+    {"dp": 2, "zero_stage": 1},
+    {"dp": 2, "zero_stage": 2},
+    {"dp": 2, "zero_stage": 3, "checkpointing": "full"},
+    {"offload": "optimizer"},
+    {"dp": 2, "zero_stage": 3, "offload": "params"},
+    {"task": "infer"},
+], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
+def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
+    """The same code path on real CPU tensors and on fake ones: every allocation and free, every
+    category at every phase peak (exact bytes on both sides: the CUDA rounding is off here)."""
+    config = small(lab13, **fields)
+    real = lab13.trace(config, tensors=contextlib.nullcontext)
+    traced = lab13.trace(config, tensors=EXACT)
+    assert_same_timeline(real.ledger, traced.ledger)
+    assert real.derived == traced.derived
+    assert traced.per_rank_peak_bytes > 0
+
+
+def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
+    """ZeRO-2/3 step the local shards (ShardOptimizer): the same allocations in the optimizer step as
+    AdamW over FSDP2's DTensors, once DTensor's sharding propagation has warmed up."""
+    from labkit.ledger import Ledger
+
+    config = small(lab13, dp=2, zero_stage=3)
+
+    def optimizer_allocations(make_optimizer, steps):
+        with lab13.fake_process_group(2, "cpu") as mesh, fake.tensors():
+            model = lab13.build(config.spec, torch.float32, "cpu")
+            optimizer = make_optimizer(lab13.shard(model, config, mesh), model)
+            idx = torch.zeros(2, 32, dtype=torch.long)
+            for _ in range(steps):  # the last step is the steady state: AdamW's state exists
+                model(idx, idx)[1].backward()
+                ledger = Ledger("cpu")
+                with ledger:
+                    optimizer.step()
+                optimizer.zero_grad()
+        return sorted((r.op, r.nbytes) for r in ledger.records)
+
+    local = optimizer_allocations(lambda shard_optimizer, model: shard_optimizer, 2)
+    dtensor = optimizer_allocations(lambda _, model: torch.optim.AdamW(model.parameters(), foreach=True), 2)
+    assert local and local == dtensor
+
+
+def test_llama_3_8b_traces_within_15_cpu_seconds_and_counts_every_parameter(lab13):
+    """The issue's figure: P = 8,030,261,248; parameters as traced = each tensor's fp32 bytes,
+    rounded to 512-byte blocks; the whole run (one trace, no levers) within 15 s of CPU time."""
+    t0 = time.process_time()
+    summary = lab13.run(lab13.Config(model="llama-3-8b", seq=4096, levers="none")).summary()
+    cpu_seconds = time.process_time() - t0
+    assert summary["params"] == 8_030_261_248
+    with torch.device("meta"):
+        tensors = [p.numel() for p in zoo.get("llama-3-8b").build().parameters()]
+    assert summary["category_max"]["parameters"] == sum(-(-4 * n // 512) * 512 for n in tensors)
+    assert summary["by_category"]["optimizer_state"] == 2 * summary["category_max"]["parameters"] + 512 * len(tensors)
+    assert cpu_seconds <= 15, cpu_seconds
+
+
+def test_a_tied_head_is_counted_once(lab13):
+    trace = lab13.trace(lab13.Config(model="small-gpt", seq=32, levers="none"))
+    spec = zoo.get("small-gpt")
+    assert spec.tied and trace.derived["category_max"]["parameters"] < 4 * spec.param_count() + 512 * 64
+
+
+def test_fused_adamw_drops_the_foreach_copy_of_a_moment(lab13):
+    """The page's claim: CUDA's default AdamW (foreach) holds one more moment's worth of temporaries
+    in its step; the fused one none of that size."""
+    def optimizer_temporaries(optimizer):
+        return lab13.trace(small(lab13, optimizer=optimizer)).derived["by_phase"]["optimizer"]["temporaries"]
+
+    moment = lab13.trace(small(lab13)).derived["by_phase"]["optimizer"]["optimizer_state"] // 2
+    assert optimizer_temporaries("adamw") >= moment - 512 * 16
+    assert optimizer_temporaries("adamw-fused") < moment // 4
+
+
+def test_autocast_caches_a_bf16_copy_of_every_weight_through_forward(lab13):
+    """The page's claim for mixed precision (fp32 weights + autocast): even with full checkpointing the
+    forward holds a bf16 cast of every block weight, autocast's cache, until the autocast block ends.
+    A short sequence, so that the weights dwarf everything else."""
+    spec = zoo.get("llama-3.2-1b")
+    blocks = spec.param_count() - spec.vocab * spec.width - spec.width  # tied: one embedding matrix
+
+    def forward_temporaries(precision):
+        config = lab13.Config(model=spec.name, seq=16, checkpointing="full", precision=precision, levers="none")
+        return lab13.trace(config).derived["by_phase"]["forward"]["temporaries"]
+
+    assert forward_temporaries("mixed") >= 2 * blocks
+    assert forward_temporaries("bf16") < 2 * blocks / 20
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_real_step_holds_what_the_trace_says(lab13):
+    """The GPU issue's check: the step that fits runs for real; its ledger is the trace within 3 %
+    (AdamW's step counters stay on the host for CUDA parameters), and the allocator saw at least that."""
+    measured = lab13.run(lab13.Config(model="llama-3.2-1b", seq=512, device="cuda", levers="none")).measured
+    assert measured["measured"]
+    assert abs(measured["ledger_peak_bytes"] / measured["traced_peak_bytes"] - 1) <= 0.03
+    assert measured["allocated_peak_bytes"] >= measured["ledger_peak_bytes"]
+
+
+def test_json_has_the_issues_keys_and_the_formula_beside_each_category():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--seq", "64", "--gpu", "l4-24gb", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert ISSUE_KEYS <= set(summary)
+    assert set(summary["predicted"]) == set(summary["by_category"]) >= {"parameters", "gradients", "optimizer_state",
+                                                                       "activations", "temporaries"}
+    assert summary["fits"] is True and summary["levers"] == []
+    assert summary["per_rank_peak_bytes"] == sum(summary["by_category"].values()) <= summary["capacity_bytes"]
+
+
+def test_levers_come_cheapest_first_and_each_saves_what_it_claims(lab13):
+    """A step that does not fit an L4: each lever's flags, traced again, give the saving it reported,
+    the derived zeros included (a lever that cannot touch the peak's phase)."""
+    config = lab13.Config(model="llama-3.2-1b", seq=256, precision="fp32", gpu="l4-24gb", levers="all")
+    result = lab13.run(config)
+    assert not result.trace.fits
+    order = [lever.name for lever in load_lab(13, "fit_levers").LEVERS]
+    names = [row["name"] for row in result.levers]
+    assert names == sorted(names, key=order.index)
+    derived = [row for row in result.levers if row["alone"]["how"].startswith("derived")]
+    top = result.levers[0]
+    assert derived and top not in derived
+    for row in [top, *derived]:
+        again = lab13.trace(replace(config, levers="none", **row["changes"]))
+        assert result.trace.per_rank_peak_bytes - again.per_rank_peak_bytes == row["alone"]["saving_bytes"], row["name"]
+    assert top["name"] == "fused AdamW" and top["alone"]["saving_bytes"] == top["together"]["saves_bytes"] > 0
+    assert top["flags"] == ["--model", "llama-3.2-1b", "--seq", "256", "--precision", "fp32", "--optimizer",
+                            "adamw-fused", "--gpu", "l4-24gb"]
+    fitting = [row["together"] for row in result.levers if row["together"] and row["together"]["fits"]]
+    assert fitting and lab13.trace(cli.parse(lab13.Config, fitting[0]["flags"])[0]).fits
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", "flux-dev"], "not a causal LM"),
+    (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
+    (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "64-bit"),
+    (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, fragment):
+    assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)
+
+
+def test_a_config_that_is_not_a_causal_lm_is_refused(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
+    assert_clean_usage_error(run_cli(SCRIPT, "--model", str(config)), "not a decoder-only causal language model")
+
+
+def test_a_sequence_longer_than_the_context_warns_then_traces():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--seq", "256", "--levers", "none", "--json")
+    assert proc.returncode == 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "longer than small-llama's context (128" in lines[0], proc.stderr
+    assert json.loads(proc.stdout)["config"]["seq"] == 256
