@@ -171,6 +171,40 @@ def test_every_gradient_reaches_the_host_during_backward(lab07, offload_grads):
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+class StubEvent:
+    """A CUDA event stand-in: ``done`` says whether its copy has run."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_released_gradients_are_kept_until_their_copy_has_run(lab07, monkeypatch):
+    """The keep-alive policy of gradient offload, without a GPU: a device gradient is let go only once
+    its copy's event has completed, or, past the in-flight limit, after the compute stream was told to
+    wait for that event."""
+    waited = []
+    compute = type("Compute", (), {"wait_event": lambda self, e: waited.append(e)})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    engine = lab07.OptimizerOffload([torch.zeros(4, requires_grad=True)], 1e-3, 0.0, offload_grads=True,
+                                    in_flight=2)
+    grads = [torch.zeros(4) for _ in range(4)]
+    events = [StubEvent(done=False), StubEvent(done=True), StubEvent(done=False), StubEvent(done=False)]
+    engine.in_flight.extend(zip(grads[:2], events[:2]))
+    engine._release(engine.max_in_flight)
+    assert len(engine.in_flight) == 2 and waited == []  # the oldest copy has not run: both are kept
+    events[0].done = True
+    engine._release(engine.max_in_flight)
+    assert list(engine.in_flight) == [] and waited == events[:2]  # landed: let go, in order
+    engine.in_flight.extend(zip(grads[2:], events[2:]))
+    engine.in_flight.append((torch.zeros(4), StubEvent(done=False)))
+    engine._release(engine.max_in_flight)  # three outstanding, limit two: the oldest is waited for
+    assert waited[-1] is events[2] and [e for _, e in engine.in_flight] == [events[3], engine.in_flight[1][1]]
+    engine.remove()
+
+
 @pytest.mark.parametrize("impl", ["fused", "forloop"])
 def test_one_host_step_leaves_a_parameter_without_gradient_alone_like_device_adamw(lab07, impl):
     """One AdamW over every host parameter: a parameter that backward did not reach this step must

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -65,11 +66,13 @@ class OptimizerOffload:
 
     One backward per step: the hooks copy (not add) each gradient into its host buffer; then one
     AdamW step over every host parameter that received a gradient. Device weights in bf16 cross the
-    bus in bf16 (a staging buffer on the host) and are widened to fp32 there.
+    bus in bf16 (a staging buffer on the host) and are widened to fp32 there. With
+    ``offload_grads`` on a copy stream, a released device gradient is kept until its copy's event has
+    completed; past ``in_flight`` such gradients the compute stream waits for the oldest copy.
     """
 
     def __init__(self, params, lr: float, weight_decay: float, impl: str = "fused",
-                 offload_grads: bool = False, overlap: bool = True) -> None:
+                 offload_grads: bool = False, overlap: bool = True, in_flight: int = 4) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device
         cuda = self.device.type == "cuda"
@@ -84,6 +87,8 @@ class OptimizerOffload:
         self.stream = torch.cuda.Stream(self.device) if cuda and overlap else None  # (5)!
         self.landed = None  # CUDA event: "every gradient copy queued so far is on the host"
         self.arrived: list[int] = []  # parameter indices, in the order backward finished them
+        self.in_flight: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # released, copy maybe not run
+        self.max_in_flight = in_flight
         self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
                       for i, p in enumerate(self.params)]  # (6)!
     # --8<-- [end:engine]
@@ -99,11 +104,22 @@ class OptimizerOffload:
                 host_grad.copy_(param.grad, non_blocking=True)  # (2)!
             self.landed = self.stream.record_event()  # (3)!
             if self.offload_grads:
-                param.grad.record_stream(self.stream)  # (4)!
+                self.in_flight.append((param.grad, self.landed))  # (4)!
+                self._release(self.max_in_flight)
         if self.offload_grads:
             param.grad = None  # (5)!
         self.host[i].grad = self.host_grads[i]  # (6)!
         self.arrived.append(i)
+
+    def _release(self, limit: int) -> None:
+        """Let go of device gradients whose copy has run; past ``limit`` outstanding, the compute
+        stream first waits (on the GPU) for the oldest copy, so its memory's next user runs after it."""
+        while self.in_flight:
+            _, copied = self.in_flight[0]
+            if len(self.in_flight) <= limit and not copied.query():
+                return
+            torch.cuda.current_stream(self.device).wait_event(copied)
+            self.in_flight.popleft()  # the last reference: the allocator may reuse the block now
     # --8<-- [end:hook]
 
     # --8<-- [start:step]
@@ -114,6 +130,7 @@ class OptimizerOffload:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (1)!
         if self.landed is not None:
             self.landed.synchronize()  # (2)!
+        self.in_flight.clear()  # every copy down has run: the kept device gradients can go
         if self.staging is not None:
             for i in self.arrived:
                 self.host_grads[i].copy_(self.landing[i])  # (3)!
