@@ -331,7 +331,7 @@ def render_performance(page_src: str) -> str:
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
-VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.-]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
 
 
 def _lookup(name: str, path: str, page_src: str):
@@ -411,8 +411,8 @@ LONG_CODE = re.compile(r'<div class="(?:language-\w+ )?highlight"')
 def on_page_content(html: str, page, config, files: Files) -> str:
     """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
     lab page says the same in prose, and its outputs are numbers); on every other page a code
-    listing of more than three lines, its annotations and the tables (columns of numbers, which
-    nobody searches for) are left out; prose, headings and short commands stay."""
+    listing of more than three lines, its annotations, the tables (columns of numbers, which
+    nobody searches for) and a lab's exercises are left out; prose, headings and short commands stay."""
     src = page.file.src_uri
     if src.endswith(".ipynb"):
         page.meta["search"] = {"exclude": True}
@@ -423,6 +423,8 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         return m.group(0) + " data-search-exclude" if block.count("\n") > 3 else m.group(0)
 
     html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
+    # A lab's exercises are prompts to try, not answers to find: their section stays out of the index.
+    html = html.replace('<h2 id="exercises">', '<h2 id="exercises" data-search-exclude>')
     # A code listing's annotations become tooltips on the page: a search hit there points at nothing
     # the reader can see, and the prose around each listing says what it does.
     return ANNOTATIONS.sub(r"\1<ol data-search-exclude>", html)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import unquote, urlencode, urlsplit
 
 import pytest
 
@@ -233,6 +234,120 @@ def test_tables_show_their_total_without_scrolling(browser, server, built_site):
     assert not problems, "\n".join(problems)
 
 
+PHONE_DARK = dict(viewport={"width": 390, "height": 844}, color_scheme="dark", device_scale_factor=2,
+                  is_mobile=True, has_touch=True)
+
+
+def serve_as_deployed(page, site_dir: Path) -> str:
+    """Answer the page's requests for the site's own address (``site_url``) from the built site,
+    without a server, and return that address. Material's instant navigation follows only links
+    under the address its sitemap names, so a server on another port reloads every page."""
+    site_url = re.search(r"^site_url:\s*(\S+)", (Path(__file__).parents[1] / "mkdocs.yml").read_text(encoding="utf-8"),
+                         re.M).group(1).rstrip("/")
+
+    def fulfil(route):
+        target = site_dir / unquote(urlsplit(route.request.url).path).lstrip("/")
+        if target.is_dir():
+            target = target / "index.html"
+        if target.is_file():
+            route.fulfill(path=str(target))
+        else:
+            route.fulfill(status=404, body="not in the site")
+    page.route(site_url + "/**", fulfil)  # registered after Watch's route, so it answers first
+    return site_url
+
+
+def home_on_a_phone(browser, site_dir: Path):
+    """A 390-px phone in dark mode on the home page, served as deployed, marked so that
+    ``follow_instantly`` can tell an instant navigation from a page load."""
+    context = browser.new_context(**PHONE_DARK)
+    page = context.new_page()
+    watch = Watch(page)
+    page.goto(serve_as_deployed(page, site_dir) + "/", wait_until="load")
+    page.evaluate("window.__same_document = true")
+    return context, page, watch
+
+
+def follow_instantly(page, link, path: str, title: str) -> None:
+    """Tap a link and wait for the page it opens (the address changes before the content does)."""
+    link.tap()
+    page.wait_for_url(f"**{path}", timeout=10_000)
+    page.locator("article h1", has_text=title).wait_for(timeout=10_000)
+    assert page.evaluate("window.__same_document === true"), "instant navigation, not a page load"
+
+
+def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site):
+    """The drill deals every question once, in a random order, one at a time: set up after an
+    instant navigation, started from the keyboard, the answer hidden until Space, N and ← moving,
+    Esc leaving, nothing passed on to Material's own N (next page), no sideways scrolling at 390 px."""
+    context, page, watch = home_on_a_phone(browser, built_site["dir"])
+    follow_instantly(page, page.locator("article a[href$='interview/']").first, "/interview/", "Interview prep")
+    start = page.get_by_role("button", name="Start the drill")
+    start.wait_for(timeout=10_000)  # set up by drill.js on Material's document$
+    assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") == "slate"
+    questions = page.locator("article details.question")
+    n = questions.count()
+    assert n >= 40, f"only {n} questions gathered"
+    panel, answer = page.locator(".il-drill__panel"), page.locator(".il-drill__answer")
+    assert not panel.is_visible()
+
+    start.focus()
+    page.keyboard.press("Enter")
+    assert panel.is_visible() and not start.is_visible()
+    assert page.evaluate("document.activeElement.classList.contains('il-drill__panel')"), "focus moves to the drill"
+    assert page.evaluate("getComputedStyle(document.activeElement).outlineStyle") != "none", "focus is visible"
+    assert answer.get_attribute("aria-live") == "polite"
+    assert answer.inner_text().strip() == "", "the answer stays hidden until asked for"
+    reveal = page.get_by_role("button", name="Show the answer")
+    assert reveal.get_attribute("aria-expanded") == "false"
+
+    first = int(panel.get_attribute("data-il-drill-index"))
+    summary = questions.nth(first).locator("summary").inner_text().strip()
+    assert page.locator(".il-drill__question").inner_text().strip() == summary
+    assert "Question 1 of" in page.locator(".il-drill__status").inner_text()
+    page.keyboard.press(" ")
+    shown = answer.inner_text().strip()
+    expected = questions.nth(first).evaluate(
+        "d => [...d.children].filter(c => c.tagName !== 'SUMMARY').map(c => c.textContent).join(' ')")
+    assert shown and shown.split()[:8] == expected.split()[:8], (shown[:80], expected[:80])
+    assert page.get_by_role("button", name="Hide the answer").get_attribute("aria-expanded") == "true"
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the drill scrolls sideways by {overflow}px on a phone"
+
+    order = [first]
+    for _ in range(n - 1):
+        page.keyboard.press("n")
+        order.append(int(panel.get_attribute("data-il-drill-index")))
+        assert answer.inner_text().strip() == "", "each question starts with its answer hidden"
+    assert sorted(order) == list(range(n)), "every question exactly once"
+    assert order != list(range(n)), "a random order, not the page's"
+    assert urlsplit(page.url).path == "/interview/", "N moved the drill, not Material to the next page"
+    assert page.get_by_role("button", name="Next →").is_disabled()
+    page.keyboard.press("ArrowLeft")
+    assert int(panel.get_attribute("data-il-drill-index")) == order[-2]
+
+    page.keyboard.press("Escape")
+    assert not panel.is_visible() and start.is_visible()
+    assert page.evaluate("document.activeElement.textContent") == "Start the drill", "focus returns to the button"
+    assert not watch.errors and not watch.outside
+    context.close()
+
+
+def test_oom_page_is_one_tap_from_the_home_page_on_a_phone(browser, built_site):
+    """The home page's first screen links "I have an OOM"; the page opens by instant navigation,
+    reads on a 390-px phone in dark mode without sideways scrolling, and its lever tabs switch on a
+    tap."""
+    context, page, watch = home_on_a_phone(browser, built_site["dir"])
+    link = page.locator("article a[href$='oom/']").first
+    box = link.bounding_box()
+    assert box and box["y"] + box["height"] <= 844, f"the OOM link is below the first screen: {box}"
+    follow_instantly(page, link, "/oom/", "I have an OOM")
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the OOM page scrolls sideways by {overflow}px on a phone"
+    page.locator(".tabbed-labels label", has_text="Optimizer step").tap()
+    assert page.locator(".tabbed-block", has_text="fused=True").is_visible()
+    assert not watch.errors and not watch.outside
+    context.close()
 
 # ---------------------------------------------------------------- "Will it fit?" (docs/fit.md, docs/assets/fit.js)
 FIT_TABLE = Path(__file__).resolve().parents[1] / "results" / "fit" / "table.json"

@@ -342,3 +342,222 @@ def test_cuda_measure_rounds_each_tensor_to_512_bytes(lab01):
     assert m.measured["optimizer_state"] == 2 * rounded
     assert m.measured["optimizer_state_on_host"] == 4 * len(list(model.parameters()))  # the counters, on the host
     assert m.cuda["max_memory_allocated"] >= m.ledger.peak()["total"] - m.measured["activations"]
+
+
+def test_zoo_model_state_uses_the_exact_published_parameter_counts():
+    sweeps = labs.load(1, "accounting_sweeps")
+    models = sweeps.zoo_model_state(("llama-3-8b", "llama-3-70b"))
+    assert models["llama-3-8b"]["params"] == 8_030_261_248
+    assert models["llama-3-70b"]["params"] == 70_553_706_496
+    assert models["llama-3-8b"]["mixed_adamw"] == 16 * 8_030_261_248
+    assert models["llama-3-8b"]["zero3_per_rank"] == 16 * -(-8_030_261_248 // 8)
+    assert models["llama-3-8b"]["kv_bf16_per_token"] == 2 * 32 * 8 * 128 * 2  # 128 KiB per token
+
+
+# ---------------------------------------------------------------- model parallelism (derived: Korthikanti et al. 2022)
+# arXiv 2205.05198. Its Table 2 gives the bytes one layer keeps per GPU; its section 5 and Table 3
+# give the worked numbers below. s, b, h, a, L, t, p as in the paper (and the handbook's notation).
+GPT3 = {"seq": 2048, "batch": 1, "hidden": 12288, "heads": 96}  # section 5 and Table 3: 175B, 96 layers
+MTNLG = {"seq": 2048, "batch": 1, "hidden": 20480, "heads": 128}  # section 5: 530B
+TABLE_3 = {"22B": (64, 6144, 48), "175B": (96, 12288, 96), "530B": (128, 20480, 105), "1T": (160, 25600, 128)}
+
+
+model_parallel = labs.load(1, "model_parallel")  # Layout, params_per_rank, total_params
+tp_trace = labs.load(1, "tp_trace")  # a layer split by DTensor, traced on one GPU of t
+
+
+def per_layer(lab01, shape, **kw):
+    return lab01.activation_bytes_per_layer(shape["seq"], shape["batch"], shape["hidden"], shape["heads"], **kw)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+@pytest.mark.parametrize("shape", [GPT3, MTNLG, {"seq": 512, "batch": 4, "hidden": 1024, "heads": 16}])
+def test_each_row_of_table_2(lab01, shape, t):
+    """Table 2, row by row, in integers (each side multiplied by h*t where the paper divides)."""
+    s, b, h, a = shape["seq"], shape["batch"], shape["hidden"], shape["heads"]
+    sbh = s * b * h
+    assert per_layer(lab01, shape, tp=t) * h * t == sbh * (10 * h * t + 24 * h + 5 * a * s)  # tensor parallel (Eq. 2)
+    assert per_layer(lab01, shape, tp=t, sp=True) * h * t == sbh * (34 * h + 5 * a * s)  # + sequence parallel (Eq. 4)
+    assert per_layer(lab01, shape, tp=t, recompute="selective") * t == sbh * (10 * t + 24)  # TP + selective
+    assert per_layer(lab01, shape, tp=t, sp=True, recompute="selective") * t == 34 * sbh  # TP + SP + selective
+    assert per_layer(lab01, shape, tp=t, recompute="full") == 2 * sbh  # full recomputation: the layer's input
+    # with SP the layer's input is itself split along s: 2sbh/t (section 5 names this option for TP alone)
+    assert per_layer(lab01, shape, tp=t, sp=True, recompute="full") * t == 2 * sbh
+    # Eq. 4 is Eq. 1 divided by t; context parallelism divides everything by its size too
+    assert per_layer(lab01, shape, tp=t, sp=True) * t == per_layer(lab01, shape)
+    assert per_layer(lab01, shape, cp=2) * 2 == per_layer(lab01, shape)
+
+
+@pytest.mark.parametrize(("shape", "attention_term", "saving_pct"), [(GPT3, 80, 70), (MTNLG, 64, 65)])
+def test_section_5_selective_recomputation_saves_70_and_65_percent(lab01, shape, attention_term, saving_pct):
+    """Section 5: 5as/h = 80 for GPT-3 and 64 for MT-NLG, so selective recomputation saves 70 % and 65 %."""
+    s, h, a = shape["seq"], shape["hidden"], shape["heads"]
+    assert 5 * a * s // h == attention_term and 5 * a * s % h == 0
+    for kw in ({}, {"tp": 8, "sp": True}):  # the share is the same on one GPU and under TP + SP
+        full, kept = per_layer(lab01, shape, **kw), per_layer(lab01, shape, recompute="selective", **kw)
+        assert round(100 * (full - kept) / full) == saving_pct
+
+
+def test_figure_7_sp_and_selective_together_cut_about_5x(lab01):
+    """Section 6.1 / Figure 7, for Table 3's models at s = 2048, t = 8: SP and selective recomputation
+    together keep about a fifth of Eq. 2 (the figure's bars also hold Appendix B's saving, so the check
+    is 'about'), full recomputation at most a tenth."""
+    for a, h, _ in TABLE_3.values():
+        shape = {"seq": 2048, "batch": 1, "hidden": h, "heads": a}
+        baseline = per_layer(lab01, shape, tp=8)
+        both = per_layer(lab01, shape, tp=8, sp=True, recompute="selective")
+        assert 4.5 < baseline / both < 6.5
+        assert per_layer(lab01, shape, tp=8, recompute="full") <= baseline / 10
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_pipeline_stage_0_holds_L_layers_of_activations_whatever_p(lab01, recompute):
+    """Section 4.2.3, Eq. 5 and 6: under 1F1B stage 0 keeps p micro-batches of its L/p layers, so its
+    activations are sbhL/t (34 + 5as/h) (selective: 34 sbhL/t) for every p; GPT-3 as in Table 3."""
+    s, b, h, a, L, t = 2048, 1, 12288, 96, 96, 8
+    attention = 5 * a * s // h if recompute == "none" else 0
+    by_p = {}
+    for p in (1, 2, 8, 96):
+        result = lab01.run(lab01.Config(layers=L, hidden=h, heads=a, seq=s, batch=b, vocab=51200, precision="mixed",
+                                        tp=t, sp=True, pp=p, recompute=recompute))
+        by_p[p] = result
+        assert result.derived["activations"] == s * b * h * L * (34 + attention) // t
+    # the weights do shrink with p: stage 0 holds L/p layers (and the embeddings)
+    assert by_p[8].derived["parameters"] < by_p[1].derived["parameters"] / 7
+
+
+# ---------------------------------------------------------------- parameters per GPU
+@pytest.mark.parametrize("shape", [dict(SMALL), {"layers": 4, "hidden": 96, "heads": 6, "seq": 10, "batch": 1, "vocab": 70}])
+def test_one_gpu_holds_tinygpts_whole_count(toy, shape):
+    s = toy.Shape(**shape)
+    mine = model_parallel.params_per_rank(s)
+    assert mine == {"dense": toy.param_count(s), "experts": 0, "tensors": toy.param_tensors(s)}
+    assert model_parallel.total_params(s) == toy.param_count(s)
+
+
+def test_tensor_and_pipeline_parallel_parameters_per_gpu(toy):
+    """Megatron's split: matrices (and column-parallel biases) / t, norms and row-parallel biases whole,
+    the vocabulary / t; stage 0 holds L/p layers and the embeddings, the last stage the head."""
+    L, h, s, V = 8, 64, 32, 1000
+    shape = toy.Shape(layers=L, hidden=h, heads=8, seq=s, batch=1, vocab=V)
+    layer_split, layer_whole = 12 * h * h + 7 * h, 6 * h
+    for t in (1, 2, 8):
+        vocab = -(-V // t) * h  # 1000 / 8 = 125 rows: no padding here; 1000 / 3 would pad
+        mine = model_parallel.params_per_rank(shape, model_parallel.Layout(tp=t))
+        assert mine["dense"] == L * (layer_split // t + layer_whole) + 2 * vocab + s * h + 2 * h
+        stage0 = model_parallel.params_per_rank(shape, model_parallel.Layout(tp=t, pp=4))
+        assert stage0["dense"] == L // 4 * (layer_split // t + layer_whole) + vocab + s * h
+        assert stage0["tensors"] == 12 * L // 4 + 2
+    # the t GPUs together hold every split parameter once and the whole ones t times
+    split = model_parallel.params_per_rank(shape, model_parallel.Layout(tp=8))["dense"]
+    assert 8 * split - 7 * (L * layer_whole + s * h + 2 * h) == toy.param_count(shape)
+
+
+def test_expert_parallelism_divides_only_the_experts(lab01, toy):
+    L, h, E = 4, 64, 8
+    shape = toy.Shape(layers=L, hidden=h, heads=4, seq=16, batch=1, vocab=100)
+    expert = 8 * h * h + 5 * h  # each expert: the dense MLP (fc1 weight and bias, fc2 weight and bias)
+    assert model_parallel.total_params(shape, E) == toy.param_count(shape) + L * ((E - 1) * expert + h * E)
+    for ep in (1, 2, 8):
+        mine = model_parallel.params_per_rank(shape, model_parallel.Layout(experts=E, ep=ep))
+        assert mine["experts"] == L * E // ep * expert
+        assert mine["dense"] == toy.param_count(shape) - L * expert + L * h * E  # the router stays whole
+    # ZeRO shards the dense state over dp x cp GPUs and the experts over the dp x cp / ep that share them
+    config = lab01.Config(layers=L, hidden=h, heads=4, seq=16, batch=1, vocab=100, precision="mixed", experts=E,
+                          ep=4, dp=4, cp=2, zero_stage=3)
+    mine = model_parallel.params_per_rank(shape, config.layout)
+    assert lab01.run(config).derived["parameters"] == 2 * (-(-mine["dense"] // 8) + -(-mine["experts"] // 2))
+
+
+def test_kv_cache_is_split_by_head_and_by_stage(lab01, toy):
+    """Serving a Llama-3-70B-shaped model (8 KV heads) with tensor parallelism: each GPU holds its
+    heads' keys and values; past 8 GPUs a KV head is copied, not split further."""
+    shape = toy.Shape(layers=80, hidden=8192, heads=64, seq=8192, batch=1, vocab=128256, kv_heads=8)
+    whole = lab01.kv_cache_bytes(shape)
+    assert whole == 2 * 80 * 8192 * 8 * 128 * 2  # 320 KiB per token, 2.5 GiB per 8k sequence
+    assert lab01.kv_cache_bytes(shape, tp=8) == whole // 8 == lab01.kv_cache_bytes(shape, tp=16)
+    assert lab01.kv_cache_bytes(shape, tp=8, pp=4) == whole // 32
+
+
+# ---------------------------------------------------------------- the command line, split
+def test_the_report_and_json_say_the_split(lab01, tables, capsys):
+    config = lab01.Config(layers=80, hidden=8192, heads=64, seq=8192, batch=1, vocab=128256, precision="mixed",
+                          tp=8, sp=True, pp=4, recompute="selective")
+    result = lab01.run(config)
+    summary = result.summary()
+    assert summary["layout"] == {"tp": 8, "sp": True, "pp": 4, "cp": 1, "experts": 0, "ep": 1}
+    assert summary["params_per_gpu"]["dense"] * 2 == summary["derived"]["parameters"]
+    assert summary["derived"]["activations"] == 80 * 34 * 8192 * 8192 // 8  # 34 sbhL/t, Eq. 6
+    assert summary["formulas"]["activations"] == ("L x [sbh(4e+2m)/t + sbh x 12e/t], t=8, e=2, m=1; "
+                                                  "stage 0 of p=4: p micro-batches x L/p layers")
+    assert summary["formulas"]["parameters"] == "2 B x P_gpu"
+    tables.report(result)
+    out = capsys.readouterr().out
+    assert "split: TP 8 + SP, PP 4 (stage 0, 1F1B); this GPU holds P_gpu = " in out
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"params": P7, "tp": 8}, "--tp needs a model shape"),
+    ({"params": P7, "sp": True}, "--sp needs a model shape"),
+    ({"tp": 3}, "--tp 3 must divide --heads 4"),
+    ({"heads": 12, "kv_heads": 3, "tp": 2, "hidden": 48}, "divide or be a multiple of the 3 KV heads"),
+    ({"heads": 8, "kv_heads": 4, "tp": 8, "hidden": 64, "layers": 4}, None),  # 8 GPUs, 4 KV heads: each copied twice
+    ({"pp": 3}, "--pp 3 does not divide --layers 2"),
+    ({"cp": 3}, "--cp 3 does not divide --seq 64"),
+    ({"sp": True}, "--sp splits the 64 tokens"),
+    ({"sp": True, "tp": 4, "seq": 66, "heads": 4}, "--sp splits the 66 tokens"),
+    ({"ep": 2}, "--ep 2 must divide --experts (none"),
+    ({"experts": 6, "ep": 4, "dp": 4}, "--ep 4 must divide --experts (6)"),
+    ({"experts": 8, "ep": 4, "dp": 2}, "--ep 4 must divide --dp x --cp = 2"),
+    ({"inference": True, "tp": 2, "sp": True}, "--sp and --cp split training activations"),
+    ({"measure": True, "tp": 2}, "--measure runs one process of TinyGPT"),
+])
+def test_the_config_refuses_a_split_that_cannot_be(lab01, fields, fragment):
+    if fragment is None:
+        assert lab01.Config(**fields).layout.tp == 8
+        return
+    with pytest.raises(lab01.UsageError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        lab01.Config(**fields)
+
+
+def test_a_bad_split_is_one_line_from_the_command_line(lab01, capsys):
+    assert_usage_error_in_process(lab01, ["--layers", "32", "--heads", "32", "--hidden", "4096", "--tp", "3"], capsys,
+                                  "--tp 3 must divide --heads 32")
+
+
+# ---------------------------------------------------------------- tensor parallelism traced (DTensor, fake process group)
+def trace(*args, **kw):
+    try:
+        return tp_trace.trace_block(*args, **kw)
+    except tp_trace.FakeGroupUnavailable as exc:  # pragma: no cover - torch 2.11 and 2.13 have it
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize(("t", "sp"), [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_dtensor_tensor_parallelism_keeps_the_formulas_terms(lab01, toy, t, sp):
+    """One GPU of t, as PyTorch's ColwiseParallel/RowwiseParallel (and SequenceParallel) run a plain
+    transformer layer, traced on fake tensors under the fake process group: its weights are the
+    lab's per-GPU split of one layer, and what it keeps for backward is the paper's formula for a
+    layer without dropout whose attention keeps no scores (recompute="selective", mask=None) plus
+    the terms gap_to_formula names: the norms' statistics, flash attention's log-sum-exp and, with
+    SP, the all-gathered inputs PyTorch saves whole where Megatron keeps a shard."""
+    h, a, s, b = 64, 8, 32, 2
+    traced = trace(h, a, s, b, t, sp)
+    one_layer = [model_parallel.params_per_rank(toy.Shape(layers=n, hidden=h, heads=a, seq=s, batch=b, vocab=64),
+                                                model_parallel.Layout(tp=t))["dense"] for n in (1, 2)]
+    assert traced.parameters == 4 * (one_layer[1] - one_layer[0]) == 4 * ((12 * h * h + 7 * h) // t + 6 * h)
+    formula = lab01.activation_bytes_per_layer(s, b, h, a, act=4, mask=None, recompute="selective", tp=t, sp=sp)
+    gap = tp_trace.gap_to_formula(h, a, s, b, t, sp, elem=4)
+    assert traced.activations == formula + sum(n for _, n in gap) == sum(n for _, n in traced.saved)
+    # the split terms shrink by t: Q, K, V and the attention output (a/t heads), the MLP's 4h/t columns
+    split_ops = [n for op, n in traced.saved if op in ("addmm", "gelu", "_scaled_dot_product_flash_attention_for_cpu")]
+    assert sum(split_ops) == 12 * s * b * h * 4 // t + a // t * b * s * 4
+
+
+def test_dtensor_sequence_parallelism_leaves_two_gathered_inputs_whole():
+    """What PyTorch's SP keeps that Megatron's does not: with t = 4 the layer keeps two all-gathered
+    s x b x h inputs (one per sublayer, 'cat' in the trace) at full size on every GPU."""
+    h, a, s, b = 64, 8, 32, 2
+    traced = trace(h, a, s, b, 4, sp=True)
+    gathered = [n for op, n in traced.saved if op == "cat"]
+    assert gathered == [s * b * h * 4] * 2

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, run_cli
+from test_labkit_fake import assert_same_timeline
 
-from labkit import marks
+from labkit import fake, labs, marks
 from labkit.timeline import CATEGORIES
 
 SCRIPT = "lab-02-single-gpu-training/train_single_gpu.py"
@@ -306,3 +308,68 @@ def test_cuda_run_agrees_with_the_allocator_and_writes_a_snapshot(lab02, tmp_pat
     assert 0.95 <= ratio <= 1.05, (ratio, summary["peak_bytes"]["total"], run_peak)
     assert snap.is_file() and snap.stat().st_size > 0
     assert summary["provenance"]["device_type"] == "cuda" and summary["provenance"]["device_name"]
+
+
+# ---------------------------------------------------------------------- at real size, on fake tensors
+GIB = 2**30
+
+
+@pytest.mark.parametrize("model", ["small-llama", "small-gpt"])
+def test_a_traced_step_is_the_real_step_to_the_byte(lab02, monkeypatch, model):
+    """The lab's own run on a zoo model, on real tensors and with --fake: the same allocations and
+    frees in the same order, the same peaks by phase, step and category. The CPU run counts exact
+    bytes, so the trace here counts exact bytes too (block=None); the 512-byte rounding a --fake run
+    adds is labkit.fake's own, tested there. small-gpt ties its head to the embedding: the trace
+    counts it once, as the real run does."""
+    size = dict(model=model, adamw="foreach", seq_len=32, batch_size=2, steps=2, device="cpu")
+    real = lab02.run(lab02.Config(**size))
+    monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))
+    traced = lab02.run(lab02.Config(**size, fake=True))
+    assert not any(fake.is_fake(p) for p in real.model.parameters())
+    assert all(fake.is_fake(p) for p in traced.model.parameters()) and traced.params == real.params
+    assert_same_timeline(real.ledger, traced.ledger)
+    assert traced.losses == [] and len(real.losses) == 2
+
+
+def test_fp32_adamw_at_8b_does_not_fit_an_80_gib_card_even_before_the_adamw_state(lab02):
+    """The page's claims at Llama-3-8B, fp32, 4,096 tokens (one step, traced): step 0's forward and
+    backward, before AdamW has any state, already peak above 80 GiB; after the first optimizer step
+    the model state is 16 B per parameter (4 weights + 4 gradients + 8 moments, each tensor rounded
+    to 512 B, plus AdamW's step counters)."""
+    run = lab02.run(lab02.Config(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1, steps=1))
+    h = labs.load(2, "scale_harness")
+    phases = h.peaks_by_step_and_phase(run.ledger.timeline())
+    assert phases["step 0 backward"]["optimizer_state"] == 0
+    assert sum(phases["step 0 backward"].values()) > 80 * GIB
+    now, tensors = run.ledger.current(), run.tensors
+    state = now["parameters"] + now["gradients"] + now["optimizer_state"]
+    assert run.params == 8_030_261_248
+    assert 16 * run.params <= state < 16 * run.params + 4 * 512 * tensors
+
+
+def test_llama_3_2_1b_in_fp32_fits_and_its_second_step_carries_the_adamw_state(lab02):
+    run = lab02.run(lab02.Config(model="llama-3.2-1b", fake=True, seq_len=4096, batch_size=1, steps=2))
+    h = labs.load(2, "scale_harness")
+    phases, adamw = h.peaks_by_step_and_phase(run.ledger.timeline()), run.ledger.current()["optimizer_state"]
+    assert run.params == 1_235_814_400  # tied embedding counted once
+    assert run.ledger.peak()["total"] < 80 * GIB
+    for phase in ("forward", "backward"):
+        assert sum(phases[f"step 1 {phase}"].values()) - sum(phases[f"step 0 {phase}"].values()) == adamw
+
+
+def test_a_real_size_model_on_real_tensors_is_refused_by_the_memory_floor(lab02, capsys):
+    assert_usage_error_in_process(lab02, ["--model", "llama-3.1-405b", "--steps", "1"], capsys,
+                                  "this run needs at least", "parameters of llama-3.1-405b")
+
+
+def test_a_fake_run_saves_no_checkpoint(lab02, tmp_path):
+    with pytest.raises(lab02.UsageError, match="--checkpoint saves real tensors"):
+        lab02.Config(model="small-llama", fake=True, checkpoint=tmp_path / "c.pt")
+
+
+def test_a_traced_run_from_the_command_line_reports_bytes_and_no_losses():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--fake", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["traced"].startswith("traced on fake tensors") and data["losses"] == [] and data["steps"] == 2
+    assert data["peak_bytes"]["total"] % 512 == 0 and data["optimizer_state_first_seen"]["phase"] == "optimizer"

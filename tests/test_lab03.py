@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from test_labkit_fake import assert_same_timeline
 
-from labkit import cli, marks
+from labkit import cli, fake, marks
 
 SCRIPT = "lab-03-mixed-precision/mixed_precision.py"
 SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4}
@@ -291,3 +293,78 @@ def test_cuda_bf16_speed_target_on_an_h100_class_gpu(lab03):
     bf16 = lab03.run(lab03.Config(**GPU_SIZE, recipe="bf16", steps=12))
     speedup = fp32.runs["fp32"].summary()["step_time_s"] / bf16.runs["bf16"].summary()["step_time_s"]
     assert speedup >= 1.8, speedup
+
+
+# ---------------------------------------------------------------------- at real size, on fake tensors
+GIB = 2**30
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "pure-bf16"])
+def test_a_traced_recipe_is_the_real_recipe_to_the_byte(lab03, monkeypatch, recipe):
+    """The lab's own run of a recipe on small-llama, on real tensors and with --fake: the same
+    allocations and frees in order, the same peaks, and the same saved-for-backward census (weight
+    copies found through autograd on fake tensors too). Exact bytes on both sides (block=None): the
+    CPU run does not round; labkit.fake's own test covers the 512-byte rounding."""
+    size = dict(model="small-llama", recipe=recipe, adamw="foreach", seq_len=32, batch_size=2, steps=2, device="cpu")
+    real = lab03.run(lab03.Config(**size)).runs[recipe]
+    monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))
+    traced = lab03.run(lab03.Config(**size, fake=True)).runs[recipe]
+    assert_same_timeline(real.ledger, traced.ledger)
+    assert traced.saved == real.saved and traced.linear_weights == real.linear_weights
+    assert traced.param_dtypes == real.param_dtypes == (["bfloat16"] if recipe == "pure-bf16" else ["float32"])
+    assert traced.losses == [] and len(real.losses) == 2
+
+
+def test_cpu_autocast_gives_every_op_of_the_traced_step_the_dtype_cuda_autocast_would(lab03):
+    """The page says so of its bf16 trace: the CPU autocast the trace runs and CUDA's agree on every
+    call of the lab's step on the zoo's Llama (labkit.fake.autocast_audit checks CUDA's op lists)."""
+    with fake.autocast_audit() as differs:
+        lab03.run(lab03.Config(model="small-llama", fake=True, recipe="bf16", seq_len=32, batch_size=2, steps=2))
+    assert differs == {}
+
+
+@pytest.fixture(scope="module")
+def traced_8b(lab03):
+    """Llama-3-8B, one sequence of 4,096 tokens, one step of each recipe, traced (about 4 s each here)."""
+    return {recipe: lab03.run(lab03.Config(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1,
+                                           recipe=recipe, steps=1)).runs[recipe]
+            for recipe in ("fp32", "bf16", "pure-bf16")}
+
+
+def _at_backward(run, step=0):
+    tl = run.ledger.timeline()
+    return next(tl.row(s.start) for s in tl.spans if s.name == "backward" and s.step == step)
+
+
+def test_at_8b_autocast_saves_a_bf16_copy_of_every_weight_and_keeps_fp32_log_probs(harness, traced_8b):
+    """The page's claim: bf16 autocast over fp32 weights keeps almost as many activation bytes as fp32
+    (within 5 %), because every Linear weight's bf16 copy (2 B each) is saved for backward; every
+    recipe keeps the loss's float32 log-probabilities, 4 B x 4,096 tokens x 128,256."""
+    fp32, bf16, pure = (traced_8b[r] for r in ("fp32", "bf16", "pure-bf16"))
+    assert bf16.saved["16-bit weight copies"] == 2 * bf16.linear_weights > 13 * GIB
+    assert "16-bit weight copies" not in fp32.saved and "16-bit weight copies" not in pure.saved
+    acts = {r: _at_backward(run)["activations"] for r, run in traced_8b.items()}
+    assert 0.95 * acts["fp32"] < acts["bf16"] < acts["fp32"]
+    assert acts["pure-bf16"] < 0.6 * acts["fp32"]
+    for run in traced_8b.values():
+        assert harness.activations_by_op(run.ledger)["_log_softmax"] == 4 * 4096 * 128_256
+
+
+def test_at_8b_only_pure_bf16_fits_and_it_halves_the_peak(traced_8b):
+    peak = {r: run.ledger.timeline().peak()["total"] for r, run in traced_8b.items()}
+    assert peak["bf16"] == peak["fp32"] > 80 * GIB  # the optimizer phase sets both: fp32 weights, AdamW, foreach
+    assert peak["pure-bf16"] < 80 * GIB and peak["pure-bf16"] <= 0.51 * peak["fp32"]
+
+
+def test_a_fake_run_injects_no_inf(lab03):
+    with pytest.raises(lab03.UsageError, match="--inject-inf-at needs values"):
+        lab03.Config(model="small-llama", fake=True, recipe="fp16", inject_inf_at=1)
+
+
+def test_pure_bf16_keeps_no_fp32_copy_of_the_model(lab03):
+    """Weights, gradients and AdamW's moments all bf16: 2 + 2 + 4 B per parameter (+ a step counter per tensor)."""
+    summary = lab03.run(lab03.Config(**SIZE, recipe="pure-bf16", steps=2)).summary()
+    s, P = summary["recipes"]["pure-bf16"], summary["params"]
+    opt = s["peak_bytes_by_phase"]["optimizer"]
+    assert s["parameter_dtypes"] == ["bfloat16"] and s["autocast_dtype"] is None and not s["grad_scaler"]
+    assert opt["parameters"] == opt["gradients"] == 2 * P and 4 * P < opt["optimizer_state"] < 8 * P

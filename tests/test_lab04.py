@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from test_labkit_fake import assert_same_timeline
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from labkit import marks
+from labkit import fake, marks
 from labkit.ledger import Ledger
 
 SCRIPT = "lab-04-activation-checkpointing/checkpointing.py"
@@ -293,6 +295,71 @@ def test_segment_rule_predicts_short_last_segments(segments):
     assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)
 
 
+# ---------------------------------------------------------------------- at real size, on fake tensors
+@pytest.mark.parametrize("fields", [{}, {"model": "small-llama", "dtype": "bfloat16", "dropout": 0.0}],
+                         ids=["tinygpt", "small-llama"])
+def test_a_trace_holds_the_bytes_and_flops_of_the_real_run(lab04, monkeypatch, fields):
+    """The lab's run on fake tensors against the same run on real tensors, strategy by strategy:
+    the same allocations in the same order, every phase peak of every category, and the same FLOPs.
+    The TinyGPT's real run is the lab's default path (``build``: SyntheticTokens); its trace takes
+    the real-scale path (random ids of the same (B, T + 1) storage). The trace counts exact bytes here
+    (``fake.tensors(block=None)``, as a CPU ledger does): ``--fake`` rounds them to the CUDA
+    allocator's 512-byte blocks, which a real CPU run does not."""
+    real = lab04.run(lab04.Config(**SIZE, steps=1, **fields))
+    monkeypatch.setattr(lab04.Config, "tensors", lambda self: fake.tensors(block=None))
+    traced = lab04.run(lab04.Config(**SIZE, fake=True, **fields))
+    assert list(traced.results) == list(lab04.STRATEGIES) and traced.config.fake
+    for s, r in real.results.items():
+        t = traced.results[s]
+        assert "grads_equal" not in t and t["step_time_s"] is None  # no values, no time
+        for key in ("kept_bytes", "activation_peak_bytes", "peak_bytes", "forward_flops", "backward_flops"):
+            assert t[key] == r[key] > 0, (s, key)
+        assert_same_timeline(real.ledgers[s], traced.ledgers[s])
+
+
+def test_the_trace_rounds_like_the_cuda_allocator_and_says_what_it_is(lab04, capsys):
+    result = lab04.run(lab04.Config(**SIZE, model="small-llama", fake=True, strategy="full"))
+    lab04.report(result)
+    out = capsys.readouterr().out
+    assert "traced on fake tensors" in out and "not compared (traced)" in out and "CPU wall clock" not in out
+    assert all(result.results[s][k] % 512 == 0 for s in ("none", "full") for k in ("kept_bytes", "peak_bytes"))
+    assert result.summary()["traced"].startswith("traced on fake tensors")
+
+
+def test_cpu_flash_attention_flops_are_counted_with_torchs_formulas(lab04):
+    """FlopCounterMode knows CUDA's fused attention, not the CPU flash kernel a trace takes."""
+    costs = load_lab(4, "block_costs")
+    q = torch.randn(1, 4, 64, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(2))  # grouped-query: 2 KV heads
+    with FlopCounterMode(display=False) as plain:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    assert plain.get_total_flops() == 0  # the gap the mapping fills
+    with FlopCounterMode(display=False, custom_mapping=costs.CPU_ATTENTION_FLOPS) as counted:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    forward = flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+    assert counted.get_total_flops() == forward + flop_counter.sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
+
+
+def test_the_segment_rule_with_the_heads_peak_at_a_real_vocabulary(lab04):
+    """The page's claim at real size, on Llama-3.2-1B's blocks and 128k vocabulary (16 blocks, 1,024
+    tokens, bf16): the loss head's peak (fp32 logits) sits on every kept block input, so small k
+    peak at the head, large k in the recompute window; the rule with both, its constants from none,
+    k = 1 and the largest k, gives every other traced k to the byte, and the lowest peak."""
+    at_scale, segments = load_lab(4, "at_scale"), load_lab(4, "segments")
+    config = at_scale.config("llama-3.2-1b", 1024)
+    n, b = config.depth, config.seq_len * 2048 * 2
+    with config.tensors():
+        model, x, y = lab04.build_for(config, "cpu")
+        memory = segments.sweep(model, x, y, [1, 2, 4, 16])
+    rule = segments.compare(memory, n, b, head=True)
+    assert rule["head_spike_bytes"] > rule["backward_extra_bytes"] + rule["per_block_bytes"]  # the head peaks at k = 1
+    for k, row in rule["predicted"].items():
+        assert (row["kept"], row["peak"]) == (memory[k]["kept_bytes"], memory[k]["activation_peak_bytes"]), k
+    best = rule["best_k_measured"]
+    assert best == rule["best_k_predicted"] and 1 < best < n
+    assert memory[best]["activation_peak_bytes"] < memory[1]["activation_peak_bytes"]
+
+
 # ---------------------------------------------------------------------- the command line
 def test_json_summary_schema():
     proc = run_cli(SCRIPT, *SMALL, "--json")
@@ -321,6 +388,7 @@ def test_one_strategy_runs_against_none(lab04, capsys):
 
 @pytest.mark.parametrize(("fields", "fragment"), [
     ({"every": 5}, "--every 5 is larger than --layers 4"),
+    ({"every": 3, "model": "small-llama", "layers": 8}, "--every 3 is larger than the 2 blocks of --model small-llama"),
     ({"width": 30, "heads": 4}, "not divisible"),
 ])
 def test_the_config_refuses_what_cannot_run(lab04, fields, fragment):

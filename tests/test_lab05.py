@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import cli, marks
+from labkit import cli, fake, marks
 
 SCRIPT = "lab-05-memory-efficient-attention/attention.py"
 
@@ -161,6 +162,62 @@ def test_the_sdpa_kernel_scratch_is_per_thread_and_far_below_n_squared(lab05, me
     assert by_threads[1] < by_threads[2] < by_threads[4], by_threads  # the page: it grows with threads
     assert by_threads[1] < lab05.score_matrix_bytes(2048, batch=1, heads=2, e=4) / 10  # not an N x N buffer
     assert torch.get_num_threads() == 1  # the thread count is restored
+
+
+# ---------------------------------------------------------------- grouped-query attention, and at real size
+@pytest.mark.parametrize("fields", [{}, {"backward": True}, {"backward": True, "recompute": True, "impl": "chunked"}],
+                         ids=["forward", "backward", "recompute"])
+def test_grouped_query_attention_bytes_equal_the_formulas(lab05, fields):
+    """Two KV heads for four query heads: naive and chunked repeat k and v to every query head (two
+    copies of the output's size), SDPA takes them as they are (enable_gqa); outputs within tolerance."""
+    result = sweep(lab05, seq_lens=(64, 200), chunk=96, heads=4, kv_heads=2, **fields)
+    assert result.outside_tolerance == [] and all("within_tolerance" in r for r in result.rows)
+    for row in result.rows:
+        assert row["kept_bytes" if result.config.backward else "peak_bytes"] == row["predicted_bytes"], row
+
+
+@pytest.mark.parametrize("fields", [{"heads": 4, "kv_heads": 2}, {"model": "small-llama", "dtype": "bfloat16"}],
+                         ids=["gqa", "small-llama"])
+def test_a_trace_holds_the_bytes_of_the_real_run(lab05, monkeypatch, fields):
+    """The sweep on fake tensors against the same sweep on real tensors, forward and backward with
+    every implementation: the same live bytes at every event, category by category, and the same
+    backend. The trace counts exact bytes here (``fake.tensors(block=None)``, as a CPU ledger does):
+    ``--fake`` rounds them to the CUDA allocator's 512-byte blocks, which a CPU run does not."""
+    size = dict(seq_lens=(64, 200), chunk=96, backward=True, **fields)
+    real = sweep(lab05, **size)
+    monkeypatch.setattr(lab05.Config, "tensors", lambda self: fake.tensors(block=None))
+    traced = sweep(lab05, fake=True, **size)
+    assert len(real.rows) == len(traced.rows) == 6
+    for r, t in zip(real.rows, traced.rows):
+        assert "max_abs_error" in r and "max_abs_error" not in t  # a trace has no values
+        for key in ("impl", "seq_len", "peak_bytes", "kept_bytes", "predicted_bytes", "backend"):
+            assert t[key] == r[key], (r["impl"], r["seq_len"], key)
+        real_tl, traced_tl = real.timelines[r["impl"], r["seq_len"]], traced.timelines[t["impl"], t["seq_len"]]
+        assert traced_tl.device == real_tl.device and traced_tl.peaks_by_phase() == real_tl.peaks_by_phase()
+
+
+def test_the_score_matrix_at_128k_tokens_is_traced_not_allocated(lab05, capsys):
+    """The page's headline: Llama-3-8B's attention (32 query heads, 8 KV heads, head dim 128), bf16,
+    131,072 tokens. One N x N score matrix is 32 x 131,072² x 2 B = 1 TiB; naive attention keeps it for
+    backward (the probabilities), the fused kernel keeps the output and a float32 log-sum-exp per row."""
+    config = lab05.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_lens=(131072,), backward=True,
+                          impl="naive")
+    assert (config.heads, config.key_value_heads, config.head_dim) == (32, 8, 128)
+    naive = lab05.run(config).rows[0]
+    sdpa = lab05.run(replace(config, impl="sdpa")).rows[0]
+    assert naive["scores_bytes"] == 2**40 and naive["kept_bytes"] == naive["predicted_bytes"] > 2**40
+    out = 32 * 131072 * 128 * 2
+    assert sdpa["kept_bytes"] == sdpa["predicted_bytes"] == out + 32 * 131072 * 4 and sdpa["backend"] == "FLASH_ATTENTION"
+    assert naive["peak_bytes"] > 500 * sdpa["peak_bytes"]  # 3 TiB against 3.5 GiB
+    lab05.report(lab05.run(replace(config, backward=False, impl="all", seq_lens=(8192,))))
+    report = capsys.readouterr().out
+    assert "llama-3-8b's attention" in report and "(8 key/value heads)" in report and "traced on fake tensors" in report
+
+
+def test_grouped_query_shapes_are_checked(lab05):
+    with pytest.raises(lab05.UsageError, match="--heads 4 is not a multiple of --kv-heads 3"):
+        lab05.Config(heads=4, kv_heads=3)
+    assert lab05.Config(heads=4).key_value_heads == 4
 
 
 # ---------------------------------------------------------------- the command line

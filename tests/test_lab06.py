@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
+from test_labkit_fake import assert_same_timeline
 
-from labkit import GPTConfig, cli, marks
+from labkit import GPTConfig, cli, fake, labs, marks
 
 SCRIPT = "lab-06-gradient-accumulation/grad_accumulation.py"
 SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64}
@@ -35,7 +37,9 @@ def train(lab06, **fields):
 @pytest.fixture(scope="module")
 def peaks(lab06):
     """Measured steady-state peaks for batch 8 at every micro-batch size, checkpointing off and on."""
-    return {(m, ck): lab06.measure_peak(CFG, CPU, 8, m, ck) for m in (1, 2, 4, 8) for ck in (False, True)}
+    config = lab06.Config(**SIZE)
+    assert config.model_config() == CFG
+    return {(m, ck): lab06.measure_peak(config, CPU, 8, m, ck) for m in (1, 2, 4, 8) for ck in (False, True)}
 
 
 # ---------------------------------------------------------------- the same gradients
@@ -119,7 +123,7 @@ def test_every_micro_batch_after_the_first_peaks_the_same(lab06):
 def test_the_peak_measured_for_a_candidate_is_the_peak_of_a_longer_run(lab06, peaks):
     run = train(lab06, micro_batch=2, accum_steps=4, steps=3)
     assert run.ledger.peak()["total"] == peaks[2, False]
-    assert run.ledger.peak()["total"] == lab06.measure_peak(CFG, CPU, 8, 2, False)  # deterministic
+    assert run.ledger.peak()["total"] == lab06.measure_peak(lab06.Config(**SIZE), CPU, 8, 2, False)  # deterministic
 
 
 def test_checkpointing_lowers_every_candidate(peaks):
@@ -259,3 +263,38 @@ def test_cuda_accumulation_peak_is_flat(lab06):
     assert peaks[0] == peaks[1] == peaks[2]
     large = [lab06.run(lab06.Config(**size, batch=b)).ledger.peak()["total"] for b in (8, 16, 32)]
     assert large[0] < large[1] < large[2]
+
+
+# ---------------------------------------------------------------- at real size, on fake tensors
+GIB = 2**30
+
+
+@pytest.mark.parametrize("split", [{"micro_batch": 2, "accum_steps": 2}, {"batch": 4}])
+def test_a_traced_accumulation_is_the_real_one_to_the_byte(lab06, monkeypatch, split):
+    """The lab's own trainer on small-llama, on real tensors and with --fake: the same allocations and
+    frees in order, the same peaks by phase and category, for 2 micro-batches of 2 and one batch of
+    4. Exact bytes on both sides (block=None): the CPU run does not round."""
+    size = dict(model="small-llama", adamw="foreach", seq_len=32, steps=2, device="cpu", **split)
+    real = lab06.run(lab06.Config(**size))
+    monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))
+    traced = lab06.run(lab06.Config(**size, fake=True))
+    assert_same_timeline(real.ledger, traced.ledger)
+    assert traced.losses == [] and len(real.losses) == 2 and traced.params == real.params
+
+
+def test_at_real_size_accumulation_keeps_one_micro_batch_of_activations_and_a_full_gradient_buffer(lab06):
+    """The page's claim, at Llama-3.2-1B and 4,096 tokens per sequence (one step, traced): 2
+    micro-batches of 1 hold half the activations of one batch of 2, and under the second micro-batch
+    a full fp32 gradient, 4 B per parameter (each tensor rounded to 512 B), rides along."""
+    size = dict(model="llama-3.2-1b", fake=True, seq_len=4096, steps=1)
+    acc = lab06.run(lab06.Config(**size, micro_batch=1, accum_steps=2))
+    large = lab06.run(lab06.Config(**size, batch=2))
+    h = labs.load(2, "scale_harness")
+    tl = acc.ledger.timeline()
+    second = max((s for s in tl.spans if s.name == "backward"), key=lambda s: s.start)  # micro-batch 2's
+    at = max(range(second.start - 1, second.end), key=tl.device_total().__getitem__)
+    tensors = len(list(acc.model.parameters()))
+    assert 4 * acc.params <= tl.device["gradients"][at] < 4 * acc.params + 512 * tensors
+    acts = {name: max(r.ledger.timeline().device["activations"]) for name, r in (("acc", acc), ("large", large))}
+    assert 0.49 < acts["acc"] / acts["large"] <= 0.5 + 1e-3
+    assert h.peak_phase(tl).endswith("backward")

@@ -1,8 +1,11 @@
 """Lab 07: optimizer and gradient offload against device AdamW: equal parameters, device bytes saved
-exactly, gradients copied inside backward, transfer accounting, the CPU AdamW benchmark, bad input."""
+exactly (fp32 and bf16 weights), gradients copied inside backward, transfer accounting, the trace on
+fake tensors against the real run, the real-scale claims, the CPU AdamW benchmark, bad input."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -11,9 +14,10 @@ import pytest
 import torch
 from conftest import ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import GPTConfig, SyntheticTokens, TinyGPT
+from labkit import GPTConfig, SyntheticTokens, TinyGPT, fake, zoo
 from labkit.schedule import Copies
 from labkit.timeline import CATEGORIES
+from test_labkit_fake import assert_same_timeline
 
 SCRIPT = "lab-07-optimizer-offload/optimizer_offload.py"
 SIZE = {"device": "cpu", "width": 32, "layers": 2, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4, "steps": 3}
@@ -103,7 +107,7 @@ def test_device_bytes_saved_are_exact(fused_runs):
 
 def test_every_formula_of_the_checks_table_equals_the_measurement(accounting, fused_runs):
     engine = next(r.optimizer for r in fused_runs.runs if r.optimizer)
-    table = accounting.checks(fused_runs.modes(), engine.master.nbytes, engine.master.flat.nbytes)
+    table = accounting.checks(fused_runs.modes(), engine)
     assert len(table.rows) == 7
     for quantity, formula, derived, measured in table.rows:
         assert derived == measured, (quantity, formula)
@@ -165,6 +169,40 @@ def test_every_gradient_reaches_the_host_during_backward(lab07, offload_grads):
         assert torch.equal(host, p)  # the updated parameters are back on the device
     engine.remove()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+class StubEvent:
+    """A CUDA event stand-in: ``done`` says whether its copy has run."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_released_gradients_are_kept_until_their_copy_has_run(lab07, monkeypatch):
+    """The keep-alive policy of gradient offload, without a GPU: a device gradient is let go only once
+    its copy's event has completed, or, past the in-flight limit, after the compute stream was told to
+    wait for that event."""
+    waited = []
+    compute = type("Compute", (), {"wait_event": lambda self, e: waited.append(e)})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    engine = lab07.OptimizerOffload([torch.zeros(4, requires_grad=True)], 1e-3, 0.0, offload_grads=True,
+                                    in_flight=2)
+    grads = [torch.zeros(4) for _ in range(4)]
+    events = [StubEvent(done=False), StubEvent(done=True), StubEvent(done=False), StubEvent(done=False)]
+    engine.in_flight.extend(zip(grads[:2], events[:2]))
+    engine._release(engine.max_in_flight)
+    assert len(engine.in_flight) == 2 and waited == []  # the oldest copy has not run: both are kept
+    events[0].done = True
+    engine._release(engine.max_in_flight)
+    assert list(engine.in_flight) == [] and waited == events[:2]  # landed: let go, in order
+    engine.in_flight.extend(zip(grads[2:], events[2:]))
+    engine.in_flight.append((torch.zeros(4), StubEvent(done=False)))
+    engine._release(engine.max_in_flight)  # three outstanding, limit two: the oldest is waited for
+    assert waited[-1] is events[2] and [e for _, e in engine.in_flight] == [events[3], engine.in_flight[1][1]]
+    engine.remove()
 
 
 @pytest.mark.parametrize("impl", ["fused", "forloop"])
@@ -245,6 +283,123 @@ def test_snapshot_on_cpu_is_refused(lab07, capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_gpu_is_one_line():
     assert_clean_usage_error(run_cli(SCRIPT, "--device", "cuda", "--steps", "1"), "no CUDA GPU")
+
+
+# ------------------------------------------------------------------ bf16 weights, fp32 master and AdamW state
+@pytest.fixture(scope="module")
+def bf16_runs(lab07):
+    """The three modes with bf16 device weights: device AdamW keeps an fp32 master on the device."""
+    return lab07.Result(lab07.Config(**SIZE, precision="bf16"), CPU,
+                        [train(lab07, mode, precision="bf16") for mode in lab07.MODES])
+
+
+def test_bf16_offload_equals_device_master_adamw_bit_for_bit(bf16_runs):
+    """Both sides widen the bf16 gradients to fp32, step an fp32 master and round it back to bf16."""
+    runs = {r.mode: r for r in bf16_runs.runs}
+    assert all(p.dtype == torch.bfloat16 for p in runs["none"].model.parameters())
+    for mode in ("optimizer", "gradients"):
+        assert runs[mode].losses == runs["none"].losses, mode
+        for p, q in zip(runs[mode].model.parameters(), runs["none"].model.parameters()):
+            assert torch.equal(p, q), mode
+
+
+def test_bf16_every_formula_of_the_checks_table_equals_the_measurement(accounting, bf16_runs):
+    """12 B/P off the device (fp32 master and moments), 18 B/P on the host (with the bf16 staging
+    buffer), and 2 B/P over the bus each way: the host's own bf16/fp32 conversions are not counted."""
+    n, t = sizes(bf16_runs.runs[0].model)
+    engine = next(r.optimizer for r in bf16_runs.runs if r.optimizer)
+    table = accounting.checks(bf16_runs.modes(), engine, "bf16")
+    for quantity, formula, derived, measured in table.rows:
+        assert derived == measured, (quantity, formula)
+    opt = bf16_runs.modes()["optimizer"]
+    assert opt["device_saved_bytes"] == 12 * n + 4 * t and opt["d2h_bytes_per_step"] == opt["h2d_bytes_per_step"] == 2 * n
+    for where, what, *cells in accounting.bytes_per_param(bf16_runs.modes(), "bf16").rows:
+        for derived, measured in zip(cells[::2], cells[1::2]):
+            assert derived <= measured < derived + (4 * t + 64 * 2 * t) / n, (where, what)
+
+
+# ------------------------------------------------------------------ real scale, traced on fake tensors
+@pytest.fixture
+def exact_traces(lab07, monkeypatch):
+    """The lab's ``--fake`` run with exact bytes (``fake.tensors(block=None)``), as a real CPU run counts
+    them: the trace goes through the same ``run_mode`` as the real run, only the tensors differ."""
+    monkeypatch.setattr(lab07.Config, "tensors",
+                        lambda self: fake.tensors(block=None) if self.fake else contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["none", "optimizer", "gradients"])
+def test_the_trace_on_fake_tensors_is_the_real_run_to_the_byte(lab07, exact_traces, mode, precision):
+    """small-llama, real against fake: the same allocations and frees in order, the same peaks by
+    phase and category, the same host buffers and the same bytes over the bus."""
+    size = {**SIZE, "steps": 2, "model": "small-llama", "precision": precision}
+    real = lab07.run_mode(mode, lab07.Config(**size), CPU)
+    traced = lab07.run_mode(mode, lab07.Config(**size, fake=True), CPU)
+    assert fake.is_fake(next(traced.model.parameters())) and not fake.is_fake(next(real.model.parameters()))
+    assert_same_timeline(real.ledger, traced.ledger)
+    assert real.ledger.timeline().host == traced.ledger.timeline().host
+    if mode != "none":
+        assert (real.copies.into, real.copies.out_of) == (traced.copies.into, traced.copies.out_of) != (0, 0)
+
+
+@pytest.fixture(scope="module")
+def llama_8b_two_layers(lab07):
+    """Llama-3-8B's width, heads, MLP and 128k vocabulary, two of its 32 layers, 4096 tokens, bf16:
+    the page's real-scale claims, checked at a real shape in about a second."""
+    spec = dataclasses.replace(zoo.get("llama-3-8b"), layers=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lab07.Config, "model_spec", lambda self: spec)
+        result = lab07.run(lab07.Config(model="llama-3-8b", fake=True, precision="bf16", seq_len=4096,
+                                        batch_size=1, steps=2))
+    assert result.summary()["traced"] and all(r.losses == [] for r in result.runs)
+    return result
+
+
+def test_at_real_scale_offload_takes_the_fp32_master_and_moments_off_the_device(accounting, llama_8b_two_layers):
+    modes = llama_8b_two_layers.modes()
+    n = modes["none"]["params"]
+    assert n == dataclasses.replace(zoo.get("llama-3-8b"), layers=2).param_count()
+    block = 512 * modes["none"]["tensors"]  # the trace rounds every storage to the CUDA allocator's blocks
+    none, opt = modes["none"], modes["optimizer"]
+    assert none["device_after_step"]["optimizer_state"] >= 12 * n  # fp32 master and two moments, on the device
+    assert opt["device_after_step"]["optimizer_state"] == 0
+    assert sum(opt["device_after_step"][c] for c in ("parameters", "gradients")) <= 4 * n + 2 * block  # bf16 w + g
+    assert none["peak_device_bytes"] - opt["peak_device_bytes"] >= 12 * n
+    # master, fp32 gradients, two moments and the bf16 staging: 18 B/P, plus 64-byte alignment, step counters, blocks
+    assert 18 * n <= opt["host_bytes"] < 18 * n + 5 * block
+    assert opt["d2h_bytes_per_step"] == opt["h2d_bytes_per_step"] == 2 * n  # bf16 both ways, nothing else
+    assert opt["host_bytes"] > sum(none["device_after_step"][c] for c in accounting.MODEL_STATE)  # moved, not removed
+    assert none["peak_phase"] == "optimizer"  # device AdamW widens every gradient to fp32 for its step
+
+
+def test_at_real_scale_the_host_side_is_labelled_and_left_out_of_the_device_peak(llama_8b_two_layers):
+    for r in llama_8b_two_layers.runs:
+        tl = r.ledger.timeline()
+        assert not any(tl.device["host_copies"])  # host bytes never count as device bytes
+        if r.optimizer:
+            assert tl.host["host_copies"][-1] == llama_8b_two_layers.mode_summary(r)["host_bytes"] > 0
+            assert not any(b.is_pinned() for b in r.optimizer.host_buffers())  # CUDA only; a trace runs on CPU
+
+
+def test_at_long_sequences_gradient_offload_leaves_the_peak_where_it_was(llama_8b_two_layers):
+    """The peak of a 4096-token step is at the start of backward, before any gradient exists: freeing
+    each gradient once copied lowers the state between steps, not the peak."""
+    modes = llama_8b_two_layers.modes()
+    assert modes["gradients"]["peak_device_bytes"] == modes["optimizer"]["peak_device_bytes"]
+    assert modes["optimizer"]["peak_phase"] == modes["gradients"]["peak_phase"] == "backward"
+    assert modes["optimizer"]["device_at_peak"]["gradients"] == 0 < modes["optimizer"]["device_at_peak"]["activations"]
+    assert modes["gradients"]["device_after_step"]["gradients"] == 0 < modes["optimizer"]["device_after_step"]["gradients"]
+
+
+def test_fake_run_from_the_command_line_reports_bytes_and_no_values():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--fake", "--precision", "bf16", "--seq-len", "16",
+                   "--batch-size", "2", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["traced"].startswith("traced on fake tensors") and data["config"]["model"] == "small-llama"
+    for m in data["modes"]:
+        assert m["losses"] == [] and m["max_abs_diff_vs_device_adamw"] is None and m["step_ms"] is None
+    assert data["modes"][1]["d2h_bytes_per_step"] == 2 * data["modes"][1]["params"]
 
 
 # ------------------------------------------------------------------ the CPU AdamW benchmark

@@ -1,8 +1,11 @@
 """Lab 09: activation offload against no offload: gradients, device and host bytes, the formulas, the
-depth sweep, the two knobs, prefetch, how hooks, checkpointing and the ledger nest, CLI."""
+depth sweep, the two knobs, prefetch, how hooks, checkpointing and the ledger nest, CLI; the trace on
+fake tensors against the real step, and the real-scale claims at Llama-3-8B's shape."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +13,8 @@ import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 from torch.autograd.graph import saved_tensors_hooks
 
-from labkit import marks
+from labkit import fake, marks, zoo
+from test_labkit_fake import assert_same_timeline
 
 SCRIPT = "lab-09-activation-offload/activation_offload.py"
 SIZE = {"device": "cpu", "width": 32, "layers": 6, "heads": 2, "seq_len": 16, "vocab": 64, "batch_size": 4}
@@ -258,6 +262,102 @@ def test_bad_input_from_the_command_line():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_gpu_is_one_line(lab09, capsys):
     assert_usage_error_in_process(lab09, ["--device", "cuda"], capsys, "no CUDA GPU")
+
+
+# ------------------------------------------------------------------ real scale, traced on fake tensors
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed"])
+def test_the_trace_on_fake_tensors_is_the_real_step_to_the_byte(lab09, mode, dtype):
+    """small-llama, one step of each mode as ``run`` measures it (``build``, then ``measure``), on real
+    tensors and on fake ones counted in exact bytes (``fake.tensors(block=None)``, as a CPU run
+    counts): the same allocations and frees in order, the same peaks, the same host copies."""
+    config = lab09.Config(device="cpu", model="small-llama", dtype=dtype, seq_len=16, batch_size=2, keep_last=0)
+    traced, built = {}, {}  # the models stay alive: a ledger records their frees too
+    for on_fake in (False, True):
+        with fake.tensors(block=None) if on_fake else contextlib.nullcontext():
+            model, x, y = built[on_fake] = lab09.build(dataclasses.replace(config, fake=on_fake), torch.device("cpu"))
+            assert fake.is_fake(next(model.parameters())) is on_fake
+            traced[on_fake] = lab09.measure(model, x, y, mode, 0, **config.knobs)
+    (real, real_ledger), (trace, trace_ledger) = traced[False], traced[True]
+    assert_same_timeline(real_ledger, trace_ledger)
+    assert real_ledger.timeline().host == trace_ledger.timeline().host
+    assert real == trace and (real["d2h_bytes"] > 0) is (mode in OFFLOADS)
+
+
+@pytest.fixture(scope="module")
+def llama_8b_layers(lab09):
+    """Llama-3-8B's width, heads, MLP and 128k vocabulary, 2 and 4 of its 32 layers, 4096 tokens,
+    bf16, traced: the page's real-scale claims, checked at a real shape in about two seconds."""
+    out = {}
+    for layers in (2, 4):
+        spec = dataclasses.replace(zoo.get("llama-3-8b"), layers=layers)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lab09.Config, "model_spec", lambda self, spec=spec: spec)
+            out[layers] = lab09.run(lab09.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_len=4096,
+                                                 batch_size=1))
+    return out
+
+
+def test_at_real_scale_what_offload_leaves_on_the_device_does_not_grow_with_depth(llama_8b_layers):
+    """Offloaded, every block's saved tensors leave the device: the activation peak is the loss head's
+    (the fp32 logits backward reads first), the same at 2 and 4 layers, while without offload each
+    layer adds what it keeps."""
+    two, four = (llama_8b_layers[n].results for n in (2, 4))
+    for mode in ("save_on_cpu", "streamed"):
+        assert four[mode]["activation_peak_bytes"] == two[mode]["activation_peak_bytes"], mode
+        assert four[mode]["activation_peak_bytes"] < four["none"]["activation_peak_bytes"], mode
+    per_layer = (four["none"]["kept_bytes"] - two["none"]["kept_bytes"]) // 2
+    assert per_layer > 34 * 4096 * 4096  # more than a GPT block's 34·s·h bytes: Llama's SwiGLU MLP is 3.5 h wide
+
+
+def test_at_real_scale_the_hooks_copy_a_tensor_once_for_every_op_that_saves_it(llama_8b_layers):
+    """The hooks see saved tensors, not storages: the norm output that the q, k and v projections all
+    save goes out three times. So a layer's host copies outweigh what it keeps on the device."""
+    two, four = (llama_8b_layers[n].results for n in (2, 4))
+    per_layer = (four["none"]["kept_bytes"] - two["none"]["kept_bytes"]) // 2
+    for mode in ("save_on_cpu", "streamed"):
+        host_per_layer = (four[mode]["host_peak_bytes"] - two[mode]["host_peak_bytes"]) // 2
+        assert host_per_layer > per_layer + 2 * 4096 * 4096 * 2, mode  # at least two extra bf16 (s, h) copies
+
+
+def test_at_real_scale_streamed_leaves_the_loss_log_softmax_after_forward(llama_8b_layers):
+    """keep-last 2: cross_entropy saves its fp32 log-softmax twice, the last tensors saved and the
+    first read; after forward that (and a few hundred bytes) is all the streamed hooks leave."""
+    log_softmax = 4096 * 128256 * 4  # tokens x vocabulary, fp32
+    for result in llama_8b_layers.values():
+        assert log_softmax <= result.results["streamed"]["kept_bytes"] < log_softmax + 4096
+
+
+def test_at_real_scale_checkpoint_streamed_moves_the_block_inputs_only(llama_8b_layers):
+    r, b = llama_8b_layers[4].results, 4096 * 4096 * 2  # one bf16 block input
+    assert llama_8b_layers[4].config.block_input_bytes == b
+    s = r["checkpoint+streamed"]
+    assert s["d2h_bytes"] == s["h2d_bytes"] == s["host_peak_bytes"] == (4 - 2) * b  # n - K inputs
+    assert r["checkpoint"]["kept_bytes"] - s["kept_bytes"] == (4 - 2) * b
+
+
+def test_at_real_scale_save_on_cpu_also_moves_the_weights(llama_8b_layers):
+    """save_on_cpu copies every saved tensor, the weights each linear layer and norm saves included;
+    the streamed hooks leave those on the device, where they live anyway."""
+    result = llama_8b_layers[4]
+    r, model = result.results, result.model
+    saved_weights = sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("embed"))
+    assert r["save_on_cpu"]["d2h_bytes"] - r["streamed"]["d2h_bytes"] >= saved_weights
+    for mode in OFFLOADS:
+        assert r[mode]["h2d_bytes"] == r[mode]["d2h_bytes"] <= r[mode]["host_peak_bytes"], mode
+        assert not any(result.ledgers[mode].timeline().device["host_copies"]), mode  # never device bytes
+
+
+def test_fake_run_from_the_command_line_reports_bytes_and_no_values():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--fake", "--dtype", "bfloat16", "--seq-len", "16",
+                   "--batch-size", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["traced"].startswith("traced on fake tensors") and data["model"] == "small-llama"
+    assert data["timing"] is None and data["block_input_bytes"] == 2 * 16 * 64 * 2
+    for name, r in data["results"].items():
+        assert "grads_equal" not in r and "step_time_s" not in r, name
+    assert data["results"]["streamed"]["d2h_bytes"] > 0
 
 
 GPU = {"device": "cuda", "width": 1024, "layers": 32, "heads": 16, "seq_len": 1024, "batch_size": 8, "steps": 10}

@@ -1,5 +1,7 @@
 """Lab 10: DDP under torchrun with 2 CPU processes (gloo): buckets, identical replicas, the match
-with one process on the concatenated batch, memory per rank; bad input; broken promises.
+with one process on the concatenated batch, memory per rank; bad input; broken promises; one rank
+of N traced in this process (the fake process group, fake tensors) against the launched rank and
+against real tensors, and the page's claim at real size.
 
 Three torchrun launches (buckets copied, gradients as bucket views, an unwritable --ledger-dir) run
 at the same time in one module fixture: each is mostly process start-up, so together they take the
@@ -8,13 +10,14 @@ time of about one.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
-from labkit import cli
+from labkit import cli, fake
 from labkit import dist as labdist
 from labkit.timeline import Timeline
 
@@ -267,3 +270,83 @@ def test_cuda_run_per_rank_agrees_with_the_allocator(lab10):
     assert all(s["reference"][k]["within"] for k in ("loss", "grads", "params"))
     for m in s["memory"]:
         assert 0.95 <= m["cuda"]["ledger_over_allocator"] <= 1.05, m["cuda"]
+
+
+# --------------------------------------------------------------------------- one rank of N, in this process
+def traced_exactly(lab10, monkeypatch, **fields) -> dict:
+    """A --world-size run's summary, with --fake counting exact bytes (block=None), as a CPU run does:
+    the 512-byte rounding a --fake run adds is labkit.fake's own, tested there."""
+    monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))
+    return lab10.run(lab10.Config(**fields)).summary()
+
+
+def test_a_traced_rank_is_rank_0_of_the_launched_job(lab10, launched, monkeypatch):
+    """The two-process gloo run's rank 0, and the same job's rank 0 traced in this process under the
+    fake process group on fake tensors: the same model state and buckets, to the byte, at the peak,
+    in every phase but the check and at the end; the rest of a peak within the few hundred bytes
+    gloo's worker thread moves between ranks too (the test above). Two phases differ: the check
+    (the trace has no replicas to compare, so no digests are gathered) and the wrap, where gloo's
+    worker frees the flat copy of the weights `DDP(...)` broadcasts (and a few hundred bytes of
+    collective buffers) early or late, 4 to 8 B x P of communication at the wrap's peak, and the
+    fake group, which has no worker, at once (4 B x P).
+    (The trace names AdamW's for-loop, what PyTorch picks on CPU tensors, as the launched run did.)"""
+    trace = traced_exactly(lab10, monkeypatch, **TINY, world_size=2, fake=True, adamw="for-loop")
+    rank0, mine = launched["copy"]["memory"][0], trace["memory"]
+    assert trace["traced"].startswith("traced on fake tensors") and trace["params"] == launched["copy"]["params"]
+    p = trace["params"]
+    assert mine["peaks_by_phase"]["wrap"]["communication"] == 4 * p
+    assert 4 * p <= rank0["peaks_by_phase"]["wrap"]["communication"] <= 8 * p + 1024  # and a small buffer or not
+    phases = [phase for phase in rank0["peaks_by_phase"] if phase not in ("check", "wrap")]
+    for a, b in [(rank0["peak"], mine["peak"]), (rank0["at_end"], mine["at_end"]),
+                 *((rank0["peaks_by_phase"][p], mine["peaks_by_phase"][p]) for p in phases)]:
+        assert {c: a[c] for c in MODEL_STATE} == {c: b[c] for c in MODEL_STATE}
+        assert sum(abs(a[c] - b[c]) for c in ("activations", "temporaries", "other")) < 1024, (a, b)
+    assert trace["buckets"]["bytes"] == [x["bytes"] for x in launched["copy"]["buckets"]["buckets"]]
+    assert trace["buckets"]["bytes_match_reverse_order"] and trace["buckets"]["params_match_ready_order"]
+
+
+def test_fake_and_real_tensors_trace_the_same_rank(lab10, monkeypatch):
+    """small-llama, rank 0 of 4, under the fake process group: on real tensors and on fake ones, the
+    same peaks by category in every phase, the same events, the same buckets."""
+    size = dict(model="small-llama", world_size=4, seq_len=32, batch_size=2, steps=3, adamw="foreach",
+                bucket_cap_mb=0.05)
+    real = lab10.run(lab10.Config(**size)).summary()
+    trace = traced_exactly(lab10, monkeypatch, **size, fake=True)
+    assert real["traced"] is None and trace["traced"] and real["params"] == trace["params"]
+    assert real["memory"] == trace["memory"] and real["buckets"] == trace["buckets"]
+    assert trace["buckets"]["count"] > 1 and trace["buckets"]["ddp_reported_matches"] is True
+
+
+def test_at_real_size_a_ddp_rank_holds_the_same_bytes_on_8_and_64_ranks(lab10):
+    """The page's claim, traced at Llama-3.2-1B (a real model, 4 s a trace instead of 8B's 7),
+    4,096 tokens per rank, PyTorch's 25 MiB buckets: rank 0 of 8 and rank 0 of 64 peak at the same
+    bytes in every category and phase; the buckets hold every gradient once more (4 B x P), and in
+    the optimizer phase foreach AdamW adds a temporary the size of the weights."""
+    runs = {n: lab10.run(lab10.Config(model="llama-3.2-1b", fake=True, world_size=n, seq_len=4096, batch_size=1,
+                                      steps=2, bucket_cap_mb=25)).summary() for n in (8, 64)}
+    assert runs[8]["memory"]["peak"] == runs[64]["memory"]["peak"]
+    assert runs[8]["memory"]["peaks_by_phase"] == runs[64]["memory"]["peaks_by_phase"]
+    s = runs[64]
+    p = s["params"]
+    assert s["buckets"]["total_bytes"] == 4 * p == s["memory"]["at_end"]["communication"]
+    assert s["buckets"]["bytes_match_reverse_order"] and s["buckets"]["count"] > 50
+    step = s["memory"]["peaks_by_phase"]["optimizer"]
+    for category in ("parameters", "gradients", "communication", "temporaries"):
+        assert 4 * p <= step[category] < 4 * p + 512 * s["param_tensors"], category
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"fake": True}, "--fake traces one rank in this process: give --world-size N"),
+    ({"world_size": 8, "device": "cuda"}, "--world-size runs one rank in this process on the CPU"),
+    ({"world_size": 8, "ledger_dir": "x"}, "--world-size runs one rank in this process on the CPU"),
+])
+def test_a_traced_rank_needs_a_world_size_on_the_cpu(lab10, fields, fragment):
+    with pytest.raises(lab10.UsageError, match=fragment):
+        lab10.Config(**fields)
+
+
+def test_a_traced_rank_from_the_command_line():
+    proc = run_cli(SCRIPT, "--model", "small-llama", "--fake", "--world-size", "64", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 of 64 in one process (fake process group): small-llama" in proc.stdout
+    assert "traced on fake tensors" in proc.stdout and "bytes as derived" in proc.stdout

@@ -1,6 +1,7 @@
 """Lab 11: ZeRO stages 0-3 and FSDP inference under torchrun with 2 CPU processes (gloo): bytes per
 rank against Lab 01, losses against DDP, sharded inference against Lab 08; the traffic counter;
-bad input; broken promises.
+bad input; broken promises; one rank of N traced in this process (the fake process group, fake
+tensors) against the launched rank and against real tensors, and the page's claims at Llama-3-8B.
 
 Two torchrun launches (training through every stage, inference in both placements) feed most
 tests. Each is mostly process start-up, so they start together, in one module fixture. The broken
@@ -9,6 +10,7 @@ promises run one rank in this process.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -17,10 +19,10 @@ import torch.distributed as dist
 from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
 from labkit.config import UsageError
-from labkit import cli
+from labkit import cli, fake, zoo
 from labkit import dist as labdist
 from labkit.ledger import Ledger
-from labkit.timeline import Timeline
+from labkit.timeline import CATEGORIES, Timeline
 from labkit.traffic import Traffic
 
 TRAIN = "lab-11-zero-fsdp/zero_fsdp.py"
@@ -375,3 +377,123 @@ def test_fsdp_shards_on_cuda_match_lab01_within_block_rounding(lab11):
     for r in s["ranks"]:
         for cat in ("parameters", "gradients"):
             assert s["lab01"][cat] <= r["at_end"][cat] <= s["lab01"][cat] + 512 * data["tensors"]
+
+
+# --------------------------------------------------------------------------- one rank of N, in this process
+GIB = 2**30
+
+
+def traced_exactly(lab11, monkeypatch, **fields) -> dict:
+    """A --world-size run's summary, with --fake counting exact bytes (block=None), as a CPU run does:
+    the 512-byte rounding a --fake run adds is labkit.fake's own, tested there."""
+    monkeypatch.setattr(fake, "tensors", functools.partial(fake.tensors, block=None))
+    return lab11.run(lab11.Config(**fields)).summary()
+
+
+def test_a_traced_rank_is_rank_0_of_the_launched_job(trained, lab11, monkeypatch):
+    """The two-process gloo run's rank 0, and the same job's rank 0 traced in this process under the
+    fake process group on fake tensors: every stage ends its run with the same bytes in every
+    category, and its last step holds the same parameters and optimizer state at the peak of every
+    phase. The collectives that moved data there move none here; the buffers they need are the same,
+    but not always for as long: gloo's worker thread finishes a collective, and frees what it held,
+    on its own schedule, where the fake group finishes at once. So a peak of the launched run may
+    hold one collective buffer more (at most the largest the run sent: stage 2 was seen with one
+    block's all-gather buffer more) and its gradients a little earlier or later. (The trace names
+    AdamW's for-loop, what PyTorch picks on CPU tensors, as the launched run did.)"""
+    trace = traced_exactly(lab11, monkeypatch, **TINY_TRAIN, world_size=2, fake=True, adamw="for-loop")
+    assert trace["traced"].startswith("traced on fake tensors") and trace["world_size"] == 2
+    assert [s["stage"] for s in trace["stages"]] == [0, 1, 2, 3]
+    for launched_stage, mine in zip(trained["stages"], trace["stages"]):
+        rank0 = launched_stage["ranks"][0]
+        assert mine["at_end"] == rank0["at_end"], mine["stage"]
+        assert mine["lab01"] == {c: launched_stage["lab01"][c] for c in MODEL_STATE}
+        slack = max(v["largest_in_bytes"] for v in rank0["traffic"]["collectives"].values()) + 1024
+        pairs = [(rank0["peak_last_step"], mine["peak_last_step"]),
+                 *((row, mine["peaks_by_phase_last_step"][phase])
+                   for phase, row in rank0["peaks_by_phase_last_step"].items())]
+        for a, b in pairs:
+            assert (a["parameters"], a["optimizer_state"]) == (b["parameters"], b["optimizer_state"]), mine["stage"]
+            assert abs(sum(a[c] for c in CATEGORIES) - sum(b[c] for c in CATEGORIES)) <= slack, (mine["stage"], a, b)
+        ops = rank0["traffic"]["collectives"]
+        op = "allreduce_" if mine["stage"] <= 1 else "_allgather_base_"
+        assert mine["collectives_per_step"][op]["out_bytes"] == ops[op]["out_bytes"] // TINY_TRAIN["steps"]
+
+
+def test_fake_and_real_tensors_trace_the_same_rank(lab11, monkeypatch):
+    """small-llama, rank 0 of 4, every stage, under the fake process group: on real tensors and on
+    fake ones, the same bytes at every row of the last step's timeline, hence every peak; the split
+    of the communication bytes at the peak is the same too."""
+    size = dict(model="small-llama", world_size=4, seq_len=32, batch_size=2, steps=2, adamw="foreach", timelines=True)
+    real = lab11.run(lab11.Config(**size)).summary()
+    trace = traced_exactly(lab11, monkeypatch, **size, fake=True)
+    assert real["traced"] is None and trace["traced"] and real["params"] == trace["params"] == zoo.get(
+        "small-llama").param_count()
+    for a, b in zip(real["stages"], trace["stages"]):
+        assert a == b, a["stage"]
+    for stage, tl in real["timelines"].items():
+        assert tl["device"] == trace["timelines"][stage]["device"] and tl["spans"] == trace["timelines"][stage]["spans"]
+
+
+def test_the_communication_split_adds_up_to_the_category(lab11):
+    """At each stage's peak the gathered weights and the buffers are the ``communication`` bytes;
+    DDP's are all buffers (its buckets), FSDP2 with reshard_after_forward=False holds every weight
+    gathered (4 B x P) and then no buffer."""
+    trace = lab11.run(lab11.Config(**TINY_TRAIN, world_size=2, fake=True)).summary()
+    p = trace["params"]
+    for s in trace["stages"]:
+        split = s["communication_at_peak"]
+        assert sum(split.values()) == s["peak_last_step"]["communication"] > 0, s["stage"]
+        if s["stage"] <= 1:
+            assert split["gathered_weights"] == 0
+    stage2 = trace["stages"][2]["communication_at_peak"]
+    assert 4 * p <= stage2["gathered_weights"] < 4 * p + 512 * trace["tensors"]
+
+
+def test_at_64_ranks_zero3_shards_the_state_but_not_the_activations(lab11):
+    """The page's stage-3 claims, traced at a real model half the depth of Llama-3-8B (Llama-3.2-1B,
+    the same code, 4 s instead of 8), 64 ranks, 4,096 tokens per rank, FSDP2
+    reshard_after_forward=True: the model state at rest is Lab 01's 16 B x P / 64 (each shard rounded
+    to 512 B); at the peak of the step, at the turn from forward to backward, the fp32 activations of
+    one sequence are over 25 times that, the gathered weights are the root unit (what the blocks do
+    not hold: the embedding, tied to the head here, and the final norm; 4 B each) and the buffers
+    one block's all-gather output."""
+    spec = zoo.get("llama-3.2-1b")
+    s = lab11.run(lab11.Config(model="llama-3.2-1b", fake=True, world_size=64, seq_len=4096, batch_size=1, steps=2,
+                               stage="3")).summary()["stages"][0]
+    at_rest, derived = s["model_state_at_rest"], s["lab01_model_state"]
+    assert at_rest == sum(s["at_end"][c] for c in MODEL_STATE) and derived == sum(s["lab01"].values())
+    assert derived <= at_rest < derived + 3 * 512 * s["tensors"]
+    with torch.device("meta"):
+        block = sum(p.numel() for p in spec.build().blocks[0].parameters())
+    root = spec.param_count() - spec.layers * block
+    assert root == spec.vocab * spec.width + spec.width  # tied: one embedding for the head too
+    assert s["communication_at_peak"] == {"gathered_weights": 4 * root, "buffers": 4 * block}
+    assert s["peak_last_step"]["activations"] > 25 * at_rest and s["peak_phase"] == "backward"
+
+
+def test_at_llama_3_8b_on_64_ranks_zero1_gives_rank_0_the_embedding_state(lab11):
+    """ZeroRedundancyOptimizer hands out whole tensors, largest first, each to the rank with the
+    fewest elements so far: rank 0 gets the token embedding (128,256 x 4,096), whose AdamW moments
+    alone are 4 times the 1/64 share Lab 01's formula gives it."""
+    spec = zoo.get("llama-3-8b")
+    s = lab11.run(lab11.Config(model="llama-3-8b", fake=True, world_size=64, seq_len=256, batch_size=1, steps=2,
+                               stage="1")).summary()["stages"][0]
+    embedding_moments = 8 * spec.vocab * spec.width
+    assert s["at_end"]["optimizer_state"] >= embedding_moments > 4 * s["lab01"]["optimizer_state"]
+    assert s["at_end"]["parameters"] == s["at_end"]["gradients"] == s["at_end"]["communication"] == 4 * spec.param_count()
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"fake": True}, "--fake traces one rank in this process: give --world-size N"),
+    ({"world_size": 8, "device": "cuda"}, "--world-size runs one rank in this process on the CPU"),
+])
+def test_a_traced_rank_needs_a_world_size_on_the_cpu(lab11, fields, fragment):
+    with pytest.raises(UsageError, match=fragment):
+        lab11.Config(**fields)
+
+
+def test_a_traced_rank_from_the_command_line():
+    proc = run_cli(TRAIN, "--model", "small-llama", "--fake", "--world-size", "8", "--stage", "3", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 of 8 in one process (fake process group): small-llama" in proc.stdout
+    assert "traced on fake tensors" in proc.stdout and "peak − Lab 01" in proc.stdout

@@ -485,3 +485,20 @@ def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path):
     while _ranks_left(tmp_path) and time.perf_counter() < deadline:
         time.sleep(0.2)
     assert not _ranks_left(tmp_path)
+
+
+def test_progress_bar_is_silent_off_a_terminal(monkeypatch):
+    """A notebook's or a log's stderr is no terminal: no bar in it, however long the loop; a
+    terminal's gets one."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(cli, "_quiet", False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert progress(range(3), total=3).disable
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert not progress(range(3), total=3).disable

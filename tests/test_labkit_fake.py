@@ -114,16 +114,6 @@ def test_small_zoo_model_fake_trace_equals_the_real_ledger_to_the_byte(name, pre
     assert_same_timeline(real, traced)
 
 
-def test_small_llama_mixed_step_holds_the_dtypes_cuda_autocast_would():
-    with fake.tensors(), fake.autocast_audit() as differs:
-        model = fake.materialize(zoo.get("small-llama").build)
-        idx = torch.zeros(2, 32, dtype=torch.long)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(idx, idx)
-        loss.backward()
-    assert differs == {}
-
-
 def test_checkpointed_step_traces_the_same_on_fake_tensors():
     build = functools.partial(TinyGPT, TINY)
     real = ledger_of(build, on_fake=False, precision="mixed", run_blocks=checkpointed)
@@ -185,9 +175,11 @@ def test_autocast_audit_finds_where_cpu_and_cuda_policies_differ():
     assert differs == {"exp": 1}
 
 
-def test_tinygpt_mixed_step_holds_the_dtypes_cuda_autocast_would():
+@pytest.mark.parametrize("name", ["tiny", "small-llama"])
+def test_mixed_step_holds_the_dtypes_cuda_autocast_would(name):
+    build = functools.partial(TinyGPT, TINY) if name == "tiny" else zoo.get(name).build
     with fake.tensors(), fake.autocast_audit() as differs:
-        model = fake.materialize(functools.partial(TinyGPT, TINY))
+        model = fake.materialize(build)
         idx = torch.zeros(2, 32, dtype=torch.long)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, idx)

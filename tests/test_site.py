@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 LAB_PAGES = sorted((DOCS / "labs").glob("lab-*.md"))
 TEMPLATE_SECTIONS = [
-    "Concept goal", "Mental model", "Run it", "Annotated code", "Line by line", "Measured results",
-    "What to notice", "Common misunderstandings", "Interview: how to say it out loud", "Exercises",
+    "Concept goal", "Mental model", "Run it", "Annotated code", "Measured results",
+    "At real scale", "What to notice", "Common misunderstandings", "Interview: how to say it out loud", "Exercises",
     "Further reading",
 ]
 SNIPPET = re.compile(r'^\s*-{1,}8<-{1,}\s+"([^"]+)"', re.M)

@@ -10,8 +10,8 @@ unit of the "112 GB" rule.
 from __future__ import annotations
 
 from labkit.table import Table
-from memory_accounting import (MOMENTS, RECIPES, Result, estimate_bytes, kv_cache_bytes, model_state_bytes,
-                               zero_model_state)
+from memory_accounting import (MOMENTS, RECIPES, Result, activation_bytes_per_layer, estimate_bytes, kv_cache_bytes,
+                               model_state_bytes, zero_model_state)
 from toy_gpt import Shape, param_count
 
 GB = 10**9
@@ -126,3 +126,120 @@ def sweep_table(points: list[list], elem: int = 4) -> Table:
     return Table([("seq", "int"), ("dropout", "float:1"), ("measured", "B"), ("TinyGPT list", "B"),
                   (f"paper, e={elem}", "B"), ("measured / paper", "float:3")],
                  [[*p, p[2] / p[4]] for p in points])
+
+
+# ---------------------------------------------------------------------- real architectures, derived
+ZOO_MODELS = ("llama-3.2-1b", "llama-3-8b", "mixtral-8x7b", "llama-3-70b", "gpt-3-175b", "llama-3.1-405b")
+
+
+def zoo_model_state(names=ZOO_MODELS, dp: int = 8) -> dict[str, dict]:
+    """Each real model's exact parameter count (labkit.zoo's closed form, equal to the published
+    count), its mixed-precision AdamW model state on one GPU and per rank under ZeRO-3 over ``dp``
+    ranks, and its bf16 KV cache per token."""
+    from labkit import zoo
+
+    out = {}
+    for name in names:
+        spec = zoo.get(name)
+        params = spec.param_count()
+        out[name] = {"params": params,
+                     "mixed_adamw": sum(model_state_bytes(params, "mixed", "adamw").values()),
+                     "zero3_per_rank": sum(zero_model_state(params, "mixed", "adamw", 3, dp).values()),
+                     "kv_bf16_per_token": spec.kv_bytes_per_token(2)}
+    return out
+
+
+def zoo_table(models: dict[str, dict], dp: int = 8) -> Table:
+    return Table(["model", ("parameters", "int"), ("mixed AdamW state (16 B/param)", "bytes"),
+                  (f"per rank, ZeRO-3 over {dp}", "bytes"), ("KV cache per token, bf16", "B")],
+                 [[name, m["params"], m["mixed_adamw"], m["zero3_per_rank"], m["kv_bf16_per_token"]]
+                  for name, m in models.items()])
+
+
+# ---------------------------------------------------------------------- model parallelism at 70B, derived and traced
+SHAPE_70B = {"seq": 8192, "batch": 1, "hidden": 8192, "heads": 64}  # Llama 3's 8k-token pre-training sequences
+LAYERS_70B = 80
+# case: (GPUs, activation_bytes_per_layer's split, recompute, pipeline stage, Table 2's per-layer formula)
+PARALLEL_CASES = {
+    "one_gpu": (1, {}, "none", None, "sbh(34 + 5as/h)"),
+    "tp8": (8, {"tp": 8}, "none", None, "sbh(10 + 24/t + 5as/(ht))"),
+    "tp8_sp": (8, {"tp": 8, "sp": True}, "none", None, "sbh/t · (34 + 5as/h)"),
+    "tp8_selective": (8, {"tp": 8}, "selective", None, "sbh(10 + 24/t)"),
+    "tp8_sp_selective": (8, {"tp": 8, "sp": True}, "selective", None, "34·sbh/t"),
+    "tp8_full": (8, {"tp": 8}, "full", None, "2·sbh"),
+    "tp8_pp4_stage0": (32, {"tp": 8, "sp": True}, "selective", "first", "34·sbh/t"),
+    "tp8_pp4_last": (32, {"tp": 8, "sp": True}, "selective", "last", "34·sbh/t"),
+}
+
+
+def llama_params_per_gpu(name: str = "llama-3-70b", tp: int = 1, pp: int = 1, stage: str = "first") -> int:
+    """Parameters on one GPU of a zoo Llama split the Megatron way (model_parallel.params_per_rank does
+    the same for TinyGPT's layout): every matrix / tp, the two RMSNorms of a layer whole, the
+    vocabulary / tp; the first stage holds L/pp layers and the embedding, the last the head and the
+    final norm. name: a labkit.zoo Llama; tp, pp: t and p; stage: "first" or "last"."""
+    from labkit import zoo
+
+    spec = zoo.get(name)
+    w, vocab = spec.width, -(-spec.vocab // tp) * spec.width
+    matrices = (spec.param_count() - spec.vocab * w * (1 if spec.tied else 2) - w) // spec.layers - 2 * w
+    on_gpu = spec.layers // pp * (matrices // tp + 2 * w)
+    if stage == "first" or pp == 1:
+        on_gpu += vocab
+    if stage == "last" or pp == 1:
+        on_gpu += (0 if spec.tied else vocab) + w
+    return on_gpu
+
+
+def parallel_70b(cases=PARALLEL_CASES, pp: int = 4) -> dict[str, dict]:
+    """Llama-3-70B trained on t = 8 GPUs (and t = 8, p = 4 on 32), one 8k sequence per micro-batch:
+    activations per GPU by Korthikanti et al.'s formulas (16-bit, 1-byte masks: the paper's block at
+    70B's s, b, h, a, L) and mixed-precision AdamW model state, 16 B x the parameters on the GPU."""
+    out = {}
+    for case, (gpus, split, recompute, stage, formula) in cases.items():
+        per_layer = activation_bytes_per_layer(**SHAPE_70B, act=2, recompute=recompute, **split)
+        layers, in_flight = (LAYERS_70B // pp, pp if stage == "first" else 1) if stage else (LAYERS_70B, 1)
+        params = llama_params_per_gpu(tp=split.get("tp", 1), pp=pp if stage else 1, stage=stage or "first")
+        state = sum(model_state_bytes(params, "mixed", "adamw").values())
+        activations = layers * in_flight * per_layer
+        out[case] = {"gpus": gpus, "formula": formula, "layers": layers, "micro_batches": in_flight,
+                     "per_layer": per_layer, "activations": activations, "params_per_gpu": params,
+                     "model_state": state, "activations_gb": activations / GB, "model_state_gb": state / GB,
+                     "total_gb": (activations + state) / GB}
+    return out
+
+
+def parallel_table(cases: dict[str, dict]) -> Table:
+    labels = {"one_gpu": "1 GPU", "tp8": "t = 8", "tp8_sp": "t = 8, SP", "tp8_selective": "t = 8, selective",
+              "tp8_sp_selective": "t = 8, SP + selective", "tp8_full": "t = 8, full recompute",
+              "tp8_pp4_stage0": "t = 8, p = 4: stage 0", "tp8_pp4_last": "t = 8, p = 4: last stage"}
+    return Table(["case", ("GPUs", "int"), "per layer (Table 2)", "layers x micro-batches kept",
+                  ("activations (GB)", "float:1"), ("model state, 16 B/param (GB)", "float:1"), ("sum (GB)", "float:1")],
+                 [[labels[k], c["gpus"], c["formula"], f"{c['layers']} x {c['micro_batches']}", c["activations_gb"],
+                   c["model_state_gb"], c["total_gb"]] for k, c in cases.items()], strong=("sum (GB)",))
+
+
+def traced_70b_layer(tp: int = 8) -> dict[str, dict]:
+    """One layer of the paper's block (plain PyTorch, no dropout) at 70B's width on one GPU of ``tp``,
+    split by DTensor and traced on fake tensors in bf16 (tp_trace), without and with SP, next to
+    the formula for the same block (no masks, no scores kept) and the terms between them."""
+    import torch
+    import tp_trace
+
+    s, b, h, a = SHAPE_70B["seq"], SHAPE_70B["batch"], SHAPE_70B["hidden"], SHAPE_70B["heads"]
+    out = {}
+    for sp in (False, True):
+        traced = tp_trace.trace_block(h, a, s, b, tp, sp, dtype=torch.bfloat16)
+        formula = activation_bytes_per_layer(s, b, h, a, act=2, mask=None, recompute="selective", tp=tp, sp=sp)
+        out["tp8_sp" if sp else "tp8"] = {"traced": traced.activations, "formula": formula,
+                                          "gap": tp_trace.gap_to_formula(h, a, s, b, tp, sp, elem=2),
+                                          "parameters": traced.parameters}
+    return out
+
+
+def traced_table(layers: dict[str, dict]) -> Table:
+    rows = []
+    for case, c in layers.items():
+        rows += [[case, "formula: sbh x 4e" + ("/t" if case.endswith("sp") else "") + " + sbh x 12e/t, e=2", c["formula"]],
+                 *([case, f"+ {why}", n] for why, n in c["gap"]),
+                 [case, "= traced (DTensor, fake tensors, bf16)", c["traced"]]]
+    return Table(["split", "term, one layer on one GPU", ("bytes", "bytes")], rows)

@@ -1,22 +1,66 @@
-"""The tables Lab 01 prints and publishes: the derived ledger, and the measured step set against it.
+"""Lab 01's result and the tables it prints and publishes: the derived ledger, and the measured step
+set against it.
 
-Each reads a :class:`memory_accounting.Result` (what ``run(Config(...))`` returns), so the console
-(``report``), the notebook and the page show one set of numbers.
+``run(Config(...))`` returns a :class:`Result`; the tables read it, so the console (``report``), the
+notebook and the page show one set of numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from labkit import labs, provenance
 from labkit.table import Table
-from toy_gpt import param_tensors
+from model_parallel import layout_text, params_per_rank, total_params
+from toy_gpt import Measurement, Shape, param_tensors
 
 if TYPE_CHECKING:
-    from memory_accounting import Result
+    from memory_accounting import Config, Recipe
 
 STATE = ("parameters", "gradients", "master_weights", "optimizer_state")
 DTYPE = {4: "fp32", 2: "bf16"}  # bytes per element -> the dtype the recipes use
+
+
+@dataclass
+class Result:
+    """What ``run`` derived (and, with ``--measure``, measured) for one configuration."""
+
+    config: Config
+    shape: Shape | None
+    derived: dict[str, int]  # bytes per category on one GPU, from the formulas
+    formulas: dict[str, str]  # the formula of each category, with this run's numbers in it
+    recipe: Recipe  # the precision's bytes per parameter, gradient, master copy, moment, activation
+    bytes_per_parameter: int  # model-state bytes per parameter of the recipe and optimizer (step counters aside)
+    measurement: Measurement | None
+    device: torch.device
+    wall_time_s: float
+
+    @property
+    def params(self) -> int:
+        return self.config.params if self.shape is None else total_params(self.shape, self.config.layout.experts)
+
+    @property
+    def params_per_gpu(self) -> dict[str, int] | None:
+        """Parameters this GPU holds under the layout (``dense``, ``experts``, ``tensors``); None with --params."""
+        return None if self.shape is None else params_per_rank(self.shape, self.config.layout)
+
+    def summary(self) -> dict:
+        c, m = self.config, self.measurement
+        out = {"lab": labs.slug(__file__), "device": str(self.device), "params": self.params,
+               "shape": asdict(self.shape) if self.shape else None, "precision": c.precision,
+               "optimizer": None if c.inference else c.optimizer, "zero_stage": c.zero_stage, "dp": c.dp,
+               "recompute": c.recompute if self.shape else None, "dropout": c.dropout, "inference": c.inference,
+               "layout": asdict(c.layout), "params_per_gpu": self.params_per_gpu,
+               "derived": self.derived, "total_bytes": sum(self.derived.values()),
+               "formulas": self.formulas}
+        if m:
+            out |= {"loss": m.loss, "measured": m.measured, "tinygpt_activations": m.tinygpt_activations,
+                    "gap_to_paper": m.gap_to_paper, "peak_bytes": m.ledger.peak()["total"], "exact": m.exact,
+                    "cuda": m.cuda}
+        return out | {"provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
 def derived_table(result: Result) -> Table:
@@ -88,6 +132,11 @@ def report(result: Result) -> None:
           f"{'inference' if c.inference else c.optimizer}, ZeRO stage {c.zero_stage}, {c.dp} rank(s)")
     if result.shape:
         print("shape: " + ", ".join(f"{k} {v}" for k, v in asdict(result.shape).items() if v is not None))
+    if layout_text(c.layout):
+        mine = result.params_per_gpu
+        experts = f" ({mine['dense']:,} dense + {mine['experts']:,} of experts)" if c.layout.experts else ""
+        print(f"split: {layout_text(c.layout)}; this GPU holds P_gpu = {mine['dense'] + mine['experts']:,} "
+              f"parameters{experts}")
     print(derived_table(result).text())
     m = result.measurement
     if m is None:

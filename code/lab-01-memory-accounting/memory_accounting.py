@@ -15,17 +15,18 @@ Run it:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from labkit import cli, labs, provenance
+from labkit import cli
 from labkit.config import LabConfig, UsageError, flag, option
 from labkit.table import format_bytes
-from accounting_tables import report
-from toy_gpt import Measurement, Shape, measure_step, param_count, param_tensors
+from accounting_tables import Result, report
+from model_parallel import ONE_GPU, Layout, activation_formula, params_per_rank
+from toy_gpt import Shape, measure_step
 
 
 # --8<-- [start:recipes]
@@ -81,28 +82,34 @@ def zero_model_state(params: int, precision: str = "fp32", optimizer: str = "ada
 
 # --8<-- [start:activations]
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, act: int = 2,
-                               mask: int | None = MASK, recompute: str = "none") -> int:
-    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 4.1 and 5).
+                               mask: int | None = MASK, recompute: str = "none", tp: int = 1,
+                               sp: bool = False, cp: int = 1) -> int:
+    """Bytes one transformer layer keeps for backward on one GPU (Korthikanti et al. 2022, 4.1, 4.2, 5).
 
     seq, batch, hidden, heads: s, b, h, a; act: bytes per activation element; mask: bytes per
-    dropout-mask element (None: no dropout at all); recompute: none, selective or full.
-    act=2, mask=1: the paper's s*b*h*(34 + 5*a*s/h)."""
-    sbh = seq * batch * hidden
+    dropout-mask element (None: no dropout at all); recompute: none, selective or full; tp: the
+    tensor-parallel size t; sp: sequence parallelism; cp: the context-parallel size (s/cp tokens
+    per GPU). act=2, mask=1: the paper's sbh(34 + 5as/h); with tp=t, sbh(10 + 24/t + 5as/(ht));
+    with sp too, sbh/t(34 + 5as/h) (Table 2)."""
+    sbh = seq // cp * batch * hidden
+    whole = tp if sp else 1  # sequence parallelism splits, along s, what tensor parallelism keeps whole
     if recompute == "full":
-        return act * sbh  # (1)!
+        return act * sbh // whole  # (1)!
     drop = mask is not None
-    per_layer = (16 * act + (2 * mask if drop else 0)) * sbh  # (2)!
+    per_layer = (4 * act + (2 * mask if drop else 0)) * sbh // whole + 12 * act * sbh // tp  # (2)!
     if recompute == "none":
-        scores = heads * seq * seq * batch  # one s x s matrix per head
-        per_layer += (act + (act + mask if drop else 0)) * scores  # (3)!
+        scores = heads * seq * seq * batch // cp  # one s x s matrix per head (s/cp rows of it per GPU)
+        per_layer += (act + (act + mask if drop else 0)) * scores // tp  # (3)!
     return per_layer
 
 
-def kv_cache_bytes(shape: Shape, act: int = 2) -> int:
-    """Inference: a key and a value per layer, token and KV head (2 x L x b x s x kv x d)."""
-    kv_heads = shape.kv_heads or shape.heads
+def kv_cache_bytes(shape: Shape, act: int = 2, tp: int = 1, pp: int = 1) -> int:
+    """Inference: a key and a value per layer, token and KV head (2 x L x b x s x kv x d), on one
+    GPU: tensor parallelism gives it kv/tp heads (a copy of one when tp exceeds kv), a pipeline
+    stage holds its L/pp layers."""
+    kv_heads = max((shape.kv_heads or shape.heads) // tp, 1)
     head_dim = shape.hidden // shape.heads
-    return 2 * shape.layers * shape.batch * shape.seq * kv_heads * head_dim * act  # (4)!
+    return 2 * shape.layers // pp * shape.batch * shape.seq * kv_heads * head_dim * act  # (4)!
 # --8<-- [end:activations]
 
 
@@ -110,26 +117,30 @@ def kv_cache_bytes(shape: Shape, act: int = 2) -> int:
 def estimate_bytes(params: int | None = None, shape: Shape | None = None,
                    precision: str = "fp32", optimizer: str = "adamw", zero_stage: int = 0,
                    dp: int = 1, recompute: str = "none", dropout: bool = True,
-                   inference: bool = False) -> dict[str, int]:
-    """The ledger in one call: bytes per category held by ONE of dp data-parallel ranks.
+                   inference: bool = False, layout: Layout = ONE_GPU) -> dict[str, int]:
+    """The ledger in one call: bytes per category held by ONE GPU.
 
-    params: a parameter count, or shape: a model shape (only a shape has activations and a KV
-    cache); precision, optimizer, zero_stage, dp: as for zero_model_state; recompute: as for
-    activation_bytes_per_layer; dropout: whether the layers keep dropout masks; inference:
-    weights and KV cache instead of a training step."""
+    params: a parameter count, or shape: a model shape (only a shape has activations, a KV cache
+    and a layout); precision, optimizer, zero_stage: as for zero_model_state; dp: data-parallel
+    ranks; recompute: as for activation_bytes_per_layer; dropout: whether the layers keep dropout
+    masks; inference: weights and KV cache instead of a training step; layout: the model-parallel
+    split (parallelism.Layout), whose figures are pipeline stage 0's."""
     if (params is None) == (shape is None) or (inference and shape is None):
         raise ValueError("give params or a shape, not both (inference needs a shape)")
     r = RECIPES[precision]
-    if inference:  # (1)!
-        return {"parameters": r.param * param_count(shape),
-                "kv_cache": kv_cache_bytes(shape, r.act)}
     if shape is None:
         return zero_model_state(params, precision, optimizer, zero_stage, dp)
-    out = zero_model_state(param_count(shape), precision, optimizer, zero_stage, dp,
-                           param_tensors(shape))
-    per_layer = activation_bytes_per_layer(shape.seq, shape.batch, shape.hidden, shape.heads,
-                                           r.act, MASK if dropout else None, recompute)
-    out["activations"] = shape.layers * per_layer  # (2)!
+    mine = params_per_rank(shape, layout)
+    if inference:  # (1)!
+        return {"parameters": r.param * (mine["dense"] + mine["experts"]),
+                "kv_cache": kv_cache_bytes(shape, r.act, layout.tp, layout.pp)}
+    replicas = dp * layout.cp  # context-parallel GPUs hold the same weights: ZeRO shards across them too
+    dense = zero_model_state(mine["dense"], precision, optimizer, zero_stage, replicas, mine["tensors"])
+    experts = zero_model_state(mine["experts"], precision, optimizer, zero_stage, replicas // layout.ep)
+    out = {k: dense[k] + experts[k] for k in dense}
+    per_layer = activation_bytes_per_layer(shape.seq, shape.batch, shape.hidden, shape.heads, r.act,
+                                           MASK if dropout else None, recompute, layout.tp, layout.sp, layout.cp)
+    out["activations"] = shape.layers // layout.pp * layout.in_flight * per_layer  # (2)!
     return out
 # --8<-- [end:estimate]
 
@@ -169,6 +180,13 @@ class Config(LabConfig):
     optimizer: Literal["sgd", "momentum", "adamw"] = option("adamw", "the optimizer whose state is counted")
     zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO stage: 1 shards optimizer state, 2 gradients, 3 weights")
     dp: int = option(1, "data-parallel ranks; figures are per rank", min=1)
+    tp: int = option(1, "tensor-parallel size: each layer's matrices split across t GPUs (shape only)", min=1)
+    sp: bool = option(False, "sequence parallelism, with --tp: norms and dropouts split along the sequence")
+    pp: int = option(1, "pipeline stages, 1F1B: figures are stage 0's, which holds --pp micro-batches", min=1)
+    cp: int = option(1, "context-parallel size: each GPU holds seq/cp tokens of every sequence", min=1)
+    experts: int | None = option(None, "MoE: experts per layer, each an MLP of the dense size (default: dense)",
+                                 min=1)
+    ep: int = option(1, "expert-parallel size: each GPU holds experts/ep of every MoE layer", min=1)
     recompute: Literal["none", "selective", "full"] = option("none", "activation recomputation (shape only)")
     dropout: float = option(0.1, "dropout probability; 0 removes the dropout masks", min=0, below=1)
     inference: bool = option(False, "weights and KV cache instead of a training step")
@@ -181,8 +199,10 @@ class Config(LabConfig):
         if self.params is not None and given:
             raise UsageError(f"--params and a model shape ({' '.join(given)}) exclude each other: --params gives "
                              "the model state only; activations need the whole shape")
+        split = {"tp": self.tp > 1, "sp": self.sp, "pp": self.pp > 1, "cp": self.cp > 1,
+                 "experts": self.experts is not None, "ep": self.ep > 1}
         for name, asked in (("recompute", self.recompute != "none"), ("inference", self.inference),
-                            ("measure", self.measure)):
+                            ("measure", self.measure), *split.items()):
             if self.params is not None and asked:
                 raise UsageError(f"--{name} needs a model shape (--layers --hidden --heads --seq --batch --vocab), "
                                  "not --params")
@@ -197,6 +217,26 @@ class Config(LabConfig):
             raise UsageError("--measure runs one process: drop --dp and --zero-stage (ZeRO per rank is Lab 11)")
         if self.snapshot and not self.measure:
             raise UsageError("--snapshot records the --measure run: add --measure --device cuda")
+        t, c, kv = self.tp, self.cp, shape.kv_heads or shape.heads
+        if shape.heads % t or kv % t and t % kv:
+            raise UsageError(f"--tp {t} must divide --heads {shape.heads}, and divide or be a multiple of the "
+                             f"{kv} KV heads: each GPU computes whole heads")
+        if shape.layers % self.pp:
+            raise UsageError(f"--pp {self.pp} does not divide --layers {shape.layers}: each stage holds layers/pp")
+        if shape.seq % c:
+            raise UsageError(f"--cp {c} does not divide --seq {shape.seq}: each GPU holds seq/cp tokens")
+        if self.sp and (t == 1 or shape.seq // c % t):
+            raise UsageError(f"--sp splits the {shape.seq // c} tokens of a GPU's sequence across the --tp GPUs: "
+                             "give a --tp of 2 or more that divides them")
+        if self.experts is None and self.ep > 1 or self.experts and self.experts % self.ep:
+            raise UsageError(f"--ep {self.ep} must divide --experts ({self.experts or 'none: a dense model'})")
+        if self.dp * c % self.ep:
+            raise UsageError(f"--ep {self.ep} must divide --dp x --cp = {self.dp * c}: expert-parallel GPUs are "
+                             "data-parallel GPUs that hold different experts")
+        if self.inference and (self.sp or c > 1):
+            raise UsageError("--inference counts weights and the KV cache: --sp and --cp split training activations")
+        if self.measure and any(split.values()):
+            raise UsageError("--measure runs one process of TinyGPT: drop --tp, --sp, --pp, --cp, --experts, --ep")
 
     @property
     def shape(self) -> Shape | None:
@@ -205,6 +245,11 @@ class Config(LabConfig):
             return None
         return Shape(**{n: getattr(self, n) if getattr(self, n) is not None else getattr(TOY, n)
                         for n in SHAPE_FLAGS})
+
+    @property
+    def layout(self) -> Layout:
+        """The model-parallel split (one GPU, no split, by default)."""
+        return Layout(self.tp, self.sp, self.pp, self.cp, self.experts or 0, self.ep)
 # --8<-- [end:config]
 
 
@@ -212,7 +257,7 @@ def run(config: Config) -> Result:
     t0 = time.perf_counter()
     shape = config.shape
     derived = estimate_bytes(config.params, shape, config.precision, config.optimizer, config.zero_stage,
-                             config.dp, config.recompute, config.dropout > 0, config.inference)
+                             config.dp, config.recompute, config.dropout > 0, config.inference, config.layout)
     device, measurement = torch.device("cpu"), None
     if config.measure:
         device = cli.pick_device(config.device)
@@ -226,69 +271,32 @@ def run(config: Config) -> Result:
         measurement = measure_step(shape, dtype=torch.float32 if recipe.param == 4 else torch.bfloat16,
                                    fp32_masters=recipe.master > 0, optimizer=config.optimizer,
                                    dropout=config.dropout, device=device, seed=config.seed, snapshot=config.snapshot)
-    return Result(config, shape, derived, measurement, device, time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------------- the result
-@dataclass
-class Result:
-    config: Config
-    shape: Shape | None
-    derived: dict[str, int]  # bytes per category on one rank, from the formulas
-    measurement: Measurement | None
-    device: torch.device
-    wall_time_s: float
-
-    @property
-    def params(self) -> int:
-        return self.config.params if self.shape is None else param_count(self.shape)
-
-    @property
-    def recipe(self) -> Recipe:
-        return RECIPES[self.config.precision]
-
-    @property
-    def bytes_per_parameter(self) -> int:
-        """Model-state bytes per parameter of this recipe and optimizer (step counters aside)."""
-        return sum(model_state_bytes(1, self.config.precision, self.config.optimizer).values())
-
-    @property
-    def formulas(self) -> dict[str, str]:
-        """The formula of each category, with this run's numbers in it."""
-        return {k: formula_text(k, self.config) for k in self.derived}
-
-    def summary(self) -> dict:
-        c, m = self.config, self.measurement
-        out = {"lab": labs.slug(__file__), "device": str(self.device), "params": self.params,
-               "shape": asdict(self.shape) if self.shape else None, "precision": c.precision,
-               "optimizer": None if c.inference else c.optimizer, "zero_stage": c.zero_stage, "dp": c.dp,
-               "recompute": c.recompute if self.shape else None, "dropout": c.dropout, "inference": c.inference,
-               "derived": self.derived, "total_bytes": sum(self.derived.values()),
-               "formulas": self.formulas}
-        if m:
-            out |= {"loss": m.loss, "measured": m.measured, "tinygpt_activations": m.tinygpt_activations,
-                    "gap_to_paper": m.gap_to_paper, "peak_bytes": m.ledger.peak()["total"], "exact": m.exact,
-                    "cuda": m.cuda}
-        return out | {"provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
+    formulas = {k: formula_text(k, config) for k in derived}
+    per_parameter = sum(model_state_bytes(1, config.precision, config.optimizer).values())
+    return Result(config, shape, derived, formulas, RECIPES[config.precision], per_parameter, measurement, device,
+                  time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------- the formulas, as the report says them
 def formula_text(category: str, config: Config) -> str:
     """The formula behind one category of the report, with this run's numbers in it."""
-    r = RECIPES[config.precision]
-    e, m = f"e={r.act}", f"m={MASK}"
-    kept = {"none": f"L x [sbh(16e+2m) + as^2b(2e+m)], {e}, {m}", "selective": f"L x sbh(16e+2m), {e}, {m}"}
-    if not config.dropout:  # no masks: 16 units of sbh and one s x s matrix per head (activations, (3))
-        kept = {"none": f"L x [sbh x 16e + as^2b x e], {e}, no dropout", "selective": f"L x sbh x 16e, {e}, no dropout"}
-    fixed = {"kv_cache": f"2 x L x b x s x kv_heads x head_dim x {r.act} B",
-             "activations": (kept | {"full": f"L x sbh x e, {e}"})[config.recompute]}
+    r, lay = RECIPES[config.precision], config.layout
+    units = f", e={r.act}" + ("" if config.recompute == "full" else f", m={MASK}" if config.dropout else ", no dropout")
+    layers, kv = "L/p" if lay.pp > 1 else "L", "max(kv_heads/t, 1)" if lay.tp > 1 else "kv_heads"
+    fixed = {"kv_cache": f"2 x {layers} x b x s x {kv} x head_dim x {r.act} B",
+             "activations": activation_formula(config.recompute, config.dropout > 0, lay, units)}
     if category in fixed:
         return fixed[category]
     coeff = {"parameters": r.param, "gradients": r.grad, "master_weights": r.master,
              "optimizer_state": MOMENTS[config.optimizer] * r.moment}[category]
-    shard = f" / {config.dp}" if config.zero_stage >= ZERO_SHARDS[category] and config.dp > 1 else ""
+    groups = [("P" if lay == ONE_GPU else "P_gpu", config.dp * lay.cp)]  # P_gpu: the parameters on this GPU
+    if lay.experts:  # ZeRO shards the experts across the GPUs that hold the same ones
+        groups = [("P_dense", config.dp * lay.cp), ("P_experts", config.dp * lay.cp // lay.ep)]
+    sharded = [name + (f" / {n}" if config.zero_stage >= ZERO_SHARDS[category] and n > 1 else "") for name, n in groups]
+    body = sharded[0] if len(sharded) == 1 else f"({' + '.join(sharded)})"
     adam = category == "optimizer_state" and config.optimizer == "adamw" and config.shape is not None
-    return f"{coeff} B x P{shard}" + (f" + 4 B x {param_tensors(config.shape)} tensors" if adam else "")
+    tensors = params_per_rank(config.shape, lay)["tensors"] if adam else 0
+    return f"{coeff} B x {body}" + (f" + 4 B x {tensors} tensors" if adam else "")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ Each phase is marked (``marks.phase``), so the memory ledger, when one watches, 
 tensors are alive and why: parameters from the start, activations born in forward and freed in
 backward, gradients born in backward, AdamW's two moment tensors born at the first ``step()``.
 
+The same step runs a real model at real size on fake tensors (``--model``, ``--fake``: the ledger
+counts every byte, nothing is allocated; ``scale_harness.py`` holds what the harness needs for it).
+
 Run it:
     .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --device cpu
+    .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --model llama-3-8b --fake --seq-len 4096 --batch-size 1 --steps 2
     .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --steps 4 --checkpoint ckpt.pt
     .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --steps 4 --checkpoint ckpt.pt --resume
 """
@@ -25,13 +29,15 @@ from typing import Literal
 
 import torch
 
-from labkit import budget, cli, files, labs, marks, provenance
+from labkit import cli, files, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.models import GPTConfig, TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 from labkit.table import Table, by_category, format_bytes
 from labkit.timeline import Timeline
+from scale_harness import TRACED, adamw_options, build_model, require_memory, token_source, values_read_as_zero
 
 
 # --8<-- [start:step]
@@ -72,8 +78,8 @@ def load_checkpoint(path: Path, model, optimizer, settings: dict) -> int:
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):
-    """Train a toy GPT with AdamW and watch memory phase by phase."""
+class Config(RealScale, TinyGPTShape, LabConfig):
+    """Train a toy GPT (or, with --model, a real one) with AdamW and watch memory phase by phase."""
 
     steps: int = option(6, "steps in this run", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
@@ -85,9 +91,13 @@ class Config(TinyGPTShape, LabConfig):
     resume: bool = option(False, "continue from --checkpoint")
     save_every: int = option(0, "also write the checkpoint every N steps (0: at the end and on Ctrl-C only)", min=0)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
+        "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fake and self.checkpoint is not None:
+            raise UsageError("--checkpoint saves real tensors: a --fake run has none")
         if self.resume and self.checkpoint is None:
             raise UsageError("--resume needs --checkpoint PATH")
         if self.save_every and self.checkpoint is None:
@@ -107,25 +117,30 @@ def run(config: Config) -> Result:
         files.check_writable(config.checkpoint, "--checkpoint")  # (1)!
     torch.manual_seed(config.seed)
     model_config = config.model_config()
-    budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
-    model = TinyGPT(model_config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    settings = asdict(model_config) | {k: getattr(config, k) for k in ("lr", "seed", "batch_size", "zero_grad")}
-    start = resume(config.checkpoint, model, optimizer, settings) if config.resume else 0
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
+    require_memory(config, model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
+    with config.tensors(), values_read_as_zero(config.fake):  # (2)!
+        model = build_model(config, lambda: TinyGPT(model_config), device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, **adamw_options(config.adamw, config.fake))
+        settings = asdict(model_config) | {k: getattr(config, k) for k in SETTINGS}
+        start = resume(config.checkpoint, model, optimizer, settings) if config.resume else 0
+        data = token_source(config, model_config)
 
-    ledger = Ledger(device).track_module(model).track_optimizer(optimizer)  # (2)!
-    reset_peak(device)
-    losses, t0 = [], time.perf_counter()
-    with record_snapshot(config.snapshot), ledger, CheckpointSaver(config, model, optimizer, settings) as saver:
-        for step in cli.progress(range(start, start + config.steps), total=config.steps, desc="train"):
-            x, y = data.batch(step, config.batch_size, device)  # (3)!
-            losses.append(train_step(model, optimizer, x, y, step, config.zero_grad))
-            saver.finished(step + 1)  # (4)!
+        ledger = Ledger(device).track_module(model).track_optimizer(optimizer)  # (3)!
+        reset_peak(device)
+        losses, t0 = [], time.perf_counter()
+        with record_snapshot(config.snapshot), ledger, CheckpointSaver(config, model, optimizer, settings) as saver:
+            for step in cli.progress(range(start, start + config.steps), total=config.steps, desc="train"):
+                x, y = data.batch(step, config.batch_size, device)  # (4)!
+                losses.append(train_step(model, optimizer, x, y, step, config.zero_grad))
+                saver.finished(step + 1)  # (5)!
     wall = time.perf_counter() - t0
-    return Result(config, model_config, device, model, optimizer, ledger, losses, start, wall,
-                  ledger_vs_allocator(ledger.timeline(), allocator_stats(device)))
+    return Result(config, model_config, device, model, optimizer, ledger, [] if config.fake else losses, start,
+                  wall, ledger_vs_allocator(ledger.timeline(), allocator_stats(device)))
 # --8<-- [end:train]
+
+
+# what a checkpoint must have been saved with for a resume to be exact (with the model's shape)
+SETTINGS = ("model", "lr", "seed", "batch_size", "zero_grad", "adamw")
 
 
 # ---------------------------------------------------------------------- what the lab derives
@@ -151,7 +166,7 @@ class Result:
     config: Config
     model_config: GPTConfig
     device: torch.device
-    model: TinyGPT
+    model: torch.nn.Module  # TinyGPT, or the zoo's model
     optimizer: torch.optim.Optimizer
     ledger: Ledger
     losses: list[float]
@@ -168,10 +183,12 @@ class Result:
         return len(list(self.model.parameters()))
 
     def summary(self) -> dict:
-        tl = self.ledger.timeline()
-        return {"lab": labs.slug(__file__), "device": str(self.device),
-                "config": asdict(self.model_config), "params": self.params, "tensors": self.tensors,
-                "start_step": self.start_step, "steps": len(self.losses), "losses": self.losses,
+        tl, spec = self.ledger.timeline(), self.config.model_spec()
+        return {"lab": labs.slug(__file__), "device": str(self.device), "model": self.config.model,
+                "traced": TRACED if self.config.fake else None,
+                "config": asdict(self.model_config) if spec is None else asdict(spec) | {"seq_len": self.config.seq_len},
+                "params": self.params, "tensors": self.tensors,
+                "start_step": self.start_step, "steps": self.config.steps, "losses": self.losses,
                 "peak_bytes_by_phase": tl.peaks_by_phase(), "peak_bytes": tl.peak(),
                 "gradients_first_seen": tl.first_seen("gradients"),
                 "optimizer_state_first_seen": tl.first_seen("optimizer_state"),
@@ -190,13 +207,14 @@ def checks(result: Result) -> Table:
 
 
 def report(result: Result) -> None:
-    first = result.start_step
-    print(f"Lab 02 on {result.device}: TinyGPT with {result.params:,} parameters, AdamW, "
-          f"steps {first}..{first + len(result.losses) - 1}")
+    first, config = result.start_step, result.config
+    print(f"Lab 02 on {result.device}: {'TinyGPT' if config.model_spec() is None else config.model} with "
+          f"{result.params:,} parameters, AdamW, steps {first}..{first + config.steps - 1}"
+          f"{f' ({TRACED})' if config.fake else ''}")
     for i, loss in enumerate(result.losses):
         print(f"  step {first + i:4d}  loss {loss:.4f}")
     tl = result.ledger.timeline()
-    print("\nPeak live device bytes in each phase (ledger, measured):")
+    print(f"\nPeak live device bytes in each phase (ledger, {'traced' if config.fake else 'measured'}):")
     print(by_category(tl.peaks_by_phase()).text())
     seen = tl.first_seen("optimizer_state")
     if seen:

@@ -6,13 +6,20 @@ The same training loop runs three recipes; only two objects change between them:
     fp16  torch.autocast(device, float16)      torch.amp.GradScaler(device): loss scaling
     bf16  torch.autocast(device, bfloat16)     no scaler (bf16 has fp32's exponent range)
 
+A fourth, ``--recipe pure-bf16``, keeps no fp32 copy at all: the weights themselves are bf16 (and so
+are their gradients and AdamW's moments), and no autocast is needed.
+
 Each phase of a step is marked (``marks.phase``), so the memory ledger, when one watches, shows what
 changes: parameters, gradients and AdamW state stay fp32 (the "master weights"), activations saved
 for backward shrink, autocast adds 16-bit weight copies. ``--inject-inf-at STEP`` puts an inf in an
 fp16 gradient: GradScaler skips the step and halves its scale.
 
+With ``--model llama-3-8b --fake`` the same recipes run the zoo's Llama at real size on fake tensors
+(the ledger counts every byte; nothing is allocated; Lab 02's ``scale_harness.py`` holds the harness).
+
 Run it:
     .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu
+    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --model llama-3-8b --fake --seq-len 4096 --batch-size 1 --recipe bf16
     .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu --recipe fp16 --inject-inf-at 3
 """
 
@@ -21,28 +28,32 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from labkit import budget, cli, labs, marks, provenance
+from labkit import cli, fake, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.models import GPTConfig, TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 from precision_report import ACTIVATION_BAND, LOSS_RTOL, compare, forward_end, report
 
-RECIPES = ("fp32", "fp16", "bf16")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+scale_harness = labs.load(2, "scale_harness")  # Lab 02's harness for --model/--fake: batches, the model, AdamW
+
+RECIPES = ("fp32", "fp16", "bf16")  # what --recipe all trains
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "pure-bf16": torch.bfloat16}
+WEIGHTS = {"pure-bf16": torch.bfloat16}  # the weights' dtype where it is not float32
 FP32 = torch.finfo(torch.float32)
 
 
 # --8<-- [start:recipes]
 def autocast(recipe: str, device: torch.device):
-    if recipe == "fp32":
-        return contextlib.nullcontext()  # plain fp32: every op in fp32
+    if recipe in ("fp32", "pure-bf16"):
+        return contextlib.nullcontext()  # every op in the weights' own dtype
     return torch.autocast(device.type, dtype=DTYPES[recipe])  # (1)!
 
 
@@ -62,7 +73,8 @@ def make_scaler(recipe: str, device: torch.device, init_scale: float, growth_int
 def check_autocast(recipe: str, device: torch.device) -> None:
     """Ask this torch whether it can autocast to the recipe's dtype here, instead of assuming."""
     with autocast(recipe, device):
-        got = (torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)).dtype
+        dtype = WEIGHTS.get(recipe, torch.float32)
+        got = (torch.ones(2, 2, device=device, dtype=dtype) @ torch.ones(2, 2, device=device, dtype=dtype)).dtype
     if got != DTYPES[recipe]:
         raise UsageError(f"torch {torch.__version__} does not autocast matmuls to {recipe} on {device.type}")
 # --8<-- [end:recipes]
@@ -112,11 +124,11 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 def saved_for_backward(model, recipe: str, x, y) -> dict[str, int]:
     """Bytes of the new tensors one forward of ``model`` on ``x, y`` in ``recipe`` saves for
     backward, by kind: the ledger's activations."""
-    existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), x, y]}
+    existing = {storage_id(t) for t in [*model.parameters(), x, y]}
     kinds: dict[int, tuple[str, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_id(t)
         if ptr not in existing and ptr not in kinds:  # (2)!
             kind = "16-bit weight copies" if is_weight_copy(t) else str(t.dtype).removeprefix("torch.")
             kinds[ptr] = (kind, t.untyped_storage().nbytes())
@@ -125,17 +137,23 @@ def saved_for_backward(model, recipe: str, x, y) -> dict[str, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(recipe, x.device):
         model(x, y)  # (3)!
     return {k: sum(n for kind, n in kinds.values() if kind == k) for k in dict(kinds.values())}
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` views: its address, or for a fake tensor (which has none) the storage's identity."""
+    return t.untyped_storage()._cdata if fake.is_fake(t) else t.untyped_storage().data_ptr()
 # --8<-- [end:census]
 
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):
-    """Train a toy GPT in fp32, fp16 + GradScaler and bf16 autocast; compare loss and memory."""
+class Config(RealScale, TinyGPTShape, LabConfig):
+    """Train a toy GPT (or, with --model, a real one) in fp32, fp16 + GradScaler and bf16 autocast; compare."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
     width: int = option(64, "model width", min=1)
-    recipe: Literal["fp32", "fp16", "bf16", "all"] = option("all", "the recipe to train, or all three")
+    recipe: Literal["fp32", "fp16", "bf16", "pure-bf16", "all"] = option(
+        "all", "the recipe to train, or all three of fp32, fp16 and bf16 (pure-bf16: bf16 weights, no autocast)")
     steps: int = option(20, "training steps per recipe", min=1)
     ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1)
     batch_size: int = option(8, "sequences per step", min=1)
@@ -145,9 +163,13 @@ class Config(TinyGPTShape, LabConfig):
     growth_interval: int = option(2000, "clean steps before the scale doubles", min=1)
     inject_inf_at: int | None = option(None, "fp16: put an inf in a gradient at this step", min=0, metavar="STEP")
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
+        "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fake and self.inject_inf_at is not None:
+            raise UsageError("--inject-inf-at needs values: a --fake run has none")
         if not FP32.tiny <= self.init_scale <= FP32.max:  # GradScaler keeps S, and uses 1/S, in float32
             raise UsageError(f"--init-scale {self.init_scale:g} does not fit float32, where GradScaler keeps the "
                              f"scale and its reciprocal: give a number in [{FP32.tiny:.3g}, {FP32.max:.3g}]")
@@ -163,12 +185,13 @@ def train(config: Config, recipe: str) -> RecipeRun:
     device = cli.pick_device(config.device)
     check_autocast(recipe, device)
     torch.manual_seed(config.seed)
-    model_config = config.model_config()
-    budget.require_gpt_training(model_config, config.batch_size, device)  # sizes the machine cannot hold: refused
-    model = TinyGPT(model_config).to(device)  # (1)!
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    model_config, weights = config.model_config(), WEIGHTS.get(recipe)
+    scale_harness.require_memory(config, model_config, config.batch_size, device, weights)  # too big: refused
+    model = scale_harness.build_model(config, lambda: TinyGPT(model_config), device, weights)  # (1)!
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  **scale_harness.adamw_options(config.adamw, config.fake))
     scaler = make_scaler(recipe, device, config.init_scale, config.growth_interval)
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=config.seed)
+    data = scale_harness.token_source(config, model_config)
     ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
     steps, times, inject = [], [], None
 
@@ -202,8 +225,12 @@ def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    with record_snapshot(config.snapshot):
+    if config.fake:  # a fake step has no time to measure: only the ledger's steps run, and no value is read
+        config = replace(config, steps=min(config.ledger_steps, config.steps))
+    with record_snapshot(config.snapshot), config.tensors(), scale_harness.values_read_as_zero(config.fake):
         runs = {recipe: train(config, recipe) for recipe in (RECIPES if config.recipe == "all" else (config.recipe,))}
+    if config.fake:  # the losses, scales and skips of a fake step read as zeros: none is kept
+        runs = {name: replace(r, steps=[], traced=True) for name, r in runs.items()}
     return Result(config, device, runs)
 
 
@@ -233,6 +260,7 @@ class RecipeRun:
     param_dtypes: list[str]
     params: int
     linear_weights: int
+    traced: bool = False  # on fake tensors: bytes only, no losses, scales or times
 
     @property
     def losses(self) -> list[float]:
@@ -246,15 +274,17 @@ class RecipeRun:
     def summary(self) -> dict:
         tl, scaler = self.ledger.timeline(), self.scaler
         # GradScaler keeps its state in two one-element tensors on the device (private names: read, not written)
-        tensors = {n: getattr(scaler, n, None) for n in ("_scale", "_growth_tracker")} if scaler.is_enabled() else {}
+        values = scaler.is_enabled() and not self.traced  # a fake scaler's state has no values
+        tensors = {n: getattr(scaler, n, None) for n in ("_scale", "_growth_tracker")} if values else {}
         return {
-            "autocast_dtype": None if self.recipe == "fp32" else self.recipe, "grad_scaler": scaler.is_enabled(),
+            "autocast_dtype": None if self.recipe in ("fp32", "pure-bf16") else self.recipe,
+            "grad_scaler": scaler.is_enabled(),
             "losses": self.losses, "steps": self.steps, "skipped_steps": [s["step"] for s in self.steps if s["skipped"]],
             "parameter_dtypes": self.param_dtypes, "activation_bytes": max(tl.device["activations"], default=0),
             "peak_bytes": tl.peak(), "peak_bytes_by_phase": tl.peaks_by_phase(), "saved_for_backward": self.saved,
-            "weight_copy_bytes_derived": 0 if self.recipe == "fp32" else 2 * self.linear_weights,
+            "weight_copy_bytes_derived": 0 if self.recipe in ("fp32", "pure-bf16") else 2 * self.linear_weights,
             "step_time_s": statistics.median(self.step_times_s) if self.step_times_s else None,
-            "scaler_state": scaler.state_dict() if scaler.is_enabled() else None,
+            "scaler_state": scaler.state_dict() if values else None,
             "scaler_tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device), "value": t.item()}
                                for n, t in tensors.items() if isinstance(t, torch.Tensor)},
             "inject": self.inject, "cuda": self.cuda,
@@ -271,7 +301,7 @@ class Result:
 
     def vs_fp32(self) -> dict[str, dict]:
         """Each 16-bit recipe against fp32 (:func:`compare`); empty without an fp32 run."""
-        if "fp32" not in self.runs:
+        if "fp32" not in self.runs or self.config.fake:  # a traced run has no losses to compare
             return {}
         base = self.runs["fp32"].summary()
         return {n: compare(base, r.summary()) for n, r in self.runs.items() if n != "fp32"}
@@ -279,8 +309,11 @@ class Result:
     def summary(self) -> dict:
         first = next(iter(self.runs.values()))
         cpu = self.device.type == "cpu"
+        spec = self.config.model_spec()
         return {
-            "lab": labs.slug(__file__), "device": str(self.device), "config": first.model_config.to_dict(),
+            "lab": labs.slug(__file__), "device": str(self.device), "model": self.config.model,
+            "traced": scale_harness.TRACED if self.config.fake else None,
+            "config": first.model_config.to_dict() if spec is None else asdict(spec) | {"seq_len": self.config.seq_len},
             "params": first.params, "recipes": {n: r.summary() for n, r in self.runs.items()}, "vs_fp32": self.vs_fp32(),
             "tolerances": {"loss_rtol": LOSS_RTOL, "activation_ratio_band": list(ACTIVATION_BAND)},
             "timing": "CPU timing, not a GPU figure" if cpu else "CUDA timing",

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit import labs
 from labkit.ledger import Ledger
 from labkit.table import Table
-from labkit.timeline import Timeline
+from labkit.timeline import CATEGORIES, Timeline
+
+scale_harness = labs.load(2, "scale_harness")  # peaks by step and phase, the phase of a peak
 
 if TYPE_CHECKING:  # the starter imports this file; the types are named for the reader only
     from mixed_precision import RecipeRun, Result
@@ -142,11 +145,69 @@ def allocator_table(result: Result) -> Table:
                   ("ledger peak / (max allocated - unseen)", "float:4"), ("step speed vs fp32", "x:2")], rows)
 
 
+# ---------------------------------------------------------------------- at real size, traced
+def real_scale_rows(run: RecipeRun) -> dict[str, dict[str, int]]:
+    """Bytes by category of a traced recipe at two moments, ``"backward"`` (the start of step 1's
+    backward: the activations at their most, with AdamW's state alive) and ``"peak"`` (the step's
+    highest row), each with two parts of its activations named: ``weight_copies`` (autocast's 16-bit
+    copies of the weights, from the census: exact bytes) and ``log_probs`` (the loss's float32
+    log-probabilities, B x T x vocab x 4 B, made by ``_log_softmax``: ledger bytes)."""
+    tl = run.ledger.timeline()
+    backward = scale_harness.peaks_by_step_and_phase(tl, ("backward",))["step 1 backward"]
+    return {"backward": backward | {"weight_copies": run.saved.get("16-bit weight copies", 0),
+                                    "log_probs": activations_by_op(run.ledger).get("_log_softmax", 0)},
+            "peak": tl.peak() | {"phase": scale_harness.peak_phase(tl)}}
+
+
+def real_scale_table(runs: dict[str, RecipeRun]) -> Table:
+    """The recipes side by side at real size: what is alive at the start of step 1's backward, and at the peak."""
+    rows = []
+    for name, run in runs.items():
+        moments = real_scale_rows(run)
+        b, p = moments["backward"], moments["peak"]
+        cats = ("parameters", "gradients", "optimizer_state", "activations")
+        rows.append([name, "start of step 1's backward", sum(b[c] for c in CATEGORIES), *(b[c] for c in cats),
+                     b["weight_copies"], b["log_probs"], b["temporaries"]])
+        rows.append([name, f"peak: {p['phase']}", p["total"], *(p[c] for c in cats), None, None, p["temporaries"]])
+    return Table(["recipe", "when", ("total", "bytes"), ("parameters", "bytes"), ("gradients", "bytes"),
+                  ("AdamW state", "bytes"), ("activations", "bytes"), ("of which 16-bit weight copies", "bytes"),
+                  ("of which fp32 log-probs", "bytes"), ("temporaries", "bytes")], rows, strong=("total",))
+
+
+def real_scale_peaks_table(runs: dict[str, RecipeRun], card: int) -> Table:
+    """Each traced recipe's peak, where it is, how far above the lowest recipe's it is, and whether it
+    fits under ``card`` bytes."""
+    peaks = {name: real_scale_rows(run)["peak"] for name, run in runs.items()}
+    lowest = min(p["total"] for p in peaks.values())
+    return Table(["recipe", ("peak", "bytes"), "peak in", ("above the lowest peak", "bytes"), ("fits 80 GiB", "yes"),
+                  "weights", ("model state (weights, gradients, AdamW)", "bytes")],
+                 [[name, p["total"], p["phase"], p["total"] - lowest, p["total"] <= card, "/".join(run.param_dtypes),
+                   sum(run.ledger.timeline().at_end()[c] for c in ("parameters", "gradients", "optimizer_state"))]
+                  for (name, run), p in zip(runs.items(), peaks.values())], strong=("peak",))
+
+
+def real_scale_numbers(runs: dict[str, RecipeRun]) -> dict:
+    """What a page quotes of the traced recipes (names with ``_`` for ``-``): each one's peak and, at
+    the start of step 1's backward, its total, activations, weight copies and log-probs; the recipe
+    with the lowest peak (``lowest``) and how much lower it is than the next (``lowest_by``)."""
+    out = {}
+    for name, run in runs.items():
+        m = real_scale_rows(run)
+        out[name.replace("-", "_")] = {"peak": m["peak"]["total"], "activations": m["backward"]["activations"],
+                                       "backward_total": sum(m["backward"][c] for c in CATEGORIES),
+                                       "weight_copies": m["backward"]["weight_copies"],
+                                       "log_probs": m["backward"]["log_probs"]}
+    order = sorted(out, key=lambda name: out[name]["peak"])
+    return out | {"lowest": order[0], "lowest_by": out[order[1]]["peak"] - out[order[0]]["peak"] if len(order) > 1 else 0}
+
+
 def report(result: Result) -> None:
     config, first = result.config, next(iter(result.runs.values()))
-    print(f"Lab 03 on {result.device}: TinyGPT with {first.params:,} parameters, AdamW, {config.steps} steps "
-          f"per recipe, ledger on the first {min(config.ledger_steps, config.steps)}")
-    if result.device.type == "cpu" and "fp16" in result.runs:
+    print(f"Lab 03 on {result.device}: {'TinyGPT' if config.model_spec() is None else config.model} with "
+          f"{first.params:,} parameters, AdamW, {config.steps} steps per recipe, ledger on the first "
+          f"{min(config.ledger_steps, config.steps)}" + (" (traced on fake tensors: bytes, no values, no time)"
+                                                         if config.fake else ""))
+    if result.device.type == "cpu" and "fp16" in result.runs and not config.fake:
         print("note: fp16 on CPU runs for real (autocast, GradScaler, overflows): its losses, bytes and scaler are\n"
               "      measured. Its speed is not a GPU figure: a CPU does not run fp16 matmuls as tensor cores do.")
     print(f"\n{recipes_table(result).text()}\n")
@@ -160,7 +221,7 @@ def report(result: Result) -> None:
     print(f"\n{saved_table(result).text()}")
     if any(r.cuda for r in result.runs.values()):
         print(f"\n{allocator_table(result).text()}")
-    if fp16 := result.runs.get("fp16"):
+    if (fp16 := result.runs.get("fp16")) and not fp16.traced:
         print(f"\nGradScaler after the fp16 run:\n{scaler_table(fp16).text()}")
         if inj := fp16.inject:
             print(f"injected inf at step {inj['step']}: scale {inj['scale_before']:g} -> {inj['scale_after']:g}; step "

@@ -4,13 +4,19 @@
 keeps instead, what the save-matmuls policy keeps, and the FLOPs a recompute redoes. ``checks``
 holds every formula against what ``checkpointing.run`` measured (the ledger, ``FlopCounterMode``);
 on a CPU they agree to the byte and to the FLOP, and ``tests/test_lab04.py`` asserts it.
+``CPU_ATTENTION_FLOPS`` teaches the FLOP counter the CPU flash-attention kernel, which it does not
+know (a real-size trace runs it in every block).
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from labkit.table import Table
+
+aten = torch.ops.aten
 
 
 # --8<-- [start:costs]
@@ -33,6 +39,23 @@ def block_costs(batch: int, seq: int, width: int, heads: int) -> dict[str, int]:
             "matmul_outputs": 4 * (10 * N * w + B * h * T * T),
             "forward_flops": 24 * N * w * w + 4 * B * T * T * w}
 # --8<-- [end:costs]
+
+
+def attention_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """Fused attention forward, from the shapes of q (B, H, Tq, d) and k: q·kᵀ and p·v, two matmuls
+    of B·H·Tq·Tk·d multiply-adds (H the query heads, GQA or not; a causal mask is not discounted)."""
+    return 4 * math.prod(q) * k[-2]
+
+
+def attention_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """Its backward: q·kᵀ again, then the gradients of p, v, q and k, five such matmuls."""
+    return 10 * math.prod(q) * k[-2]
+
+
+# torch.utils.flop_counter counts CUDA's fused attention kernels (with these formulas) but not the CPU
+# flash kernel that a CPU run without dropout, and so every trace, takes: count that one the same way.
+CPU_ATTENTION_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
+                       aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops}
 
 
 def checks(result) -> Table:

@@ -12,7 +12,9 @@ checkpointing keeps fewer and recomputes the rest during backward. Four strategi
                   attention scores (two bmm), which Korthikanti et al.'s selective recomputation drops.
 
 TinyGPT runs its blocks through a seam (``model(x, y, run_blocks=...)``), so the lab wraps the
-blocks and leaves the rest of the model alone. For each strategy the lab measures activation
+blocks and leaves the rest of the model alone; the zoo's real architectures have the same seam, so
+``--model llama-3-70b --fake`` runs the same strategies at real size on fake tensors (bytes and
+FLOPs, no values, no time). For each strategy the lab measures activation
 memory (when a memory ledger watches), the recompute cost (extra FLOPs counted by
 ``FlopCounterMode``, time per step) and checks that the gradients equal the no-checkpointing
 gradients bit for bit, dropout included. How many blocks a segment should hold: ``segments.py``.
@@ -21,6 +23,7 @@ Run it:
     .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu
     .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --strategy every-k --every 2 --layers 8
     .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu --json
+    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --model llama-3-8b --fake --dtype bfloat16 --seq-len 8192 --batch-size 1
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ from labkit import cli, labs, marks, provenance
 from labkit.config import UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import TinyGPT
+from labkit.scale import TINY, RealScale
 from labkit.table import Table
 from labkit.timeline import Timeline
 
-from block_costs import checks
-from model_setup import ModelShape, build, grads_equal, grads_of, time_steps
+from block_costs import CPU_ATTENTION_FLOPS, checks
+from model_setup import DTYPES, ModelShape, build_for, grads_equal, grads_of, time_steps
+from model_setup import build  # noqa: F401  (Lab 09 and the tests build the same TinyGPT: lab04.build)
 
 STRATEGIES = ("none", "full", "every-k", "save-matmuls")
 GPU_TARGETS = {  # targets for the GPU run (tests/test_lab04.py, marked cuda), not results
@@ -101,23 +105,23 @@ def run_blocks(blocks, x, strategy: str = "none", every: int = 1):
 
 
 # --8<-- [start:step]
-def train_step(model, x, y, strategy: str = "none", every: int = 1, seed: int = 0) -> float:
+def train_step(model, x, y, strategy: str = "none", every: int = 1, seed: int = 0) -> torch.Tensor:
     """One forward and backward of ``model`` on ``(x, y)``, its blocks run by :func:`run_blocks`
     with ``strategy`` and ``every``; ``seed`` reseeds the generator first, so every strategy draws
-    the same dropout masks. Returns the loss."""
+    the same dropout masks. Returns the loss (a tensor: reading it waits for the device)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # (1)!
     with marks.phase("forward", 0):
         loss = model(x, y, run_blocks=partial(run_blocks, strategy=strategy, every=every))[1]  # (2)!
     with marks.phase("backward", 0):
         loss.backward()  # (3)!
-    return loss.item()
+    return loss.detach()
 # --8<-- [end:step]
 
 
 # --8<-- [start:config]
 @dataclass
-class Config(ModelShape):
+class Config(RealScale, ModelShape):
     """Compare activation-checkpointing strategies: memory kept, compute redone."""
 
     strategy: Literal["none", "full", "every-k", "save-matmuls", "all"] = option(
@@ -127,17 +131,25 @@ class Config(ModelShape):
         "kept to show its cost: a block here keeps a, many times its input b, so k = 1 peaks lower until "
         "--layers passes 2*a/b; see segments.py)", min=1)
     steps: int = option(5, "timed forward+backward steps per strategy", min=1)
+    dtype: Literal["float32", "bfloat16"] = option(
+        "float32", "element type of the weights and activations, no autocast (bfloat16: a pure-bf16 step)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.blocks_per_segment > self.layers:
-            raise UsageError(f"--every {self.blocks_per_segment} is larger than --layers {self.layers}: a segment "
+        if self.blocks_per_segment > self.depth:
+            where = f"--layers {self.depth}" if self.model == TINY else f"the {self.depth} blocks of --model {self.model}"
+            raise UsageError(f"--every {self.blocks_per_segment} is larger than {where}: a segment "
                              f"cannot hold more blocks than the model has")
+
+    @property
+    def depth(self) -> int:
+        """The blocks of the model run: ``--layers``, or the zoo model's own."""
+        return (self.model_spec() or self).layers
 
     @property
     def blocks_per_segment(self) -> int:
         """k of every-k: ``--every``, or the textbook round(sqrt(layers)) on purpose (its --help)."""
-        return self.every if self.every is not None else max(1, round(math.sqrt(self.layers)))
+        return self.every if self.every is not None else max(1, round(math.sqrt(self.depth)))
 # --8<-- [end:config]
 
 
@@ -146,31 +158,35 @@ def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    model, x, y = build(config, device)
     strategies = list(STRATEGIES) if config.strategy == "all" else list(dict.fromkeys(["none", config.strategy]))
     k, seed, t0 = config.blocks_per_segment, config.seed, time.perf_counter()
-    train_step(model, x, y, "none", k, seed)
-    reference = grads_of(model)  # (1)!
     results, ledgers = {}, {}
-    with record_snapshot(config.snapshot):
+    with config.tensors(), record_snapshot(config.snapshot):  # --fake: every tensor from here on is fake
+        model, x, y = build_for(config, device)
+        if not config.fake:  # a trace has shapes and bytes, no values to compare
+            train_step(model, x, y, "none", k, seed)
+            reference = grads_of(model)  # (1)!
         for s in strategies:
             model.zero_grad(set_to_none=True)
             reset_peak(device)
             ledgers[s] = ledger = measure_memory(model, x, y, s, k, seed)
             tl = ledger.timeline()
             r = results[s] = activation_memory(tl) | {"cuda": ledger_vs_allocator(tl, allocator_stats(device))}
-            r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads_of(model), reference)  # (2)!
-            train_step(model, x, y, s, k, seed)
-            r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
+            if not config.fake:
+                r["grads_equal"], r["max_abs_grad_diff"] = grads_equal(grads_of(model), reference)  # (2)!
+                train_step(model, x, y, s, k, seed)
+                r["grads_equal_without_ledger"] = grads_equal(grads_of(model), reference)[0]
             r["forward_flops"], r["backward_flops"] = count_flops(model, x, y, s, k, seed)
-    times = time_steps({s: partial(train_step, model, x, y, s, k, seed) for s in strategies}, config.steps)
+    times = {} if config.fake else time_steps(  # nor any time: a trace runs no kernel
+        {s: partial(timed_step, model, x, y, s, k, seed) for s in strategies}, config.steps)
     base = results["none"]
     for s, r in results.items():
         r["recompute_flops"] = r["backward_flops"] - base["backward_flops"]  # (3)!
         r["recompute_flops_of_forward"] = r["recompute_flops"] / max(base["forward_flops"], 1)
         r["activation_reduction"] = 1 - r["activation_peak_bytes"] / base["activation_peak_bytes"]
-        r["step_times_s"], r["step_time_s"] = times[s], statistics.median(times[s])
-        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1  # "none" comes first: 0
+        r["step_times_s"] = times.get(s)
+        r["step_time_s"] = statistics.median(times[s]) if times else None
+        r["time_overhead"] = r["step_time_s"] / base["step_time_s"] - 1 if times else None  # "none" first: 0
     return Result(config, device, model, k, results, ledgers, time.perf_counter() - t0)
 # --8<-- [end:run]
 
@@ -203,12 +219,17 @@ def count_flops(model, x, y, strategy: str, every: int, seed: int = 0) -> tuple[
     """FLOPs of one forward and of its backward (same arguments as :func:`train_step`)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with FlopCounterMode(display=False) as fwd:
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as fwd:
         loss = model(x, y, run_blocks=partial(run_blocks, strategy=strategy, every=every))[1]
-    with FlopCounterMode(display=False) as bwd:
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as bwd:
         loss.backward()  # (4)!
     return fwd.get_total_flops(), bwd.get_total_flops()
 # --8<-- [end:measure]
+
+
+def timed_step(model, x, y, strategy: str, every: int, seed: int = 0) -> float:
+    """:func:`train_step` (same arguments), then read the loss: the clock waits for the device."""
+    return train_step(model, x, y, strategy, every, seed).item()
 
 
 # ---------------------------------------------------------------------- the result and its report
@@ -216,7 +237,7 @@ def count_flops(model, x, y, strategy: str, every: int, seed: int = 0) -> tuple[
 class Result:
     config: Config
     device: torch.device
-    model: TinyGPT
+    model: torch.nn.Module  # TinyGPT, or the zoo model of --model
     every: int  # k of every-k
     results: dict[str, dict]
     ledgers: dict[str, Ledger]
@@ -224,7 +245,9 @@ class Result:
 
     @property
     def block_input_bytes(self) -> int:
-        return self.config.batch_size * self.config.seq_len * self.config.width * 4  # one fp32 (B, T, w) tensor
+        """b: one (B, T, w) block input in --dtype, what a checkpoint keeps."""
+        c = self.config
+        return c.batch_size * c.seq_len * (c.model_spec() or c).width * DTYPES[c.dtype].itemsize
 
     @property
     def per_block_bytes(self) -> int | None:
@@ -233,30 +256,39 @@ class Result:
         r = self.results
         if "full" not in r:
             return None
-        return (r["none"]["kept_bytes"] - r["full"]["kept_bytes"]) // self.config.layers + self.block_input_bytes
+        return (r["none"]["kept_bytes"] - r["full"]["kept_bytes"]) // self.config.depth + self.block_input_bytes
 
     def summary(self) -> dict:
-        a, b = self.per_block_bytes, self.block_input_bytes
-        return {"lab": labs.slug(__file__), "device": str(self.device), "config": asdict(self.config.model_config()),
-                "batch_size": self.config.batch_size, "every": self.every, "strategies": list(self.results),
+        a, b, c = self.per_block_bytes, self.block_input_bytes, self.config
+        spec = c.model_spec()
+        return {"lab": labs.slug(__file__), "device": str(self.device), "model": c.model,
+                "config": asdict(spec) if spec else asdict(c.model_config()), "dtype": c.dtype,
+                "batch_size": c.batch_size, "seq_len": c.seq_len, "layers": c.depth, "every": self.every,
+                "strategies": list(self.results), "traced": TRACED if c.fake else None,
                 "block_input_bytes": b, "per_block_bytes": a, "per_block_over_input": a / b if a else None,
                 "two_block_segments_pay_beyond": 2 * a / b if a else None,  # n > 2·a/b: (n/2)·b + 2a < n·b + a
                 "activation_memory": "activation_peak_bytes: highest live activations + temporaries over forward and "
                                      "backward; kept_bytes: activations alive when forward ends",
-                "timing": f"median wall-clock seconds of {self.config.steps} forward+backward steps on {self.device.type}",
+                "timing": None if c.fake else
+                f"median wall-clock seconds of {c.steps} forward+backward steps on {self.device.type}",
                 "gpu_targets": GPU_TARGETS, "results": self.results,
                 "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
+
+
+TRACED = ("traced on fake tensors (labkit.fake): bytes as the CUDA caching allocator would round them and FLOPs, "
+          "no values (gradients not compared) and no time")
 
 
 def strategies_table(result: Result) -> Table:
     """Per strategy: memory kept and peak, recompute, step time, gradients against none."""
     rows = []
     for s, r in result.results.items():
-        same = "reference" if s == "none" else "identical" if r["grads_equal"] else \
-            f"differ by up to {r['max_abs_grad_diff']:.1e}"
+        same = "reference" if s == "none" else "not compared (traced)" if "grads_equal" not in r else \
+            "identical" if r["grads_equal"] else f"differ by up to {r['max_abs_grad_diff']:.1e}"
+        ms = r["step_time_s"] * 1e3 if r["step_time_s"] is not None else None
         rows.append([f"every-k (k = {result.every})" if s == "every-k" else s, r["kept_bytes"], r["activation_peak_bytes"],
                      r["activation_reduction"], r["recompute_flops"], r["recompute_flops_of_forward"],
-                     r["step_time_s"] * 1e3, r["time_overhead"], same])
+                     ms, r["time_overhead"], same])
     return Table(["strategy", ("kept after forward", "bytes"), ("activation peak", "bytes"), ("reduction", "pct:0"),
                   ("recompute FLOPs", "int"), ("of forward", "pct:0"), ("step, ms", "float:1"), ("overhead", "pct:0"),
                   "gradients"], rows)
@@ -269,8 +301,12 @@ def gpu_targets_table() -> Table:
 
 def report(result: Result) -> None:
     c, kind = result.config, result.device.type
-    print(f"Lab 04 on {result.device}: TinyGPT, {c.layers} blocks of width {c.width}, batch {c.batch_size} x "
-          f"{c.seq_len} tokens, dropout {c.dropout}; every-k uses k = {result.every}\n")
+    shape = c.model_spec() or c
+    model = (f"TinyGPT, {c.layers} blocks of width {c.width}" if c.model == TINY
+             else f"{c.model}, {shape.layers} blocks of width {shape.width}")
+    print(f"Lab 04 on {result.device}: {model}, {c.dtype}, batch {c.batch_size} x {c.seq_len} tokens"
+          + (f", dropout {c.dropout}" if c.model == TINY else "") + f"; every-k uses k = {result.every}"
+          + (f"\n{TRACED}" if c.fake else "") + "\n")
     print(strategies_table(result).text())
     for s, r in result.results.items():
         if r["cuda"]:
@@ -279,9 +315,9 @@ def report(result: Result) -> None:
     print("\nactivation peak = highest activations + temporaries over forward and backward (ledger; recomputed "
           "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
           "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."
-          + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" else ""))
-    if set(result.results) == set(STRATEGIES):
-        print("\nFormula against measurement:\n" + checks(result).text())
+          + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" and not c.fake else ""))
+    if set(result.results) == set(STRATEGIES) and c.model == TINY and c.dtype == "float32" and not c.fake:
+        print("\nFormula against measurement:\n" + checks(result).text())  # TinyGPT's fp32 formulas, exact bytes
     if c.snapshot:
         print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 

@@ -16,6 +16,7 @@ measures them for the chain and for TinyGPT with ``checkpointing.measure_memory`
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -73,26 +74,59 @@ def k_star(n: int, a: float, b: int) -> float:
 # --8<-- [end:rule]
 
 
-def sweep(model, x, y, ks) -> dict:
-    """activation_memory of one step without checkpointing ("none") and with segments of each k."""
+# --8<-- [start:head]
+def predict_with_head(n: int, k: int, a: float, b: int, C: int, G: float, S: float) -> tuple[int, float]:
+    """:func:`predict` (same arguments) with a second peak outside the segments: as backward starts,
+    the loss holds ``S`` bytes above what forward kept (at a real vocabulary, its gradient through
+    the fp32 log-softmax: two float32 tensors of the logits' shape), on top of every kept block
+    input. The higher peak counts."""
+    return predict(n, k, a, b, C, G)[0], max(two_peaks(n, k, a, b, C, G, S))
+
+
+def two_peaks(n: int, k: int, a: float, b: int, C: int, G: float, S: float) -> tuple[float, float]:
+    """The recompute window's peak and the head's (arguments of :func:`predict_with_head`)."""
+    kept, window = predict(n, k, a, b, C, G)
+    return window, kept + S
+
+
+def head_constants(mem: dict, n: int, b: int) -> tuple[int, float, float, float]:
+    """C and a as :func:`constants` (none and k = 1); S from k = 1, where the head's peak is the higher
+    (when it is not, S comes out at most G + a and the window wins at every k); G from the largest k
+    run, where the recompute window is the higher. Three runs; the other points test the rule."""
+    C = mem[1]["kept_bytes"] - n * b
+    a = (mem["none"]["kept_bytes"] - C) / n
+    S = mem[1]["activation_peak_bytes"] - mem[1]["kept_bytes"]
+    top = max(k for k in mem if k != "none")
+    return C, a, mem[top]["activation_peak_bytes"] - predict(n, top, a, b, C)[1], S
+# --8<-- [end:head]
+
+
+def sweep(model, x, y, ks, none: bool = True) -> dict:
+    """activation_memory of one step without checkpointing ("none"; left out with ``none=False``)
+    and with segments of each k in ``ks``."""
     def measure(strategy, k):
         return activation_memory(measure_memory(model, x, y, strategy, k).timeline())
-    return {"none": measure("none", 1)} | {k: measure("every-k", k) for k in ks}
+    return ({"none": measure("none", 1)} if none else {}) | {k: measure("every-k", k) for k in ks}
 
 
-def compare(mem: dict, n: int, b: int) -> dict:
+def compare(mem: dict, n: int, b: int, head: bool = False) -> dict:
     """A :func:`sweep` of ``n`` blocks with inputs of ``b`` bytes against the rule: the constants
-    (from two runs), k*, per k the predicted kept bytes and peak and their relative errors against
-    the measured ones, and the best k measured and predicted."""
-    C, a, G = constants(mem, n, b)
+    (from two runs; with ``head``, three, and :func:`predict_with_head`), k*, per k the predicted
+    kept bytes and peak and their relative errors against the measured ones, and the best k
+    measured and predicted."""
+    if head:
+        C, a, G, S = head_constants(mem, n, b)
+        rule = partial(predict_with_head, S=S)
+    else:
+        (C, a, G), S, rule = constants(mem, n, b), None, predict
     ks = [k for k in mem if k != "none"]
     rows = {}
     for k in ks:
-        kept, peak = predict(n, k, a, b, C, G)
+        kept, peak = rule(n, k, a, b, C, G)
         rows[k] = {"kept": kept, "peak": peak, "kept_error": kept / mem[k]["kept_bytes"] - 1,
                    "peak_error": peak / mem[k]["activation_peak_bytes"] - 1}
     return {"block_input_bytes": b, "per_block_bytes": a, "outside_bytes": C, "backward_extra_bytes": G,
-            "k_star": k_star(n, a, b), "best_k_measured": min(ks, key=lambda k: mem[k]["activation_peak_bytes"]),
+            **({"head_spike_bytes": S} if head else {}), "k_star": k_star(n, a, b), "best_k_measured": min(ks, key=lambda k: mem[k]["activation_peak_bytes"]),
             "best_k_predicted": min(ks, key=lambda k: rows[k]["peak"]),
             "measured": {k: mem[k] for k in ks}, "none": mem["none"], "predicted": rows}
 
@@ -106,12 +140,13 @@ def chain(n: int, width: int, batch: int, device) -> tuple[Chain, torch.Tensor, 
     return model, x, y
 
 
-def table(rule: dict, n: int) -> Table:
-    """A :func:`compare` as rows: per k, the kept bytes and the peak, measured and derived."""
+def table(rule: dict, n: int, kind: str = "B", evidence: str = "measured") -> Table:
+    """A :func:`compare` as rows: per k, the kept bytes and the peak, ``evidence`` (measured, or
+    traced) and derived, in byte columns of ``kind`` (exact ``B``, or ``bytes`` in one unit)."""
     rows = [[k, math.ceil(n / k), m["kept_bytes"], p["kept"], m["activation_peak_bytes"], p["peak"], p["peak_error"]]
             for (k, m), p in zip(rule["measured"].items(), rule["predicted"].values())]
-    return Table([("k", "int"), ("segments ⌈n/k⌉", "int"), ("kept, measured", "B"), ("kept, derived", "B"),
-                  ("peak, measured", "B"), ("peak, derived", "B"), ("error", "pct:1")], rows)
+    return Table([("k", "int"), ("segments ⌈n/k⌉", "int"), (f"kept, {evidence}", kind), ("kept, derived", kind),
+                  (f"peak, {evidence}", kind), ("peak, derived", kind), ("error", "pct:1")], rows)
 
 
 def findings(rules: dict[str, dict]) -> dict:

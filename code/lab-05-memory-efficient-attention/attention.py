@@ -11,9 +11,13 @@ Every query row still sees every key, so the softmax of each row and the output 
 --backward measures forward + backward: chunking alone then keeps N x N probabilities for backward
 again, unless each block is recomputed (--recompute), as the fused kernels do.
 
+With ``--kv-heads`` k and v have fewer heads than q (grouped-query attention); ``--model`` takes a
+zoo model's attention shape and ``--fake`` traces the sweep on fake tensors (bytes, no values).
+
 Run it:
     .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu
     .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu --backward --recompute
+    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --model llama-3-8b --fake --dtype bfloat16 --chunk 1024 --seq-lens 8192,32768,131072 --backward
 """
 
 from __future__ import annotations
@@ -30,24 +34,32 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from attention_measures import TOLERANCE, errors, fit_slope, report
+from attention_measures import TOLERANCE, TRACED, errors, fit_slope, report
 
 from labkit import budget, cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
+from labkit.scale import RealScale
 
 
 # --8<-- [start:naive]
 def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
-    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, H, N, d);
-    ``causal`` hides the keys after each query, whose positions start at ``q_offset``."""
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (1)!
+    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, Hkv, N, d),
+    Hkv dividing H; ``causal`` hides the keys after each query, whose positions start at ``q_offset``."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (1)!
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (2)!
     if causal:
         rows = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
-        scores.masked_fill_(torch.arange(k.shape[-2], device=q.device) > rows, float("-inf"))  # (2)!
-    probs = scores.softmax(dim=-1)  # (3)!
-    return probs @ v  # (4)!
+        scores.masked_fill_(torch.arange(k.shape[-2], device=q.device) > rows, float("-inf"))  # (3)!
+    probs = scores.softmax(dim=-1)  # (4)!
+    return probs @ v  # (5)!
+
+
+def repeat_kv(t, heads: int):
+    """Grouped-query attention: k or v (B, Hkv, N, d), each head repeated for the heads / Hkv query
+    heads it serves; a copy, as Hugging Face's eager attention makes (``repeat_kv``)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 # --8<-- [end:naive]
 
 
@@ -56,6 +68,7 @@ def chunked_attention(q, k, v, chunk: int, causal: bool = False, recompute: bool
     """The same function, one block of ``chunk`` query rows at a time against all keys; ``causal``
     as above; ``recompute``: each block recomputes its probabilities in backward instead of keeping them."""
     out = torch.empty_like(q)  # (1)!
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # once for every block
     block = naive_attention
     if recompute and torch.is_grad_enabled():
         block = partial(checkpoint, naive_attention, use_reentrant=False, preserve_rng_state=False)  # (2)!
@@ -131,25 +144,28 @@ def score_matrix_bytes(n: int, batch: int, heads: int, e: int) -> int:
 
 def predicted_bytes(impl: str, n: int, *, batch: int, heads: int, head_dim: int, e: int, chunk: int,
                     backward: bool = False, recompute: bool = False, causal: bool = False,
-                    backend: str | None = None) -> int | None:
+                    backend: str | None = None, kv_heads: int | None = None) -> int | None:
     """Derived bytes of ``impl`` at length ``n`` (None where no formula is given: causal masks, and
     the math backend with backward): the forward peak, or with ``backward`` the bytes alive after
     forward. ``batch``, ``heads``, ``head_dim``: the shape of q; ``e``: bytes per element;
     ``chunk``: query rows per block; ``recompute``: chunked recomputes each block in backward;
-    ``backend``: the SDPA backend that ran."""
+    ``backend``: the SDPA backend that ran; ``kv_heads``: k and v's heads, when fewer than q's
+    (grouped-query attention: the unfused paths repeat k and v to every query head, two copies of
+    the output's size, alive to the end and kept for backward)."""
     bh, out = batch * heads, batch * heads * n * head_dim * e  # the output, B.H.N.d
     scores = score_matrix_bytes(n, batch, heads, e)
     fused = impl == "sdpa" and backend != "MATH"
+    kv = 2 * out if kv_heads not in (None, heads) and not fused else 0
     if causal or (backward and impl == "sdpa" and not fused):
         return None
     if fused:
         return out + bh * n * 4  # (1)!
     if backward:
-        return out if impl == "chunked" and recompute else scores + 2 * out  # (2)!
+        return kv + (out if impl == "chunked" and recompute else scores + 2 * out)  # (2)!
     if impl == "chunked":
         c = min(chunk, n)
-        return out + 2 * bh * c * n * e + bh * c * head_dim * e  # (3)!
-    return 2 * scores + out  # (4)!
+        return kv + out + 2 * bh * c * n * e + bh * c * head_dim * e  # (3)!
+    return kv + 2 * scores + out  # (4)!
 # --8<-- [end:formulas]
 
 
@@ -159,7 +175,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
-class Config(LabConfig):
+class Config(RealScale, LabConfig):
     """Naive, query-chunked and fused (SDPA) attention: peak bytes against sequence length."""
 
     impl: Literal["naive", "chunked", "sdpa", "all"] = option("all", "which implementation to measure")
@@ -167,7 +183,9 @@ class Config(LabConfig):
                                        metavar="N,N,...")
     chunk: int = option(128, "query rows per block (chunked)", min=1)
     batch: int = option(1, "sequences per batch", min=1)
-    heads: int = option(2, "attention heads", min=1)
+    heads: int = option(2, "attention heads (query heads)", min=1)
+    kv_heads: int | None = option(None, "key and value heads, dividing --heads (grouped-query attention; "
+                                  "default: --heads)", min=1)
     head_dim: int = option(32, "dimension of each head", min=1)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "element type of q, k and v")
     causal: bool = option(False, "mask future keys (default: full attention)")
@@ -182,6 +200,16 @@ class Config(LabConfig):
         self.seq_lens = tuple(sorted(set(self.seq_lens)))
         if self.recompute and not self.backward:
             raise UsageError("--recompute only changes the backward pass: add --backward")
+        spec = self.model_spec()
+        if spec is not None:  # --model: its attention's shape replaces --heads, --kv-heads and --head-dim
+            self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        if self.heads % self.key_value_heads:
+            raise UsageError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
+
+    @property
+    def key_value_heads(self) -> int:
+        """Hkv: ``--kv-heads``, or one per query head."""
+        return self.kv_heads or self.heads
 
 
 # --8<-- [start:run]
@@ -191,16 +219,18 @@ def run(config: Config) -> Result:
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     impls = IMPLS if config.impl == "all" else (config.impl,)
     n, e = max(config.seq_lens), torch.finfo(DTYPES[config.dtype]).bits // 8  # too big for the machine: refused
-    budget.require(4 * config.batch * config.heads * n * config.head_dim * e + ("naive" in impls) * score_matrix_bytes(
-        n, batch=config.batch, heads=config.heads, e=e), device, f"q, k, v and the output at N = {n:,}"
-        + (" and one N x N matrix per head (naive)" if "naive" in impls else ""))
+    if not config.fake:  # a trace allocates nothing
+        budget.require(4 * config.batch * config.heads * n * config.head_dim * e + ("naive" in impls) * score_matrix_bytes(
+            n, batch=config.batch, heads=config.heads, e=e), device, f"q, k, v and the output at N = {n:,}"
+            + (" and one N x N matrix per head (naive)" if "naive" in impls else ""))
     with sdpa_backend(config.sdpa_backend if "sdpa" in impls else "auto", device):
         pass  # refuses a backend this machine does not have before anything runs
     jobs = [(impl, n) for n in config.seq_lens for impl in impls]
     rows, timelines, refs, t0 = [], {}, {}, time.perf_counter()
-    with record_snapshot(config.snapshot):
+    with config.tensors(), record_snapshot(config.snapshot):  # --fake: every tensor from here on is fake
         for impl, n in cli.progress(jobs, total=len(jobs), desc="sweep"):
-            refs = refs if n in refs else {n: reference(n, config, device)}  # one float64 run per length
+            if n not in refs:  # one float64 run per length; a trace has no values to compare
+                refs = {n: None if config.fake else reference(n, config, device)}
             row, timelines[impl, n] = measure(impl, n, config, device, refs[n])
             rows.append(row)
     return Result(config, device, impls, rows, timelines, time.perf_counter() - t0, allocator_stats(device))
@@ -212,16 +242,16 @@ def attention_fn(impl: str, chunk: int, causal: bool, recompute: bool):
     """Implementation ``impl`` as a function of (q, k, v), with ``chunk``, ``causal`` and ``recompute`` bound."""
     return {"naive": lambda q, k, v: naive_attention(q, k, v, causal),
             "chunked": lambda q, k, v: chunked_attention(q, k, v, chunk, causal, recompute),
-            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}[impl]
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                   enable_gqa=k.shape[1] != q.shape[1])}[impl]
 
 
 def make_qkv(n: int, config: Config, device, requires_grad: bool = False, seed_offset: int = 0):
     """q, k and v of length ``n`` in the shape and dtype of ``config``, on ``device``: the same for
     every implementation (drawn from ``config.seed``, ``n`` and ``seed_offset``)."""
     g = torch.Generator().manual_seed(config.seed * 1_000_003 + n + seed_offset)
-    shape = (config.batch, config.heads, n, config.head_dim)
-    return [torch.randn(shape, generator=g).to(device, DTYPES[config.dtype]).requires_grad_(requires_grad)
-            for _ in range(3)]
+    return [torch.randn(config.batch, heads, n, config.head_dim, generator=g).to(device, DTYPES[config.dtype])
+            .requires_grad_(requires_grad) for heads in (config.heads, config.key_value_heads, config.key_value_heads)]
 
 
 def reference(n: int, config: Config, device) -> tuple:
@@ -260,10 +290,11 @@ def measure(impl: str, n: int, config: Config, device: torch.device, ref: tuple)
     row["kept_bytes"] = tl.device["activations"][after_forward]  # (4)!
     row["predicted_bytes"] = predicted_bytes(
         impl, n, batch=config.batch, heads=config.heads, head_dim=config.head_dim, e=e, chunk=config.chunk,
-        backward=config.backward, recompute=config.recompute, causal=config.causal, backend=row["backend"])
+        backward=config.backward, recompute=config.recompute, causal=config.causal, backend=row["backend"],
+        kv_heads=config.key_value_heads)
     if device.type == "cuda":
         row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base  # (5)!
-    return row | errors(out, grads, ref, TOLERANCE[config.dtype]), tl
+    return row | (errors(out, grads, ref, TOLERANCE[config.dtype]) if ref is not None else {}), tl
 # --8<-- [end:measure]
 
 
@@ -290,14 +321,15 @@ class Result:
 
     @property
     def outside_tolerance(self) -> list[str]:
-        return [f"{r['impl']} N={r['seq_len']}" for r in self.rows if not r.get("oom") and not r["within_tolerance"]]
+        return [f"{r['impl']} N={r['seq_len']}" for r in self.rows if r.get("within_tolerance") is False]
 
     def summary(self) -> dict:
         c = self.config
-        return {"lab": labs.slug(__file__), "device": str(self.device),
+        return {"lab": labs.slug(__file__), "device": str(self.device), "model": c.model,
+                "traced": TRACED if c.fake else None,
                 "config": {k: list(getattr(c, k)) if k == "seq_lens" else getattr(c, k) for k in (
-                    "impl", "seq_lens", "chunk", "batch", "heads", "head_dim", "dtype", "causal", "backward",
-                    "recompute", "sdpa_backend")},
+                    "impl", "seq_lens", "chunk", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal",
+                    "backward", "recompute", "sdpa_backend")},
                 "rows": self.rows, "slopes": self.slopes(), "kept_slopes": self.slopes("kept_bytes"),
                 "sdpa_backend_ran": self.backends_ran, "tolerance": TOLERANCE[c.dtype],
                 "outside_tolerance": self.outside_tolerance, "cuda": self.cuda,

@@ -3,6 +3,8 @@
 * :func:`errors`: every output (and gradient) against the same maths in float64;
 * :func:`fit_slope`: the exponent p in bytes ~ N^p, from a least-squares line on log-log axes;
 * :func:`report` and :func:`rows_table`: the sweep for a terminal;
+* :func:`real_scale_table` and :func:`real_scale_numbers`: three traced sweeps (forward, forward +
+  backward, and chunked with recompute) as one table of peaks and as the numbers a page quotes;
 * :func:`kernel_scratch_bytes`: what the ledger cannot see. The ledger records every tensor an op
   returns; a fused kernel may also allocate working buffers inside itself and free them before it
   returns. On a CPU, ``torch.profiler`` with ``profile_memory=True`` sees those allocations (the
@@ -25,6 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from labkit.table import Table, format_bytes
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}  # |error| vs float64 per unit of max |value|
+TRACED = ("traced on fake tensors (labkit.fake): every byte the attention would allocate, rounded as the CUDA "
+          "caching allocator rounds it; no values (no error against float64) and no time")
 SLOPE_BANDS = {"quadratic": (1.85, 2.05), "linear": (0.9, 1.1)}  # fitted exponents the sweep is held to
 
 
@@ -83,12 +87,46 @@ def rows_table(result) -> Table:
                    "out of memory" if r.get("oom") else r["backend"]] for r in result.rows])
 
 
+def real_scale_table(forward, backward, recompute) -> Table:
+    """Peak bytes per implementation and pass (rows) at each length (columns), from three sweeps of
+    the same lengths: forward only, forward + backward, and forward + backward with chunked recompute."""
+    ns = forward.config.seq_lens
+    rows = [["one N x N score matrix", "-", *(_at(forward, "naive", "scores_bytes")[n] for n in ns)]]
+    for title, result, impls in (("forward", forward, forward.impls), ("forward + backward", backward, backward.impls)):
+        for impl in impls:
+            rows.append([impl, title, *(_at(result, impl)[n] for n in ns)])
+            if impl == "chunked" and result is backward:
+                rows.append(["chunked + recompute", title, *(_at(recompute, impl)[n] for n in ns)])
+    return Table(["implementation", "pass", *((f"N = {n:,}", "size") for n in ns)], rows)
+
+
+def real_scale_numbers(forward, backward, recompute) -> dict:
+    """The same sweeps as numbers a page can quote: ``forward.<impl>.<N>`` (peak bytes),
+    ``backward.<impl>.<N>.peak_bytes`` and ``.kept_bytes`` (chunked with recompute as
+    ``chunked_recompute``), ``scores_bytes.<N>``."""
+    def by_length(result, impl, keys):
+        return {str(r["seq_len"]): {k: r[k] for k in keys} for r in result.rows if r["impl"] == impl}
+    kept = ("peak_bytes", "kept_bytes")
+    return {"seq_lens": list(forward.config.seq_lens),
+            "scores_bytes": {str(n): b for n, b in _at(forward, "naive", "scores_bytes").items()},
+            "forward": {i: {n: v["peak_bytes"] for n, v in by_length(forward, i, ("peak_bytes",)).items()}
+                        for i in forward.impls},
+            "backward": {i: by_length(backward, i, kept) for i in backward.impls}
+            | {"chunked_recompute": by_length(recompute, "chunked", kept)}}
+
+
+def _at(result, impl: str, key: str = "peak_bytes") -> dict[int, int]:
+    return {r["seq_len"]: r[key] for r in result.rows if r["impl"] == impl}
+
+
 def report(result) -> None:
     c = result.config
     mode = ("forward + backward" + (", chunked recomputes" if c.recompute else "")) if c.backward \
         else "forward only (no grad)"
-    print(f"Lab 05 on {result.device}: batch {c.batch}, {c.heads} heads, head dim {c.head_dim}, {c.dtype}, "
-          f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}\n")
+    heads = f"{c.heads} heads" + (f" ({c.key_value_heads} key/value heads)" if c.key_value_heads != c.heads else "")
+    print(f"Lab 05 on {result.device}: " + (f"{c.model}'s attention, " if c.model_spec() else "")
+          + f"batch {c.batch}, {heads}, head dim {c.head_dim}, {c.dtype}, "
+          f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}" + (f"\n{TRACED}" if c.fake else "") + "\n")
     print(rows_table(result).text())
     print("\nFitted slope of log(bytes) against log(N) (2 = quadratic, 1 = linear):")
     kept = result.slopes("kept_bytes")
@@ -99,8 +137,11 @@ def report(result) -> None:
         print(f"SDPA ran the {', '.join(result.backends_ran)} backend (named from the aten op that "
               f"allocated its output; --sdpa-backend {c.sdpa_backend}).")
     bad, tol = result.outside_tolerance, TOLERANCE[c.dtype]
-    print(f"Every output within tolerance of float64: |error| <= {tol:.0e} x max(1, max |value|)." if not bad
-          else f"OUTSIDE the {tol:.0e} tolerance: {', '.join(bad)}")
+    if c.fake:
+        print("Traced: no output to hold against float64.")
+    else:
+        print(f"Every output within tolerance of float64: |error| <= {tol:.0e} x max(1, max |value|)." if not bad
+              else f"OUTSIDE the {tol:.0e} tolerance: {', '.join(bad)}")
     if result.cuda:
         print(f"CUDA allocator: max allocated {format_bytes(result.cuda['max_memory_allocated'])} in the sweep")
     if c.snapshot:

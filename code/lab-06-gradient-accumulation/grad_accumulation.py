@@ -6,8 +6,12 @@ one micro-batch's activations are ever alive. Given ``--budget 10MiB``, the trai
 runs of candidate micro-batch sizes with the memory ledger, without and then with checkpointing of
 the blocks, and trains with the largest that fits, or says in one line (exit 2) that none does.
 
+With ``--model llama-3-8b --fake`` the same trainer runs the zoo's Llama at real size on fake tensors
+(the ledger counts every byte; nothing is allocated; Lab 02's ``scale_harness.py`` holds the harness).
+
 Run it:
     .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu
+    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --model llama-3-8b --fake --seq-len 4096 --micro-batch 1 --accum-steps 4 --steps 2
     .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 16
     .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 8 --budget 10MiB
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -24,13 +28,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit import budget, cli, labs, marks, provenance
+from labkit import cli, labs, marks, provenance
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 from accumulation_report import report
 from labkit.table import format_bytes
+
+scale_harness = labs.load(2, "scale_harness")  # Lab 02's harness for --model/--fake: batches, the model, AdamW
 
 
 # --8<-- [start:step]
@@ -85,14 +92,15 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)  # (1)!
 
 
-def build_model(cfg: GPTConfig, checkpoint_blocks: bool, device, seed: int) -> TinyGPT:
-    """A TinyGPT of ``cfg`` on ``device`` with weights drawn from ``seed``; ``checkpoint_blocks``
-    wraps every block in :class:`CheckpointedBlock`."""
+def build_model(cfg: GPTConfig, checkpoint_blocks: bool, device, seed: int, make=None) -> nn.Module:
+    """A TinyGPT of ``cfg`` on ``device`` with weights drawn from ``seed`` (or ``make()``: the model
+    ``--model`` names, already where it runs); ``checkpoint_blocks`` wraps every block in
+    :class:`CheckpointedBlock`."""
     torch.manual_seed(seed)  # (2)!
-    model = TinyGPT(cfg)
+    model = make() if make else TinyGPT(cfg).to(device)
     if checkpoint_blocks:
         model.blocks = nn.ModuleList(CheckpointedBlock(b) for b in model.blocks)  # (3)!
-    return model.to(device)
+    return model
 # --8<-- [end:model]
 
 
@@ -132,7 +140,7 @@ def parse_bytes(text: str) -> int:
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):  # (2)!
+class Config(RealScale, TinyGPTShape, LabConfig):  # (2)!
     """Gradient accumulation, and a trainer that picks micro-batch and checkpointing to fit a budget."""
 
     batch: int | None = option(None, "effective batch per optimizer step", min=1)
@@ -145,6 +153,8 @@ class Config(TinyGPTShape, LabConfig):  # (2)!
     steps: int = option(4, "optimizer steps", min=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
+        "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,13 +186,14 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     micro, k = config.split()
-    budget.require_gpt_training(config.model_config(), micro, device)  # one micro-batch too big for the machine: refused
+    scale_harness.require_memory(config, config.model_config(), micro, device)  # one micro-batch too big: refused
     ckpt, candidates = config.checkpoint == "on", []
-    if config.budget is not None:  # (1)!
-        batch = micro * k
-        micro, ckpt, candidates = plan(config.model_config(), device, batch, config.budget, config.checkpoint, config.seed)
-        k = batch // micro
-    result = train(config.model_config(), device, micro, k, ckpt, config.steps, config.seed, config.lr, config.snapshot)
+    with config.tensors(), scale_harness.values_read_as_zero(config.fake):  # --fake: traced, nothing allocated
+        if config.budget is not None:  # (1)!
+            batch = micro * k
+            micro, ckpt, candidates = plan(config, device, batch, config.budget, config.checkpoint)
+            k = batch // micro
+        result = train(config, device, micro, k, ckpt, config.steps, config.snapshot)
     peak = result.ledger.timeline().peak()["total"]
     if config.budget is not None and peak > config.budget:  # (2)!
         raise RuntimeError(f"run peak {peak:,} B exceeds the budget of {config.budget:,} B: its candidate run "
@@ -192,14 +203,17 @@ def run(config: Config) -> Result:
 
 
 # ---------------------------------------------------------------------- the trainer under the ledger
-def train(cfg: GPTConfig, device, micro: int, k: int, ckpt: bool, steps: int, seed: int = 0, lr: float = 3e-3,
-          snapshot: Path | None = None, quiet: bool = False) -> Result:
+def train(config: Config, device, micro: int, k: int, ckpt: bool, steps: int, snapshot: Path | None = None,
+          quiet: bool = False) -> Result:
     """``steps`` optimizer steps of ``k`` micro-batches of ``micro`` samples under a fresh ledger:
-    ``cfg`` the model, ``ckpt`` checkpoints every block, ``snapshot`` a CUDA memory history file,
-    ``quiet`` no progress bar."""
-    model = build_model(cfg, ckpt, device, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    data = SyntheticTokens(cfg.vocab, cfg.seq_len, seed=seed)
+    ``config`` the model, seed and learning rate, ``ckpt`` checkpoints every block, ``snapshot`` a
+    CUDA memory history file, ``quiet`` no progress bar."""
+    cfg = config.model_config()
+    model = build_model(cfg, ckpt, device, config.seed,
+                        make=lambda: scale_harness.build_model(config, lambda: TinyGPT(cfg), device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  **scale_harness.adamw_options(config.adamw, config.fake))
+    data = scale_harness.token_source(config, cfg)
     ledger = Ledger(device).track_module(model).track_optimizer(optimizer)
     reset_peak(device)
     losses, t0 = [], time.perf_counter()
@@ -207,30 +221,32 @@ def train(cfg: GPTConfig, device, micro: int, k: int, ckpt: bool, steps: int, se
         for step in cli.progress(range(steps), total=steps, desc=f"train {k} x {micro}", quiet=quiet):
             losses.append(train_step(model, optimizer, micro_batches(data, step, k * micro, micro, device), k, step))
     wall = time.perf_counter() - t0
-    return Result(None, micro, k, ckpt, losses, ledger, model, device, wall, allocator_stats(device))
+    return Result(None, micro, k, ckpt, [] if config.fake else losses, ledger, model, device, wall,
+                  allocator_stats(device))
 
 
 # --8<-- [start:plan]
-def measure_peak(cfg: GPTConfig, device, batch: int, micro: int, ckpt: bool, seed: int = 0) -> int | None:
+def measure_peak(config: Config, device, batch: int, micro: int, ckpt: bool) -> int | None:
     """Measured peak bytes of steady-state training at this micro-batch size (None: out of memory):
-    ``cfg`` the model, ``batch`` the effective batch, ``ckpt`` checkpointing of the blocks."""
+    ``config`` the model, ``batch`` the effective batch, ``ckpt`` checkpointing of the blocks."""
     k = min(batch // micro, 2)  # (1)!
     try:
-        return train(cfg, device, micro, k, ckpt, steps=2, seed=seed, quiet=True).ledger.peak()["total"]  # (2)!
+        return train(config, device, micro, k, ckpt, steps=2, quiet=True).ledger.peak()["total"]  # (2)!
     except torch.cuda.OutOfMemoryError:
         return None
 
 
-def plan(cfg: GPTConfig, device, batch: int, budget: int, mode: str = "auto", seed: int = 0):
+def plan(config: Config, device, batch: int, budget: int, mode: str = "auto"):
     """(micro_batch, checkpoint, candidates) that fits ``budget`` bytes for an effective ``batch``
-    of model ``cfg``; ``mode``: checkpointing auto, on or off. Every candidate is a measurement."""
+    of the model ``config`` describes; ``mode``: checkpointing auto, on or off. Every candidate is a
+    measurement."""
     sizes = [m for m in range(1, batch + 1) if batch % m == 0]
     modes = {"off": [False], "on": [True], "auto": [False, True]}[mode]  # (3)!
     candidates: dict[tuple[int, bool], dict] = {}  # in the order they were measured
 
     def measured(micro, ckpt):
         if (micro, ckpt) not in candidates:
-            peak = measure_peak(cfg, device, batch, micro, ckpt, seed)
+            peak = measure_peak(config, device, batch, micro, ckpt)
             candidates[micro, ckpt] = {"micro_batch": micro, "accum_steps": batch // micro, "checkpoint": ckpt,
                                        "peak_bytes": peak, "fits": peak is not None and peak <= budget}
         return candidates[micro, ckpt]
@@ -238,7 +254,8 @@ def plan(cfg: GPTConfig, device, batch: int, budget: int, mode: str = "auto", se
     smallest = measured(1, modes[-1])  # (4)!
     if not smallest["fits"]:
         peak = smallest["peak_bytes"]
-        said = "ran out of device memory" if peak is None else f"peaks at {format_bytes(peak)} ({peak:,} B, measured)"
+        how = "traced" if config.fake else "measured"
+        said = "ran out of device memory" if peak is None else f"peaks at {format_bytes(peak)} ({peak:,} B, {how})"
         raise UsageError(f"budget {format_bytes(budget)} ({budget:,} B) cannot be met: the smallest configuration "
                          f"(micro-batch 1, checkpointing {'on' if modes[-1] else 'off'}) {said}")
     for ckpt in modes:
@@ -262,7 +279,7 @@ class Result:
     checkpoint: bool
     losses: list[float]
     ledger: Ledger
-    model: TinyGPT
+    model: nn.Module  # TinyGPT, or the zoo's model
     device: torch.device
     wall_time_s: float
     cuda: dict | None
@@ -274,8 +291,12 @@ class Result:
 
     def summary(self) -> dict:
         tl, budget = self.ledger.timeline(), self.config.budget if self.config else None
-        peak = tl.peak()
-        return {"lab": labs.slug(__file__), "device": str(self.device), "config": self.model.cfg.to_dict(),
+        peak, spec = tl.peak(), self.config.model_spec() if self.config else None
+        traced = self.config is not None and self.config.fake
+        return {"lab": labs.slug(__file__), "device": str(self.device),
+                "model": self.config.model if self.config else None,
+                "traced": scale_harness.TRACED if traced else None,
+                "config": self.model.cfg.to_dict() if spec is None else asdict(spec) | {"seq_len": self.config.seq_len},
                 "params": self.params, "param_tensors": len(list(self.model.parameters())),
                 "batch": self.micro_batch * self.accum_steps, "micro_batch": self.micro_batch,
                 "accum_steps": self.accum_steps, "checkpoint": self.checkpoint,

@@ -1,45 +1,63 @@
 """Lab 07 - optimizer offload on one device (ZeRO-Offload): AdamW state on the host, not the GPU.
 
-    none        device AdamW: parameters, gradients and both moments on the device
+    none        device AdamW: parameters, gradients and both moments on the device (with bf16
+                weights, ``--precision bf16``, also the fp32 master copy AdamW updates)
     optimizer   fp32 master parameters and AdamW state on the host (Lab 08's HostMaster, pinned on
                 CUDA). Each gradient goes to the host as soon as backward has accumulated it, AdamW
-                steps there, the updated parameters come back: 8 bytes per parameter off the device.
-    gradients   the same, and each device gradient is released once copied: 4 bytes more.
+                steps there, the updated parameters come back: 8 bytes per parameter off the device
+                in fp32, 12 with bf16 weights (whose gradients and weights cross the bus in bf16).
+    gradients   the same, and each device gradient is released once copied: 4 (or 2) bytes more.
 
 Every mode is checked against device AdamW: equal parameters after N steps, bit for bit on CPU when
-both sides run the same AdamW implementation (``--impl``).
+both sides run the same AdamW implementation (``--impl``). ``--model llama-3-8b --fake`` runs the
+same three modes on a real architecture, traced on fake tensors (bytes, no values, no time).
 
 Run it:
     .venv/bin/python code/lab-07-optimizer-offload/optimizer_offload.py --device cpu
     .venv/bin/python code/lab-07-optimizer-offload/optimizer_offload.py --offload gradients --impl forloop --json
+    .venv/bin/python code/lab-07-optimizer-offload/optimizer_offload.py --model llama-3-8b --fake --precision bf16 --seq-len 4096 --batch-size 1 --steps 2
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from offload_accounting import MODEL_STATE, after_step, bytes_per_param, checks, largest_difference
+import torch.nn as nn
+from offload_accounting import BusCopies
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from training_harness import Result, Run, report, require_memory, token_source
 
-from labkit import budget, cli, labs, marks, provenance
-from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit import cli, labs, marks
+from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import SyntheticTokens, TinyGPT, TinyGPTShape
-from labkit.schedule import Copies
-from labkit.table import Table
+from labkit.models import TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 
 HostMaster = labs.load(8, "offload_engines").HostMaster  # Lab 08's flat host buffer, a view per parameter
 lab02 = labs.load(2)  # its train_step: zero_grad, forward, backward, step, each a marked phase
 
 MODES = ("none", "optimizer", "gradients")
 IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# --8<-- [start:master]
+class Float32Master(HostMaster):
+    """Lab 08's HostMaster kept in float32 whatever the parameters' dtype: the weights AdamW updates."""
+
+    @staticmethod
+    def plan(params: list[torch.Tensor]) -> tuple[list, int]:
+        # each parameter's shape in float32, on the meta device: a layout, no memory
+        return HostMaster.plan([torch.empty(p.shape, dtype=torch.float32, device="meta") for p in params])
+# --8<-- [end:master]
 
 
 # --8<-- [start:engine]
@@ -47,29 +65,37 @@ class OptimizerOffload:
     """AdamW with fp32 master parameters and both moments on the host (ZeRO-Offload on one device).
 
     One backward per step: the hooks copy (not add) each gradient into its host buffer; then one
-    AdamW step over every host parameter that received a gradient.
+    AdamW step over every host parameter that received a gradient. Device weights in bf16 cross the
+    bus in bf16 (a staging buffer on the host) and are widened to fp32 there. With
+    ``offload_grads`` on a copy stream, a released device gradient is kept until its copy's event has
+    completed; past ``in_flight`` such gradients the compute stream waits for the oldest copy.
     """
 
     def __init__(self, params, lr: float, weight_decay: float, impl: str = "fused",
-                 offload_grads: bool = False, overlap: bool = True) -> None:
+                 offload_grads: bool = False, overlap: bool = True, in_flight: int = 4) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device
         cuda = self.device.type == "cuda"
         self.offload_grads = offload_grads
-        self.master = HostMaster(self.params, pinned=cuda)  # (1)!
+        self.master = Float32Master(self.params, pinned=cuda)  # (1)!
         self.grad_flat = torch.zeros(self.master.nbytes, dtype=torch.uint8, pin_memory=cuda)  # (2)!
         self.host, self.host_grads = self.master.views(self.master.flat), self.master.views(self.grad_flat)
-        self.optimizer = torch.optim.AdamW(self.host, lr=lr, weight_decay=weight_decay, **IMPLS[impl])  # (3)!
-        self.stream = torch.cuda.Stream(self.device) if cuda and overlap else None  # (4)!
+        narrow = self.params[0].dtype != torch.float32
+        self.staging = HostMaster(self.params, pinned=cuda) if narrow else None  # (3)!
+        self.landing = self.staging.views(self.staging.flat) if narrow else self.host_grads
+        self.optimizer = torch.optim.AdamW(self.host, lr=lr, weight_decay=weight_decay, **IMPLS[impl])  # (4)!
+        self.stream = torch.cuda.Stream(self.device) if cuda and overlap else None  # (5)!
         self.landed = None  # CUDA event: "every gradient copy queued so far is on the host"
         self.arrived: list[int] = []  # parameter indices, in the order backward finished them
+        self.in_flight: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # released, copy maybe not run
+        self.max_in_flight = in_flight
         self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
-                      for i, p in enumerate(self.params)]  # (5)!
+                      for i, p in enumerate(self.params)]  # (6)!
     # --8<-- [end:engine]
 
     # --8<-- [start:hook]
     def _grad_ready(self, i: int, param: torch.Tensor) -> None:
-        host_grad = self.host_grads[i]
+        host_grad = self.landing[i]  # the fp32 gradient buffer, or the staging buffer in bf16
         if self.stream is None:  # CPU, or --overlap off: the copy happens now and the host waits
             host_grad.copy_(param.grad)
         else:
@@ -78,11 +104,22 @@ class OptimizerOffload:
                 host_grad.copy_(param.grad, non_blocking=True)  # (2)!
             self.landed = self.stream.record_event()  # (3)!
             if self.offload_grads:
-                param.grad.record_stream(self.stream)  # (4)!
+                self.in_flight.append((param.grad, self.landed))  # (4)!
+                self._release(self.max_in_flight)
         if self.offload_grads:
             param.grad = None  # (5)!
-        self.host[i].grad = host_grad  # (6)!
+        self.host[i].grad = self.host_grads[i]  # (6)!
         self.arrived.append(i)
+
+    def _release(self, limit: int) -> None:
+        """Let go of device gradients whose copy has run; past ``limit`` outstanding, the compute
+        stream first waits (on the GPU) for the oldest copy, so its memory's next user runs after it."""
+        while self.in_flight:
+            _, copied = self.in_flight[0]
+            if len(self.in_flight) <= limit and not copied.query():
+                return
+            torch.cuda.current_stream(self.device).wait_event(copied)
+            self.in_flight.popleft()  # the last reference: the allocator may reuse the block now
     # --8<-- [end:hook]
 
     # --8<-- [start:step]
@@ -93,15 +130,21 @@ class OptimizerOffload:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (1)!
         if self.landed is not None:
             self.landed.synchronize()  # (2)!
+        self.in_flight.clear()  # every copy down has run: the kept device gradients can go
+        if self.staging is not None:
+            for i in self.arrived:
+                self.host_grads[i].copy_(self.landing[i])  # (3)!
         with marks.category("host_copies"):
-            self.optimizer.step()  # (3)!
-        self.optimizer.zero_grad()  # (4)!
+            self.optimizer.step()  # (4)!
+        self.optimizer.zero_grad()  # (5)!
         for i in self.arrived:
             param, host = self.params[i].detach(), self.host[i]
+            if self.staging is not None:
+                host = self.landing[i].copy_(host)  # (6)!
             with torch.cuda.stream(self.stream):  # no-op without one
-                param.copy_(host, non_blocking=self.stream is not None)  # (5)!
+                param.copy_(host, non_blocking=self.stream is not None)  # (7)!
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # (6)!
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # (8)!
         self.arrived.clear()
         self.landed = None
     # --8<-- [end:step]
@@ -111,8 +154,8 @@ class OptimizerOffload:
             p.grad = None  # the host gradients are overwritten by the next backward's copies
 
     def host_buffers(self) -> list[torch.Tensor]:
-        """The flat host buffers (master, gradients); AdamW's moments are born inside ``step``."""
-        return [self.master.flat, self.grad_flat]
+        """The flat host buffers (master, gradients, bf16 staging); AdamW's moments are born inside ``step``."""
+        return [self.master.flat, self.grad_flat] + ([self.staging.flat] if self.staging else [])
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -120,15 +163,41 @@ class OptimizerOffload:
         self.hooks.clear()
 
 
+# --8<-- [start:device-master]
+class MasterAdamW:
+    """Device AdamW for bf16 weights: an fp32 master copy of every parameter and AdamW's moments, on
+    the device (mixed-precision training's 16 bytes per parameter: 2 + 2 + 4 + 8)."""
+
+    def __init__(self, params, lr: float, weight_decay: float, impl: str = "fused") -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float() for p in self.params]  # (1)!
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, **IMPLS[impl])
+
+    def step(self) -> None:
+        for p, master in zip(self.params, self.master):
+            master.grad = None if p.grad is None else p.grad.float()  # (2)!
+        self.optimizer.step()
+        for p, master in zip(self.params, self.master):
+            p.detach().copy_(master)  # (3)!
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+# --8<-- [end:device-master]
+
+
 # --8<-- [start:install]
-def install(mode: str, model: TinyGPT, *, lr: float, weight_decay: float, impl: str = "fused", overlap: bool = True):
+def install(mode: str, model: nn.Module, *, lr: float, weight_decay: float, impl: str = "fused", overlap: bool = True):
     """Device AdamW (``mode`` none) or AdamW offloaded to the host (optimizer, gradients) for
     ``model``'s parameters; both have ``zero_grad`` and ``step``. ``lr``, ``weight_decay``: AdamW's;
     ``impl``: fused, foreach or forloop, on either side; ``overlap``: CUDA, a copy stream and events."""
-    if mode == "none":
+    if mode == "none" and next(model.parameters()).dtype == torch.float32:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, **IMPLS[impl])  # (1)!
+    if mode == "none":
+        return MasterAdamW(model.parameters(), lr, weight_decay, impl)  # (2)!
     return OptimizerOffload(model.parameters(), lr, weight_decay, impl, offload_grads=mode == "gradients",
-                            overlap=overlap)  # (2)!
+                            overlap=overlap)  # (3)!
 # --8<-- [end:install]
 
 
@@ -143,11 +212,13 @@ def fused_cpu_adamw_available() -> bool:
 
 
 @dataclass
-class Config(TinyGPTShape, LabConfig):
-    """Train a toy GPT with AdamW on the device, or with AdamW offloaded to the host."""
+class Config(RealScale, TinyGPTShape, LabConfig):
+    """Train a toy GPT (or, with --model, a real one) with AdamW on the device, or offloaded to the host."""
 
     offload: Literal["none", "optimizer", "gradients", "all"] = option(
         "all", "none: device AdamW; optimizer: AdamW state on the host; gradients: and the gradients")
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32", "the device weights and gradients; bf16: with an fp32 master and fp32 AdamW state where AdamW runs")
     impl: Literal["fused", "foreach", "forloop"] = option("fused", "the AdamW implementation, both sides")
     overlap: Literal["on", "off"] = option(
         "on", "CUDA: copy stream and events (on) or blocking copies on the compute stream (off)")
@@ -164,114 +235,63 @@ class Config(TinyGPTShape, LabConfig):
             raise UsageError(f"torch {torch.__version__} has no fused CPU AdamW (torch >= 2.4): use --impl foreach")
 
 
-
 def run(config: Config) -> Result:
-    device = cli.pick_device(config.device)
+    device = torch.device("cpu") if config.fake else cli.pick_device(config.device)  # a trace: CPU dispatch
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    budget.require_gpt_training(config.model_config(), config.batch_size, device)  # too big for the machine: refused
+    require_memory(config, device)  # too big for the machine: refused (a --fake run allocates nothing)
     modes = MODES if config.offload == "all" else dict.fromkeys(("none", config.offload))  # none: the reference
     with record_snapshot(config.snapshot):
         runs = [run_mode(mode, config, device) for mode in modes]
     return Result(config, device, runs)
 
 
-@dataclass
-class Run:
-    mode: str
-    model: TinyGPT
-    optimizer: OptimizerOffload | None  # the offload engine (host side), None for device AdamW
-    ledger: Ledger | None  # None: a plain run, for time
-    copies: Copies | None  # bytes copied to and from the host buffers (under the ledger)
-    losses: list[float]
-    step_s: list[float]
-    cuda: dict | None
-    wall_time_s: float
-
-
 def run_mode(mode: str, config: Config, device, measured: bool = True) -> Run:
     """Train ``config.steps`` steps in ``mode`` from the same seed. ``measured``: under the memory
-    ledger and a copy counter (both cost time per op); otherwise a plain run, for the step time."""
+    ledger and a copy counter (both cost time per op); otherwise a plain run, for the step time.
+    With ``config.fake`` the whole run is traced on fake tensors: bytes, no values, no time."""
     torch.manual_seed(config.seed)
-    model = TinyGPT(config.model_config()).to(device)
-    data = SyntheticTokens(config.vocab, config.seq_len, seed=config.seed)
-    ledger = Ledger(device).track_module(model) if measured else None
-    reset_peak(device)
-    losses, step_s, t0 = [], [], time.perf_counter()
-    with ledger or contextlib.nullcontext(), contextlib.ExitStack() as watching:
-        with marks.phase("install"):  # inside the ledger: its gradient hooks run before the engine's
-            optimizer = install(mode, model, lr=config.lr, weight_decay=config.weight_decay, impl=config.impl,
-                                overlap=config.overlap == "on")
-        offload = optimizer if isinstance(optimizer, OptimizerOffload) else None
-        copies = None
-        if ledger and offload:
-            ledger.track(offload.host_buffers(), "host_copies")  # labelled from outside
-            copies = watching.enter_context(Copies(offload.host_buffers()))
-        elif ledger:
-            ledger.track_optimizer(optimizer)
-        for step in cli.progress(range(config.steps), total=config.steps, desc=mode):
-            x, y = data.batch(step, config.batch_size, device)
-            t = time.perf_counter()
-            losses.append(lab02.train_step(model, optimizer, x, y, step))  # .item() waits for the device
-            step_s.append(time.perf_counter() - t)
-    cuda = allocator_stats(device)
-    if offload:
-        offload.remove()
-    model.cpu()  # frees the device: the next mode's allocator peak is its own
+    with config.tensors():
+        model = config.build_model(functools.partial(tiny_model, config), dtype=DTYPES[config.precision])
+        model = model if config.fake else model.to(device)  # a fake model lives on the fake cpu device already
+        data = token_source(config)
+        ledger = Ledger(device).track_module(model) if measured else None
+        reset_peak(device)
+        losses, step_s, t0 = [], [], time.perf_counter()
+        with ledger or contextlib.nullcontext(), contextlib.ExitStack() as watching:
+            with marks.phase("install"):  # inside the ledger: its gradient hooks run before the engine's
+                optimizer = install(mode, model, lr=config.lr, weight_decay=config.weight_decay, impl=config.impl,
+                                    overlap=config.overlap == "on")
+            offload = optimizer if isinstance(optimizer, OptimizerOffload) else None
+            copies = None
+            if ledger and offload:
+                ledger.track(offload.host_buffers(), "host_copies")  # labelled from outside
+                copies = watching.enter_context(BusCopies(offload.host_buffers()))
+            elif ledger and isinstance(optimizer, MasterAdamW):
+                ledger.track(optimizer.master, "optimizer_state")  # the fp32 master: AdamW's alone
+                ledger.track_optimizer(optimizer.optimizer)
+            elif ledger:
+                ledger.track_optimizer(optimizer)
+            for step in cli.progress(range(config.steps), total=config.steps, desc=mode):
+                x, y = data.batch(step, config.batch_size, device)
+                t = time.perf_counter()
+                if config.fake:  # Lab 02's step ends by reading the loss: a fake tensor has no value to read
+                    with contextlib.suppress(DataDependentOutputException):
+                        lab02.train_step(model, optimizer, x, y, step)
+                    continue
+                losses.append(lab02.train_step(model, optimizer, x, y, step))  # .item() waits for the device
+                step_s.append(time.perf_counter() - t)
+        cuda = allocator_stats(device)
+        if offload:
+            offload.remove()
+        if not config.fake:
+            model.cpu()  # frees the device: the next mode's allocator peak is its own
     return Run(mode, model, offload, ledger, copies, losses, step_s, cuda, time.perf_counter() - t0)
 
 
-# ---------------------------------------------------------------------- the result and its report
-@dataclass
-class Result:
-    config: Config
-    device: torch.device
-    runs: list[Run]
-
-    def mode_summary(self, run: Run) -> dict:
-        reference = next(r for r in self.runs if r.mode == "none")
-        n, tensors = sum(p.numel() for p in run.model.parameters()), len(list(run.model.parameters()))
-        state, tl = after_step(run.ledger), run.ledger.timeline()
-        saved = sum(after_step(reference.ledger)[c] - state[c] for c in MODEL_STATE)
-        timed = run.step_s[1:] or run.step_s  # the first step allocates AdamW state: left out
-        steps = len(run.losses)
-        return {"mode": run.mode, "params": n, "tensors": tensors, "losses": run.losses,
-                "max_abs_diff_vs_device_adamw": largest_difference(run.model, reference.model)[0],
-                "device_after_step": state, "device_saved_bytes": saved, "device_saved_per_param": saved / n,
-                "peak_device_bytes": tl.peak()["total"],
-                "host_bytes": tl.host["host_copies"][-1],  # master, gradients, AdamW state: labelled host_copies
-                "d2h_bytes_per_step": run.copies.into // steps if run.copies else 0,
-                "h2d_bytes_per_step": run.copies.out_of // steps if run.copies else 0,
-                "step_ms": 1e3 * statistics.median(timed), "cuda": run.cuda}
-
-    def modes(self) -> dict[str, dict]:
-        """The summary of each mode asked for (device AdamW, the reference, always runs)."""
-        return {r.mode: self.mode_summary(r) for r in self.runs if self.config.offload in ("all", r.mode)}
-
-    def summary(self) -> dict:
-        return {"lab": labs.slug(__file__), "device": str(self.device), "config": summary_of(self.config),
-                "modes": list(self.modes().values()),
-                "provenance": provenance.collect(__file__, self.device, sum(r.wall_time_s for r in self.runs))}
-
-
-def report(result: Result) -> None:
-    modes = result.modes()
-    first = next(iter(modes.values()))
-    print(f"Lab 07 on {result.device}: TinyGPT with {first['params']:,} parameters in {first['tensors']} tensors, "
-          f"{result.config.steps} steps, AdamW impl '{result.config.impl}'"
-          + (" (CPU: the device and the host are the same RAM; the ledger keeps them apart)"
-             if result.device.type == "cpu" else ""))
-    print(Table(["mode", ("device bytes saved", "bytes"), ("per parameter", "float:2"), ("peak device bytes", "bytes"),
-                 ("host bytes", "bytes"), ("max abs diff vs device AdamW", "sci:2"), ("ms per step", "float:2")],
-                [[m, s["device_saved_bytes"], s["device_saved_per_param"], s["peak_device_bytes"], s["host_bytes"],
-                  s["max_abs_diff_vs_device_adamw"], s["step_ms"]] for m, s in modes.items()]).text())
-    print("\nBytes per parameter between steps, derived against measured (ledger):")
-    print(bytes_per_param(modes).text())
-    if result.config.offload == "all":
-        engine = next(r.optimizer for r in result.runs if r.optimizer)
-        print("\n" + checks(modes, engine.master.nbytes, engine.master.flat.nbytes).text())
-    if result.config.snapshot:
-        print(f"memory history written to {result.config.snapshot} (open it at https://pytorch.org/memory_viz)")
+def tiny_model(config: Config) -> TinyGPT:
+    """The lab's own TinyGPT, from the shape flags, in ``--precision``'s dtype."""
+    return TinyGPT(config.model_config()).to(DTYPES[config.precision])
 
 
 if __name__ == "__main__":

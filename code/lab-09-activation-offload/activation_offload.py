@@ -13,10 +13,13 @@ wait: ``pack`` runs when an op saves a tensor, ``unpack`` when backward asks for
 
 A memory ledger, when one watches, measures device bytes and host copies; gradients are compared
 with ``torch.equal``. The formulas, the depth sweep and the knobs: ``offload_checks.py``.
+``--model llama-3-8b --fake --dtype bfloat16`` runs the same modes on a real architecture, traced
+on fake tensors (bytes, no values, no time).
 
 Run it:
     .venv/bin/python code/lab-09-activation-offload/activation_offload.py --device cpu
     .venv/bin/python code/lab-09-activation-offload/activation_offload.py --mode streamed --keep-last 0 --json
+    .venv/bin/python code/lab-09-activation-offload/activation_offload.py --model llama-3-8b --fake --dtype bfloat16 --seq-len 4096 --batch-size 1
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from typing import Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from labkit import cli, labs, marks, provenance
+from labkit import budget, cli, labs, marks, provenance
 from labkit.config import UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import TinyGPT
+from labkit.models import TinyGPT, gpt_param_count
+from labkit.scale import RealScale
 from labkit.table import Table
 
 from offload_hooks import LabelledSaveOnCpu, StreamedOffload
@@ -43,6 +47,8 @@ from offload_hooks import LabelledSaveOnCpu, StreamedOffload
 lab04 = labs.load(4)  # Lab 04: the same model set-up (build), the gradient check, the timing
 
 MODES = ("none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRACED = "traced on fake tensors: bytes, no values, no time"
 
 
 # --8<-- [start:forward]
@@ -78,10 +84,11 @@ def forward(model: TinyGPT, x, y, mode: str, hooks=None):
 
 
 # --8<-- [start:step]
-def train_step(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[float, object]:
+def train_step(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[torch.Tensor, object]:
     """One forward and backward in ``mode``, the generator reseeded with ``seed`` first (the same
     dropout masks in every mode); ``knobs``: ``keep_last``, ``min_bytes``, ``prefetch`` of
-    :func:`make_hooks`. Returns the loss and the step's hooks (their counters)."""
+    :func:`make_hooks`. Returns the loss (a tensor; reading it waits for the device) and the step's
+    hooks (their counters)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     hooks = make_hooks(mode, model, (x, y), **knobs)  # (1)!
@@ -89,19 +96,21 @@ def train_step(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[float, o
         loss = forward(model, x, y, mode, hooks)
     with marks.phase("backward", 0):
         loss.backward()  # (2)!
-    return loss.item(), hooks
+    return loss.detach(), hooks
 # --8<-- [end:step]
 
 
 # --8<-- [start:config]
 @dataclass
-class Config(lab04.ModelShape):
+class Config(RealScale, lab04.ModelShape):
     """Offload saved activations to the host: save_on_cpu, streamed, with checkpointing."""
 
     width: int = option(64, "model width", min=1)
     layers: int = option(8, "transformer blocks", min=1)
     mode: Literal["none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed", "all"] = option(
         "all", "measured against 'none' (checkpoint+streamed also against 'checkpoint')")
+    dtype: Literal["float32", "bfloat16"] = option(
+        "float32", "the weights, hence the whole step (no autocast); bfloat16 is how a real model trains")
     keep_last: int = option(2, "streamed: the last N offloadable saved tensors stay on the device", min=0)
     min_bytes: int = option(4096, "streamed: saved tensors smaller than this stay on the device", min=0)
     prefetch: int = option(2, "streamed: saved tensors copied back ahead of backward's need", min=0)
@@ -112,40 +121,80 @@ class Config(lab04.ModelShape):
         return {"keep_last": self.keep_last, "min_bytes": self.min_bytes, "prefetch": self.prefetch}
 # --8<-- [end:config]
 
+    @property
+    def block_input_bytes(self) -> int:
+        """b: one block's input, a (batch, seq_len, width) tensor in ``--dtype``."""
+        width = self.width if self.model_spec() is None else self.model_spec().width
+        return self.batch_size * self.seq_len * width * DTYPES[self.dtype].itemsize
+
 
 # --8<-- [start:run]
 def run(config: Config) -> Result:
-    device = cli.pick_device(config.device)
+    device = torch.device("cpu") if config.fake else cli.pick_device(config.device)  # a trace: CPU dispatch
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
-    model, x, y = lab04.build(config, device)
     modes = {"all": MODES, "none": ("none",), "checkpoint+streamed": ("none", "checkpoint", "checkpoint+streamed")
              }.get(config.mode, ("none", config.mode))
     seed, knobs, t0 = config.seed, config.knobs, time.perf_counter()
-    train_step(model, x, y, "none", seed)
-    reference = lab04.grads_of(model)  # a plain step: no hooks, checkpoint or ledger
     results, ledgers = {}, {}
-    with record_snapshot(config.snapshot):
-        for m in modes:
-            reset_peak(device)
-            r, ledgers[m] = measure(model, x, y, m, seed, **knobs)
-            r["cuda"] = ledger_vs_allocator(ledgers[m].timeline(), allocator_stats(device))
-            r["grads_equal"], r["max_abs_grad_diff"] = lab04.grads_equal(lab04.grads_of(model), reference)  # (1)!
-            train_step(model, x, y, m, seed, **knobs)
-            r["grads_equal_without_ledger"] = lab04.grads_equal(lab04.grads_of(model), reference)[0]
-            results[m] = r
-    times = lab04.time_steps({m: partial(train_step, model, x, y, m, seed, **knobs) for m in modes}, config.steps)
+    with config.tensors():  # --fake: fake tensors, bytes only
+        model, x, y = build(config, device)
+        if not config.fake:
+            train_step(model, x, y, "none", seed)
+            reference = lab04.grads_of(model)  # a plain step: no hooks, checkpoint or ledger
+        with record_snapshot(config.snapshot):
+            for m in modes:
+                reset_peak(device)
+                results[m], ledgers[m] = measure(model, x, y, m, seed, **knobs)
+                results[m]["cuda"] = ledger_vs_allocator(ledgers[m].timeline(), allocator_stats(device))
+                if not config.fake:  # a trace has no values to compare
+                    results[m] |= gradients_against(reference, model, x, y, m, seed, **knobs)  # (1)!
+    times = None if config.fake else lab04.time_steps(
+        {m: partial(waited_step, model, x, y, m, seed, **knobs) for m in modes}, config.steps)
     peak = {m: r["activation_peak_bytes"] for m, r in results.items()}
-    step = {m: statistics.median(t) for m, t in times.items()}
+    step = {m: statistics.median(t) for m, t in (times or {}).items()}
     for m, r in results.items():
-        r["step_times_s"], r["step_time_s"] = times[m], step[m]
         r["activation_reduction"] = 1 - peak[m] / peak["none"]
-        r["time_overhead"] = step[m] / step["none"] - 1
         base = r["baseline"] = "checkpoint" if m == "checkpoint+streamed" else "none"  # (2)!
         r["reduction_vs_baseline"] = 1 - peak[m] / peak[base]
-        r["overhead_vs_baseline"] = step[m] / step[base] - 1
+        if times:
+            r["step_times_s"], r["step_time_s"] = times[m], step[m]
+            r["time_overhead"] = step[m] / step["none"] - 1
+            r["overhead_vs_baseline"] = step[m] / step[base] - 1
     return Result(config, device, model, results, ledgers, time.perf_counter() - t0)
 # --8<-- [end:run]
+
+
+def gradients_against(reference: list, model, x, y, mode: str, seed: int = 0, **knobs) -> dict:
+    """The gradients the measured step left in ``model``, and those of the same step without the
+    ledger (same arguments as :func:`train_step`), each against ``reference``, bit for bit."""
+    equal, diff = lab04.grads_equal(lab04.grads_of(model), reference)
+    train_step(model, x, y, mode, seed, **knobs)
+    return {"grads_equal": equal, "max_abs_grad_diff": diff,
+            "grads_equal_without_ledger": lab04.grads_equal(lab04.grads_of(model), reference)[0]}
+
+
+def waited_step(*args, **knobs) -> float:
+    """:func:`train_step` (same arguments), then its loss read: the host waits for the device, as a
+    timer needs."""
+    return train_step(*args, **knobs)[0].item()
+
+
+def build(config: Config, device):
+    """``(model, x, y)``: Lab 04's TinyGPT and batch for the lab's own run; with ``--model``, ``--fake``
+    or ``--dtype bfloat16``, ``config.build_model``'s model in ``--dtype`` (fake with ``--fake``) and
+    random token ids of its vocabulary: a byte count needs no learnable data."""
+    spec, dtype = config.model_spec(), DTYPES[config.dtype]
+    if spec is None and not config.fake and config.dtype == "float32":
+        return lab04.build(config, device)
+    n = gpt_param_count(config.model_config()) if spec is None else spec.param_count()
+    if not config.fake:  # a trace allocates nothing; a real run must hold the weights and their gradients
+        budget.require(2 * dtype.itemsize * n, device, f"weights and gradients, 2 x {dtype.itemsize} B x {n:,}")
+    torch.manual_seed(config.seed)
+    model = config.build_model(partial(TinyGPT, config.model_config()), dtype)
+    model = (model if config.fake else model.to(device, dtype)).train()
+    ids = torch.randint(config.vocab if spec is None else spec.vocab, (config.batch_size, config.seq_len + 1))
+    return model, ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
 # --8<-- [start:measure]
@@ -182,13 +231,16 @@ class Result:
     wall_time_s: float
 
     def summary(self) -> dict:
-        c = self.config
-        return {"lab": labs.slug(__file__), "device": str(self.device), "config": asdict(c.model_config()),
+        c, spec = self.config, self.config.model_spec()
+        shape = asdict(c.model_config()) if spec is None else asdict(spec) | {"seq_len": c.seq_len}
+        return {"lab": labs.slug(__file__), "device": str(self.device), "model": c.model, "dtype": c.dtype,
+                "traced": TRACED if c.fake else None, "config": shape,
                 "batch_size": c.batch_size, **c.knobs, "modes": list(self.results),
-                "block_input_bytes": c.batch_size * c.seq_len * c.width * 4,
+                "block_input_bytes": c.block_input_bytes,
                 "activation_memory": "activation_peak_bytes: highest device activations + temporaries over forward "
                                      "and backward; host copies are counted apart (host_peak_bytes)",
-                "timing": f"median wall-clock seconds of {c.steps} forward+backward steps on {self.device.type}",
+                "timing": None if c.fake else
+                f"median wall-clock seconds of {c.steps} forward+backward steps on {self.device.type}",
                 "results": self.results, "provenance": provenance.collect(__file__, self.device, self.wall_time_s)}
 
 
@@ -212,10 +264,12 @@ def gradients_table(result: Result) -> Table:
 
 def report(result: Result) -> None:
     c, kind = result.config, result.device.type
-    print(f"Lab 09 on {result.device}: TinyGPT, {c.layers} blocks of width {c.width}, batch {c.batch_size} x "
-          f"{c.seq_len} tokens; keep-last {c.keep_last}, min-bytes {c.min_bytes}, prefetch {c.prefetch}\n")
-    print(modes_table(result).text())
-    print("\nGradients against none (torch.equal):\n" + gradients_table(result).text())
+    model = f"TinyGPT, {c.layers} blocks of width {c.width}" if c.model_spec() is None else c.model
+    print(f"Lab 09 on {result.device}: {model}, {c.dtype}, batch {c.batch_size} x {c.seq_len} tokens; keep-last "
+          f"{c.keep_last}, min-bytes {c.min_bytes}, prefetch {c.prefetch}" + (f" ({TRACED})" if c.fake else "") + "\n")
+    print(modes_table(result, times=not c.fake).text())
+    if not c.fake:
+        print("\nGradients against none (torch.equal):\n" + gradients_table(result).text())
     for m, r in result.results.items():
         if r["cuda"]:
             print(f"{m}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
@@ -223,7 +277,8 @@ def report(result: Result) -> None:
     print("\nactivation peak = highest device activations + temporaries over forward and backward (ledger); host "
           "copies =\nhighest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
           "against\n'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
-                                      "by label,\nand step times are CPU wall clock (no GPU claim)." if kind == "cpu" else ""))
+                                      "by label,\nand step times are CPU wall clock (no GPU claim)."
+                                      if kind == "cpu" and not c.fake else ""))
     if c.snapshot:
         print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")
 

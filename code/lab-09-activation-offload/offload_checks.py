@@ -57,7 +57,7 @@ def unfiltered_d2h_bytes(config: Config, device) -> int:
 def checks(result) -> Table:
     """Each formula against an ``activation_offload.run`` result of all five modes, to the byte on a CPU."""
     c, r = result.config, result.results
-    n, K, b = c.layers, c.keep_last, c.batch_size * c.seq_len * c.width * 4
+    n, K, b = c.layers, c.keep_last, c.block_input_bytes
     C, S = r["checkpoint"], r["checkpoint+streamed"]
     held = min(n, blocks_held(K, c.prefetch))
     return Table(["quantity", "formula", ("derived", "B"), ("measured", "B")], [
@@ -116,3 +116,26 @@ def min_bytes_table(config: Config, device, values: tuple[int, ...]) -> Table:
         rows.append([size, r["tensors_moved"], r["d2h_bytes"], r["kept_bytes"], r["activation_peak_bytes"]])
     return Table([("min-bytes", "B"), ("tensors moved", "int"), ("moved each way", "B"),
                   ("kept after forward", "B"), ("activation peak", "B")], rows)
+
+
+#: The sequence lengths of the real-scale section (Llama-3-8B, batch 1, bf16): Llama 3's 4k and 16k,
+#: where the activations alone outgrow an 80 GB card.
+REAL_SCALE_LENGTHS = (4096, 16384)
+REAL_SCALE_KEYS = ("kept_bytes", "activation_peak_bytes", "peak_bytes", "host_peak_bytes", "d2h_bytes", "h2d_bytes")
+
+
+def real_scale(traced: dict[int, object]) -> dict[str, dict[str, dict[str, int]]]:
+    """What a real-scale answer quotes, from ``traced`` (sequence length -> an ``activation_offload.run``
+    result): per length, per mode (``checkpoint+streamed`` as ``checkpoint_streamed``, a page's
+    placeholders take no ``+``), the device activations kept after forward and at the peak, the
+    step's device peak, the host bytes and the bytes moved each way."""
+    return {str(n): {m.replace("+", "_"): {k: r[k] for k in REAL_SCALE_KEYS} for m, r in result.results.items()}
+            for n, result in traced.items()}
+
+
+def real_scale_table(traced: dict[int, object]) -> Table:
+    """The real-scale table: one row per sequence length of ``traced`` (as :func:`real_scale`) and mode."""
+    return Table([("tokens", "int"), "mode", ("activations kept after forward", "bytes"), ("activation peak", "bytes"),
+                  ("step's device peak", "bytes"), ("host (pinned on a GPU)", "bytes"), ("moved each way", "bytes")],
+                 [[n, m, *(r[k] for k in REAL_SCALE_KEYS[:5])] for n, result in traced.items()
+                  for m, r in result.results.items()], unit="GiB")

@@ -24,6 +24,12 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from labkit import marks
 
 
+def storage_of(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of: the same number for every view of it. (``data_ptr`` says the
+    same of a real tensor, but every fake tensor's is 0.)"""
+    return t.untyped_storage()._cdata
+
+
 class Saved:
     """One saved tensor: on the device, on its way out, on the host, or on its way back."""
 
@@ -52,7 +58,7 @@ class StreamedOffload(saved_tensors_hooks):
         self.prefetch, self.max_in_flight = prefetch, in_flight
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # (1)!
-        self.resident = {t.untyped_storage().data_ptr() for t in resident}
+        self.resident = {storage_of(t) for t in resident}
         self.queue: list[weakref.ref] = []  # offloadable tensors, forward order
         self.in_flight: deque[Saved] = deque()  # copies out, maybe not landed
         self.d2h_bytes = self.h2d_bytes = 0
@@ -60,8 +66,7 @@ class StreamedOffload(saved_tensors_hooks):
 
     def pack(self, t: torch.Tensor) -> Saved:
         nbytes = t.numel() * t.element_size()
-        ptr = t.untyped_storage().data_ptr()
-        elsewhere = t.device != self.device or ptr in self.resident
+        elsewhere = t.device != self.device or storage_of(t) in self.resident
         if nbytes < max(self.min_bytes, 1) or elsewhere:
             self.stayed += nbytes > 0
             return Saved(t.detach())  # (2)!

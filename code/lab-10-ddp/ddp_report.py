@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from labkit import labs, provenance
-from labkit.models import GPTConfig
 from labkit.table import Table, by_category, format_bytes
 from labkit.timeline import Timeline
 
@@ -26,7 +25,6 @@ MODEL_STATE = ("parameters", "gradients", "optimizer_state", "communication")
 class RankRun:
     """What one rank's training left: its DDP model, its ledger and timeline, what the hooks saw."""
 
-    model_config: GPTConfig
     ddp: torch.nn.Module
     ledger: object
     timeline: Timeline
@@ -82,6 +80,31 @@ def ddp_reported(ddp, names: list[str]) -> dict | None:
         return None
 
 
+def bucket_report(trained: RankRun, cap: int, derive) -> dict:
+    """The buckets DDP reduced in the last step against the layouts ``derive`` gives
+    (``train_ddp.derive_buckets``, with a cap of ``cap`` bytes) and against DDP's own account."""
+    sizes = {n: p.numel() * p.element_size() for n, p in trained.ddp.module.named_parameters()}
+    seen = trained.backwards[-1]
+    reverse = derive([(n, sizes[n]) for n in reversed(trained.names)], cap)
+    ready = derive([(n, sizes[n]) for n in trained.ready], cap)
+    reported = ddp_reported(trained.ddp, trained.names)
+    return {"cap_bytes": cap, "first_backward": trained.backwards[0], "buckets": seen,
+            "ready_order": trained.ready, "derived_reverse_order": reverse, "param_bytes": sizes,
+            "derived_reverse_order_bytes": [sum(sizes[n] for n in b) for b in reverse],
+            "bytes_match_reverse_order": [sum(sizes[n] for n in b) for b in reverse] == [b["bytes"] for b in seen],
+            "params_match_ready_order": ready == [b["params"] for b in seen],
+            "ddp_reported": reported,
+            "ddp_reported_matches": None if reported is None else (
+                reported["bytes"] == [b["bytes"] for b in seen] and reported["params"] == [b["params"] for b in seen])}
+
+
+def model_settings(config) -> dict:
+    """The model a run trained: TinyGPT's shape, or the zoo entry ``--model`` names (and the tokens
+    per sequence)."""
+    spec = config.model_spec()
+    return asdict(config.model_config()) if spec is None else asdict(spec) | {"seq_len": config.seq_len}
+
+
 @dataclass
 class Result:
     """Rank 0's view of the run: its own training, every rank's memory, the replay's comparison."""
@@ -90,7 +113,7 @@ class Result:
     trained: RankRun
     device: torch.device
     backend: str
-    buckets: dict  # train_ddp.bucket_report
+    buckets: dict  # bucket_report
     per_rank: list[dict]  # memory_report of every rank, with the buckets it saw
     reference: dict | None  # compare(), None under --no-reference
 
@@ -103,7 +126,7 @@ class Result:
         c = self.config
         return {
             "lab": labs.slug(__file__), "device": str(self.device), "backend": self.backend,
-            "world_size": len(self.per_rank), "config": asdict(self.trained.model_config),
+            "world_size": len(self.per_rank), "model": c.model, "config": model_settings(c),
             "batch_per_rank": c.batch_size, "steps": c.steps, "lr": c.lr,
             "params": sum(p.numel() for p in params), "param_tensors": len(params),
             "bucket_cap_mb": c.bucket_cap_mb, "grad_as_bucket_view": c.grad_as_bucket_view,

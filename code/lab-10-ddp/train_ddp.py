@@ -13,10 +13,15 @@ What it checks and measures, on every rank:
   * that training equals one process on the concatenated batch, within a stated tolerance;
   * memory per rank from a labkit Ledger, with the buckets as their own "communication" category.
 
+At real size, ONE rank of an N-rank job runs in this process (``--world-size N``: PyTorch's fake
+process group, ``fake_world.py``) and, with ``--fake``, on fake tensors: the same ``train``, every
+byte counted, nothing allocated (no values, no replicas to compare, no time).
+
 Run it (gloo on CPU, NCCL when there is one GPU per rank):
     .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu
     .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --grad-as-bucket-view
     .venv/bin/torchrun --standalone --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --json
+    .venv/bin/python code/lab-10-ddp/train_ddp.py --model llama-3-8b --fake --world-size 64 --seq-len 4096 --batch-size 1 --bucket-cap-mb 25
 """
 
 from __future__ import annotations
@@ -33,16 +38,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_report import RankRun, Result, compare, ddp_reported, memory_report, report
-from labkit import budget, cli, files, labs, marks
+from ddp_report import RankRun, Result, bucket_report, compare, memory_report
+from ddp_trace_report import TraceResult, report
+from fake_world import fake_world
+from labkit import cli, files, labs, marks
 from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.models import TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 from labkit.timeline import Timeline
 
 lab02 = labs.load(2)  # Lab 02's train_step, unchanged: it gets the DDP model
+scale = labs.load(2, "scale_harness")  # a zoo model, its tokens, AdamW's implementation, fake values
 
 MIB = 1024 * 1024
 # DDP against one process is not bit-exact (see single_process_reference). Allowed differences:
@@ -92,8 +101,11 @@ def derive_buckets(sizes: list[tuple[str, int]], cap_bytes: int, first_cap_bytes
 # --8<-- [end:derive]
 
 
-def replicas_identical(module: torch.nn.Module) -> bool:
-    """True when every rank's parameters are bit for bit the same: a digest per rank, all-gathered."""
+def replicas_identical(module: torch.nn.Module) -> bool | None:
+    """True when every rank's parameters are bit for bit the same: a digest per rank, all-gathered.
+    None under the fake process group (``--world-size``): one rank runs, there is nothing to compare."""
+    if dist.get_backend() == "fake":
+        return None
     h = hashlib.sha256()
     for p in module.parameters():
         h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
@@ -103,17 +115,19 @@ def replicas_identical(module: torch.nn.Module) -> bool:
 
 
 # --8<-- [start:train]
-def train(model_config: GPTConfig, device: torch.device, *, seed: int, steps: int, batch_size: int, lr: float,
-          bucket_cap_mb: float, grad_as_bucket_view: bool, snapshot: Path | None = None) -> RankRun:
-    """This rank's training, under its own ledger. ``seed``: the data's, and ``seed + rank`` this
-    rank's model; ``batch_size``: sequences per rank; ``bucket_cap_mb``, ``grad_as_bucket_view``:
-    DDP's; ``snapshot``: a CUDA memory history, one file per rank."""
+def train(build, data, device: torch.device, *, seed: int, steps: int, batch_size: int, lr: float,
+          bucket_cap_mb: float, grad_as_bucket_view: bool, adamw: dict | None = None,
+          snapshot: Path | None = None) -> RankRun:
+    """This rank's training, under its own ledger. ``build``: makes the model on ``device``;
+    ``data``: the token batches (``data.batch(index, batch_size, device)``); ``seed``: ``seed + rank``
+    seeds this rank's model; ``batch_size``: sequences per rank; ``lr``, ``adamw``: AdamW's
+    (``adamw``: its implementation, when named); ``bucket_cap_mb``, ``grad_as_bucket_view``: DDP's;
+    ``snapshot``: a CUDA memory history, one file per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed + rank)  # (1)!
-    model = TinyGPT(model_config).to(device)
+    model = build()
     names = [n for n, _ in model.named_parameters()]
     identical = {"before DDP": replicas_identical(model)}
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed)
     ledger = Ledger(device).track_module(model)
     log, ready = BucketLog({id(p): n for n, p in model.named_parameters()}), []
     hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: ready.append(n))
@@ -125,7 +139,7 @@ def train(model_config: GPTConfig, device: torch.device, *, seed: int, steps: in
             ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=grad_as_bucket_view)  # (3)!
         ddp.register_comm_hook(state=log, hook=logged_allreduce)
         identical["after DDP()"] = replicas_identical(ddp.module)  # (4)!
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, **(adamw or {}))
         ledger.track_optimizer(optimizer)
         for step in cli.progress(range(steps), total=steps, desc=f"rank {rank}", quiet=rank != 0):
             if step == steps - 1:
@@ -144,25 +158,25 @@ def train(model_config: GPTConfig, device: torch.device, *, seed: int, steps: in
     ledger.track(list(log.buffers.values()), "communication")  # (7)!
     tl = ledger.timeline()
     last = min(s.start for s in tl.spans if s.step == steps - 1)
-    return RankRun(model_config, ddp, ledger, tl, log.backwards, ready, names, losses, identical, wall,
+    return RankRun(ddp, ledger, tl, log.backwards, ready, names, losses, identical, wall,
                    ledger_vs_allocator(tl, allocator_stats(device), last))
 # --8<-- [end:train]
 
 
 # --8<-- [start:reference]
-def single_process_reference(model_config: GPTConfig, device, world: int, *, seed: int, steps: int,
-                             batch_size: int, lr: float):
+def single_process_reference(build, data, device, world: int, *, seed: int, steps: int, batch_size: int, lr: float,
+                             adamw: dict | None = None):
     """The same training in one process on the concatenated batch: ``world`` x ``batch_size``
-    sequences a step, from rank 0's initial weights (``seed``).
+    sequences a step (``data``'s), from rank 0's initial weights (``build``, seeded with ``seed``).
 
     Equal up to rounding, not bit for bit: the weight gradient is a sum over the batch's tokens,
     which DDP splits into per-rank GEMMs and then adds across ranks, in another order than one
     GEMM over the whole batch; fp32 addition is not associative."""
     torch.manual_seed(seed)  # rank 0's weights: the ones DDP broadcast
-    model = TinyGPT(model_config).to(device)
+    model = build()
     start = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    data, losses = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed), []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **(adamw or {}))
+    losses = []
     for step in range(steps):
         shards = [data.batch(step * world + r, batch_size, device) for r in range(world)]
         x, y = (torch.cat(t) for t in zip(*shards))  # (1)!
@@ -177,8 +191,8 @@ def single_process_reference(model_config: GPTConfig, device, world: int, *, see
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):
-    """Train a toy GPT data parallel with DDP under torchrun: buckets, identical replicas, memory per rank."""
+class Config(RealScale, TinyGPTShape, LabConfig):
+    """Train a toy GPT (or, with --model, a real one) data parallel with DDP: buckets, identical replicas, memory per rank."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
     width: int = option(64, "model width", min=1)
@@ -194,9 +208,18 @@ class Config(TinyGPTShape, LabConfig):
     ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json")
     no_reference: bool = option(False, "skip rank 0's single-process replay")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)")
+    world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
+                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
+    adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
+        "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fake and self.world_size is None:
+            raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
+        if self.world_size is not None and (self.device == "cuda" or self.snapshot or self.ledger_dir):
+            raise UsageError("--world-size runs one rank in this process on the CPU: drop --device cuda, --snapshot "
+                             "and --ledger-dir")
         device = cli.pick_device(self.device)  # resolves auto; launches nothing
         labdist.check_backend(device, self.backend)
         if self.snapshot and device.type != "cuda":
@@ -205,35 +228,64 @@ class Config(TinyGPTShape, LabConfig):
 
 
 # --8<-- [start:run]
-def run(config: Config) -> Result | None:
+def run(config: Config) -> Result | TraceResult | None:
     """Every rank trains under its own ledger; rank 0 gathers what they measured, replays the
-    training in one process and returns the result. The other ranks return None."""
+    training in one process and returns the result. The other ranks return None. (With
+    ``--world-size``: one rank, traced in this process.)"""
+    if config.world_size:
+        return trace(config)  # (5)!
     for flag, folder in (("--ledger-dir", config.ledger_dir), ("--snapshot", config.snapshot and config.snapshot.parent)):
         if folder:
             labdist.writable_dir(folder, flag)  # (1)!
     model_config = config.model_config()  # no --dropout: each rank would draw its own masks
-    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
-    budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device))  # every rank holds it
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                    adamw=scale.adamw_options(config.adamw, config.fake))
+    scale.require_memory(config, model_config, config.batch_size, cli.pick_device(config.device))  # every rank holds it
     with labdist.joined(config.device, config.backend, config.timeout) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
-        trained = train(model_config, device, **training, bucket_cap_mb=config.bucket_cap_mb,
+        build, data = builder(config, device), scale.token_source(config, model_config)
+        trained = train(build, data, device, **training, bucket_cap_mb=config.bucket_cap_mb,
                         grad_as_bucket_view=config.grad_as_bucket_view, snapshot=config.snapshot)
         mine = memory_report(trained.timeline, rank, trained.cuda)
         if config.ledger_dir:
             files.write_text(config.ledger_dir / f"rank{rank}.json",
                              json.dumps(mine | {"timeline": trained.timeline.to_dict()}))
-        buckets = bucket_report(trained, config.bucket_cap_mb)
+        buckets = bucket_report(trained, int(config.bucket_cap_mb * MIB), derive_buckets)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine | {"buckets": buckets["buckets"]})
     if rank != 0:
         return None  # (3)!
     reference = None if config.no_reference else compare(
-        trained.ddp.module, trained.losses, *single_process_reference(model_config, device, world, **training),
+        trained.ddp.module, trained.losses, *single_process_reference(build, data, device, world, **training),
         TOLERANCE)
     result = Result(config, trained, device, backend, buckets, per_rank, reference)
     check_promises(result)  # (4)!
     return result
 # --8<-- [end:run]
+
+
+def trace(config: Config) -> TraceResult:
+    """ONE rank (rank 0) of a ``--world-size`` job, in this process: the same ``train`` under the
+    fake process group, and with ``--fake`` on fake tensors. No replay, no replicas to compare."""
+    device, t0 = torch.device("cpu"), time.perf_counter()
+    scale.require_memory(config, config.model_config(), config.batch_size, device)  # --fake: nothing
+    adamw = scale.adamw_options(config.adamw, config.fake)
+    with fake_world(config.world_size), config.tensors(), scale.values_read_as_zero(config.fake):
+        build, data = builder(config, device), scale.token_source(config, config.model_config())
+        trained = train(build, data, device, seed=config.seed, steps=config.steps, batch_size=config.batch_size,
+                        lr=config.lr, adamw=adamw, bucket_cap_mb=config.bucket_cap_mb,
+                        grad_as_bucket_view=config.grad_as_bucket_view)
+        shape = [p.numel() for p in trained.ddp.module.parameters()]
+        result = TraceResult(config, memory_report(trained.timeline, 0, None),
+                             bucket_report(trained, int(config.bucket_cap_mb * MIB), derive_buckets), sum(shape),
+                             len(shape), time.perf_counter() - t0)
+        del trained  # its DDP holds the process group: it goes before the group does
+    return result
+
+
+def builder(config: Config, device: torch.device):
+    """What ``train`` calls to make the model: the lab's TinyGPT or the zoo's, real or fake."""
+    return lambda: scale.build_model(config, lambda: TinyGPT(config.model_config()), device)
 
 
 # ---------------------------------------------------------------------- what the lab derives and checks
@@ -243,24 +295,6 @@ def predicted_model_state(tl: Timeline, params: int, tensors: int) -> list[int]:
     wrap = next(s.start for s in tl.spans if s.name == "wrap")
     return [state + 4 * params * (i >= wrap)
             for i, state in enumerate(lab02.predicted_model_state(tl, params, tensors))]
-
-
-def bucket_report(trained: RankRun, bucket_cap_mb: float) -> dict:
-    """The buckets DDP reduced in the last step against the derived layouts and DDP's own account."""
-    sizes = {n: p.numel() * p.element_size() for n, p in trained.ddp.module.named_parameters()}
-    cap = int(bucket_cap_mb * MIB)
-    seen = trained.backwards[-1]
-    reverse = derive_buckets([(n, sizes[n]) for n in reversed(trained.names)], cap)
-    ready = derive_buckets([(n, sizes[n]) for n in trained.ready], cap)
-    reported = ddp_reported(trained.ddp, trained.names)
-    return {"cap_bytes": cap, "first_backward": trained.backwards[0], "buckets": seen,
-            "ready_order": trained.ready, "derived_reverse_order": reverse, "param_bytes": sizes,
-            "derived_reverse_order_bytes": [sum(sizes[n] for n in b) for b in reverse],
-            "bytes_match_reverse_order": [sum(sizes[n] for n in b) for b in reverse] == [b["bytes"] for b in seen],
-            "params_match_ready_order": ready == [b["params"] for b in seen],
-            "ddp_reported": reported,
-            "ddp_reported_matches": None if reported is None else (
-                reported["bytes"] == [b["bytes"] for b in seen] and reported["params"] == [b["params"] for b in seen])}
 
 
 def check_promises(result: Result) -> None:

@@ -14,9 +14,14 @@ ledger (labkit) and counts its collectives (``labkit.traffic``); rank 0 holds th
 rank against Lab 01's ZeRO formulas (``zero_model_state``) and the losses against DDP's. The
 tables and the report are in ``zero_report.py``.
 
+At real size, ONE rank of an N-rank job runs in this process (``--world-size N``: PyTorch's fake
+process group; collectives move no data) and, with ``--fake``, on fake tensors: the same stages,
+step and ledger, every byte counted, nothing allocated (``trace`` below; no losses, no time).
+
 Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
     .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu
     .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json
+    .venv/bin/python code/lab-11-zero-fsdp/zero_fsdp.py --model llama-3-8b --fake --world-size 8 --seq-len 4096 --batch-size 1 --steps 2
 """
 
 from __future__ import annotations
@@ -40,29 +45,35 @@ from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
+from labkit.models import TinyGPT, TinyGPTShape
+from labkit.scale import RealScale
 from labkit.traffic import Traffic
-from zero_report import MODEL_STATE, STAGES, Result, StageRun, rank_measurement, report
+from zero_report import (MODEL_STATE, STAGES, Result, StageRun, TraceResult, rank_measurement, report,
+                         traced_measurement)
 
 lab01 = labs.load(1)  # zero_model_state: the formulas the bytes are held against
 lab02 = labs.load(2)  # train_step, unchanged: it gets the wrapped model
+scale = labs.load(2, "scale_harness")  # a zoo model, its tokens, AdamW's implementation, fake values
+world = labs.load(10, "fake_world")  # one rank of N in this process: the fake process group
 
 LOSS_RTOL = 1e-5  # losses (relative) and final parameters (absolute) against DDP; CPU runs measure 0
 
 
 # --8<-- [start:wrap]
-def wrap(stage: int, model: TinyGPT, mesh, lr: float):
-    """The only place the stages differ: which rank holds which bytes."""
+def wrap(stage: int, model: torch.nn.Module, mesh, lr: float, **adamw):
+    """The only place the stages differ: which rank holds which bytes (``adamw``: AdamW's
+    implementation, ``foreach=True`` or ``fused=True``, when the caller names one)."""
     if stage <= 1:
         on_gpu = mesh.device_type == "cuda"
         ddp = DDP(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)  # (1)!
         if stage == 0:
-            return ddp, torch.optim.AdamW(model.parameters(), lr=lr)
-        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)  # (2)!
+            return ddp, torch.optim.AdamW(model.parameters(), lr=lr, **adamw)
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
+                                            **adamw)  # (2)!
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=(stage == 3))  # (3)!
     fully_shard(model, mesh=mesh, reshard_after_forward=(stage == 3))  # (4)!
-    return model, torch.optim.AdamW(model.parameters(), lr=lr)  # (5)!
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, **adamw)  # (5)!
 # --8<-- [end:wrap]
 
 
@@ -83,17 +94,19 @@ def model_state(model, optimizer) -> dict[str, list[torch.Tensor]]:
 
 
 # --8<-- [start:train]
-def train_stage(stage: int, model_config: GPTConfig, device: torch.device, mesh, *, seed: int, steps: int,
-                batch_size: int, lr: float, snapshot: Path | None = None) -> StageRun:
+def train_stage(stage: int, build, data, device: torch.device, mesh, *, seed: int, steps: int, batch_size: int,
+                lr: float, adamw: dict | None = None, snapshot: Path | None = None) -> StageRun:
     """This rank's training at ``stage`` under its own ledger and traffic counter.
 
-    ``model_config``: the GPT; ``device``: this rank's; ``mesh``: every rank (a ``DeviceMesh``);
-    ``seed``: the initial weights' (the same on every rank) and the data's; ``steps``;
-    ``batch_size``: sequences per rank; ``lr``: AdamW's; ``snapshot``: a CUDA memory history."""
+    ``build``: makes the model on ``device``, this rank's; ``data``: its token batches
+    (``data.batch(index, batch_size, device)``); ``mesh``: every rank (a ``DeviceMesh``); ``seed``:
+    the initial weights' (the same on every rank and at every stage); ``steps``; ``batch_size``:
+    sequences per rank; ``lr``, ``adamw``: AdamW's; ``snapshot``: a CUDA memory history."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)  # the same initial weights on every rank and at every stage
-    model, optimizer = wrap(stage, TinyGPT(model_config).to(device), mesh, lr)
-    data = SyntheticTokens(model_config.vocab, model_config.seq_len, seed=seed)
+    model = build()
+    shape = [p.numel() for p in model.parameters()]  # P and T, before any sharding
+    model, optimizer = wrap(stage, model, mesh, lr, **(adamw or {}))
     ledger = Ledger(device)
     label(ledger, model, optimizer)
     losses, t0 = [], time.perf_counter()
@@ -104,8 +117,8 @@ def train_stage(stage: int, model_config: GPTConfig, device: torch.device, mesh,
             x, y = data.batch(step * world + rank, batch_size, device)  # (2)!
             losses.append(lab02.train_step(model, optimizer, x, y, step))  # (3)!
             label(ledger, model, optimizer)  # (4)!
-    return StageRun(stage, model, ledger.timeline(), traffic.summary(), losses, time.perf_counter() - t0,
-                    allocator_stats(device))
+    return StageRun(stage, model, ledger, ledger.timeline(), traffic.summary(), losses, time.perf_counter() - t0,
+                    allocator_stats(device), sum(shape), len(shape))
 # --8<-- [end:train]
 
 
@@ -124,8 +137,8 @@ def full_params(model) -> torch.Tensor:
 
 # --8<-- [start:config]
 @dataclass
-class Config(TinyGPTShape, LabConfig):
-    """Train a toy GPT at ZeRO stages 0-3 under torchrun; memory per rank against Lab 01."""
+class Config(RealScale, TinyGPTShape, LabConfig):
+    """Train a toy GPT (or, with --model, a real one) at ZeRO stages 0-3; memory per rank against Lab 01."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
     width: int = option(64, "model width", min=1)
@@ -140,9 +153,17 @@ class Config(TinyGPTShape, LabConfig):
     timelines: bool = option(False, "add rank 0's ledger timeline of each stage's last step to the result")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per stage and rank "
                                          "(NAME.stageS.rankR.pickle)")
+    world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
+                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
+    adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
+        "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fake and self.world_size is None:
+            raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
+        if self.world_size is not None and (self.device == "cuda" or self.snapshot):
+            raise UsageError("--world-size runs one rank in this process on the CPU: drop --device cuda and --snapshot")
         device = cli.pick_device(self.device)  # resolves auto, refuses cuda without a GPU; launches nothing
         if self.snapshot and device.type != "cuda":
             raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
@@ -154,24 +175,27 @@ class Config(TinyGPTShape, LabConfig):
 
 
 # --8<-- [start:run]
-def run(config: Config) -> Result | None:
+def run(config: Config) -> Result | TraceResult | None:
     """Every rank trains each stage; rank 0 gathers what every rank measured and holds it against
-    Lab 01's formulas and DDP's losses. The other ranks return None."""
+    Lab 01's formulas and DDP's losses. The other ranks return None. (With ``--world-size``: one
+    rank, traced in this process.)"""
+    if config.world_size:
+        return trace(config)  # (5)!
     if config.snapshot:
         labdist.writable_dir(config.snapshot.parent, "--snapshot")  # (1)!
     model_config, t0 = config.model_config(), time.perf_counter()
-    budget.require_gpt_training(model_config, config.batch_size, cli.pick_device(config.device),
-                                dp=int(os.environ.get("WORLD_SIZE", 1)))  # ZeRO-3's floor: the shards
-    plain = list(TinyGPT(model_config).parameters())
-    params, tensors = sum(p.numel() for p in plain), len(plain)
-    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr)
+    require_memory(config, cli.pick_device(config.device), int(os.environ.get("WORLD_SIZE", 1)))
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                    adamw=scale.adamw_options(config.adamw, config.fake))
     with labdist.joined(config.device, timeout_s=config.timeout) as (device, backend):  # (2)!
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
+        build, data = builder(config, device), scale.token_source(config, model_config)
         stages, timelines, reference = [], {}, None
         for stage in config.stages:
-            trained = train_stage(stage, model_config, device, mesh, **training,
+            trained = train_stage(stage, build, data, device, mesh, **training,
                                   snapshot=_per_rank(config.snapshot, stage, rank))
+            params, tensors = trained.params, trained.tensors
             final = full_params(trained.model)  # a collective: every rank takes part
             per_rank = [None] * world
             dist.all_gather_object(per_rank, rank_measurement(trained, backend))  # (3)!
@@ -188,6 +212,46 @@ def run(config: Config) -> Result | None:
     check_promises(result)  # (4)!
     return result
 # --8<-- [end:run]
+
+
+# --8<-- [start:trace]
+def trace(config: Config) -> TraceResult:
+    """ONE rank (rank 0) of a ``--world-size`` job, in this process, every stage: the same wrap,
+    step and ledger under the fake process group, and with ``--fake`` on fake tensors."""
+    device, t0 = torch.device("cpu"), time.perf_counter()
+    model_config, n = config.model_config(), config.world_size
+    require_memory(config, device, n)
+    training = dict(seed=config.seed, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                    adamw=scale.adamw_options(config.adamw, config.fake))
+    stages, timelines = [], {}
+    with world.fake_world(n):  # (1)!
+        mesh = init_device_mesh("cpu", (n,))
+        for stage in config.stages:
+            with config.tensors(), scale.values_read_as_zero(config.fake):  # (2)!
+                build, data = builder(config, device), scale.token_source(config, model_config)
+                trained = train_stage(stage, build, data, device, mesh, **training)  # (3)!
+            derived = lab01.zero_model_state(trained.params, "fp32", "adamw", zero_stage=stage, dp=n,
+                                             tensors=trained.tensors)
+            stages.append(traced_measurement(trained, {k: derived[k] for k in MODEL_STATE}))  # (4)!
+            if config.timelines:
+                timelines[str(stage)] = trained.timeline.step_window(config.steps - 1).to_dict()
+            del trained  # its model holds the process group: it goes before the group does
+    return TraceResult(config, stages, timelines if config.timelines else None, time.perf_counter() - t0)
+# --8<-- [end:trace]
+
+
+def builder(config: Config, device: torch.device):
+    """What ``train_stage`` calls to make the model: the lab's TinyGPT or the zoo's, real or fake."""
+    return lambda: scale.build_model(config, lambda: TinyGPT(config.model_config()), device)
+
+
+def require_memory(config: Config, device: torch.device, ranks: int) -> None:
+    """Refuse a real run this machine cannot hold (ZeRO-3's floor for the toy GPT: its shards); a
+    ``--fake`` run allocates nothing."""
+    if config.model_spec() is None and not config.fake:
+        budget.require_gpt_training(config.model_config(), config.batch_size, device, dp=ranks)
+    else:
+        scale.require_memory(config, config.model_config(), config.batch_size, device)
 
 
 # ---------------------------------------------------------------------- what the lab derives and checks

@@ -88,7 +88,7 @@ def next_levers(v: dict) -> list[dict]:
                              "the ledger and memory_allocated() do not see them"})
     if unalloc >= req > 0:  # (2)!
         out.append({"pattern": "fragmentation: enough is cached, but not in one piece",
-                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; keep shapes steady"})
+                    "lever": "PYTORCH_ALLOC_CONF=expandable_segments:True (it wins over PYTORCH_CUDA_ALLOC_CONF); keep shapes steady"})
     if not out or v.get("allocated", 0) >= limit * 2 / 3:  # (3)!
         out.append({"pattern": "live tensors fill most of the memory",
                     "lever": "find what is alive (live-by-origin table, snapshot), then shrink it: "

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import budget, fake, stacks
 from labkit.ledger import Ledger
-from labkit.models import GPTConfig, SyntheticTokens, TinyGPT
+from labkit.models import GPTConfig, RandomTokens, SyntheticTokens, TinyGPT
 from labkit.timeline import Timeline
 
 
@@ -41,19 +41,6 @@ def training_setup(config, device: torch.device):
     data = (SyntheticTokens(model_config.vocab, config.seq_len, seed=config.seed) if spec is None
             else RandomTokens(spec.vocab, config.seq_len, seed=config.seed))
     return model, optimizer, data, data.batch(10**6, config.batch_size, device)  # held out: never trained on
-
-
-class RandomTokens:
-    """Uniform token ids, batch ``i`` a pure function of ``(seed, i)``: a zoo model's stream
-    (``SyntheticTokens`` builds a vocab x seq table, 4 GB at 128k x 4096)."""
-
-    def __init__(self, vocab: int, seq_len: int, seed: int = 0) -> None:
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-
-    def batch(self, index: int, batch_size: int, device: torch.device | str = "cpu"):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        ids = torch.randint(self.vocab, (batch_size, self.seq_len + 1), generator=g)
-        return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
 def shape_of(config) -> GPTConfig:

@@ -109,13 +109,14 @@ def reasons(trace) -> dict[str, str]:
     shard = {k: f" / {c.dp}" if c.zero_stage >= lab01.ZERO_SHARDS[k] else "" for k in lab01.ZERO_SHARDS}
     logits = c.batch * c.seq * s.vocab * 4
     out = {
-        "parameters": ("Lab 01's mixed is Megatron's: a bf16 copy (2 B) and an fp32 master (4 B) per parameter; torch AMP "
+        "parameters": ("Lab 01's mixed is ZeRO's accounting: a bf16 copy (2 B) and an fp32 master (4 B) per parameter; torch AMP "
                        "keeps one fp32 copy (4 B) and casts each weight as forward uses it" if mixed else
                        f"{WEIGHT[c.precision]} B x P{shard['parameters']}: equal, but for 512-byte rounding per tensor"),
-        "gradients": ("Megatron keeps bf16 gradients (2 B); AMP's have the weights' dtype (4 B)" if mixed else
+        "gradients": ("ZeRO's accounting keeps bf16 gradients (2 B; Megatron-Core's fp32 ones make 18 B/param); AMP's "
+                       "have the weights' dtype (4 B)" if mixed else
                       f"{WEIGHT[c.precision]} B x P{shard['gradients']}, alive from backward to zero_grad"),
         "optimizer_state": (f"{'SGD momentum: one' if c.optimizer == 'sgd' else 'AdamW: two'} moment(s) in the "
-                            f"weights' dtype{shard['optimizer_state']}" + ("; Lab 01 counts Megatron's fp32 moments"
+                            f"weights' dtype{shard['optimizer_state']}" + ("; Lab 01 counts fp32 moments (ZeRO's accounting)"
                                                                            if c.precision == "bf16" else "")),
         "activations": (f"Korthikanti's formula is a GPT block (4h MLP, LayerNorm, dropout, s x s scores); this "
                         f"{s.family} block keeps a {s.ffn:,}-wide SwiGLU, fp32 RMSNorm inputs, RoPE'd q and k and "

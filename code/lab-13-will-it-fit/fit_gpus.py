@@ -31,8 +31,9 @@ CUDA_CONTEXT_SOURCE = ("assumption until measured; https://github.com/pytorch/py
 #: into segments). ASSUMED: 5 % of what is left; Lab 12 shows how it grows in a bad pattern.
 ALLOCATOR_HEADROOM = 0.05
 
-#: Where the NVML totals come from (Modal's table of NVML totals against product sizes).
-NVML_TABLE = "https://thundergolfer.com/blog/nvidia-gpu-memory-capacity"
+#: The driver's totals (nvidia-smi / NVML) are not in the vendors' datasheets: ASSUMED from what idle
+#: cards report publicly, until the GPU issue reads ``torch.cuda.mem_get_info`` on each card it gets.
+NVML_TABLE = "assumed: the total nvidia-smi reports on an idle card, until measured"
 
 
 @dataclass(frozen=True)
@@ -66,5 +67,5 @@ GPUS = {g.name: g for g in (
     Gpu("l4-24gb", "24 GB GDDR6", _NV + "l4/", 23_034, NVML_TABLE),
     Gpu("a10-24gb", "24 GB GDDR6", _NV + "products/a10-gpu/", 23_028, NVML_TABLE),
     Gpu("rtx4090-24gb", "24 GB GDDR6X", "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/",
-        24_564, "nvidia-smi's total as public logs of idle cards show it: an assumption until measured"),
+        24_564, NVML_TABLE),
 )}

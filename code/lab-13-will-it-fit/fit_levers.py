@@ -85,7 +85,8 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
             if known_only:
                 return None
             traces[_key(config)] = trace(config)
-        return traces[_key(config)]
+        same = traces[_key(config)]  # the same step; only what is derived from it may differ (0 s: not traced again)
+        return same if same.config == config else type(same)(config, same.timeline, 0.0, same.ledger, same.keep)
 
     applicable = [(lv, ch) for lv in LEVERS if base.config.task in lv.tasks and (ch := lv.pull(base.config))]
     ladder = {} if base.fits else climb(base, applicable, traced)
@@ -134,7 +135,10 @@ def _pulled(lever: Lever, changes: dict, current, traced: Callable):
     if lever.phases is not None and phase not in lever.phases:
         return current, f"derived: the peak is in {phase}, which this lever leaves as it is"
     after = traced(changes)
-    return after, None if after is None else "traced"
+    if after is None or after.seconds:
+        return after, None if after is None else "traced"
+    moved = [why for why in after.derived["sources"].values() if why.startswith("derived")]
+    return after, "derived from the traced step: " + "; ".join(moved)
 
 
 def _bytes(base, after) -> dict:
@@ -148,7 +152,10 @@ def _flags(config) -> list[str]:
 
 
 def _key(config) -> tuple:
-    return tuple(_flags(config))
+    """What decides the traced step: the flags, but for a derived offload (the optimizer state of a
+    ZeRO stage moved to the host is derived from the step without it)."""
+    derived_offload = config.offload == "optimizer" and config.zero_stage
+    return tuple(_flags(replace(config, offload="none") if derived_offload else config))
 
 
 LEVER = {lever.name: lever for lever in LEVERS}

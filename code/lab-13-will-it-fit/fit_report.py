@@ -43,9 +43,19 @@ def phases_table(trace) -> Table:
     d = trace.derived
     rows = {**d["by_phase"], "per-rank peak": d["peak"]}
     cats = [k for k in DEVICE_CATEGORIES if any(r.get(k) for r in rows.values())]
-    return Table(["phase", *((k.replace("_", " "), "bytes") for k in cats), ("total", "bytes")],
-                 [[name, *(r[k] for k in cats), sum(r[k] for k in DEVICE_CATEGORIES)] for name, r in rows.items()],
+    return Table(["phase", ("total", "bytes"), *((k.replace("_", " "), "bytes") for k in cats)],
+                 [[name, sum(r[k] for k in DEVICE_CATEGORIES), *(r[k] for k in cats)] for name, r in rows.items()],
                  unit="GiB", strong=("total",))
+
+
+def twin_table(pairs: list[tuple[str, object, object]]) -> Table:
+    """The trace against the real step, per configuration (``pairs``: (label, real, traced) Traces,
+    both counted in exact bytes): the per-rank peak of each, and whether every category at every
+    phase's peak is the same."""
+    return Table(["step (small-llama)", ("measured: real CPU tensors", "B"), ("traced: fake tensors", "B"),
+                  ("every phase and category equal", "yes")],
+                 [[label, real.per_rank_peak_bytes, traced.per_rank_peak_bytes,
+                   real.derived["by_phase"] == traced.derived["by_phase"]] for label, real, traced in pairs])
 
 
 def gap_table(trace) -> Table:

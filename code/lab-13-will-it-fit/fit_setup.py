@@ -84,23 +84,7 @@ def fake_process_group(world: int | None, device: str):
 
 def build(spec, dtype: torch.dtype, device: str):
     """``spec``'s model on meta, then with (fake or real) storage on ``device``, in ``dtype``."""
-    model = fake.materialize(spec.build, device=device, dtype=dtype)
-    if spec.tied:  # materialize's to_empty gives each module its own tensor: tie the head again
-        tie_like_built(model, spec.build)
-    return model.train()
-
-
-def tie_like_built(model, make) -> None:
-    """Share again the parameters that ``make()`` shares (a tied embedding and head)."""
-    with torch.device("meta"):
-        reference = make()
-    first: dict[int, str] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, model.get_parameter(first[id(p)]))
-        else:
-            first[id(p)] = name
+    return fake.materialize(spec.build, device=device, dtype=dtype).train()
 
 
 def label_gradients(model) -> None:

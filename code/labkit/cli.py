@@ -229,9 +229,10 @@ _quiet = False  # set by main() under --json
 
 
 def progress(iterable: Iterable, total: int | None = None, desc: str = "", quiet: bool = False):
-    """A progress bar on stderr that shows itself only if the run lasts more than two seconds, and
-    never under ``--json``."""
+    """A progress bar on stderr that shows itself only if the run lasts more than two seconds, only
+    on a terminal (a notebook or a log gets no bar), and never under ``--json``."""
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, disable=_quiet or quiet, delay=2.0, leave=False,
-                file=sys.stderr)
+    on_terminal = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, disable=_quiet or quiet or not on_terminal, delay=2.0,
+                leave=False, file=sys.stderr)

@@ -44,6 +44,7 @@ STARTERS = {
     11: "zero_fsdp.py",
     12: "memory_debugging.py",
     13: "fit.py",
+    14: "serve_memory.py",
 }
 
 _SLUG = re.compile(r"^lab-(\d\d)-[a-z0-9-]+$")

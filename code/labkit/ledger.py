@@ -438,7 +438,7 @@ class Ledger(TorchDispatchMode):
             scopes = [self.scope_of(r) for r in self.records]
             phase_marks = list(self._phase_marks)
             initial = list(self._initial)
-            initial_sizes = {sid: self._initial_size(sid) for sid in initial}
+            initial_sizes = self._initial_sizes(initial, events)
         tl = Timeline(categories=CATEGORIES)
         tl.device = {c: [] for c in CATEGORIES}
         tl.host = {c: [] for c in CATEGORIES}
@@ -484,11 +484,14 @@ class Ledger(TorchDispatchMode):
                 tl.cuda_reserved.append(reserved)
         return tl
 
-    def _initial_size(self, sid: int) -> int:
-        for ev in self.events:  # a later resize event knows the size it started from
-            if ev[0] == "resize" and ev[1] == sid:
-                return ev[2]
-        return self.records[sid].nbytes
+    def _initial_sizes(self, initial: list[int], events: list[tuple]) -> dict[int, int]:
+        """What each storage registered before the run held when the run began: its first resize
+        event knows the size it started from; otherwise its size now. One pass over the events."""
+        wanted, sizes = set(initial), {}
+        for ev in events:
+            if ev[0] == "resize" and ev[1] in wanted and ev[1] not in sizes:
+                sizes[ev[1]] = ev[2]
+        return {sid: sizes.get(sid, self.records[sid].nbytes) for sid in initial}
 
     def peaks_by_phase(self) -> dict[str, dict[str, int]]:
         """Shorthand for ``timeline().peaks_by_phase()``."""

@@ -202,6 +202,22 @@ class SyntheticTokens:
         return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
+class RandomTokens:
+    """Token ids drawn uniformly from ``vocab``; batch ``i`` depends only on ``(seed, i)``, with the
+    ``batch`` signature of :class:`SyntheticTokens`. For a real model (``--model``): SyntheticTokens
+    keeps a (seq_len + 1) x vocab table, 4.2 GB of int64 at Llama 3's 128,256 tokens and 4,096
+    positions; random ids cost only the batch, the same (B, T) int64 tensors."""
+
+    def __init__(self, vocab: int, seq_len: int, seed: int = 0) -> None:
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+
+    def batch(self, index: int, batch_size: int, device: torch.device | str = "cpu"):
+        """Inputs and next-token targets, both ``(batch_size, seq_len)`` int64."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        seq = torch.randint(self.vocab, (batch_size, self.seq_len + 1), generator=g)
+        return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
 # ---------------------------------------------------------------------- the seam of TinyGPT's forward
 def run_in_order(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     """TinyGPT's block loop: each block on the output of the one before. The default of

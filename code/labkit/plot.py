@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import matplotlib.transforms as transforms
 from matplotlib.patches import Patch
 
 from labkit.table import UNITS, pick_unit
@@ -153,6 +154,7 @@ def decimate(values: Sequence[float], max_points: int) -> list[int]:
 PAGE_WIDTH_IN = 5.2
 MIN_FONT_PT = 12.0
 PANEL_HEIGHT_IN = 3.1
+LEGEND_GAP_IN = 0.62  # from the axes' bottom to a legend under them: below the tick labels and the x label
 LEGEND_WRAP = 34  # characters of a legend label per line, at MIN_FONT_PT under a PAGE_WIDTH_IN plot
 
 
@@ -180,8 +182,19 @@ def page_layout(fig) -> None:
                 if len(ax.get_shared_y_axes().get_siblings(ax)) > 1:
                     ax.tick_params(axis="y", labelleft=True)  # a shared y axis is no longer beside its twin
     n_rows = len({key[0] for key in panels}) if len({key[1] for key in panels}) == 1 else len(panels)
+    # Legends beside a plot go under it, one column (labels are long, phones narrow), their labels
+    # wrapped so that a legend is never wider than its plot; the figure grows by their height.
+    beside = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None and legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 >= 1.0:
+            labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
+            beside.append((ax, legend.legend_handles, labels))
+            legend.remove()
+    line_in = MIN_FONT_PT * 1.45 / 72
+    extra = sum(sum(label.count("\n") + 1 for label in labels) * line_in + LEGEND_GAP_IN for _, _, labels in beside)
     width, height = fig.get_size_inches()
-    new_height = max(height * PAGE_WIDTH_IN / width, PANEL_HEIGHT_IN * max(n_rows, 1))
+    new_height = max(height * PAGE_WIDTH_IN / width, PANEL_HEIGHT_IN * max(n_rows, 1)) + extra
     fig.set_size_inches(PAGE_WIDTH_IN, new_height)
     for text in fig.findobj(Text):
         if text.get_text() and text.get_fontsize() < MIN_FONT_PT:
@@ -191,20 +204,14 @@ def page_layout(fig) -> None:
             ticks = axis.get_major_ticks() + axis.get_minor_ticks()
             if any(t.label1.get_fontsize() < MIN_FONT_PT for t in ticks[:1]) or not ticks:
                 axis.set_tick_params(which="both", labelsize=MIN_FONT_PT)
-    for ax in fig.axes:
         legend = ax.get_legend()
-        if legend is None:
-            continue
-        if legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted()).x0 >= 1.0:  # beside the plot: under it, one column (labels are long, phones narrow)
-            # long labels wrap, so that the legend is never wider than the plot it sits under
-            handles = legend.legend_handles
-            labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
-            legend.remove()
-            style = dict(ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.2)
-            ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(-0.02, -0.2), **style)
-            continue
-        for text in legend.get_texts():
-            text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
+        if legend is not None:
+            for text in legend.get_texts():
+                text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
+    for ax, handles, labels in beside:  # under the x label: a fixed distance below the axes, in inches
+        under = transforms.offset_copy(ax.transAxes, fig=fig, x=0, y=-LEGEND_GAP_IN, units="inches")
+        ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(0, 0), bbox_transform=under,
+                  ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.0)
 
 
 def save(fig, path: str | os.PathLike) -> Path:

@@ -204,14 +204,59 @@ ax.grid(alpha=0.3, which="both")
 sweep = sweeps.sweep_table([p for points in curves.values() for p in points])
 display(sweep)
 
+# %% [markdown]
+# ## Real architectures (derived, from exact parameter counts)
+#
+# The same formulas for the zoo's real models: the parameter counts are the closed forms of
+# `labkit.zoo`, equal to the published ones (a test holds them to the digit). Lab 13 traces the
+# steps of these models on fake tensors and sets these formulas beside the trace.
+
+# %%
+zoo_models = sweeps.zoo_model_state()
+real_scale = sweeps.zoo_table(zoo_models)
+display(real_scale)
+
+# %% [markdown]
+# ## Model parallelism: what one GPU holds at 70B (derived)
+#
+# Llama-3-70B trained with one 8,192-token sequence per micro-batch. Activations per GPU come from
+# Korthikanti et al.'s Table 2 (`activation_bytes_per_layer` with `tp`, `sp` and `recompute`), in
+# 16-bit with 1-byte dropout masks: the paper's block at 70B's s, b, h, a and L. Model state is
+# mixed-precision AdamW, 16 B times the parameters on the GPU (`llama_params_per_gpu`: every matrix
+# and the vocabulary divided by t, the norms whole; a pipeline stage holds L/p layers). Under 1F1B,
+# stage 0 keeps p micro-batches of its L/p layers: L layers' worth, as on one pipeline stage.
+
+# %%
+parallel = sweeps.parallel_70b()
+parallelism = sweeps.parallel_table(parallel)
+display(parallelism)
+
+# %% [markdown]
+# ## Tensor parallelism traced: one 70B-width layer on one GPU of 8 (traced)
+#
+# `tp_trace.trace_block` splits a plain transformer layer (the paper's block without dropout, at
+# h = 8192, a = 64) with DTensor's `ColwiseParallel`/`RowwiseParallel` (and `SequenceParallel`),
+# plays rank 0 of 8 under PyTorch's fake process group, and runs forward on fake tensors in bf16
+# under the memory ledger. The formula is the same block's: no masks, and flash attention keeps no
+# scores. With SP, PyTorch keeps the all-gathered inputs of Q/K/V and of the MLP whole; Megatron
+# keeps this GPU's shard and gathers it again in backward.
+
+# %%
+traced_layer = sweeps.traced_70b_layer()
+parallelism_traced = sweeps.traced_table(traced_layer)
+display(parallelism_traced)
+
 # %%
 notebook.publish(
     nb, tables={"recipes": recipes, "zero_stages": zero_table, "activations_7b": act_table, "kv_cache": kv_table,
                 "measure": measure_table, "measure_mixed": mixed_table, "gap": gap, "saved": saved,
-                "sweep": sweep},
+                "sweep": sweep, "real_scale": real_scale, "parallelism": parallelism,
+                "parallelism_traced": parallelism_traced},
     figures={"zero_stages": fig_zero, "activations_vs_seq": fig_act, "timeline": fig_timeline,
              "toy_activations_vs_seq": fig_sweep},
     summary=result.summary(), mixed=mixed.summary(), kv_cache=kv,
     sweep={str(dropout): [[s, meas, listed, paper] for s, _, meas, listed, paper in points]
            for dropout, points in curves.items()},
-    derived_7b={"mixed_adamw_bytes": per_rank[0], "zero3_dp8_bytes_per_rank": per_rank[3]})
+    derived_7b={"mixed_adamw_bytes": per_rank[0], "zero3_dp8_bytes_per_rank": per_rank[3]},
+    zoo=zoo_models, parallel_70b=parallel, traced_70b_layer=traced_layer,
+    llama_3_70b_params=zoo_models["llama-3-70b"]["params"])

@@ -20,11 +20,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from labkit import notebook, plot
+from labkit import labs, notebook, plot
 from labkit.table import Table, by_category
 
 nb = notebook.setup(2)
 lab = nb.lab
+harness = labs.load(2, "scale_harness")  # the real-scale harness: peaks by step and phase
 # small on a CPU, GPU-sized on a GPU: the same code either way
 size = dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=8) if nb.on_gpu else {}
 config = lab.Config(device=nb.device.type, steps=3, **size)
@@ -53,6 +54,7 @@ print(f"{result.params:,} parameters in {result.tensors} tensors; {len(tl)} ledg
 fig = plot.plot_timeline(
     tl, title=f"Lab 02 · 3 training steps on {nb.device.type} (measured by the ledger)",
     overlay={"derived: params + grads + AdamW state": lab.predicted_model_state(tl, result.params, result.tensors)})
+fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 
 # %% [markdown]
 # ## Peaks: per phase, per step, and the formulas against the ledger (measured)
@@ -130,9 +132,71 @@ display(Table(["allocator", ("bytes", "bytes")],
        ["held beyond the ledger when the run began", c.get("unseen_before_window")],
        ["ledger peak", result.ledger.peak()["total"]]]))
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B and Llama-3.2-1B, traced on fake tensors
+#
+# The same `lab.run`, with `--model` and `--fake`: the step above, unchanged, runs the zoo's
+# Llama (`labkit.zoo`) in fp32 with AdamW, one sequence of 4,096 tokens per step, two steps, on
+# **fake tensors** (`labkit.fake`): every op computes its outputs' shapes and storages, nothing is
+# allocated, and the ledger counts each storage as the CUDA caching allocator would (512-byte
+# blocks). These figures are **traced**, not measured on a GPU: they leave out the CUDA context,
+# cuBLAS workspaces and allocator fragmentation, and the ops take their CPU path (attention: the
+# CPU flash kernel, which saves what CUDA's does, less two 8-byte RNG tensors per layer). AdamW
+# runs `foreach`, CUDA's default. A fake tensor has no value, so there are no losses here.
+
 # %%
+scale = lab.Config(fake=True, seq_len=4096, batch_size=1, steps=2)
+traced = {name: lab.run(replace(scale, model=name)) for name in ("llama-3-8b", "llama-3.2-1b")}
+CARD = 80 * 2**30  # an 80 GB H100 holds at most 80 GiB (PyTorch sees a little less)
+by_phase = {f"{name} · {key}": row for name, r in traced.items()
+            for key, row in harness.peaks_by_step_and_phase(r.ledger.timeline()).items()}
+real_scale = by_category(by_phase, label="model · step · phase (traced)")
+fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes"), ("parameters", "int"),
+             ("model state, 16 B x P", "bytes"), ("step 0 forward/backward peak (no AdamW state yet)", "bytes")],
+            [[name, r.ledger.peak()["total"], r.ledger.peak()["total"] <= CARD, r.params, 16 * r.params,
+              max(sum(by_phase[f"{name} · step 0 {p}"].values()) for p in ("forward", "backward"))]
+             for name, r in traced.items()])
+big = traced["llama-3-8b"].ledger.timeline()
+fig3 = plot.plot_timeline(big, title="Llama-3-8B, fp32 AdamW, 4,096 tokens (traced)", show_allocator=False,
+                          overlay={"80 GiB: an H100's memory": [CARD] * len(big)})
+fig3.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
+display(real_scale, fit)
+
+# %% [markdown]
+# ## Which AdamW, at 8B
+#
+# `foreach` (CUDA's default) updates every tensor in a few batched kernels and keeps an fp32
+# temporary the size of all the weights while it does; `fused` does the whole update in one kernel
+# with no such temporary; the for-loop holds one tensor's temporaries at a time. Same model, same
+# two steps, traced.
+
+# %%
+impls = {"foreach": traced["llama-3-8b"]} | {impl: lab.run(replace(scale, model="llama-3-8b", adamw=impl))
+                                            for impl in ("fused", "for-loop")}
+adamw_impls = Table(["AdamW", ("step peak", "bytes"), ("peak phase", "text"), ("optimizer-phase temporaries", "bytes")],
+                    [[impl, r.ledger.peak()["total"], harness.peak_phase(r.ledger.timeline()),
+                      r.ledger.timeline().peaks_by_phase()["optimizer"]["temporaries"]] for impl, r in impls.items()])
+display(adamw_impls)
+
+# %%
+def real_scale_numbers(r):
+    tl, now = r.ledger.timeline(), r.ledger.current()
+    phases = {key.replace(" ", "_").replace("step_", "step"): sum(row.values())
+              for key, row in harness.peaks_by_step_and_phase(tl).items()}
+    return phases | {"params": r.params, "peak": tl.peak()["total"], "fits_80gib": tl.peak()["total"] <= CARD,
+                     "adamw_state": now["optimizer_state"], "model_state": sum(
+                         now[c] for c in ("parameters", "gradients", "optimizer_state"))}
+
+
+phase_8b = harness.peaks_by_step_and_phase(big)
 notebook.publish(
-    nb, tables={"peaks": peaks, "step_peaks": step_peaks, "checks": checks, "zero_grad": zero_grad, "resume": resume},
-    figures={"timeline": fig, "zero_grad_modes": fig2},
+    nb, tables={"peaks": peaks, "step_peaks": step_peaks, "checks": checks, "zero_grad": zero_grad, "resume": resume,
+                "real_scale": real_scale, "real_scale_fit": fit, "real_scale_adamw": adamw_impls},
+    figures={"timeline": fig, "zero_grad_modes": fig2, "real_scale_timeline": fig3},
     summary=result.summary(), step_growth=steps[1]["total"] - steps[0]["total"],
-    resume_exact=full == resumed, zero_grad_final_loss={m: r.losses[-1] for m, r in modes.items()})
+    resume_exact=full == resumed, zero_grad_final_loss={m: r.losses[-1] for m, r in modes.items()},
+    real_scale={"8b": real_scale_numbers(traced["llama-3-8b"]) | {
+                    "activations": phase_8b["step 0 backward"]["activations"],
+                    "foreach_temporaries": phase_8b["step 1 optimizer"]["temporaries"],
+                    "fused_peak": impls["fused"].ledger.peak()["total"]},
+                "1b": real_scale_numbers(traced["llama-3.2-1b"])})

@@ -92,8 +92,8 @@ display(recipes)
 # %%
 fig_timelines, axes = plt.subplots(3, 1, figsize=(10, 10.5), dpi=110, layout="constrained")
 top = max(max(r.ledger.timeline().device_total()) for r in runs.values())
-for ax, (name, r) in zip(axes, runs.items()):
-    plot.plot_timeline(r.ledger.timeline(), ax=ax, max_points=300, ymax_bytes=top,
+for i, (ax, (name, r)) in enumerate(zip(axes, runs.items())):
+    plot.plot_timeline(r.ledger.timeline(), ax=ax, max_points=300, ymax_bytes=top, legend=i == 0,
                        title=f"{name}: 2 training steps on {nb.device.type} (ledger, measured)")
 
 # %% [markdown]
@@ -217,10 +217,35 @@ ax.grid(alpha=0.3)
 allocator = harness.allocator_table(result)
 display(allocator)
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B in fp32, bf16 autocast and pure bf16, traced on fake tensors
+#
+# The same `lab.run`, with `--model llama-3-8b --fake`: the zoo's Llama 3 8B, one sequence of 4,096
+# tokens, two steps per recipe, AdamW `foreach` (CUDA's default), on **fake tensors**: every op
+# computes shapes and storages, nothing is allocated, and the ledger rounds every storage to the
+# CUDA allocator's 512-byte blocks. Three recipes: fp32; bf16 autocast over fp32 master weights (the
+# lab's `bf16`); and `pure-bf16`, whose weights, gradients and AdamW moments are themselves bf16. The
+# model's loss upcasts the logits to fp32 (as Hugging Face and torchtitan do), so every recipe keeps
+# fp32 log-probabilities for backward. These figures are **traced**, not measured: no CUDA context,
+# cuBLAS workspaces or fragmentation, and the ops take their CPU path (`labkit/fake.py` says where
+# that differs from CUDA; `fake.autocast_audit` finds no op of this model whose autocast dtype CUDA
+# would change). No losses: a fake tensor has no value.
+
+# %%
+scale = lab.Config(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1, steps=2)
+traced = {}
+for name in ("fp32", "bf16", "pure-bf16"):
+    traced |= lab.run(replace(scale, recipe=name)).runs
+CARD = 80 * 2**30  # an 80 GB H100 holds at most 80 GiB (PyTorch sees a little less)
+real_scale = harness.real_scale_table(traced)
+real_scale_peaks = harness.real_scale_peaks_table(traced, CARD)
+display(real_scale, real_scale_peaks)
+
 # %%
 notebook.publish(
     nb, tables={"recipes": recipes, "saved": saved, "checks": checks, "ops": ops, "scaler": scaler,
-                "inject": inject, "allocator": allocator},
+                "inject": inject, "allocator": allocator, "real_scale": real_scale,
+                "real_scale_peaks": real_scale_peaks},
     figures={"loss_curves": fig_loss, "timelines": fig_timelines, "bytes": fig_bytes, "scale": fig_scale},
     summary=result.summary(), inject=injected.inject, scale_dynamics=dynamics.steps,
-    scale_skipped_steps=len(skips))
+    scale_skipped_steps=len(skips), real_scale=harness.real_scale_numbers(traced))

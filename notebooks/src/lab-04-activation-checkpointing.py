@@ -206,9 +206,73 @@ display(Table(["strategy", ("ledger peak", "bytes"), ("max_memory_allocated", "b
               [[s, r["peak_bytes"], (r["cuda"] or {}).get("max_memory_allocated"),
                 (r["cuda"] or {}).get("ledger_over_allocator")] for s, r in R.items()]))
 
+# %% [markdown]
+# ## At real scale: Llama 3 8B and 70B, traced on fake tensors
+#
+# The same `lab.run`, with `model=` a zoo architecture and `fake=True`: the lab's own four
+# strategies, through the same `run_blocks` seam, on Llama-3-8B (32 blocks) at 8,192 and 32,768
+# tokens and Llama-3-70B (80 blocks) at 8,192, batch 1, **pure bf16** weights and activations (no
+# autocast; the loss upcasts the logits to fp32, as Hugging Face and torchtitan do). Every figure in
+# this section is **traced on fake tensors** (`labkit.fake`): the ledger counts every storage the
+# step would hold, rounded to the CUDA caching allocator's 512-byte blocks, and `FlopCounterMode`
+# counts FLOPs from shapes; nothing is allocated, no value is computed, no time is measured.
+# The trace follows PyTorch's CPU dispatch (CPU flash attention, which saves what CUDA's flash
+# kernel saves) and has no CUDA context, cuBLAS workspace, NCCL buffer or fragmentation. Llama 3's
+# published context is 8,192 tokens; at 32,768 read it as Llama 3.1, whose blocks are the same.
+# The step peak is parameters + gradients + activations: this lab runs no optimizer.
+
+# %%
+at_scale = labs.load(4, "at_scale")
+traced = {(m, t): at_scale.trace(m, t) for m, t in at_scale.CONFIGS}
+real_scale = at_scale.table(traced)
+display(real_scale)
+
+# %% [markdown]
+# ## The segment rule at 80 blocks
+#
+# Every-k above uses the textbook k = round(√80) = 9. At Llama-3-70B, 8,192 tokens, we trace
+# k = 2, 3 and 4 as well (k = 1 and k = 9 come from the run above). A second peak appears that the
+# toy models did not have: as backward starts, the loss and the head hold S bytes (the fp32 logits
+# of a 128,256-token vocabulary and their gradient) on top of every kept block input. The rule
+# becomes peak(k) = max(C + G + (n/k)·b + k·a, C + ⌈n/k⌉·b + S): `segments.predict_with_head`,
+# its constants from three runs (none and k = 1 give C, a and S; k = 9, where the recompute window
+# is the higher, gives G). k = 2, 3 and 4 are predictions, not fits.
+
+# %%
+rule70 = at_scale.segment_rule(traced["llama-3-70b", 8192], ks=(1, 2, 3, 4, 9))
+n70, k70 = traced["llama-3-70b", 8192].config.depth, traced["llama-3-70b", 8192].every
+real_scale_segments = seg.table(rule70, n70, kind="bytes", evidence="traced")
+display(real_scale_segments)
+
+# %%
+real_segments, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110, layout="constrained")
+a70, b70, C70, G70, S70 = (rule70[k] for k in ("per_block_bytes", "block_input_bytes", "outside_bytes",
+                                               "backward_extra_bytes", "head_spike_bytes"))
+grid70 = range(1, 17)
+window, head = zip(*(seg.two_peaks(n70, k, a70, b70, C70, G70, S70) for k in grid70))
+window, head = [w / 2**30 for w in window], [h / 2**30 for h in head]
+ax.plot(grid70, window, color="#4C72B0", lw=1.2, ls=":", label="derived: recompute window, C + G + (n/k)·b + k·a")
+ax.plot(grid70, head, color="#DD8452", lw=1.2, ls=":", label="derived: head's peak, C + ⌈n/k⌉·b + S")
+ax.plot(grid70, [max(w, h) for w, h in zip(window, head)], color="#d62728", lw=1.6, ls="--",
+        label="derived peak: the higher of the two")
+traced_ks = list(rule70["measured"])
+ax.plot(traced_ks, [rule70["measured"][k]["activation_peak_bytes"] / 2**30 for k in traced_ks], "o", color="#d62728",
+        ms=7, label="traced activation peak")
+ax.axvline(k70, color="black", lw=1, ls="-.", label="textbook k = round(√n)")
+ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel="GiB", ylim=(0, 40),
+       title="Llama-3-70B, 80 blocks, 8,192 tokens, bf16 (traced on fake tensors)")
+ax.set_xticks([1, 2, 3, 4, 9, 16], ["1", "2", "3", "4", "9", "16"])
+ax.grid(alpha=0.3)
+ax.legend(fontsize=7.5, loc="upper left")
+
 # %%
 notebook.publish(
     nb, tables={"strategies": strategies, "gpu_targets": gpu_targets, "checks": checks,
-                "segments": segment_tables["TinyGPT"], "segments_chain": segment_tables["chain"]},
-    figures={"timelines": timelines, "cost": cost, "segments": segments},
-    summary=result.summary(), segments={"n": n, "tolerance": seg.TOLERANCE, **rules}, segment_findings=findings)
+                "segments": segment_tables["TinyGPT"], "segments_chain": segment_tables["chain"],
+                "real_scale": real_scale, "real_scale_segments": real_scale_segments},
+    figures={"timelines": timelines, "cost": cost, "segments": segments, "real_scale_segments": real_segments},
+    summary=result.summary(), segments={"n": n, "tolerance": seg.TOLERANCE, **rules}, segment_findings=findings,
+    real_scale=at_scale.numbers(traced), real_scale_rule=rule70 | {
+        "n": n70, "textbook_k": k70, "a_over_b": rule70["per_block_bytes"] / rule70["block_input_bytes"],
+        "textbook_k_peak_bytes": rule70["measured"][k70]["activation_peak_bytes"],
+        "best_k_peak_bytes": rule70["measured"][rule70["best_k_measured"]]["activation_peak_bytes"]})

@@ -237,13 +237,60 @@ cuda = Table(["impl", "N", ("ledger peak", "bytes"), ("max_memory_allocated - in
                r["peak_bytes"] / r["cuda_peak_bytes"] if r.get("cuda_peak_bytes") else None] for r in fwd.rows])
 display(cuda)
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B's attention at 8k, 32k and 128k tokens, traced on fake tensors
+#
+# The same `lab.run`, with `model="llama-3-8b"` (its attention's shape: 32 query heads, 8 key/value
+# heads, head dimension 128) and `fake=True`, in bf16, batch 1, at 8,192, 32,768 and 131,072 tokens;
+# chunks of 1,024 query rows (this lab's GPU setting). One attention layer, the attention itself:
+# q, k, v and the output gradient are inputs, made before the ledger starts; the peak is what the
+# attention allocates on top of them (with backward, the gradients of q, k and v included). Naive
+# and chunked attention repeat k and v to every query head (grouped-query attention, as Hugging
+# Face's eager path does); SDPA takes them as they are (`enable_gqa`). Full (not causal) attention,
+# as in the sweeps above. Every figure here is **traced on fake tensors** (`labkit.fake`): the
+# ledger counts each storage the attention would allocate, rounded to the CUDA caching allocator's
+# 512-byte blocks; nothing is allocated (the naive 131,072-token run would need terabytes), no
+# value is computed (so no error column), no time is measured. The trace takes PyTorch's CPU
+# dispatch: SDPA runs the CPU flash kernel, which keeps what CUDA's flash kernel keeps (the output
+# and a float32 log-sum-exp per row) less CUDA's two 8-byte RNG tensors; kernel workspaces, the CUDA
+# context and fragmentation are not in it.
+
+# %%
+llama = dict(model="llama-3-8b", fake=True, dtype="bfloat16", chunk=1024, seq_lens=(8192, 32768, 131072))
+real_fwd = lab.run(lab.Config(device="cpu", **llama))
+real_bwd = lab.run(lab.Config(device="cpu", backward=True, **llama))
+real_rec = lab.run(lab.Config(device="cpu", backward=True, recompute=True, impl="chunked", **llama))
+real_scale = measures.real_scale_table(real_fwd, real_bwd, real_rec)
+real_scale_derived = all(r["peak_bytes" if not res.config.backward else "kept_bytes"] == r["predicted_bytes"]
+                         for res in (real_fwd, real_bwd, real_rec) for r in res.rows)
+display(real_scale)
+
+# %%
+fig_real, ax = plt.subplots(figsize=(8, 5), dpi=110, layout="constrained")
+RNS = [float(n) for n in llama["seq_lens"]]
+real_series = {"naive": (real_bwd, "naive"), "chunked": (real_bwd, "chunked"),
+               "chunked + recompute": (real_rec, "chunked"), "sdpa": (real_bwd, "sdpa")}
+for name, (res, impl) in real_series.items():
+    ax.loglog(RNS, [r["peak_bytes"] for r in res.rows if r["impl"] == impl], marker=looks[name]["marker"],
+              color=looks[name]["color"], label=f"{name}: forward + backward peak (traced)")
+ax.loglog(RNS, [r["scores_bytes"] for r in real_fwd.rows if r["impl"] == "naive"], ":", color="#555555",
+          label="one N x N score matrix, 32 heads, bf16")
+ax.axhline(80e9, color="black", lw=1, ls="-.", label="80 GB: one H100's memory")
+ax.set(xlabel="sequence length N (log)", ylabel="bytes (log)",
+       title="Llama-3-8B attention, one layer, bf16 (traced on fake tensors)")
+ax.set_xticks(RNS, [f"{int(n):,}" for n in RNS])
+ax.legend(fontsize=7.5)
+ax.grid(which="both", alpha=0.25)
+
 # %%
 notebook.publish(
     nb, tables={"forward": forward, "forward_derived": forward_derived, "backends": backends, "slopes": slope_table,
                 "scratch": scratch_table, "scratch_threads": scratch_threads, "backward": backward,
                 "backward_peak": backward_peak, "backward_slopes": backward_slopes, "causal": causal_table,
-                "cuda": cuda},
-    figures={"peak_vs_seq": fig, "timelines": fig_tl, "backward_vs_seq": fig_bwd},
+                "cuda": cuda, "real_scale": real_scale},
+    figures={"peak_vs_seq": fig, "timelines": fig_tl, "backward_vs_seq": fig_bwd, "real_scale": fig_real},
+    real_scale=measures.real_scale_numbers(real_fwd, real_bwd, real_rec) | {
+        "chunk": llama["chunk"], "equal_to_the_formulas": real_scale_derived},
     summary=fwd.summary(), slope_bands=measures.SLOPE_BANDS, timeline_seq_len=N_TL, backward_max_seq_len=BNS[-1],
     pinned={pin: {"ran": r.backends_ran, "slope": r.slopes()["sdpa"]} for pin, r in pinned.items()},
     kernel_scratch_bytes=scratch, kernel_scratch_bytes_by_threads=by_threads,

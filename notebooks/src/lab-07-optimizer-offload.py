@@ -20,6 +20,9 @@
 #    the same AdamW implementation; fused against the for-loop differs by rounding only.
 # 3. Fused CPU AdamW against foreach and the for-loop, on the same parameters (drawn from the
 #    benchmark's committed result).
+# 4. At real scale (Llama-3-8B, bf16 weights, traced on fake tensors): whether the step fits one
+#    80 GB GPU with AdamW on the device and with its state on the host, and what the host and the
+#    bus pay for it.
 
 # %%
 import importlib.util
@@ -67,19 +70,25 @@ print(f"P = {P:,} parameters in T = {T} tensors")
 # creates its moments inside `marks.category("host_copies")`). All six panels share one y axis.
 
 # %%
+def draw_timelines(timelines, modes, unit, evidence=""):
+    """Device (left) and host (right) timelines of each mode, all on one y axis."""
+    top = max(max(max(tl.device_total()), max(tl.host_total())) for tl in timelines.values())
+    figure, axes = plt.subplots(3, 2, figsize=(13, 8.4), dpi=110, layout="constrained", sharey=True)
+    for row, (mode, tl) in zip(axes, timelines.items()):
+        s, title = modes[mode], accounting.TITLES[mode] + evidence
+        plot.plot_timeline(tl, ax=row[0], legend=mode == "none", max_points=160, unit=unit, ymax_bytes=top,
+                           title=f"{title} · device: peak {format_bytes(s['peak_device_bytes'])}")
+        plot.plot_timeline(tl, ax=row[1], scope="host", legend=False, max_points=160, unit=unit, ymax_bytes=top,
+                           title=f"{title} · host: {format_bytes(s['host_bytes'])} at the end")
+        if mode == "optimizer":
+            row[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        for ax in row:
+            ax.set_xlabel("ledger events")
+    return figure, axes
+
+
 timelines = {m: r.ledger.timeline() for m, r in runs.items()}
-top = max(max(max(tl.device_total()), max(tl.host_total())) for tl in timelines.values())
-fig, axes = plt.subplots(3, 2, figsize=(13, 8.4), dpi=110, layout="constrained", sharey=True)
-for row, (mode, tl) in zip(axes, timelines.items()):
-    s, title = modes[mode], accounting.TITLES[mode]
-    plot.plot_timeline(tl, ax=row[0], legend=mode == "none", max_points=160, unit="MiB", ymax_bytes=top,
-                       title=f"{title} · device: peak {format_bytes(s['peak_device_bytes'])}")
-    plot.plot_timeline(tl, ax=row[1], scope="host", legend=False, max_points=160, unit="MiB", ymax_bytes=top,
-                       title=f"{title} · host: {format_bytes(s['host_bytes'])} at the end")
-    if mode == "optimizer":
-        row[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    for ax in row:
-        ax.set_xlabel("ledger events")
+fig, _ = draw_timelines(timelines, modes, "MiB")
 
 # %% [markdown]
 # ## Bytes per parameter: derived against measured
@@ -116,14 +125,14 @@ display(bytes_per_param)
 # %% [markdown]
 # ## The same figures as exact bytes
 #
-# On CPU the ledger counts `storage.nbytes()`, and a copy counter (`labkit.schedule.Copies`, a
-# dispatch mode) sees every copy into and out of the host buffers, so formula and measurement agree
+# On CPU the ledger counts `storage.nbytes()`, and a copy counter (`offload_accounting.BusCopies`, a
+# dispatch mode) sees every copy between the device and the host buffers, so formula and measurement agree
 # to the byte (`tests/test_lab07.py` asserts each row). With gradient offload, at most one module's
 # gradients are on the device at a time.
 
 # %%
 engine = runs["optimizer"].optimizer
-checks = accounting.checks(modes, engine.master.nbytes, engine.master.flat.nbytes)
+checks = accounting.checks(modes, engine)
 largest_module = max(sum(p.nbytes for p in m.parameters(recurse=False)) for m in runs["gradients"].model.modules())
 gradients = Table(["gradient offload", ("bytes", "B")], [
     ["most gradient bytes on the device at once (measured)", max(timelines["gradients"].device["gradients"])],
@@ -211,14 +220,44 @@ overhead_table = Table(["mode", "overlap", ("ms per step (median)", "float:1"), 
                        or [["not measured: this notebook ran on a CPU", "-", None, None]])
 display(overhead_table)
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B on one 80 GB GPU
+#
+# The same `run`, the same three modes, on Llama-3-8B (the zoo's `llama-3-8b`, 8.0 B parameters)
+# with bf16 weights and gradients on the device, 4096 tokens, batch 1, two steps (AdamW's state
+# exists from the first one). Device AdamW keeps an fp32 master copy of the weights and both
+# moments on the device, mixed-precision training's 16 bytes per parameter; the offload engine
+# keeps them on the host and sends bf16 across the bus both ways. The lab has no checkpointing
+# switch: every activation of the step is kept (Lab 04 and Lab 09 take those on).
+#
+# Every figure in this section is **traced on fake tensors** (`--fake`): each op computes shapes
+# and storages and allocates nothing; the ledger counts the storages, rounded to the CUDA
+# allocator's 512-byte blocks. The trace follows the CPU dispatch (`labkit/fake.py`): no CUDA
+# context, cuBLAS workspaces or allocator fragmentation, and the engine's host buffers are not
+# pinned in it (it pins on CUDA only; the bytes are the same). No values, no time.
+
+# %%
+real = lab.run(lab.Config(model="llama-3-8b", fake=True, precision="bf16", seq_len=4096, batch_size=1, steps=2))
+real_modes = real.modes()
+real_numbers = accounting.real_scale(real_modes)
+real_scale = accounting.real_scale_table(real_numbers)
+display(real_scale)
+fig4, real_axes = draw_timelines({r.mode: r.ledger.timeline() for r in real.runs}, real_modes, "GiB", " (traced)")
+for ax in real_axes[:, 0]:
+    ax.axhline(80, color="#C44E52", lw=1.0, ls="--", zorder=5)
+    ax.text(0, 80, " 80 GiB: one H100", color="#C44E52", fontsize=8, va="bottom")
+
 # %%
 notebook.publish(
     nb, tables={"bytes_per_param": bytes_per_param, "checks": checks, "gradient_offload": gradients,
-                "equality": equality_table, "cpu_adamw": cpu_adamw, "overhead": overhead_table},
-    figures={"timelines": fig, "bytes_per_param": fig2, "cpu_adamw": fig3},
+                "equality": equality_table, "cpu_adamw": cpu_adamw, "overhead": overhead_table,
+                "real_scale": real_scale},
+    figures={"timelines": fig, "bytes_per_param": fig2, "cpu_adamw": fig3, "real_scale": fig4},
     summary=result.summary(), equality=equality, tolerance=tolerance,
     cpu_adamw_from=bench_file.relative_to(REPO_ROOT).as_posix(), cpu_adamw_target=bench.TARGET,
     cpu_adamw={"cpu": adam_run["provenance"]["cpu"], "threads": adam_run["threads"],
                "speedup": [s["impls"]["fused"]["speedup_vs_forloop"] for s in adam_run["sets"]],
                "params": [s["params"] for s in adam_run["sets"]]},
-    offload_overhead=overhead, flat_host_buffer_bytes=engine.master.nbytes)
+    offload_overhead=overhead, flat_host_buffer_bytes=engine.master.nbytes,
+    real_scale={"model": real.config.model, "params": real_modes["none"]["params"], "seq_len": real.config.seq_len,
+                "traced": real.summary()["traced"], "modes": real_numbers})

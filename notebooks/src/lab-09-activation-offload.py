@@ -32,7 +32,7 @@ derived = labs.load(9, "offload_checks")
 # times are not shown); GPU-sized on a GPU
 size = dict(width=1024, layers=32, heads=16, seq_len=1024, batch_size=8, steps=10) if nb.on_gpu else dict(steps=1)
 config = lab.Config(device=nb.device.type, **size)
-b = 4 * config.batch_size * config.seq_len * config.width  # one fp32 block input, bytes
+b = config.block_input_bytes  # one fp32 block input
 
 # %% [markdown]
 # ## Five modes, one step each under the ledger
@@ -66,18 +66,25 @@ display(gradients)
 # panel per mode, forward and backward only.
 
 # %%
-tls = {m: result.ledgers[m].timeline().window("forward", "backward") for m in R}
-top = max(max(max(tl.device_total()), max(tl.host["host_copies"])) for tl in tls.values())
-unit, _ = pick_unit(top)
-timelines, axes = plt.subplots(len(tls), 1, figsize=(10, 2.3 * len(tls)), dpi=110, layout="constrained")
-for ax, (m, tl) in zip(axes, tls.items()):
-    plot.plot_timeline(tl, ax=ax, overlay={"host copies": tl.host["host_copies"]}, ymax_bytes=top,
-                       legend=(m == "none"), max_points=260, unit=unit,
-                       title=f"{m}: activation peak {format_bytes(R[m]['activation_peak_bytes'])}, host copies up to "
-                             f"{format_bytes(R[m]['host_peak_bytes'])} (measured, {nb.device.type})")
-    ax.set_ylabel(f"live bytes ({unit})")
-    if ax is not axes[-1]:
-        ax.set_xlabel("")
+def draw_timelines(result, evidence):
+    """One panel per mode of ``result``: device bytes by category, host copies dashed, one scale."""
+    tls = {m: result.ledgers[m].timeline().window("forward", "backward") for m in result.results}
+    top = max(max(max(tl.device_total()), max(tl.host["host_copies"])) for tl in tls.values())
+    unit, _ = pick_unit(top)
+    figure, axes = plt.subplots(len(tls), 1, figsize=(10, 2.3 * len(tls)), dpi=110, layout="constrained")
+    for ax, (m, tl) in zip(axes, tls.items()):
+        r = result.results[m]
+        plot.plot_timeline(tl, ax=ax, overlay={"host copies": tl.host["host_copies"]}, ymax_bytes=top,
+                           legend=(m == "none"), max_points=260, unit=unit,
+                           title=f"{m}: activation peak {format_bytes(r['activation_peak_bytes'])}, host copies up to "
+                                 f"{format_bytes(r['host_peak_bytes'])} ({evidence})")
+        ax.set_ylabel(f"live bytes ({unit})")
+        if ax is not axes[-1]:
+            ax.set_xlabel("")
+    return figure
+
+
+timelines = draw_timelines(result, f"measured, {nb.device.type}")
 
 # %% [markdown]
 # ## Formula against measurement
@@ -115,7 +122,7 @@ shape = (dict(width=1024, heads=16, seq_len=1024, batch_size=4) if nb.on_gpu
          else dict(width=32, heads=2, seq_len=32, batch_size=4, vocab=64))
 narrow = lab.Config(device=nb.device.type, **shape)
 held = derived.blocks_held(narrow.keep_last, narrow.prefetch)
-depth_rule = derived.depth_rule(derived.depth_sweep(narrow, nb.device), 4 * narrow.batch_size * narrow.seq_len * narrow.width,
+depth_rule = derived.depth_rule(derived.depth_sweep(narrow, nb.device), narrow.block_input_bytes,
                                 narrow.keep_last, narrow.prefetch)
 depth = derived.depth_table(depth_rule, held)
 display(depth)
@@ -172,9 +179,35 @@ display(Table(["mode", ("ledger peak", "bytes"), ("max_memory_allocated", "bytes
               [[m, r["peak_bytes"], (r["cuda"] or {}).get("max_memory_allocated"),
                 (r["cuda"] or {}).get("ledger_over_allocator")] for m, r in R.items()]))
 
+# %% [markdown]
+# ## At real scale: Llama-3-8B at 4k and 16k tokens
+#
+# The same `lab.run`, the same five modes and knobs, on Llama-3-8B (the zoo's `llama-3-8b`) in
+# bf16, batch 1, at 4,096 and 16,384 tokens: one forward and backward each, no optimizer. Every
+# figure here is **traced on fake tensors** (`--fake`): each op computes shapes and storages and
+# allocates nothing; the ledger counts the storages, rounded to the CUDA allocator's 512-byte
+# blocks. The trace follows the CPU dispatch (`labkit/fake.py`; CPU flash attention keeps what
+# CUDA's keeps, less two 8-byte RNG tensors per layer) and leaves out the CUDA context, cuBLAS
+# workspaces and allocator fragmentation. The streamed hooks pin their host buffers on CUDA only and
+# `save_on_cpu` when a CUDA driver is present: on a CPU-only build nothing is pinned in a trace; the
+# bytes are the same. No values (no gradient check), no time.
+
+# %%
+traced = {n: lab.run(lab.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_len=n, batch_size=1))
+          for n in derived.REAL_SCALE_LENGTHS}
+real_scale = derived.real_scale_table(traced)
+display(real_scale)
+longest = max(traced)
+real_timelines = draw_timelines(traced[longest], f"traced, Llama-3-8B, {longest:,} tokens")
+for ax in real_timelines.axes:  # GiB: the largest value picks the unit
+    ax.axhline(80, color="#C44E52", lw=1.0, ls="--", zorder=5)
+    ax.text(0, 80, " 80 GiB: one H100", color="#C44E52", fontsize=8, va="bottom")
+
 # %%
 notebook.publish(
     nb, tables={"modes": modes, "gradients": gradients, "checks": checks, "depth": depth, "keep_last": keep_last,
-                "min_bytes": min_bytes},
-    figures={"timelines": timelines, "depth": depth_figure},
-    summary=result.summary(), depth=depth_rule, blocks_held=held)
+                "min_bytes": min_bytes, "real_scale": real_scale},
+    figures={"timelines": timelines, "depth": depth_figure, "real_scale": real_timelines},
+    summary=result.summary(), depth=depth_rule, blocks_held=held,
+    real_scale={"model": "llama-3-8b", "dtype": "bfloat16", "batch_size": 1, "traced": lab.TRACED,
+                "tokens": derived.real_scale(traced)})

@@ -187,9 +187,48 @@ display(Table(["rank", ("max allocated, last step", "bytes"), ("unseen by the le
               [[m["rank"], *((m["cuda"] or {}).get(k) for k in ("max_memory_allocated", "unseen_before_window",
                                                                  "ledger_over_allocator"))] for m in result["memory"]]))
 
+# %% [markdown]
+# ## At real scale: one rank of 8 or 64, traced
+#
+# The same `train` for ONE rank (rank 0) of a job of 8 or 64 ranks, in this kernel:
+# `world_size=N` puts the process in PyTorch's fake process group (every collective returns at
+# once and moves no data; DDP's buckets are still allocated, so the ledger counts them), and
+# `fake=True` runs it on fake tensors (**traced on fake tensors: bytes, no values, no time**).
+# Llama-3-8B as this lab trains (fp32 weights, fp32 AdamW in its `foreach` implementation, CUDA's
+# default), one 4,096-token sequence per rank, PyTorch's default 25 MiB buckets, two steps (the
+# second has AdamW's state and the rebuilt buckets). The trace follows CPU dispatch (`labkit.fake`
+# says where CUDA's would differ) and holds neither the CUDA context, cuBLAS workspaces, NCCL's own
+# buffers nor the allocator's fragmentation. There are no replicas to compare and no replay.
+
+# %%
+trace_report = labs.load(10, "ddp_trace_report")
+at_scale = dict(model="llama-3-8b", fake=True, seq_len=4096, batch_size=1, steps=2, bucket_cap_mb=25)
+jobs = {"llama_3_8b_8": dict(world_size=8), "llama_3_8b_64": dict(world_size=64),
+        "llama_3_8b_64_view": dict(world_size=64, grad_as_bucket_view=True)}
+traces = {key: {k: v for k, v in lab.run(lab.Config(**job, **at_scale)).summary().items() if k != "provenance"}
+          for key, job in jobs.items()}  # the notebook's own provenance is the one publish writes
+real_scale = trace_report.real_scale_table(traces)
+real_scale_buckets = trace_report.real_scale_buckets_table(traces)
+display(real_scale, real_scale_buckets)
+phases = ("forward", "backward", "optimizer")
+bars = [(f"{'view' if s['grad_as_bucket_view'] else 'copy'} · {phase}", s["memory"]["peaks_by_phase"][phase])
+        for key, s in traces.items() if key != "llama_3_8b_8" for phase in phases]
+fig_real, ax = plt.subplots(figsize=(5.2, 0.5 * len(bars) + 2.2), dpi=110, layout="constrained")
+left = [0.0] * len(bars)
+for cat in [c for c in plot.CATEGORY_COLORS if any(row.get(c) for _, row in bars)]:
+    widths = [row[cat] / 2**30 for _, row in bars]
+    ax.barh([label for label, _ in bars], widths, left=left, color=plot.CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+    left = [a + b for a, b in zip(left, widths)]
+ax.invert_yaxis()
+ax.set(xlabel="GiB on rank 0 of 64", title="Llama-3-8B under DDP, each phase's peak (traced)")
+ax.grid(axis="x", alpha=0.3)
+legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
 # %%
 notebook.publish(
     nb, tables={"memory": memory, "peaks": peaks, "buckets": buckets, "bucket_checks": bucket_checks,
-                "identical": identical, "reference": reference, "losses": losses},
-    figures={"timeline": fig, "memory_per_rank": fig2, "buckets": fig3},
-    summary=result, grad_as_bucket_view_run={"losses": runs["view"]["losses"], "memory": runs["view"]["memory"]})
+                "identical": identical, "reference": reference, "losses": losses, "real_scale": real_scale,
+                "real_scale_buckets": real_scale_buckets},
+    figures={"timeline": fig, "memory_per_rank": fig2, "buckets": fig3, "real_scale": fig_real},
+    summary=result, grad_as_bucket_view_run={"losses": runs["view"]["losses"], "memory": runs["view"]["memory"]},
+    real_scale=traces)

@@ -195,12 +195,56 @@ pinned = inference_report.pinned_offload_support()
 support = inference_report.support_table(train, infer, pinned)
 display(support)
 
+# %% [markdown]
+# ## At real scale: one rank of 8 or 64, traced
+#
+# The same `wrap`, step and ledger for ONE rank (rank 0) of a job of 8 or 64 ranks, in this kernel:
+# `world_size=N` puts the process in PyTorch's fake process group (every collective returns at
+# once and moves no data; the buffers it needs are still allocated, so the ledger counts them), and
+# `fake=True` runs it on fake tensors (**traced on fake tensors: bytes, no values, no time**).
+# Llama-3-8B and Llama-3-70B as this lab trains (fp32 weights, fp32 AdamW in its `foreach`
+# implementation, CUDA's default), one 4,096-token sequence per rank, two steps: the second, with
+# AdamW's state in place, is the one shown. The trace follows CPU dispatch (`labkit.fake` says
+# where CUDA's would differ) and holds neither the CUDA context, cuBLAS workspaces, NCCL's own
+# buffers nor the allocator's fragmentation. Every stage at 8 ranks; at 64, ZeRO-1 (whose rank 0
+# gets whole tensors) and ZeRO-3, the stage a 64-rank job runs (DDP's rank holds at 64 what it
+# holds at 8: Lab 10 traces both; stage 2 differs from 8 ranks only in its shards). Llama-3-70B at
+# stage 3: DDP and ZeRO-1 would keep its fp32 weights, gradients and buckets whole on every rank.
+
+# %%
+at_scale = dict(fake=True, seq_len=4096, batch_size=1, steps=2)
+jobs = {"llama_3_8b_8": dict(model="llama-3-8b", world_size=8),
+        "llama_3_8b_64_zero1": dict(model="llama-3-8b", world_size=64, stage="1"),
+        "llama_3_8b_64_zero3": dict(model="llama-3-8b", world_size=64, stage="3"),
+        "llama_3_70b_64_zero3": dict(model="llama-3-70b", world_size=64, stage="3")}
+traces = {key: lab.run(lab.Config(**job, **at_scale)).summary() for key, job in jobs.items()}
+for summary in traces.values():
+    summary.pop("provenance")  # the notebook's own record is the one publish writes
+real_scale = zero_report.real_scale_table(traces)
+real_scale_gap = zero_report.gap_table(traces)
+display(real_scale, real_scale_gap)
+rows = zero_report.trace_rows(traces)
+fig_real, ax = plt.subplots(figsize=(5.2, 0.45 * len(rows) + 1.4), dpi=110, layout="constrained")
+labels = [f"{s['model'].split('-')[-1].upper()} ×{s['world_size']} s{st['stage']}" for _, s, st in rows]  # 8B ×64 s3
+left = [0.0] * len(rows)
+for cat in [c for c in plot.CATEGORY_COLORS if any(st["peak_last_step"].get(c) for _, _, st in rows)]:
+    widths = [st["peak_last_step"][cat] / 2**30 for _, _, st in rows]
+    ax.barh(labels, widths, left=left, color=plot.CATEGORY_COLORS[cat], label=cat.replace("_", " "))
+    left = [a + b for a, b in zip(left, widths)]
+ax.scatter([st["lab01_model_state"] / 2**30 for _, _, st in rows], labels, marker="|", s=250, color="black",
+           zorder=3, label="Lab 01 model state (derived)")
+ax.invert_yaxis()
+ax.set(xlabel="GiB on rank 0 at its peak", title="Llama 3, one rank of N (traced)")
+ax.grid(axis="x", alpha=0.3)
+legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
 # %%
 unit_name, unit_bytes = inference_report.largest_unit(infer)
 notebook.publish(
     nb, tables={"model_state": model_state, "peak": peak, "traffic": traffic, "losses": losses,
-                "inference": inference_rows, "units": units, "support": support},
+                "inference": inference_rows, "units": units, "support": support, "real_scale": real_scale,
+                "real_scale_gap": real_scale_gap},
     figures={"model_state": fig_state, "peak": fig_peak, "timelines": fig_steps, "inference": fig_infer,
-             "inference_timelines": fig_infer_steps},
+             "inference_timelines": fig_infer_steps, "real_scale": fig_real},
     train=train, infer=infer, pinned_offload_probe=pinned, per_gpu=per_gpu,
-    largest_unit={"name": unit_name, "bytes": unit_bytes})
+    largest_unit={"name": unit_name, "bytes": unit_bytes}, real_scale=traces)

@@ -1,0 +1,226 @@
+"""Lab 14 - serving memory: a paged KV cache against static and growing ones, under continuous batching.
+
+A server runs many requests at once and does not know how long any of them will be. Each step it
+decodes one token for every running request, frees the finished ones and admits waiting ones while
+the KV pool has room (continuous batching, Yu et al., OSDI 2022, "Orca"); when the pool runs out mid-
+request it preempts the newest request, frees its keys and values and recomputes them later. How much
+of the pool holds real keys and values, and so how many requests run at once, depends on the cache:
+``paged_kv.py`` (blocks and block tables, Kwon et al., SOSP 2023) or ``kv_baselines.py`` (a static
+reservation of max_len per request; a region per sequence that is reallocated as it grows).
+
+Run it:
+    .venv/bin/python code/lab-14-serving-memory/serve_memory.py --device cpu
+    .venv/bin/python code/lab-14-serving-memory/serve_memory.py --cache paged --block-size 4 --system-prompt 32
+    .venv/bin/python code/lab-14-serving-memory/serve_memory.py --model llama-3-8b --fake --gpu h100-80gb --kv-dtype fp8
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import serving_budget
+import serving_trace
+import torch
+from kv_baselines import GrowingKVCache, StaticKVCache
+from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
+from serving_model import ServingLlama
+from serving_report import Result, Served, report
+from serving_trace import Request
+
+from labkit import budget, cli, marks, zoo
+from labkit.config import LabConfig, UsageError, option
+from labkit.ledger import Ledger
+
+
+# --8<-- [start:serve]
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    seq: int = -1  # the cache's name for its current admission
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.request.output_len
+
+
+def serve(cache, requests: list[Request], model: ServingLlama | None = None, prompt_of=None) -> Served:
+    """Continuous batching of ``requests`` over ``cache``; ``model`` computes the tokens (None: the
+    cache's bookkeeping alone, at any size), ``prompt_of(request)`` gives a prompt's token ids."""
+    arriving, waiting, running = deque(sorted(requests, key=lambda r: r.arrival)), deque(), []
+    served, step = Served(cache), 0
+    while arriving or waiting or running:
+        if not waiting and not running:
+            step = max(step, arriving[0].arrival)  # idle until the next request arrives
+        while arriving and arriving[0].arrival <= step:
+            r = arriving.popleft()
+            if cache.fits_alone(r.prompt_len + r.output_len):
+                waiting.append(Sequence(r))
+            else:  # (1)!
+                served.rejected[r.id] = f"{r.prompt_len} + {r.output_len} tokens: more than the {cache.name} cache can ever hold"
+        preempted = new = prefilled = 0
+        for s in list(running):  # room for each running sequence's next token, oldest first
+            while s in running and not cache.grow(s.seq):
+                victim = running.pop()  # (2)!
+                cache.free(victim.seq)
+                waiting.appendleft(victim)
+                preempted += 1
+        if running:
+            with marks.phase("decode", step):  # one token for every running sequence, in one batch
+                last = [s.tokens[-1] for s in running]
+                out = model.decode(cache, [s.seq for s in running], last) if model else [0] * len(running)
+            for s, token in zip(running, out):
+                s.tokens.append(token)
+            new += len(running)
+        for s in [s for s in running if s.done]:
+            running.remove(s)
+            cache.free(s.seq)  # (3)!
+            served.outputs[s.request.id] = s.tokens
+        while waiting:  # admit while the pool has room: a prefill gives each its first token
+            s, r = waiting[0], waiting[0].request
+            s.seq, length = served.next_seq(), r.prompt_len + len(s.tokens)  # a recompute runs its output too
+            prefix = (r.prefix, r.prefix_len) if r.prefix is not None else None
+            cached = cache.admit(s.seq, length, prefix)  # (4)!
+            if cached is None:
+                break
+            waiting.popleft()
+            with marks.phase("prefill", step):
+                context = prompt_of(r) + s.tokens if model else None
+                s.tokens.append(model.prefill(cache, s.seq, context, cached) if model else 0)
+            if prefix:
+                cache.publish_prefix(s.seq, prefix)
+            new, prefilled = new + 1, prefilled + length - cached
+            if s.done:
+                cache.free(s.seq)
+                served.outputs[r.id] = s.tokens
+            else:
+                running.append(s)
+        served.record(step, running, waiting, new, preempted, prefilled)
+        step += 1
+    return served
+# --8<-- [end:serve]
+
+
+# --8<-- [start:config]
+@dataclass
+class Config(LabConfig):
+    """Serve a request trace with a paged, a static and a growing KV cache, and size a real model's KV pool on a GPU."""
+
+    cache: Literal["all", "paged", "static", "growing"] = option("all", "the KV cache that serves the trace (all: each in turn)")
+    block_size: int = option(16, "tokens per block of the paged cache", min=1)
+    requests: int = option(32, "requests in the generated trace", min=1)
+    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)", above=0)
+    prompt_lens: tuple[int, ...] | None = option(
+        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1)
+    output_lens: tuple[int, ...] | None = option(
+        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1)
+    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with", min=0)
+    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)")
+    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; with --fake, the budget's pool)", min=1)
+    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)", min=1)
+    no_prefix_sharing: bool = option(False, "the paged cache keeps a copy of a shared prefix per request")
+    model: str = option("small-llama", "a Llama-family zoo model (small-llama, llama-3-8b, llama-3-70b, ...) "
+                        "or a Hugging Face config.json", metavar="NAME|PATH")
+    fake: bool = option(False, "real size: the serving run keeps the caches' bookkeeping only (no tensors, no "
+                        "tokens) on the budget's pool; the budget is traced on fake tensors either way")
+    gpu: Literal["h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb"] = option("h100-80gb", "the GPU the serving budget is sized for")
+    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1)
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", above=0, max=1)
+    kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
+        "bf16", "how keys and values are stored (fp8, int8: with a float32 scale per token and head)")
+    seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: the context)",
+                                 min=1)
+    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)", min=1)
+    non_torch_gib: float = option(1.0, "GiB per GPU outside PyTorch's allocator (CUDA context, cuBLAS, NCCL): "
+                                  "an assumption until measured", min=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("prompt_lens", "output_lens"):
+            pair = getattr(self, name)
+            if pair is not None and (len(pair) != 2 or pair[0] > pair[1]):
+                raise UsageError(f"--{name.replace('_', '-')} takes MIN,MAX with MIN <= MAX, got {','.join(map(str, pair))}")
+        if self.trace is not None and self.system_prompt:
+            raise UsageError("--system-prompt shapes a generated trace; put prefixes in the --trace file instead")
+        spec = self.spec()
+        if spec.family not in ("llama", "mixtral"):
+            raise UsageError(f"--model {self.model}: the serving forward runs the zoo's Llama-family models")
+        if spec.heads % self.tp or spec.ffn % self.tp or (self.tp > spec.kv_heads and self.tp % spec.kv_heads):
+            raise UsageError(f"--tp {self.tp} does not split {spec.name}'s {spec.heads} heads, {spec.kv_heads} KV heads "
+                             f"and MLP of {spec.ffn} evenly")
+        if self.fake and self.device == "cuda":
+            raise UsageError("--fake runs on this machine's CPU; leave --device at cpu or auto")
+
+    def spec(self):
+        return zoo.get(self.model)  # an unknown name or a bad path: UsageError, one line
+# --8<-- [end:config]
+
+
+# --8<-- [start:run]
+CACHES = {"paged": lambda store, c: PagedKVCache(store, c.block_size, share_prefixes=not c.no_prefix_sharing),
+          "static": lambda store, c: StaticKVCache(store, c.max_len or c.spec().context),
+          "growing": lambda store, c: GrowingKVCache(store)}
+
+
+def run(config: Config) -> Result:
+    device = cli.pick_device(config.device)
+    spec, t0 = config.spec(), time.perf_counter()
+    plan = serving_budget.plan(  # (1)!
+        spec, gpu=config.gpu, tp=config.tp, utilization=config.gpu_memory_utilization, kv_dtype=config.kv_dtype,
+        seq_len=config.seq_len or spec.context, chunk=config.prefill_chunk, block_size=config.block_size,
+        non_torch_bytes=int(config.non_torch_gib * serving_budget.GIB))
+    requests = requests_of(config, spec)
+    pool = config.pool_tokens or (plan.max_tokens_in_flight if config.fake else 8 * spec.context)
+    check_pool(config, plan, requests, pool)
+    model = None
+    if not config.fake:  # the model runs for real: its weights and the pool must fit this machine
+        per_token = kv_bytes_per_token(spec.layers, spec.kv_heads, spec.head_dim, config.kv_dtype)
+        budget.require(4 * spec.param_count() + pool * per_token, device,
+                       f"fp32 weights of {spec.name} and a {pool:,}-token KV pool; add --fake for a real-size model")
+        torch.manual_seed(config.seed)
+        model = ServingLlama(spec.build().to(device).eval())
+    served, ledgers = {}, {}
+    for kind in CACHES if config.cache == "all" else [config.cache]:
+        store = KVStore(layers=spec.layers, slots=pool, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                        kv_dtype=config.kv_dtype, device=device, allocate=model is not None)
+        ledger = Ledger(device)
+        if model:
+            ledger.track_module(model.model)
+        ledger.track(store.tensors(), "kv_cache")  # (2)!
+        with ledger:
+            served[kind] = serve(CACHES[kind](store, config), requests, model,
+                                 lambda r: serving_trace.prompt_tokens(r, spec.vocab, config.seed))
+        ledgers[kind] = ledger
+    return Result(config, spec, device, plan, requests, pool, served, ledgers, time.perf_counter() - t0)
+# --8<-- [end:run]
+
+
+def requests_of(config: Config, spec) -> list[Request]:
+    """The trace file's requests, or a generated trace whose default lengths scale with the model's context."""
+    if config.trace is not None:
+        return serving_trace.read(config.trace)
+    ctx = spec.context
+    return serving_trace.generate(
+        requests=config.requests, seed=config.seed, arrival_rate=config.arrival_rate,
+        prompt_lens=config.prompt_lens or (max(1, ctx // 16), max(1, 3 * ctx // 8)),
+        output_lens=config.output_lens or (max(1, ctx // 16), max(1, ctx // 2)), system_prompt=config.system_prompt)
+
+
+def check_pool(config: Config, plan, requests: list[Request], pool: int) -> None:
+    """Refuse, in one line, a pool that cannot hold even one request's prompt."""
+    if config.fake and not config.pool_tokens and plan.kv_pool_bytes <= 0:
+        raise UsageError(f"{plan.model} leaves no KV pool on {config.gpu} at --tp {config.tp}: weights "
+                         f"{plan.weights_bytes / 2**30:.1f} GiB + prefill {plan.prefill_peak_bytes / 2**30:.1f} GiB + "
+                         f"non-torch {plan.non_torch_bytes / 2**30:.1f} GiB > {plan.usable_bytes / 2**30:.1f} GiB usable")
+    longest = max(requests, key=lambda r: r.prompt_len)
+    if longest.prompt_len > pool:
+        raise UsageError(f"the KV pool ({pool:,} tokens, --pool-tokens) is smaller than the prompt of request "
+                         f"{longest.id} ({longest.prompt_len:,} tokens): no cache could ever admit it")
+
+
+if __name__ == "__main__":
+    cli.main(Config, run, report)

@@ -1,0 +1,156 @@
+"""Lab 14 - the measurements the page shows beyond one run: block sizes, prefix sharing, attention layouts,
+quantized caches, and the serving budget of real models. Each returns a :class:`labkit.table.Table`
+whose columns say whether a number is measured (the lab's own counts and errors, on CPU), derived
+(from a configuration) or traced (fake tensors at real size).
+
+Sweeps over the cache's bookkeeping run without the model (``serve(cache, requests)``): a schedule
+depends on lengths alone, and ``tests/test_lab14.py`` holds the bookkeeping run's records equal to the
+model run's, step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import serving_budget
+import torch
+from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
+from serve_memory import CACHES, serve
+
+from labkit import marks
+from labkit.ledger import Ledger
+from labkit.table import Table
+
+TABLE_ENTRY_BYTES = 4  # one int32 per block-table entry, as vLLM keeps its block tables
+
+
+def bookkeeping(kind: str, requests, *, spec, pool: int, config):
+    """``requests`` served by cache ``kind`` with no tensors behind it: the allocator's counts alone."""
+    store = KVStore(layers=spec.layers, slots=pool, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                    kv_dtype=config.kv_dtype, allocate=False)
+    return serve(CACHES[kind](store, config), requests)
+
+
+def block_sizes(requests, *, spec, pool: int, config, sizes=(1, 2, 4, 8, 16, 32, 64)) -> Table:
+    """The paged cache at each block size on one trace and pool: waste against block-table size."""
+    rows = []
+    for size in sizes:
+        m = bookkeeping("paged", requests, spec=spec, pool=pool, config=dataclasses.replace(config, block_size=size)).metrics()
+        table_bytes = m["mean_table_entries"] * TABLE_ENTRY_BYTES
+        stored = m["utilization"] * pool * kv_bytes_per_token(spec.layers, spec.kv_heads, spec.head_dim, config.kv_dtype)
+        rows.append([size, m["waste_fraction"], m["max_concurrent"], m["tokens_per_step"], m["preemptions"],
+                     table_bytes, table_bytes / stored])
+    return Table([("block size", "int"), ("waste of held", "pct:1"), ("max concurrent", "int"),
+                  ("tokens / step", "float:2"), ("preemptions", "int"), ("block tables (mean)", "size"),
+                  ("tables / KV stored", "pct:3")], rows)
+
+
+def prefix_sharing(requests, *, spec, pool: int, config) -> Table:
+    """The paged cache with and without sharing a common prefix's blocks, on one trace and pool."""
+    rows = []
+    for share in (False, True):
+        c = dataclasses.replace(config, no_prefix_sharing=not share)
+        m = bookkeeping("paged", requests, spec=spec, pool=pool, config=c).metrics()
+        rows.append(["shared once" if share else "a copy per request", m["shared_fraction"], m["max_concurrent"],
+                     m["tokens_per_step"], m["preemptions"], m["steps"]])
+    return Table(["prefix blocks", ("tokens not stored twice", "pct:1"), ("max concurrent", "int"),
+                  ("tokens / step", "float:2"), ("preemptions", "int"), ("steps", "int")], rows)
+
+
+def attention_layouts(name: str = "llama-3-8b", toy: str = "small-llama") -> Table:
+    """Keys and values per token for multi-head, grouped-query and multi-query attention: derived at a real
+    model's shape, and measured on the toy model's pools by the ledger."""
+    real, small = zoo_spec(name), zoo_spec(toy)
+    rows = []
+    for label, real_kv, toy_kv in (("MHA", real.heads, small.heads), (f"GQA ({name})", real.kv_heads, small.kv_heads),
+                                   ("MQA", 1, 1)):
+        with Ledger("cpu") as ledger, marks.category("kv_cache"):  # the ledger counts the pools as they are made
+            KVStore(layers=small.layers, slots=64, kv_heads=toy_kv, head_dim=small.head_dim, kv_dtype="bf16")
+        rows.append([label, real_kv, kv_bytes_per_token(real.layers, real_kv, real.head_dim, "bf16"), toy_kv,
+                     ledger.peak()["kv_cache"] // 64])
+    return Table(["attention", (f"KV heads ({name})", "int"), ("KV / token, bf16 (derived)", "size"),
+                  (f"KV heads ({toy})", "int"), ("KV / token, measured", "B")], rows)
+
+
+def zoo_spec(name: str):
+    from labkit import zoo
+
+    return zoo.get(name)
+
+
+def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llama-3-8b") -> Table:
+    """Each KV dtype against an fp32 cache on the same prompt and decode: the attention outputs' relative
+    error (the largest of any layer and step), the logits' largest difference and the greedy tokens that
+    agree (teacher-forced with the fp32 run's tokens), and the bytes per token at ``real``'s shape."""
+    spec, big = model.model.spec, zoo_spec(real)
+
+    def decode_run(kv_dtype: str, forced: list[int] | None):
+        store = KVStore(layers=spec.layers, slots=len(prompt) + steps, kv_heads=spec.kv_heads,
+                        head_dim=spec.head_dim, kv_dtype=kv_dtype)
+        cache, outputs, logits, inner = PagedKVCache(store, 16), [], [], model.attention
+
+        def recording(*args):
+            outputs.append(inner(*args))
+            return outputs[-1]
+        model.attention = recording
+        try:
+            cache.admit(0, len(prompt))
+            logits.append(model.forward(cache, [0], torch.tensor([prompt])))
+            for i in range(steps - 1):
+                cache.grow(0)
+                token = forced[i] if forced else int(logits[-1].argmax())
+                logits.append(model.forward(cache, [0], torch.tensor([[token]])))
+        finally:
+            model.attention = inner
+        return outputs, torch.cat(logits)
+
+    ref_out, ref_logits = decode_run("fp32", None)
+    forced = ref_logits.argmax(-1).tolist()
+    rows = []
+    for kind in ("fp32", "bf16", "fp8", "int8"):
+        out, logits = decode_run(kind, forced)
+        error = max(float((a - b).norm() / b.norm()) for a, b in zip(out, ref_out))
+        agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        rows.append([kind, kv_bytes_per_token(big.layers, big.kv_heads, big.head_dim, kind), error,
+                     float((logits - ref_logits).abs().max()), agree])
+    return Table(["KV dtype", (f"KV / token ({real})", "size"), ("attention error, max", "sci:1"),
+                  ("logits, max difference", "sci:1"), ("greedy tokens agreeing", "pct:0")], rows)
+
+
+def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9, seq_len: int = 8192,
+            chunk: int | None = None, non_torch_bytes: int = serving_budget.GIB, contexts=(8192, 32768),
+            reserve: int = 8192) -> tuple[Table, list]:
+    """The serving budget of each ``(model name, tp, kv_dtype)`` in ``cases`` on one ``gpu``: traced weights
+    and prefill peak, assumed non-torch memory, the KV pool and what it holds. Returns the table and the
+    :class:`serving_budget.Budget` of each case."""
+    plans, rows = [], []
+    for name, tp, kv_dtype in cases:
+        b = serving_budget.plan(zoo_spec(name), gpu=gpu, tp=tp, utilization=utilization, kv_dtype=kv_dtype,
+                                seq_len=seq_len, chunk=chunk, non_torch_bytes=non_torch_bytes)
+        plans.append(b)
+        fits = b.kv_pool_bytes > 0
+        rows.append([name, tp, kv_dtype, b.weights_bytes, b.prefill_peak_bytes, b.kv_pool_bytes if fits else None,
+                     b.kv_bytes_per_token, b.max_tokens_in_flight if fits else None,
+                     *((b.sequences(c) if fits else None) for c in contexts),
+                     b.sequences(reserve, reserve=reserve) if fits else None])
+    return Table(["model", ("TP", "int"), "KV dtype", ("weights / GPU", "size"), ("prefill peak", "size"),
+                  ("KV pool / GPU", "size"), ("KV / token / GPU", "size"), ("tokens in flight", "int"),
+                  *((f"sequences of {c // 1024}k", "int") for c in contexts),
+                  (f"static, {reserve // 1024}k reserved", "int")], rows), plans
+
+
+def prefill_peaks(name: str = "llama-3-8b", lengths=(8192, 32768), chunks=(None, 2048), decode_batch: int = 256) -> Table:
+    """Activations at the peak of one forward, traced: the zoo's training-style forward (every position's
+    logits) against the serving prefill (last-token logits), whole and in chunks; and one decode step of
+    ``decode_batch`` sequences, traced at a one-block context so that it holds its own activations and
+    not the gathered copies of the keys and values it reads (those are in the pool already)."""
+    spec, rows = zoo_spec(name), []
+    for length in lengths:
+        zoo_forward = serving_budget.trace_prefill(spec, seq_len=length, zoo_forward=True)["activations"]
+        rows.append([length, "zoo forward, every position's logits", zoo_forward])
+        for chunk in chunks:
+            peak = serving_budget.trace_prefill(spec, seq_len=length, chunk=chunk)["activations"]
+            rows.append([length, "serving prefill, " + (f"chunks of {chunk:,}" if chunk else "whole prompt"), peak])
+    decode = serving_budget.trace_step(spec, batch=decode_batch, context=16, new=1)["activations"]
+    rows.append([decode_batch, f"decode step: {decode_batch} sequences, one token each", decode])
+    return Table([("tokens", "int"), "forward", ("activations at the peak", "size")], rows)
