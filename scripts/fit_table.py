@@ -114,22 +114,25 @@ KIND = {lever.name: lever.kind for lever in LEVERS}
 # ----------------------------------------------------------------------------- what the labs traced
 def lab13_traced() -> list[dict]:
     """Lab 13's published traces of preset configurations: its two summaries and its zoo table (whose
-    rows' configurations are the ``CONFIGS`` of its notebook source, read as literals)."""
+    rows' configurations are the ``CONFIGS`` of its notebook source and the ``seq`` of the call that
+    traces them, read as literals: the summary publishes the table, not its configurations)."""
     data = json.loads((ROOT / "results" / labs.slug(13) / "summary.json").read_text())
     source = ast.parse((ROOT / "notebooks" / "src" / f"{labs.slug(13)}.py").read_text())
     configs = next(ast.literal_eval(_dict_calls(n.value)) for n in ast.walk(source)
                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CONFIGS")
-    seq = next(k.value.value for n in ast.walk(source) if isinstance(n, ast.Call) and getattr(n.func, "attr", "")
-               == "Config" for k in n.keywords if k.arg == "seq")
+    rows_call = next(n for n in ast.walk(source) if isinstance(n, ast.Call) and any(  # Config(..., **CONFIGS[label])
+        k.arg is None and ast.unparse(k.value).startswith("CONFIGS[") for k in n.keywords))
+    seq = next(k.value.value for k in rows_call.keywords if k.arg == "seq")
     out = []
     for key in ("summary", "llama70b"):
         s = data["numbers"][key]
         out.append({"inputs": _train_fields(s["config"]), "bytes": s["per_rank_peak_bytes"], "phase": s["peak_phase"],
-                    "by_category": s["by_category"], "compared": None,
+                    "by_category": s["by_category"], "compared": None, "free": [],
                     "source": f"results/{labs.slug(13)}/summary.json: numbers.{key}"})
     for row in data["tables"]["zoo"]["rows"]:
         fields_ = {"model": row[0], "seq": seq} | configs[row[1]]
-        out.append({"inputs": _train_fields(fields_), "bytes": row[2], "phase": row[3], "by_category": None, "compared": None,
+        out.append({"inputs": _train_fields(fields_), "bytes": row[2], "phase": row[3], "by_category": None,
+                    "compared": None, "free": [],
                     "source": f"results/{labs.slug(13)}/summary.json: table zoo, {row[0]}, {row[1]}"})
     return out
 
@@ -144,11 +147,12 @@ def lab14_traced() -> list[dict]:
     out = []
     for row in table["rows"]:
         r = dict(zip(cols, row))
-        x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"], precision="bf16",
-                   context=zoo.get(r["model"]).context, requests=1)
+        x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"],
+                   context=zoo.get(r["model"]).context)  # Lab 14 traces the prefill of a whole context, bf16
         out.append({"inputs": _fields(x), "bytes": r["weights / GPU"] + r["prefill peak"], "phase": "prefill",
                     "by_category": {"parameters": r["weights / GPU"], "activations": r["prefill peak"]},
                     "compared": ["parameters", "activations"],  # the KV pool is the budget's remainder
+                    "free": ["requests", "block_size", "gpu_memory_utilization"],  # they change the KV, not these
                     "source": f"{path.relative_to(ROOT)}: table real_scale"})
     return out
 

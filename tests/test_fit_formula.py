@@ -137,13 +137,14 @@ def test_formulas_follow_lab13s_trace_category_by_category(fields):
 
 
 def test_committed_real_scale_traces_agree():
-    """Every configuration Lab 13 traced at real size: Llama within 0.1 %, everything within 5 %."""
+    """Every configuration Lab 13 and Lab 14 traced at real size (the categories each traced): Llama
+    within 0.1 %, everything within 5 %."""
     script = table_script()
-    traced = script.lab13_traced()
-    assert len(traced) >= 10
+    traced = script.lab13_traced() + script.lab14_traced()
+    assert len(traced) >= 18
     for t in traced:
         formula = fit.estimate(Inputs(**t["inputs"]))
-        gap = (sum(formula.values()) - t["bytes"]) / t["bytes"]
+        gap = (sum(formula[k] for k in t["compared"] or formula) - t["bytes"]) / t["bytes"]
         limit = 0.05 if t["inputs"].get("model") == "mixtral-8x7b" else 0.001
         assert abs(gap) < limit, (t["source"], gap)
 
@@ -185,6 +186,34 @@ def test_peak_is_the_largest_moment_and_fused_adamw_drops_the_step_copy():
     totals = {k: sum(e.value for e in v.values()) for k, v in fit.moments(foreach).items()}
     assert sum(fit.estimate(foreach).values()) == max(totals.values())
     assert fit.moments(fused)["optimizer"]["temporaries"].value == 0
+
+
+@pytest.mark.parametrize(("model", "tp"), [("llama-3-8b", 1), ("llama-3-70b", 8), ("llama-3-70b", 16), ("mixtral-8x7b", 2)])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8", "fp32"])
+def test_serving_rank_and_kv_per_token_are_lab14s(model, tp, kv_dtype):
+    budget, paged = labs.load(14, "serving_budget"), labs.load(14, "paged_kv")
+    rank = budget.per_gpu_spec(zoo.get(model), tp)
+    assert fit.rank_spec(zoo.get(model), tp) == rank
+    x = Inputs(model=model, task="serve", tp=tp, kv_dtype=kv_dtype)
+    S = fit.symbols(x, fit.sizes(x))
+    want = paged.kv_bytes_per_token(rank.layers, rank.kv_heads, rank.head_dim, kv_dtype)
+    assert fit.kv_per_token(S, fit.KV_DTYPES[kv_dtype][1]).value == want
+
+
+@pytest.mark.parametrize(("model", "tp", "context", "kv_dtype", "block_size"), [
+    ("llama-3-8b", 1, 8192, "bf16", 16), ("llama-3-8b", 1, 32768, "fp8", 32), ("llama-3-70b", 4, 8192, "bf16", 16)])
+def test_serving_pool_is_lab14s_budget(model, tp, context, kv_dtype, block_size):
+    """The KV pool, its tokens and the requests it holds: Lab 14's ``Budget`` arithmetic (vLLM's), given
+    the same weights and prefill peak, on Lab 13's GPU table."""
+    budget = labs.load(14, "serving_budget")
+    x = Inputs(model=model, task="serve", tp=tp, context=context, kv_dtype=kv_dtype, block_size=block_size)
+    cats, S = fit.estimate(x), fit.symbols(x, fit.sizes(x))
+    lab14 = budget.Budget(model, "h100-80gb", tp, 0.9, kv_dtype, context, None, block_size, budget.GPUS["h100-80gb"],
+                          cats["parameters"], cats["activations"], labs.load(13, "fit_gpus").CUDA_CONTEXT_BYTES,
+                          S.k.value, fit.kv_per_token(S, fit.KV_DTYPES[kv_dtype][1]).value)
+    verdict = table_script().verdict(x, "h100-80gb")
+    assert (verdict["pool"], verdict["pool_tokens"]) == (lab14.kv_pool_bytes, lab14.max_tokens_in_flight)
+    assert verdict["pool_requests"] == lab14.sequences(context)
 
 
 def test_serving_budget_holds_the_requests_in_whole_blocks():

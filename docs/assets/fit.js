@@ -855,9 +855,9 @@
 
   function drawTraced(x) {
     const mine = nonDefault(x);
-    const hit = D.traced.find((t) => {
-      const want = Object.entries(t.inputs).map(([k, v]) => [k, String(v)]);
-      return want.length === Object.keys(mine).length && want.every(([k, v]) => mine[k] === v);
+    const hit = D.traced.find((t) => {  // the same inputs, but those that leave the traced bytes as they are
+      const keys = new Set([...Object.keys(t.inputs), ...Object.keys(mine)].filter((k) => !t.free.includes(k)));
+      return [...keys].every((k) => (k in t.inputs ? String(t.inputs[k]) : undefined) === mine[k]);
     });
     UI.traced.textContent = "";
     if (!hit) {
