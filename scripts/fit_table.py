@@ -43,9 +43,11 @@ SERVING_LEVERS = (
 )
 LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
-#: The lab that measures each category, and the lab behind each lever (linked from the page).
-MEASURED_BY = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
-               "communication": 11, "kv_cache": 14}
+#: The lab that measures each category, for each task, and the lab behind each lever (linked from the page).
+TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
+              "communication": 11, "kv_cache": 14}
+MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
+               "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
 LEVER_LAB = {"optimizer": 7, "precision": 3, "checkpointing": 4, "zero": 11, "batch": 6, "offload": 7, "kv": 14,
              "prefill": 14, "tp": 14}
 
@@ -302,7 +304,7 @@ def calculator(traced: list[dict]) -> dict:
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "cost": lv.cost, "tasks": list(lv.tasks),
                     "lab": _lab_link(LEVER_LAB[lv.kind])} for lv in LEVERS],
-        "measured_by": {k: _lab_link(n) for k, n in MEASURED_BY.items()},
+        "measured_by": {task: {k: _lab_link(n) for k, n in labs_.items()} for task, labs_ in MEASURED_BY.items()},
         "traced": traced,
     }
 

@@ -683,11 +683,9 @@
     UI.rows = {};
     const body = h("tbody");
     for (const cat of D.categories) {
-      const link = D.measured_by[cat];
       const tr = h("tr", { "data-category": cat },
         h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${D.colors[cat]}` }), cat.replace("_", " ")),
-        h("td", { class: "il-fit__num" }), h("td", { class: "il-fit__num" }),
-        h("td", {}, link ? h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` }) : "–"));
+        h("td", { class: "il-fit__num" }), h("td", { class: "il-fit__num" }), h("td", {}));
       UI.rows[cat] = tr;
       body.append(tr);
     }
@@ -764,6 +762,8 @@
     return `${p >= 0 ? "+" : "−"}${Math.abs(p).toFixed(digits)} %`;
   }
 
+  const labLink = (link) => h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` });
+
   function draw(x) {
     const v = verdict(x, gpu), g = D.gpus[gpu], total = v.total;
     const ratio = Number(total) / Number(v.capacity);
@@ -789,6 +789,12 @@
       tr.dataset.bytes = b.toString();
       tr.children[1].textContent = bytes(b);
       tr.children[2].textContent = total > 0n ? `${(100 * Number(b) / Number(total)).toFixed(1)} %` : "–";
+      const link = D.measured_by[x.task][cat], cell = tr.children[3];
+      if (cell.dataset.lab !== String(link && link.lab)) {  // the lab that measures it, for this task
+        cell.dataset.lab = String(link && link.lab);
+        cell.textContent = "";
+        cell.append(link ? labLink(link) : "–");
+      }
     }
     drawFormulas(x, v);
     drawTraced(x);
@@ -826,10 +832,10 @@
       const e = v.cats[cat];
       if (!e.value) continue;
       for (const m of e.text.matchAll(/\b[A-Za-z]+\b/g)) used.add(m[0]);
-      const link = D.measured_by[cat];
+      const link = D.measured_by[x.task][cat];
       UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat },
         h("p", {}, h("strong", { text: cat.replace("_", " ") }), " ", h("span", { class: "il-tag il-tag--derived", text: "derived" }),
-          link ? h("span", {}, " · measured in ", h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` })) : null),
+          link ? h("span", {}, " · measured in ", labLink(link)) : null),
         h("code", { class: "il-fit__text", text: e.text }), h("code", { class: "il-fit__filled", text: `= ${e.filled}` }),
         h("p", { class: "il-fit__value", text: `= ${fmt(e.value)} bytes (${bytes(e.value)})` })));
     }
@@ -891,7 +897,7 @@
         h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
         h("br"), h("small", {}, `cost: ${s.lever.cost}`,
-          s.lever.lab ? h("span", {}, " · ", h("a", { href: `../${s.lever.lab.page}`, text: `Lab ${String(s.lever.lab.lab).padStart(2, "0")}` })) : null)));
+          s.lever.lab ? h("span", {}, " · ", labLink(s.lever.lab)) : null)));
     }
     UI.levers.append(list);
   }
