@@ -146,7 +146,7 @@ def fields() -> list[dict]:
 
 def from_config_json(data: dict) -> dict:
     """The dimensions a Hugging Face config.json gives (its text model's, for a multimodal config)."""
-    data = data.get("text_config", data) if isinstance(data, dict) else data
+    data = data.get("text_config") or data if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise UsageError("a config.json is one JSON object")
     out = {}
