@@ -412,7 +412,7 @@ def on_page_content(html: str, page, config, files: Files) -> str:
     """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
     lab page says the same in prose, and its outputs are numbers); on every other page a code
     listing of more than three lines, its annotations, the tables (columns of numbers, which
-    nobody searches for) and a lab's exercises are left out; prose, headings and short commands stay."""
+    nobody searches for), a lab's exercises and its further reading are left out; prose, headings and short commands stay."""
     src = page.file.src_uri
     if src.endswith(".ipynb"):
         page.meta["search"] = {"exclude": True}
@@ -425,6 +425,8 @@ def on_page_content(html: str, page, config, files: Files) -> str:
     html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
     # A lab's exercises are prompts to try, not answers to find: their section stays out of the index.
     html = html.replace('<h2 id="exercises">', '<h2 id="exercises" data-search-exclude>')
+    # Further reading is a list of titles and links, each cited where the page uses it.
+    html = html.replace('<h2 id="further-reading">', '<h2 id="further-reading" data-search-exclude>')
     # A code listing's annotations become tooltips on the page: a search hit there points at nothing
     # the reader can see, and the prose around each listing says what it does.
     return ANNOTATIONS.sub(r"\1<ol data-search-exclude>", html)

@@ -6,10 +6,7 @@ Activations follow Korthikanti et al. 2022, layer by layer. The KV cache of infe
 model state across N data-parallel ranks, stage by stage. ``--measure`` runs one training step of the
 toy GPT of the same shape while the memory ledger watches, and sets measured bytes next to the formulas.
 
-Run it:
-    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --params 7e9 --precision mixed --zero-stage 3 --dp 8
-    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --layers 32 --hidden 4096 --heads 32 --seq 2048 --batch 1 --vocab 50304
-    .venv/bin/python code/lab-01-memory-accounting/memory_accounting.py --device cpu --measure
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

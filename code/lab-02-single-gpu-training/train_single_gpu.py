@@ -11,11 +11,7 @@ backward, gradients born in backward, AdamW's two moment tensors born at the fir
 The same step runs a real model at real size on fake tensors (``--model``, ``--fake``: the ledger
 counts every byte, nothing is allocated; ``scale_harness.py`` holds what the harness needs for it).
 
-Run it:
-    .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --device cpu
-    .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --model llama-3-8b --fake --seq-len 4096 --batch-size 1 --steps 2
-    .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --steps 4 --checkpoint ckpt.pt
-    .venv/bin/python code/lab-02-single-gpu-training/train_single_gpu.py --steps 4 --checkpoint ckpt.pt --resume
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

@@ -17,10 +17,7 @@ fp16 gradient: GradScaler skips the step and halves its scale.
 With ``--model llama-3-8b --fake`` the same recipes run the zoo's Llama at real size on fake tensors
 (the ledger counts every byte; nothing is allocated; Lab 02's ``scale_harness.py`` holds the harness).
 
-Run it:
-    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu
-    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --model llama-3-8b --fake --seq-len 4096 --batch-size 1 --recipe bf16
-    .venv/bin/python code/lab-03-mixed-precision/mixed_precision.py --device cpu --recipe fp16 --inject-inf-at 3
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

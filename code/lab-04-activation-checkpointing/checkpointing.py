@@ -19,11 +19,7 @@ memory (when a memory ledger watches), the recompute cost (extra FLOPs counted b
 ``FlopCounterMode``, time per step) and checks that the gradients equal the no-checkpointing
 gradients bit for bit, dropout included. How many blocks a segment should hold: ``segments.py``.
 
-Run it:
-    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu
-    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --strategy every-k --every 2 --layers 8
-    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --device cpu --json
-    .venv/bin/python code/lab-04-activation-checkpointing/checkpointing.py --model llama-3-8b --fake --dtype bfloat16 --seq-len 8192 --batch-size 1
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

@@ -14,10 +14,7 @@ again, unless each block is recomputed (--recompute), as the fused kernels do.
 With ``--kv-heads`` k and v have fewer heads than q (grouped-query attention); ``--model`` takes a
 zoo model's attention shape and ``--fake`` traces the sweep on fake tensors (bytes, no values).
 
-Run it:
-    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu
-    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --device cpu --backward --recompute
-    .venv/bin/python code/lab-05-memory-efficient-attention/attention.py --model llama-3-8b --fake --dtype bfloat16 --chunk 1024 --seq-lens 8192,32768,131072 --backward
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

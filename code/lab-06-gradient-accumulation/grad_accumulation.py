@@ -9,11 +9,7 @@ the blocks, and trains with the largest that fits, or says in one line (exit 2) 
 With ``--model llama-3-8b --fake`` the same trainer runs the zoo's Llama at real size on fake tensors
 (the ledger counts every byte; nothing is allocated; Lab 02's ``scale_harness.py`` holds the harness).
 
-Run it:
-    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu
-    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --model llama-3-8b --fake --seq-len 4096 --micro-batch 1 --accum-steps 4 --steps 2
-    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 16
-    .venv/bin/python code/lab-06-gradient-accumulation/grad_accumulation.py --device cpu --batch 8 --budget 10MiB
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

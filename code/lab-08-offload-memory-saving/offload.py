@@ -13,11 +13,7 @@ it, whose dispatch mode costs time on every op (the time per denoising step, the
 place and traces every mode on fake tensors: the bytes a GPU would hold and move, nothing allocated,
 no values and no time.
 
-Run it:
-    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode all --device cpu
-    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --mode layerwise --prefetch-depth 2 --json
-    .venv/bin/python code/lab-08-offload-memory-saving/offload.py --model flux-dev --fake --dtype bfloat16 \
-        --latent-tokens 4096 --text-len 512 --steps 2
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

@@ -17,11 +17,7 @@ At real size, ONE rank of an N-rank job runs in this process (``--world-size N``
 process group, ``fake_world.py``) and, with ``--fake``, on fake tensors: the same ``train``, every
 byte counted, nothing allocated (no values, no replicas to compare, no time).
 
-Run it (gloo on CPU, NCCL when there is one GPU per rank):
-    .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu
-    .venv/bin/torchrun --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --grad-as-bucket-view
-    .venv/bin/torchrun --standalone --nproc_per_node=2 code/lab-10-ddp/train_ddp.py --device cpu --json
-    .venv/bin/python code/lab-10-ddp/train_ddp.py --model llama-3-8b --fake --world-size 64 --seq-len 4096 --batch-size 1 --bucket-cap-mb 25
+Run it: the commands are in this folder's README.md (and on the lab's page).
 """
 
 from __future__ import annotations

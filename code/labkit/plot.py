@@ -155,6 +155,8 @@ PAGE_WIDTH_IN = 5.2
 MIN_FONT_PT = 12.0
 PANEL_HEIGHT_IN = 3.1
 LEGEND_GAP_IN = 0.62  # from the axes' bottom to a legend under them: below the tick labels and the x label
+TITLE_WRAP = 44  # characters of a title per line at MIN_FONT_PT over a PAGE_WIDTH_IN plot
+LABEL_WRAP = 48  # the same for an axis label
 LEGEND_WRAP = 34  # characters of a legend label per line, at MIN_FONT_PT under a PAGE_WIDTH_IN plot
 
 
@@ -208,6 +210,20 @@ def page_layout(fig) -> None:
         if legend is not None:
             for text in legend.get_texts():
                 text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
+    for ax in fig.axes:  # a long title wraps rather than widen the figure
+        for title in (ax.title, ax._left_title, ax._right_title):
+            if len(title.get_text()) > TITLE_WRAP:
+                title.set_text(textwrap.fill(title.get_text(), TITLE_WRAP))
+        for label in (ax.xaxis.label, ax.yaxis.label):
+            if len(label.get_text()) > LABEL_WRAP:
+                label.set_text(textwrap.fill(label.get_text(), LABEL_WRAP))
+    for ax in fig.axes:  # a legend of several columns becomes one column under its plot
+        legend = ax.get_legend()
+        if legend is not None and legend._ncols > 1 and not any(ax is b[0] for b in beside):
+            labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
+            beside.append((ax, legend.legend_handles, labels))
+            legend.remove()
+            fig.set_size_inches(PAGE_WIDTH_IN, fig.get_size_inches()[1] + len(labels) * line_in)
     for ax, handles, labels in beside:  # under the x label: a fixed distance below the axes, in inches
         under = transforms.offset_copy(ax.transAxes, fig=fig, x=0, y=-LEGEND_GAP_IN, units="inches")
         ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(0, 0), bbox_transform=under,
