@@ -29,6 +29,9 @@ from labkit import labs
 from labkit.provenance import REPO_ROOT, collect
 from labkit.table import Table
 
+#: Pixels per inch of the figures a notebook shows inline (its page embeds them as PNG).
+INLINE_DPI = 80
+
 
 @dataclass
 class Notebook:
@@ -81,7 +84,9 @@ def _page_layout_inline_figures() -> None:
         from labkit.plot import page_layout
 
         for number in plt.get_fignums():
-            page_layout(plt.figure(number))
+            figure = plt.figure(number)
+            page_layout(figure)
+            figure.set_dpi(INLINE_DPI)  # a notebook page stays light: what it shows is the page's figure
 
     for callback in (page_layout_open_figures, flush_figures):  # ours first, then the drawing
         try:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as ticker
 import matplotlib.transforms as transforms
 from matplotlib.patches import Patch
 
@@ -152,7 +153,7 @@ def decimate(values: Sequence[float], max_points: int) -> list[int]:
 #: smaller than MIN_FONT_PT. Shown at its natural width on a desktop (about 500 CSS px) and scaled
 #: to a 390-px phone's content width (about 350 px), 12-pt text stays at 11 CSS px or more.
 PAGE_WIDTH_IN = 5.2
-MIN_FONT_PT = 12.0
+MIN_FONT_PT = 13.0
 PANEL_HEIGHT_IN = 3.1
 LEGEND_GAP_IN = 0.62  # from the axes' bottom to a legend under them: below the tick labels and the x label
 TITLE_WRAP = 44  # characters of a title per line at MIN_FONT_PT over a PAGE_WIDTH_IN plot
@@ -203,6 +204,9 @@ def page_layout(fig) -> None:
             text.set_fontsize(MIN_FONT_PT)
     for ax in fig.axes:  # tick labels are made at draw time, from the axis' own size
         for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":  # 10^3 sets its exponent small: plain numbers read on a phone
+                axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+                axis.set_minor_formatter(ticker.NullFormatter())
             ticks = axis.get_major_ticks() + axis.get_minor_ticks()
             if any(t.label1.get_fontsize() < MIN_FONT_PT for t in ticks[:1]) or not ticks:
                 axis.set_tick_params(which="both", labelsize=MIN_FONT_PT)
