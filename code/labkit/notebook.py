@@ -30,7 +30,7 @@ from labkit.provenance import REPO_ROOT, collect
 from labkit.table import Table
 
 #: Pixels per inch of the figures a notebook shows inline (its page embeds them as PNG).
-INLINE_DPI = 80
+INLINE_DPI = 72
 
 
 @dataclass

@@ -246,6 +246,13 @@ def save(fig, path: str | os.PathLike) -> Path:
     svg = path.suffix == ".svg"
     if svg:
         page_layout(fig)
+        for _ in range(3):  # whatever still reaches past the page (an annotation, a legend inside a
+            fig.canvas.draw()  # corner): the plot narrows until the whole drawing is PAGE_WIDTH_IN wide
+            over = fig.get_tightbbox(fig.canvas.get_renderer()).width - PAGE_WIDTH_IN
+            if over <= 0.05:
+                break
+            width, height = fig.get_size_inches()
+            fig.set_size_inches(max(width - over, 2.5), height)
     kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
         fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
