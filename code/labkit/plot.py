@@ -247,8 +247,8 @@ def save(fig, path: str | os.PathLike) -> Path:
     if svg:
         page_layout(fig)
         for _ in range(3):  # whatever still reaches past the page (an annotation, a legend inside a
-            fig.canvas.draw()  # corner): the plot narrows until the whole drawing is PAGE_WIDTH_IN wide
-            over = fig.get_tightbbox(fig.canvas.get_renderer()).width - PAGE_WIDTH_IN
+            fig.draw_without_rendering()  # corner): the plot narrows until the drawing is PAGE_WIDTH_IN wide
+            over = fig.get_tightbbox().width - PAGE_WIDTH_IN
             if over <= 0.05:
                 break
             width, height = fig.get_size_inches()
