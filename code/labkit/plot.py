@@ -221,9 +221,16 @@ def page_layout(fig) -> None:
         for label in (ax.xaxis.label, ax.yaxis.label):
             if len(label.get_text()) > LABEL_WRAP:
                 label.set_text(textwrap.fill(label.get_text(), LABEL_WRAP))
-    for ax in fig.axes:  # a legend of several columns becomes one column under its plot
+    for legend in list(fig.legends):  # a figure's own legend: one column of wrapped labels, at its foot
+        handles, labels = legend.legend_handles, [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
+        legend.remove()
+        fig.legend(handles, labels, loc="outside lower left", ncols=1, frameon=False, fontsize=MIN_FONT_PT,
+                   handlelength=1.2)
+        fig.set_size_inches(PAGE_WIDTH_IN, fig.get_size_inches()[1] + len(labels) * line_in)
+    for ax in fig.axes:  # a legend of several columns, or of long labels, becomes one column under its plot
         legend = ax.get_legend()
-        if legend is not None and legend._ncols > 1 and not any(ax is b[0] for b in beside):
+        long_labels = legend is not None and any(len(t.get_text()) > LEGEND_WRAP for t in legend.get_texts())
+        if legend is not None and (legend._ncols > 1 or long_labels) and not any(ax is b[0] for b in beside):
             labels = [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
             beside.append((ax, legend.legend_handles, labels))
             legend.remove()
