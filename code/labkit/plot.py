@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -261,7 +262,10 @@ def save(fig, path: str | os.PathLike) -> Path:
             width, height = fig.get_size_inches()
             fig.set_size_inches(max(width - over, 2.5), height)
     kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
-    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f, \
+            warnings.catch_warnings():
+        # a tall stack of panels may leave constrained layout no room: the figure is then drawn as laid out
+        warnings.filterwarnings("ignore", message="constrained_layout not applied")
         fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
                     facecolor="none" if svg else "white", transparent=svg, **kwargs)
     return path
