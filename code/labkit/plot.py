@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -157,8 +156,8 @@ PAGE_WIDTH_IN = 5.2
 MIN_FONT_PT = 13.0
 PANEL_HEIGHT_IN = 3.1
 LEGEND_GAP_IN = 0.62  # from the axes' bottom to a legend under them: below the tick labels and the x label
-TITLE_WRAP = 44  # characters of a title per line at MIN_FONT_PT over a PAGE_WIDTH_IN plot
-LABEL_WRAP = 48  # the same for an axis label
+TITLE_WRAP = 44  # at most, characters of a title per line (fewer over a narrow plot)
+LABEL_WRAP = 48  # at most, the same for an axis label
 LEGEND_WRAP = 34  # characters of a legend label per line, at MIN_FONT_PT under a PAGE_WIDTH_IN plot
 
 
@@ -215,13 +214,16 @@ def page_layout(fig) -> None:
         if legend is not None:
             for text in legend.get_texts():
                 text.set_fontsize(max(text.get_fontsize(), MIN_FONT_PT))
-    for ax in fig.axes:  # a long title wraps rather than widen the figure
-        for title in (ax.title, ax._left_title, ax._right_title):
-            if len(title.get_text()) > TITLE_WRAP:
-                title.set_text(textwrap.fill(title.get_text(), TITLE_WRAP))
-        for label in (ax.xaxis.label, ax.yaxis.label):
-            if len(label.get_text()) > LABEL_WRAP:
-                label.set_text(textwrap.fill(label.get_text(), LABEL_WRAP))
+    fig.draw_without_rendering()  # where each plot sits, so that its texts wrap to its own width
+    char_in = 0.6 * MIN_FONT_PT / 72  # the width of a character at MIN_FONT_PT, about
+    for ax in fig.axes:  # a long title or label wraps to its plot rather than widen the figure
+        box = ax.get_position()
+        across = max(16, min(TITLE_WRAP, int(box.width * fig.get_figwidth() / char_in)))
+        down = max(16, min(LABEL_WRAP, int(box.height * fig.get_figheight() / char_in)))
+        for text, width in ((ax.title, across), (ax._left_title, across), (ax._right_title, across),
+                            (ax.xaxis.label, across), (ax.yaxis.label, down)):
+            if len(text.get_text()) > width:
+                text.set_text(textwrap.fill(text.get_text(), width))
     for legend in list(fig.legends):  # a figure's own legend: one column of wrapped labels, at its foot
         handles, labels = legend.legend_handles, [textwrap.fill(t.get_text(), LEGEND_WRAP) for t in legend.get_texts()]
         legend.remove()
@@ -236,9 +238,11 @@ def page_layout(fig) -> None:
             beside.append((ax, legend.legend_handles, labels))
             legend.remove()
             fig.set_size_inches(PAGE_WIDTH_IN, fig.get_size_inches()[1] + len(labels) * line_in)
-    for ax, handles, labels in beside:  # under the x label: a fixed distance below the axes, in inches
+    for ax, handles, labels in beside:  # under the x label, a fixed distance below the axes, from the
+        # figure's left edge (a plot pushed right by long tick labels would push its legend off the page)
         under = transforms.offset_copy(ax.transAxes, fig=fig, x=0, y=-LEGEND_GAP_IN, units="inches")
-        ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(0, 0), bbox_transform=under,
+        anchor = transforms.blended_transform_factory(fig.transFigure, under)
+        ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(0.01, 0), bbox_transform=anchor,
                   ncols=1, frameon=False, fontsize=MIN_FONT_PT, handlelength=1.2, borderaxespad=0.0)
 
 
@@ -254,18 +258,8 @@ def save(fig, path: str | os.PathLike) -> Path:
     svg = path.suffix == ".svg"
     if svg:
         page_layout(fig)
-        for _ in range(3):  # whatever still reaches past the page (an annotation, a legend inside a
-            fig.draw_without_rendering()  # corner): the plot narrows until the drawing is PAGE_WIDTH_IN wide
-            over = fig.get_tightbbox().width - PAGE_WIDTH_IN
-            if over <= 0.05:
-                break
-            width, height = fig.get_size_inches()
-            fig.set_size_inches(max(width - over, 2.5), height)
     kwargs = {"metadata": {"Date": None}} if svg else {"metadata": {"Software": None}}
-    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f, \
-            warnings.catch_warnings():
-        # a tall stack of panels may leave constrained layout no room: the figure is then drawn as laid out
-        warnings.filterwarnings("ignore", message="constrained_layout not applied")
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "infralab"}), atomic(path, "wb") as f:
         fig.savefig(f, format=path.suffix.lstrip("."), bbox_inches="tight", dpi=160,
                     facecolor="none" if svg else "white", transparent=svg, **kwargs)
     return path
