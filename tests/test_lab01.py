@@ -527,10 +527,7 @@ def test_a_bad_split_is_one_line_from_the_command_line(lab01, capsys):
 
 # ---------------------------------------------------------------- tensor parallelism traced (DTensor, fake process group)
 def trace(*args, **kw):
-    try:
-        return tp_trace.trace_block(*args, **kw)
-    except tp_trace.FakeGroupUnavailable as exc:  # pragma: no cover - torch 2.11 and 2.13 have it
-        pytest.skip(str(exc))
+    return tp_trace.trace_block(*args, **kw)  # the fake process group is in torch 2.11 and 2.13
 
 
 @pytest.mark.parametrize(("t", "sp"), [(1, False), (2, False), (4, False), (2, True), (4, True)])

@@ -235,6 +235,7 @@ def test_realscale_flags_pick_the_model_and_the_tensors(tmp_path):
         return TinyGPT(GPTConfig(width=32, layers=1, heads=2, vocab=64, seq_len=16))
 
     assert isinstance(Config().build_model(tiny), TinyGPT)
+    assert all(p.dtype == torch.bfloat16 for p in Config().build_model(tiny, dtype=torch.bfloat16).parameters())
     config = Config(model="llama-3-8b", fake=True)
     with config.tensors():
         model = config.build_model(tiny, dtype=torch.bfloat16)

@@ -21,24 +21,15 @@ What the block keeps that the paper's count does not (:func:`gap_to_formula` lis
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit import dist as dist_kit
 from labkit import fake, marks
 from labkit.ledger import Ledger
-
-FAKE_PG = "torch.testing._internal.distributed.fake_pg"
-
-
-class FakeGroupUnavailable(RuntimeError):
-    """This PyTorch has no fake process group (or no DTensor tensor parallelism)."""
-
 
 class Attention(nn.Module):
     """Causal self-attention with separate Q, K and V linears, so that a column split hands each GPU
@@ -93,25 +84,6 @@ def plan(sp: bool) -> dict:
                    "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | {"attn": gather, "mlp": gather}
 
 
-@contextlib.contextmanager
-def fake_group(world_size: int) -> Iterator[object]:
-    """This process is rank 0 of ``world_size`` under PyTorch's fake process group; yields a 1-D
-    device mesh over them. Collectives return at once; the group is destroyed at the end."""
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as exc:  # pragma: no cover - torch 2.11 and 2.13 both have it
-        raise FakeGroupUnavailable(f"tracing tensor parallelism needs PyTorch's fake process group ({FAKE_PG}), "
-                                   f"which torch {torch.__version__} lacks ({exc})") from None
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized: the trace plays one rank in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield init_device_mesh("cpu", (world_size,))
-    finally:
-        dist.destroy_process_group()
-
-
 @dataclass
 class Trace:
     """What one GPU of the split block holds: bytes by category, and each activation by the op that made it."""
@@ -127,7 +99,7 @@ def trace_block(hidden: int, heads: int, seq: int, batch: int, tp: int, sp: bool
 
     hidden, heads, seq, batch: h, a, s, b; tp: the tensor-parallel size; sp: sequence parallelism
     (this GPU's input is then its s/t tokens); dtype: the block's weights and input."""
-    with fake_group(tp) as mesh, fake.tensors(block=None):
+    with dist_kit.fake_group(tp) as mesh, fake.tensors(block=None):
         from torch.distributed.tensor.parallel import parallelize_module
 
         block = parallelize_module(fake.materialize(lambda: Block(hidden, heads), dtype=dtype), mesh, plan(sp))

@@ -34,26 +34,12 @@ from collections.abc import Iterator
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from labkit import dist as dist_kit
 from labkit import fake
-from labkit.config import UsageError
-
-FAKE_PG = "torch.testing._internal.distributed.fake_pg"
-
-
-def require_fake_group():
-    """PyTorch's ``FakeStore`` (importing it registers the ``fake`` backend), or one UsageError line."""
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as exc:  # pragma: no cover - torch 2.11 and 2.13 both have it
-        raise UsageError(f"--world-size needs PyTorch's fake process group ({FAKE_PG}), which torch "
-                         f"{torch.__version__} lacks ({exc})") from None
-    return FakeStore
-
 
 class _DDPAtTheBoundary(TorchDispatchMode):
     """DDP's two reads of values at the fake group's boundary (see the module docstring)."""
@@ -90,13 +76,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     is. Collectives return at once and move no data; the block leaves the group at its end. Enter it
     outside a :class:`labkit.ledger.Ledger`: its dispatch mode must sit below the ledger's.
     """
-    FakeStore = require_fake_group()
-    if dist.is_initialized():
-        raise UsageError("a process group is already initialized: --world-size runs without torchrun")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        with mock.patch.object(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None), \
-                _DDPAtTheBoundary():
-            yield
-    finally:
-        dist.destroy_process_group()
+    with dist_kit.fake_group(world_size, rank=rank), \
+            mock.patch.object(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None), \
+            _DDPAtTheBoundary():
+        yield

@@ -9,10 +9,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
+from labkit import dist as dist_kit
 from labkit import fake, labs, marks
-from labkit.config import UsageError
 from labkit.ledger import Ledger
 
 lab07 = labs.load(7)  # OptimizerOffload: its host buffers and state are labelled host_copies
@@ -65,21 +64,13 @@ class ShardOptimizer:
 
 @contextlib.contextmanager
 def fake_process_group(world: int | None, device: str):
-    """``world`` ranks that exchange nothing (PyTorch's fake process group: collectives return at
-    once), and their device mesh; no group at all for ``None``."""
+    """``world`` ranks that exchange nothing (labkit.dist.fake_group: collectives return at once),
+    and their device mesh; no group at all for ``None``."""
     if world is None:
         yield None
         return
-    if dist.is_initialized():
-        raise UsageError("--dp: this process already belongs to a process group; fit.py traces under its own")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield init_device_mesh(torch.device(device).type, (world,))  # outside the fake mode: it reads ranks
-    finally:
-        dist.destroy_process_group()
+    with dist_kit.fake_group(world, device=device) as mesh:
+        yield mesh
 
 
 def build(spec, dtype: torch.dtype, device: str):

@@ -277,3 +277,33 @@ def world_of_one() -> dict[str, str]:
         port = s.getsockname()[1]
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+# ---------------------------------------------------------------------- one rank of N, in this process
+FAKE_PG = "torch.testing._internal.distributed.fake_pg"
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int, rank: int = 0, device: str = "cpu") -> Iterator[object]:
+    """This process is rank ``rank`` of ``world_size`` for the block, under PyTorch's fake process
+    group (``torch.testing._internal.distributed.fake_pg``, the one torchtitan's memory estimator
+    uses): collectives return at once and move no data, while the buffers they need are still
+    allocated through the dispatcher, where a :class:`labkit.ledger.Ledger` counts them. Yields a
+    1-D device mesh over the ranks (on ``device``'s type); the group is destroyed at the end.
+
+    The module is internal to PyTorch: its absence, or a process group already joined, is one
+    :class:`UsageError` line. Enter it outside :func:`labkit.fake.tensors` (the mesh reads ranks).
+    """
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # pragma: no cover - torch 2.11 and 2.13 both have it
+        raise UsageError(f"tracing {world_size} ranks in one process needs PyTorch's fake process group "
+                         f"({FAKE_PG}), which torch {torch.__version__} lacks ({exc})") from None
+    if dist.is_initialized():
+        raise UsageError("a process group is already initialized: a fake-group trace plays its ranks without torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh(torch.device(device).type, (world_size,))
+    finally:
+        dist.destroy_process_group()

@@ -62,12 +62,10 @@ class RealScale:
         """The model to run: ``tiny()`` for ``--model tiny``, else the zoo's, on fake or real tensors.
 
         ``tiny``: a function that builds the lab's own TinyGPT (called as before, real or fake).
-        ``dtype``: cast a zoo model's floating-point weights to it.
+        ``dtype``: cast the model's floating-point weights to it (the lab's TinyGPT as a zoo model).
         """
-        spec = self.model_spec()
-        if spec is None:
-            return tiny() if not self.fake else fake.materialize(tiny, dtype=dtype)
+        build = tiny if self.model_spec() is None else self.model_spec().build
         if self.fake:
-            return fake.materialize(spec.build, dtype=dtype)
-        model = spec.build()
+            return fake.materialize(build, dtype=dtype)
+        model = build()
         return model.to(dtype) if dtype is not None else model
