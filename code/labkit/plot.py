@@ -207,9 +207,11 @@ def page_layout(fig) -> None:
             if axis.get_scale() == "log":  # 10^3 sets its exponent small: plain numbers read on a phone
                 axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))  # 8192, 1e+12: short
                 axis.set_minor_formatter(ticker.NullFormatter())
-            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
-            if any(t.label1.get_fontsize() < MIN_FONT_PT for t in ticks[:1]) or not ticks:
-                axis.set_tick_params(which="both", labelsize=MIN_FONT_PT)
+            # Always through set_tick_params: it also sets the size of ticks made later (a taller
+            # plot gets more of them at save time; they would otherwise start at the rc default).
+            ticks = axis.get_major_ticks()[:1]
+            size = max([MIN_FONT_PT] + [t.label1.get_fontsize() for t in ticks])
+            axis.set_tick_params(which="both", labelsize=size)
         legend = ax.get_legend()
         if legend is not None:
             for text in legend.get_texts():
