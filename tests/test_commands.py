@@ -13,7 +13,9 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, load_lab
+
+from labkit import dist
 
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -36,5 +38,6 @@ def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(f"{page.stem}: {wall:.1f} s wall, {cpu:.1f} s CPU: {command}")
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
-    budget = CPU_SECONDS * (2 if "torchrun" in command else 1)  # torchrun: two ranks, two processes' CPU
+    starts_ranks = issubclass(load_lab(int(page.stem[4:6])).Config, dist.Ranks)  # Labs 10, 11: a process per rank
+    budget = CPU_SECONDS * (dist.DEFAULT_RANKS if starts_ranks else 1)
     assert cpu <= budget, f"{command}: {cpu:.1f} s of CPU, more than {budget:.0f}"

@@ -200,10 +200,34 @@ def test_the_config_refuses_what_cannot_run(lab10, fields, fragment):
         lab10.Config(**{**TINY, **fields})
 
 
-def test_without_torchrun_is_one_line_and_exit_2(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu"), "launch with torchrun")
+def test_run_with_python_it_starts_its_own_ranks(monkeypatch, tiny_flags):
+    """No torchrun: the script checks its flags, then starts --nproc-per-node ranks itself; rank 0
+    speaks for all of them."""
+    for name in labdist.TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    proc = run_cli(SCRIPT, *tiny_flags, "--nproc-per-node", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    identical = summary["replicas_identical"]  # each rank starts from its own seed; DDP() broadcasts rank 0's
+    assert summary["world_size"] == 3 and not identical.pop("before DDP") and all(identical.values())
+
+
+def test_run_with_python_bad_input_is_one_line_and_exit_2_before_any_rank(monkeypatch):
+    for name in labdist.TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    proc = run_cli(SCRIPT, "--device", "cpu", "--ledger-dir", "/proc/lab10/x")
+    assert_clean_usage_error(proc, "--ledger-dir /proc/lab10/x: cannot write there")
+    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--nproc-per-node", "0"), "--nproc-per-node")
+
+
+def test_nproc_per_node_must_agree_with_torchrun_and_not_with_a_fake_world(lab10, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it
+    with pytest.raises(lab10.UsageError, match="torchrun started 2"):
+        lab10.Config(**TINY, nproc_per_node=3)
+    lab10.Config(**TINY, nproc_per_node=2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(lab10.UsageError, match="give one"):
+        lab10.Config(**TINY, world_size=8, nproc_per_node=2)
 
 
 @pytest.mark.parametrize(("args", "fragment"), [

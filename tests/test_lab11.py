@@ -279,11 +279,11 @@ def test_cuda_without_a_gpu_is_refused_by_the_config(lab11, inference):
             lab.Config(device="cuda")
 
 
-def test_without_torchrun_it_says_how_to_launch(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    proc = run_cli(TRAIN, "--device", "cpu")
-    assert_clean_usage_error(proc, "RANK and WORLD_SIZE are not set", "torchrun --nproc_per_node=2")
+def test_run_with_python_bad_input_is_refused_before_any_rank_starts(monkeypatch):
+    for name in labdist.TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    proc = run_cli(TRAIN, "--device", "cpu", "--stage", "5")
+    assert_clean_usage_error(proc, "--stage", "invalid choice")
     assert proc.stdout == ""
 
 

@@ -487,6 +487,47 @@ def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path):
     assert not _ranks_left(tmp_path)
 
 
+KILLED = """
+import os, signal, time
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)  # a rank the OOM killer took
+time.sleep(60)
+"""
+
+REFUSED = """
+import os, sys
+if os.environ["RANK"] == "0":
+    print("job: error: --steps must be 1 or more, got 0", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+def _start_ranks(tmp_path, code: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "rank.py"
+    script.write_text(code)
+    start = "import sys; from labkit import dist; sys.exit(dist.start_ranks(sys.argv[1], [], 2, prog='job'))"
+    return subprocess.run([sys.executable, "-c", start, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_started_ranks_a_killed_rank_ends_the_job_in_one_line(tmp_path):
+    """A plain ``python`` run that started its ranks (Labs 10, 11): a rank killed mid-run stops the
+    others at once, and the job ends with one line naming it, exit 1, no launcher report."""
+    import time
+
+    t0 = time.perf_counter()
+    proc = _start_ranks(tmp_path, KILLED)
+    assert proc.returncode == 1 and time.perf_counter() - t0 < 30
+    assert proc.stderr.strip().splitlines() == ["job: error: rank 1 was killed by SIGKILL; the other ranks were stopped"]
+    assert not _ranks_left(tmp_path)
+
+
+def test_started_ranks_bad_input_is_rank_0s_line_and_exit_2(tmp_path):
+    proc = _start_ranks(tmp_path, REFUSED)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["job: error: --steps must be 1 or more, got 0"]
+
+
 def test_progress_bar_is_silent_off_a_terminal(monkeypatch):
     """A notebook's or a log's stderr is no terminal: no bar in it, however long the loop; a
     terminal's gets one."""

@@ -187,7 +187,7 @@ def single_process_reference(build, data, device, world: int, *, seed: int, step
 
 # --8<-- [start:config]
 @dataclass
-class Config(RealScale, TinyGPTShape, LabConfig):
+class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) data parallel with DDP: buckets, identical replicas, memory per rank."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
@@ -211,6 +211,8 @@ class Config(RealScale, TinyGPTShape, LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.world_size is not None and self.nproc_per_node is not None:
+            raise UsageError("--world-size plays one rank in this process; --nproc-per-node starts ranks: give one")
         if self.fake and self.world_size is None:
             raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
         if self.world_size is not None and (self.device == "cuda" or self.snapshot or self.ledger_dir):
@@ -220,6 +222,9 @@ class Config(RealScale, TinyGPTShape, LabConfig):
         labdist.check_backend(device, self.backend)
         if self.snapshot and device.type != "cuda":
             raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
+
+    def starts_ranks(self) -> bool:
+        return super().starts_ranks() and self.world_size is None  # --world-size: one rank, here
 # --8<-- [end:config]
 
 

@@ -12,8 +12,9 @@ bytes (a GPU run; on CPU they are derived), and the output against the unsharded
 then runs Lab 08's single-device engines on the same pipeline (all resident, and layerwise offload
 with prefetch) for the comparison. The tables and the report are in ``inference_report.py``.
 
-Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
-    .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/fsdp_inference.py --device cpu
+Run it (it starts two ranks itself, --nproc-per-node N for more, or runs under torchrun; gloo on
+CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
+    .venv/bin/python code/lab-11-zero-fsdp/fsdp_inference.py --device cpu
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def run_placement(placement: str, pipeline: DiffusionConfig, device: torch.devic
 
 
 @dataclass
-class Config(DiffusionShape, LabConfig):
+class Config(labdist.Ranks, DiffusionShape, LabConfig):
     """Sharded inference with FSDP2 (and CPU offload of the shards) against Lab 08's single device."""
 
     timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)

@@ -18,9 +18,10 @@ At real size, ONE rank of an N-rank job runs in this process (``--world-size N``
 process group; collectives move no data) and, with ``--fake``, on fake tensors: the same stages,
 step and ledger, every byte counted, nothing allocated (``trace`` below; no losses, no time).
 
-Run it (gloo on CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
-    .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu
-    .venv/bin/torchrun --nproc_per_node=2 code/lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json
+Run it (it starts two ranks itself, --nproc-per-node N for more, or runs under torchrun; gloo on
+CPU; on CUDA, NCCL with one GPU per rank, gloo when ranks share a GPU):
+    .venv/bin/python code/lab-11-zero-fsdp/zero_fsdp.py --device cpu
+    .venv/bin/python code/lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json
     .venv/bin/python code/lab-11-zero-fsdp/zero_fsdp.py --model llama-3-8b --fake --world-size 8 --seq-len 4096 --batch-size 1 --steps 2
 """
 
@@ -137,7 +138,7 @@ def full_params(model) -> torch.Tensor:
 
 # --8<-- [start:config]
 @dataclass
-class Config(RealScale, TinyGPTShape, LabConfig):
+class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) at ZeRO stages 0-3; memory per rank against Lab 01."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
@@ -160,6 +161,8 @@ class Config(RealScale, TinyGPTShape, LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.world_size is not None and self.nproc_per_node is not None:
+            raise UsageError("--world-size plays one rank in this process; --nproc-per-node starts ranks: give one")
         if self.fake and self.world_size is None:
             raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
         if self.world_size is not None and (self.device == "cuda" or self.snapshot):
@@ -171,6 +174,9 @@ class Config(RealScale, TinyGPTShape, LabConfig):
     @property
     def stages(self) -> list[int]:
         return [0, 1, 2, 3] if self.stage == "all" else [int(self.stage)]
+
+    def starts_ranks(self) -> bool:
+        return super().starts_ranks() and self.world_size is None  # --world-size: one rank, here
 # --8<-- [end:config]
 
 

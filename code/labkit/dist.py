@@ -27,17 +27,26 @@ Instrument, not lesson. A torchrun lab ends like every other lab, inside one voi
   JSON summary of each.
 * :func:`world_of_one` is the environment torchrun would give a single rank: a lab's command line
   then runs in the calling process (the tests use it).
+* :class:`Ranks` (mixed into a torchrun lab's ``Config``) and :func:`start_ranks`: run with plain
+  ``python``, a torchrun lab checks its flags in this one process and then starts its ranks itself
+  (PyTorch's elastic launcher, the engine inside torchrun). Bad input is then one line and exit 2
+  before any rank exists, and a rank that fails ends the job with one line naming it, instead of
+  torchrun's page of report. Launched with torchrun, the same script runs as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import gc
+import inspect
 import io
 import json
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +60,7 @@ import torch.distributed as dist
 
 from labkit import cli
 from labkit.cli import UsageError, _prog, pick_device
+from labkit.config import option
 
 CODE_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = CODE_DIR.parent
@@ -73,6 +83,80 @@ class CheckFailed(Exception):
     def __init__(self, message: str, result=None) -> None:
         super().__init__(message)
         self.result = result
+
+
+# ---------------------------------------------------------------------- starting the ranks
+#: ranks a plain ``python`` run starts when ``--nproc-per-node`` is not given
+DEFAULT_RANKS = 2
+#: the most ranks one command starts on one machine (each is a Python process with PyTorch loaded)
+MAX_RANKS = 64
+
+
+@dataclasses.dataclass
+class Ranks:
+    """Mix into a torchrun lab's ``Config`` (``class Config(Ranks, RealScale, ..., LabConfig)``):
+    the ``--nproc-per-node`` flag, and whether this process starts the ranks or is one of them."""
+
+    nproc_per_node: int | None = option(
+        None, f"run with python: the ranks this command starts (default {DEFAULT_RANKS}); under torchrun: "
+        "the ranks torchrun started on this node (its flag of the same name)", min=1, max=MAX_RANKS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        started = os.environ.get("LOCAL_WORLD_SIZE")
+        if started is not None and self.nproc_per_node is not None and self.nproc_per_node != int(started):
+            raise UsageError(f"--nproc-per-node {self.nproc_per_node}, but torchrun started {started} rank(s) "
+                             f"on this node: give the same number to both, or run the lab with python alone")
+
+    def starts_ranks(self) -> bool:
+        """True in the process the user ran with ``python``: it starts the ranks; under torchrun
+        (``RANK`` is set) this process is a rank."""
+        return "RANK" not in os.environ
+
+
+def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int = DEFAULT_RANKS,
+                prog: str | None = None) -> int:
+    """Run ``script argv`` as ``nproc_per_node`` ranks on this machine, as ``torchrun --standalone``
+    would (PyTorch's elastic launcher, in this process), and return the exit code for the job.
+
+    The ranks write to this terminal. Every rank refuses bad input before it joins the group, and
+    rank 0 alone says so (:func:`one_voice`): the job then exits 2 without a word more. A rank that
+    fails otherwise (an error, a signal) stops the others within a fraction of a second; this
+    process then prints one line naming it and returns 1 (a rank's own error is printed above, by
+    that rank). A signal to this process stops the ranks too (exit 128 + its number). The
+    launcher's logging is silenced below CRITICAL.
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    except ImportError as err:  # an API of PyTorch's launcher, public but worth a clear message
+        raise UsageError(f"this PyTorch cannot start ranks itself ({err}); launch with "
+                         f"torchrun --nproc_per_node={nproc_per_node} {os.path.relpath(script)}") from None
+    import uuid
+
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # each sets its own level
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it: ranks share the cores
+    try:
+        elastic_launch(config, sys.executable)("-u", str(script), *argv)
+    except SignalException as sig:  # Ctrl-C or a kill of this process: the launcher stopped the ranks
+        if sig.sigval != signal.SIGINT:  # after Ctrl-C, rank 0 has said "interrupted"
+            print(f"{_prog(prog)}: stopped by {signal.Signals(sig.sigval).name}; so were the ranks", file=sys.stderr)
+        return 128 + sig.sigval
+    except ChildFailedError as failed:
+        codes = {rank: f.exitcode for rank, f in failed.failures.items()}
+        if 2 in codes.values():
+            return 2  # bad input: rank 0 has said what
+        rank, first = failed.get_first_failure()
+        how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+               else f"exited with code {first.exitcode} (its error is above)")
+        print(f"{_prog(prog)}: error: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
+        return 1
+    return 0
 
 
 # ---------------------------------------------------------------------- joining the process group
@@ -166,6 +250,9 @@ class Voice:
         is held until the result has been reported."""
         @functools.wraps(run)
         def run_on_every_rank(config):
+            if isinstance(config, Ranks) and config.starts_ranks():  # run with python: start the ranks
+                flags = [*cli.argv(config), *(["--json"] if cli._quiet else [])]
+                raise SystemExit(start_ranks(inspect.getfile(run), flags, config.nproc_per_node or DEFAULT_RANKS))
             try:
                 result = run(config)
             except CheckFailed as failed:
