@@ -318,6 +318,26 @@ def test_step_times_come_from_runs_without_the_ledger(lab08, monkeypatch):
     assert [span.name for span in run.ledger.timeline().spans if span.name in lab08.STAGES] == \
         ["encode", "denoise", "denoise", "decode"]
     assert run.summary["step_ms"] > 0 and run.schedule.intervals()
+    low, high = run.summary["step_ms_range"]
+    assert 0 < low <= run.summary["step_ms"] <= high
+
+
+def test_step_times_are_every_warm_step_on_the_threads_asked_for(lab08, monkeypatch):
+    """The step time is the median of every denoising step after the warm-up run, and the timed
+    runs use --threads CPU threads (one by default: more threads than free cores can stall a step
+    for about a second), after which PyTorch's setting is back."""
+    seen, real = [], lab08.run_pipeline
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lab08, "run_pipeline", spy)
+    before = torch.get_num_threads()
+    config = lab08.Config(**{**SIZE, "repeats": 3, "threads": 2}, mode="none")
+    _, _, step_ms, _ = lab08.measure_time("none", config, torch.device("cpu"))
+    assert len(step_ms) == 2 * config.steps and min(step_ms) > 0  # runs 2 and 3, every step
+    assert seen == [2, 2, 2] and torch.get_num_threads() == before
 
 
 def test_json_reports_every_required_field():

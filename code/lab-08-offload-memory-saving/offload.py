@@ -19,6 +19,7 @@ Run it: the commands are in this folder's README.md (and on the lab's page).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +106,9 @@ class Config(DiffusionShape, LabConfig):
     encoder_offload: Literal["on", "off"] = option("on", "layerwise: the text encoder moves too (off: resident)")
     decoder_offload: Literal["on", "off"] = option("on", "layerwise: the decoder moves too (off: resident)")
     batch: int = option(1, "prompts per pipeline run", min=1)
-    repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1)
+    repeats: int = option(4, "timed pipeline runs per mode; the first warms up", min=1)
+    threads: int = option(1, "CPU threads for the timed runs (0: PyTorch's default, one per core). One: with more "
+                          "threads than free cores, a step can stall for about a second", min=0, max=4096)
     snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
     model: Literal["toy", "flux-dev", "small-flux"] = option(
         "toy", "the denoiser: toy (this lab's pipeline, from the shape flags) or a zoo Flux transformer "
@@ -193,7 +196,8 @@ def run_mode(mode: str, config: Config, device, reference: torch.Tensor | None =
                "peak_host_copy_bytes": max(tl.host["host_copies"], default=0),  # the ledger's count
                **counted, "denoiser_blocks": config.denoiser_blocks(),
                "max_memory_allocated": cuda["max_memory_allocated"] if cuda else None,
-               "step_ms": step_ms,  # from the runs without the ledger
+               "step_ms": step_ms and statistics.median(step_ms),  # from the runs without the ledger
+               "step_ms_range": step_ms and [min(step_ms), max(step_ms)],
                "max_abs_diff": None if config.fake else max((out.float() - reference.float()).abs().max().item()
                                                             for out in (output, timed_output))}
     return ModeRun(mode, output, ledger, schedule, summary)
@@ -242,21 +246,26 @@ def h2d_by_step(schedule: Recorder, stage: str = "denoise") -> list[int]:
     return steps
 
 
-def measure_time(mode: str, config: Config, device) -> tuple[torch.Tensor, Recorder, float, dict | None]:
+def measure_time(mode: str, config: Config, device) -> tuple[torch.Tensor, Recorder, list[float], dict | None]:
     """``config.repeats`` pipeline runs with no ledger: the output, the last run's schedule, the
-    milliseconds per denoising step (warm runs), the allocator's counters (CUDA)."""
+    milliseconds of every denoising step of the warm runs, the allocator's counters (CUDA)."""
     pipe = build_pipeline(config)
     prompt, noise = pipe.inputs(config.seed, device)
-    denoise_ms = []
-    with torch.no_grad(), installed(mode, pipe, device, config) as handles:
-        reset_peak(device)
-        for _ in range(config.repeats):
-            with Recorder(device) as schedule:  # its exit waits for the device
-                output = run_pipeline(pipe, handles, prompt, noise)
-            denoise_ms.append(schedule.stage_ms("denoise"))
-        cuda = allocator_stats(device)
-    warm = denoise_ms[1:] or denoise_ms
-    return output, schedule, sum(warm) / len(warm) / config.steps, cuda
+    step_ms, threads = [], torch.get_num_threads()
+    if device.type == "cpu" and config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        with torch.no_grad(), installed(mode, pipe, device, config) as handles:
+            reset_peak(device)
+            for run_index in range(config.repeats):
+                with Recorder(device) as schedule:  # its exit waits for the device
+                    output = run_pipeline(pipe, handles, prompt, noise)
+                if run_index or config.repeats == 1:  # the first run warms up
+                    step_ms += schedule.stage_spans("denoise")
+            cuda = allocator_stats(device)
+    finally:
+        torch.set_num_threads(threads)
+    return output, schedule, step_ms, cuda
 
 
 @contextlib.contextmanager

@@ -22,8 +22,14 @@ def modes_table(runs: list, times: bool = True) -> Table:
         name = f"layerwise (k={s['prefetch_depth']})" if r.mode == "layerwise" else r.mode
         rows.append([name, s["peak_device_bytes"], resident and s["peak_device_bytes"] / resident,
                      f"{s['max_resident_blocks']} of {s['denoiser_blocks']}", s["h2d_bytes"], s["d2h_bytes"],
-                     s["max_abs_diff"]] + ([s["step_ms"]] if times else []))
-    return Table(columns + ([("ms per step (no ledger)", "float:2")] if times else []), rows)
+                     s["max_abs_diff"]] + ([step_time(s)] if times else []))
+    return Table(columns + ["ms per step, median (min-max)"] if times else columns, rows)
+
+
+def step_time(s: dict) -> str:
+    """A mode's step time without the ledger: the median of the warm steps, and their range."""
+    low, high = s["step_ms_range"]
+    return f"{s['step_ms']:.2f} ({low:.2f}-{high:.2f})"
 
 
 def host_table(runs: list) -> Table:

@@ -120,11 +120,15 @@ class Recorder:
     def stage_ms(self, name: str) -> float:
         """Milliseconds spent inside stage ``name``: the sum of its spans (one per ``marks.phase``
         block, e.g. one per denoising step). On CUDA, GPU time on the compute stream."""
+        return sum(self.stage_spans(name))
+
+    def stage_spans(self, name: str) -> list[float]:
+        """Milliseconds of each span of stage ``name``, in order (one per denoising step, say)."""
         if any(m.t_ms is None for m in self.marks):
             self.finish()
         starts = [m.t_ms for m in self.marks if m.kind == "stage_start" and m.unit == name]
         ends = [m.t_ms for m in self.marks if m.kind == "stage_end" and m.unit == name]
-        return sum(end - start for start, end in zip(starts, ends))
+        return [end - start for start, end in zip(starts, ends)]
 
     def intervals(self) -> list[Bar]:
         """Pair start and end marks of the same unit and lane into bars, in start order."""

@@ -26,7 +26,7 @@ plan = labs.load(8, "make_plan")  # the schedule tables and the plan's arithmeti
 tables = labs.load(8, "offload_report")  # the tables the command line prints
 # small on a CPU, GPU-sized on a GPU: the same code either way; the timed runs: one warm-up, then measured
 size = dict(width=1024, heads=16, denoiser_layers=16, latent_tokens=4096, steps=4, dtype="bfloat16", repeats=3) \
-    if nb.on_gpu else dict(repeats=2)
+    if nb.on_gpu else {}
 config = lab.Config(device=nb.device.type, **size)
 
 # %% [markdown]
