@@ -95,7 +95,7 @@ def test_training_bench_bad_input():
     assert_clean_usage_error(run_bench("--steps", "0", script="training_bench.py"), "--steps")
 
 
-@pytest.mark.parametrize("script", ["offload_bench.py", "cpu_adam_bench.py", "training_bench.py"])
+@pytest.mark.parametrize("script", ["offload_bench.py", "cpu_adam_bench.py", "training_bench.py", "cpu_threads_bench.py"])
 @pytest.mark.parametrize("target", ["/proc/x/out.json", "DIR", "/dev/null"])
 def test_an_unusable_out_is_refused_before_the_benchmark_runs(script, target, tmp_path, monkeypatch, capsys):
     from labkit import cli
@@ -126,3 +126,21 @@ def test_trace_bench_times_each_case_in_a_fresh_process(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "trace.json").read_text())
     assert data["provenance"]["lab"] is None and data["source_hashes"]
     assert [r["target"] for r in data["summary_rows"]] == ["<= 15", "<= 2048"]
+
+
+def test_cpu_threads_bench_times_both_settings_and_stops_its_busy_processes(tmp_path):
+    """Each round runs Lab 08's command line once per thread setting, in a fresh process, while the
+    busy processes spin; the file holds every run, the worst medians and their ratio, and no busy
+    process outlives the benchmark."""
+
+    bench = load_bench("cpu_threads_bench")
+    result = bench.run(bench.Config(rounds=2, busy=1, repeats=2, out=tmp_path / "threads.json"))
+    assert set(result["runs"]) == set(bench.SETTINGS) and all(len(r) == 2 for r in result["runs"].values())
+    for runs in result["runs"].values():
+        assert all(0 < r["step_ms_range"][0] <= r["step_ms"] <= r["step_ms_range"][1] for r in runs)
+    data = json.loads((tmp_path / "threads.json").read_text())
+    ratio, worst_default, worst_one = data["summary_rows"]
+    assert worst_default["value"] == max(r["step_ms"] for r in result["runs"]["default threads (one per core)"])
+    assert ratio["value"] == pytest.approx(worst_default["value"] / worst_one["value"])
+    left = subprocess.run(["pgrep", "-f", "^" + sys.executable + " -c while True"], capture_output=True, text=True)
+    assert left.stdout == ""
