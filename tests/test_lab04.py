@@ -262,17 +262,18 @@ def assert_rule_holds(rule: dict):
 
 
 def test_segment_rule_on_a_chain_of_simple_blocks(segments):
-    """Linear + ReLU blocks keep their input's size (a = b): the measured peak is lowest at k = sqrt(n)."""
-    n, width, batch = 16, 16, 8
-    b = batch * width * 4
-    model, x, y = segments.chain(n, width, batch, "cpu")
-    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8, 16]), n, b)
-    assert rule["per_block_bytes"] == b and rule["k_star"] == 4.0
+    """Linear + ReLU blocks keep their input's size (K_blk = I_blk): the measured peak is lowest at
+    k = sqrt(L)."""
+    blocks, width, batch = 16, 16, 8
+    block_input = batch * width * 4
+    model, x, y = segments.chain(blocks, width, batch, "cpu")
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8, 16]), blocks, block_input)
+    assert rule["per_block_bytes"] == block_input and rule["k_star"] == 4.0
     assert_rule_holds(rule)
-    assert rule["best_k_measured"] == math.isqrt(n)
+    assert rule["best_k_measured"] == math.isqrt(blocks)
     mem = rule["measured"]
     assert mem[4]["activation_peak_bytes"] < 0.6 * mem[1]["activation_peak_bytes"]  # a real minimum
-    uneven = segments.compare(segments.sweep(model, x, y, [1, 3, 5, 6, 7]), n, b)  # short last segments
+    uneven = segments.compare(segments.sweep(model, x, y, [1, 3, 5, 6, 7]), blocks, block_input)  # short last segments
     assert_rule_holds(uneven)
 
 
@@ -289,7 +290,7 @@ def test_segment_rule_on_tinygpt(lab04, segments):
 
 
 def test_segment_rule_predicts_short_last_segments(segments):
-    """k that does not divide n: the last segment is short, and the busiest segment may be another."""
+    """k that does not divide L: the last segment is short, and the busiest segment may be another."""
     assert segments.predict(16, 4, 1, 1) == (4, 8)  # 4 inputs, then 4 + 4 at the last segment
     assert segments.predict(16, 5, 1, 1) == (4, 8)  # segments 5, 5, 5, 1: 3 + 5 beats 4 + 1
     assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)
