@@ -147,14 +147,13 @@ def test_every_formula_equals_the_measurement(small_run):
 
 def test_kept_bytes_per_block_match_the_korthikanti_count(lab04, small_run):
     """34sbh + 5as^2b bytes per layer (2-byte tensors, 1-byte masks), rewritten for fp32 and the 4-byte
-    masks of CPU dropout: 72·N·w + 12·B·h·T² bytes, plus 16·N for the two layer norms' statistics."""
+    masks of CPU dropout: 72·s·b·h + 12·a·s²·b bytes, plus 16·s·b for the two layer norms' statistics."""
     c = small_run.config
-    B, T, w, h = c.batch_size, c.seq_len, c.width, c.heads
-    N = B * T
-    cost = load_lab(4, "block_costs").block_costs(B, T, w, h)
-    assert small_run.per_block_bytes == cost["kept"] == 72 * N * w + 12 * B * h * T * T + 16 * N
+    b, s, h, a = c.batch_size, c.seq_len, c.width, c.heads
+    cost = load_lab(4, "block_costs").block_costs(b, s, h, a)
+    assert small_run.per_block_bytes == cost["kept"] == 72 * s * b * h + 12 * a * s * s * b + 16 * s * b
     summary = small_run.summary()
-    assert summary["per_block_over_input"] == cost["kept"] / (4 * N * w) == summary["two_block_segments_pay_beyond"] / 2
+    assert summary["per_block_over_input"] == cost["kept"] / (4 * s * b * h) == summary["two_block_segments_pay_beyond"] / 2
 
 
 class OutputBytes(TorchDispatchMode):
@@ -280,9 +279,9 @@ def test_segment_rule_on_a_chain_of_simple_blocks(segments):
 def test_segment_rule_on_tinygpt(lab04, segments):
     """A transformer block keeps ~20 times its input (the Korthikanti count): k* < 1, so k = 1 wins."""
     config, model, x, y = setup(lab04, layers=8)
-    B, T, w, h = config.batch_size, config.seq_len, config.width, config.heads
-    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8]), 8, 4 * B * T * w)
-    assert rule["per_block_bytes"] == 72 * B * T * w + 12 * B * h * T * T + 16 * B * T and rule["k_star"] < 1
+    b, s, h, a = config.batch_size, config.seq_len, config.width, config.heads
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8]), 8, 4 * s * b * h)
+    assert rule["per_block_bytes"] == 72 * s * b * h + 12 * a * s * s * b + 16 * s * b and rule["k_star"] < 1
     assert_rule_holds(rule)
     assert rule["best_k_measured"] == 1
     found = segments.findings({"TinyGPT": rule, "chain": rule})

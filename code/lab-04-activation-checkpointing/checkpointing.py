@@ -241,7 +241,7 @@ class Result:
 
     @property
     def block_input_bytes(self) -> int:
-        """I_blk: one (B, T, w) block input in --dtype, what a checkpoint keeps."""
+        """I_blk: one (b, s, h) block input in --dtype, what a checkpoint keeps."""
         c = self.config
         return c.batch_size * c.seq_len * (c.model_spec() or c).width * DTYPES[c.dtype].itemsize
 

@@ -12,9 +12,9 @@
 #
 # 1. Checkpointing lowers the activation mountain; the recomputed tensors reappear in backward.
 # 2. Every strategy gives the same gradients as no checkpointing, bit for bit, with dropout on.
-# 3. The segment size k trades kept boundaries (n/k of them) against the recompute window (k
+# 3. The segment size k trades kept boundaries (L/k of them) against the recompute window (k
 #    blocks): the derived curves sit on the measured points. A chain of simple blocks is lowest at
-#    the textbook k = √n; the TinyGPT, whose blocks keep far more than their input, at k = 1.
+#    the textbook k = √L; the TinyGPT, whose blocks keep far more than their input, at k = 1.
 #
 # **Activation memory** in this lab is the highest value, over forward and backward, of the
 # ledger's `activations` + `temporaries` categories. Recomputed tensors are born in backward, so
@@ -108,21 +108,21 @@ for ax in (ax_mem, ax_flop, ax_time):
 # %% [markdown]
 # ## Formula against measurement
 #
-# Each row is **derived** (formula shown, `block_costs.py`) next to the **measured** figure. With
-# B = batch, T = sequence, w = width, h = heads, N = B·T tokens and b = 4·N·w bytes (one fp32
-# block input):
+# Each row is **derived** (formula shown, `block_costs.py`) next to the **measured** figure. In the
+# handbook's notation, b = batch, s = sequence, h = width, a = heads, L = blocks, and
+# I_blk = 4·s·b·h bytes (one fp32 block input):
 #
 # - a checkpointed segment keeps exactly its input, so full and every-k differ by
-#   (n − ⌈n/k⌉)·b kept bytes;
+#   (L − ⌈L/k⌉)·I_blk kept bytes;
 # - the save-matmuls policy keeps every matmul output in each block: the four linear layers
-#   (3w + w + 4w + w per token) and, on the CPU math attention path that dropout selects, the two
-#   attention matmuls (scores B·h·T², and B·T·w); all fp32;
-# - a checkpointed block recomputes its forward matmuls in backward: 2·N·12w² for the linear
-#   layers plus 4·B·T²·w for attention, per block;
-# - a block without checkpointing keeps 72·N·w + 12·B·h·T² + 16·N bytes: the per-layer count of
-#   Korthikanti et al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte dropout
-#   masks, rewritten for fp32 tensors and the 4-byte masks that CPU dropout uses, plus the two
-#   layer norms' fp32 mean and 1/std per token (16·N).
+#   (3h + h + 4h + h per token) and, on the CPU math attention path that dropout selects, the two
+#   attention matmuls (scores a·s²·b, and s·b·h); all fp32;
+# - a checkpointed block recomputes its forward matmuls in backward: 2·s·b·12h² for the linear
+#   layers plus 4·s²·b·h for attention, per block;
+# - a block without checkpointing keeps K_blk = 72·s·b·h + 12·a·s²·b + 16·s·b bytes: the per-layer
+#   count of Korthikanti et al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte
+#   dropout masks, rewritten for fp32 tensors and the 4-byte masks that CPU dropout uses, plus the
+#   two layer norms' fp32 mean and 1/std per token (16·s·b).
 #
 # The last three rows hold on the CPU path only, and only a CPU run shows them.
 
