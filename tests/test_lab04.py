@@ -147,14 +147,13 @@ def test_every_formula_equals_the_measurement(small_run):
 
 def test_kept_bytes_per_block_match_the_korthikanti_count(lab04, small_run):
     """34sbh + 5as^2b bytes per layer (2-byte tensors, 1-byte masks), rewritten for fp32 and the 4-byte
-    masks of CPU dropout: 72·N·w + 12·B·h·T² bytes, plus 16·N for the two layer norms' statistics."""
+    masks of CPU dropout: 72·s·b·h + 12·a·s²·b bytes, plus 16·s·b for the two layer norms' statistics."""
     c = small_run.config
-    B, T, w, h = c.batch_size, c.seq_len, c.width, c.heads
-    N = B * T
-    cost = load_lab(4, "block_costs").block_costs(B, T, w, h)
-    assert small_run.per_block_bytes == cost["kept"] == 72 * N * w + 12 * B * h * T * T + 16 * N
+    b, s, h, a = c.batch_size, c.seq_len, c.width, c.heads
+    cost = load_lab(4, "block_costs").block_costs(b, s, h, a)
+    assert small_run.per_block_bytes == cost["kept"] == 72 * s * b * h + 12 * a * s * s * b + 16 * s * b
     summary = small_run.summary()
-    assert summary["per_block_over_input"] == cost["kept"] / (4 * N * w) == summary["two_block_segments_pay_beyond"] / 2
+    assert summary["per_block_over_input"] == cost["kept"] / (4 * s * b * h) == summary["two_block_segments_pay_beyond"] / 2
 
 
 class OutputBytes(TorchDispatchMode):
@@ -262,26 +261,27 @@ def assert_rule_holds(rule: dict):
 
 
 def test_segment_rule_on_a_chain_of_simple_blocks(segments):
-    """Linear + ReLU blocks keep their input's size (a = b): the measured peak is lowest at k = sqrt(n)."""
-    n, width, batch = 16, 16, 8
-    b = batch * width * 4
-    model, x, y = segments.chain(n, width, batch, "cpu")
-    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8, 16]), n, b)
-    assert rule["per_block_bytes"] == b and rule["k_star"] == 4.0
+    """Linear + ReLU blocks keep their input's size (K_blk = I_blk): the measured peak is lowest at
+    k = sqrt(L)."""
+    blocks, width, batch = 16, 16, 8
+    block_input = batch * width * 4
+    model, x, y = segments.chain(blocks, width, batch, "cpu")
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8, 16]), blocks, block_input)
+    assert rule["per_block_bytes"] == block_input and rule["k_star"] == 4.0
     assert_rule_holds(rule)
-    assert rule["best_k_measured"] == math.isqrt(n)
+    assert rule["best_k_measured"] == math.isqrt(blocks)
     mem = rule["measured"]
     assert mem[4]["activation_peak_bytes"] < 0.6 * mem[1]["activation_peak_bytes"]  # a real minimum
-    uneven = segments.compare(segments.sweep(model, x, y, [1, 3, 5, 6, 7]), n, b)  # short last segments
+    uneven = segments.compare(segments.sweep(model, x, y, [1, 3, 5, 6, 7]), blocks, block_input)  # short last segments
     assert_rule_holds(uneven)
 
 
 def test_segment_rule_on_tinygpt(lab04, segments):
     """A transformer block keeps ~20 times its input (the Korthikanti count): k* < 1, so k = 1 wins."""
     config, model, x, y = setup(lab04, layers=8)
-    B, T, w, h = config.batch_size, config.seq_len, config.width, config.heads
-    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8]), 8, 4 * B * T * w)
-    assert rule["per_block_bytes"] == 72 * B * T * w + 12 * B * h * T * T + 16 * B * T and rule["k_star"] < 1
+    b, s, h, a = config.batch_size, config.seq_len, config.width, config.heads
+    rule = segments.compare(segments.sweep(model, x, y, [1, 2, 4, 8]), 8, 4 * s * b * h)
+    assert rule["per_block_bytes"] == 72 * s * b * h + 12 * a * s * s * b + 16 * s * b and rule["k_star"] < 1
     assert_rule_holds(rule)
     assert rule["best_k_measured"] == 1
     found = segments.findings({"TinyGPT": rule, "chain": rule})
@@ -289,7 +289,7 @@ def test_segment_rule_on_tinygpt(lab04, segments):
 
 
 def test_segment_rule_predicts_short_last_segments(segments):
-    """k that does not divide n: the last segment is short, and the busiest segment may be another."""
+    """k that does not divide L: the last segment is short, and the busiest segment may be another."""
     assert segments.predict(16, 4, 1, 1) == (4, 8)  # 4 inputs, then 4 + 4 at the last segment
     assert segments.predict(16, 5, 1, 1) == (4, 8)  # segments 5, 5, 5, 1: 3 + 5 beats 4 + 1
     assert segments.predict(16, 6, 1, 1, C=10, G=2) == (13, 20)  # 6, 6, 4: 2 + 6 ties 3 + 4 (+ C + G)

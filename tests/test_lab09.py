@@ -82,12 +82,13 @@ def test_the_ledger_counts_exactly_the_bytes_the_hooks_copied(all_modes):
 
 
 def test_checkpointed_inputs_streamed_match_the_formulas(all_modes):
-    """n block inputs of b bytes each: n - K go to the host; the peak holds max(K, 1) + P of them."""
-    r, n, K, P = all_modes.results, 6, 2, 2
+    """L block inputs of I_blk bytes each: L - k_keep go to the host; the peak holds
+    max(k_keep, 1) + k_ahead of them."""
+    r, blocks, keep, ahead = all_modes.results, 6, 2, 2
     c, s = r["checkpoint"], r["checkpoint+streamed"]
-    assert s["host_bytes_after_forward"] == (n - K) * B_IN and s["tensors_moved"] == n - K
-    assert c["kept_bytes"] - s["kept_bytes"] == (n - K) * B_IN
-    assert c["activation_peak_bytes"] - s["activation_peak_bytes"] == (n - max(K, 1) - P) * B_IN
+    assert s["host_bytes_after_forward"] == (blocks - keep) * B_IN and s["tensors_moved"] == blocks - keep
+    assert c["kept_bytes"] - s["kept_bytes"] == (blocks - keep) * B_IN
+    assert c["activation_peak_bytes"] - s["activation_peak_bytes"] == (blocks - max(keep, 1) - ahead) * B_IN
 
 
 def test_every_formula_equals_the_measurement(all_modes, derived):
@@ -99,18 +100,18 @@ def test_every_formula_equals_the_measurement(all_modes, derived):
 
 
 def test_depth_sweep_follows_the_derived_lines(lab09, derived):
-    """Checkpointing's peak grows by one block input per block; streamed, it stays at max(K, 1) + P."""
+    """Checkpointing's peak grows by one block input per block; streamed, it stays at max(k_keep, 1) + k_ahead."""
     config = lab09.Config(**SIZE)
     sweep = derived.depth_sweep(config, torch.device("cpu"), depths=(2, 4, 8))
     rule = derived.depth_rule(sweep, B_IN, config.keep_last, config.prefetch)
     held = derived.blocks_held(config.keep_last, config.prefetch)
     assert held == 4
-    for n, m in sweep.items():
-        assert m["checkpoint"] == derived.depth_peak(rule, n), n
-        assert m["checkpoint+streamed"] == derived.depth_peak(rule, n, held), n
-    assert rule["n_half"] == rule["outside_bytes"] / B_IN + 2 * held
+    for blocks, m in sweep.items():
+        assert m["checkpoint"] == derived.depth_peak(rule, blocks), blocks
+        assert m["checkpoint+streamed"] == derived.depth_peak(rule, blocks, held), blocks
+    assert rule["blocks_half"] == rule["outside_bytes"] / B_IN + 2 * held
     table = derived.depth_table(rule, held)
-    assert [row[0] for row in table.rows] == [2, 4, 8] and table.rows[0][-1] == 0  # no input to move at n = 2
+    assert [row[0] for row in table.rows] == [2, 4, 8] and table.rows[0][-1] == 0  # no input to move at L = 2
 
 
 @pytest.mark.parametrize(("keep", "prefetch", "on_demand"), [(0, 0, 6), (2, 0, 4), (0, 1, 1), (1, 1, 0), (2, 3, 0)])

@@ -22,22 +22,23 @@ aten = torch.ops.aten
 # --8<-- [start:costs]
 def block_costs(batch: int, seq: int, width: int, heads: int) -> dict[str, int]:
     """What one TinyGPT block costs, derived for fp32 on the CPU path that dropout selects (attention
-    as two ``bmm``, 4-byte dropout masks). ``batch`` B, ``seq`` T, ``width`` w, ``heads`` h; N = B·T.
+    as two ``bmm``, 4-byte dropout masks), in the handbook's notation: ``batch`` b, ``seq`` s,
+    ``width`` h, ``heads`` a.
 
-    ``input``: b = 4·N·w bytes, one block input, what a checkpoint keeps;
-    ``kept``: 72·N·w + 12·B·h·T² + 16·N bytes kept for backward without checkpointing: Korthikanti et
-    al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte masks, rewritten for fp32
-    and 4-byte masks, plus the two layer norms' fp32 mean and 1/std per token (16·N);
-    ``matmul_outputs``: 4·(10·N·w + B·h·T²) bytes, what save-matmuls keeps: the outputs of the four
-    linear layers (3w + w + 4w + w per token) and of the two attention ``bmm`` (B·h·T², and B·T·w);
-    ``forward_flops``: 24·N·w² + 4·B·T²·w, the matmul FLOPs a checkpointed block recomputes.
+    ``input``: I_blk = 4·s·b·h bytes, one block input, what a checkpoint keeps;
+    ``kept``: K_blk = 72·s·b·h + 12·a·s²·b + 16·s·b bytes kept for backward without checkpointing:
+    Korthikanti et al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte masks,
+    rewritten for fp32 and 4-byte masks, plus the two layer norms' fp32 mean and 1/std per token
+    (16·s·b);
+    ``matmul_outputs``: 4·(10·s·b·h + a·s²·b) bytes, what save-matmuls keeps: the outputs of the four
+    linear layers (3h + h + 4h + h per token) and of the two attention ``bmm`` (a·s²·b, and s·b·h);
+    ``forward_flops``: 24·s·b·h² + 4·s²·b·h, the matmul FLOPs a checkpointed block recomputes.
     """
-    B, T, w, h = batch, seq, width, heads
-    N = B * T
-    return {"input": 4 * N * w,
-            "kept": 72 * N * w + 12 * B * h * T * T + 16 * N,
-            "matmul_outputs": 4 * (10 * N * w + B * h * T * T),
-            "forward_flops": 24 * N * w * w + 4 * B * T * T * w}
+    b, s, h, a = batch, seq, width, heads
+    return {"input": 4 * s * b * h,
+            "kept": 72 * s * b * h + 12 * a * s * s * b + 16 * s * b,
+            "matmul_outputs": 4 * (10 * s * b * h + a * s * s * b),
+            "forward_flops": 24 * s * b * h * h + 4 * s * s * b * h}
 # --8<-- [end:costs]
 
 
@@ -62,17 +63,17 @@ def checks(result) -> Table:
     """Each formula of :func:`block_costs` against a ``checkpointing.run`` result of all four
     strategies. The save-matmuls and per-block rows hold for the CPU path only, and only there
     are they shown."""
-    c, r, n, k = result.config, result.results, result.config.layers, result.every
+    c, r, L, k = result.config, result.results, result.config.layers, result.every
     cost = block_costs(c.batch_size, c.seq_len, c.width, c.heads)
-    flops = n * cost["forward_flops"]
-    rows = [["kept: full − every-k", "(n − ⌈n/k⌉)·b", (n - math.ceil(n / k)) * cost["input"],
+    flops = L * cost["forward_flops"]
+    rows = [["kept: full − every-k", "(L − ⌈L/k⌉)·I_blk", (L - math.ceil(L / k)) * cost["input"],
              r["full"]["kept_bytes"] - r["every-k"]["kept_bytes"], "B"],
-            ["recompute FLOPs, full", "n·(24·N·w² + 4·B·T²·w)", flops, r["full"]["recompute_flops"], "FLOP"],
+            ["recompute FLOPs, full", "L·(24·s·b·h² + 4·s²·b·h)", flops, r["full"]["recompute_flops"], "FLOP"],
             ["recompute FLOPs, every-k", "the same: every block once", flops, r["every-k"]["recompute_flops"], "FLOP"]]
     if result.device.type == "cpu":  # dropout sends attention down the math path: two bmm, both kept
-        rows += [["kept: save-matmuls − full", "n·4·(10·N·w + B·h·T²)", n * cost["matmul_outputs"],
+        rows += [["kept: save-matmuls − full", "L·4·(10·s·b·h + a·s²·b)", L * cost["matmul_outputs"],
                   r["save-matmuls"]["kept_bytes"] - r["full"]["kept_bytes"], "B"],
                  ["recompute FLOPs, save-matmuls", "0: every matmul is kept", 0,
                   r["save-matmuls"]["recompute_flops"], "FLOP"],
-                 ["kept per block, none", "72·N·w + 12·B·h·T² + 16·N", cost["kept"], result.per_block_bytes, "B"]]
+                 ["kept per block, none", "72·s·b·h + 12·a·s²·b + 16·s·b", cost["kept"], result.per_block_bytes, "B"]]
     return Table(["quantity", "formula", ("derived", "int"), ("measured", "int"), "unit"], rows)

@@ -124,8 +124,8 @@ class Config(RealScale, ModelShape):
         "all", "which strategy to measure against 'none' (default: all of them)")
     every: int | None = option(
         None, "k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the textbook rule, "
-        "kept to show its cost: a block here keeps a, many times its input b, so k = 1 peaks lower until "
-        "--layers passes 2*a/b; see segments.py)", min=1)
+        "kept to show its cost: a block here keeps K_blk, many times its input I_blk, so k = 1 peaks lower "
+        "until --layers passes 2*K_blk/I_blk; see segments.py)", min=1)
     steps: int = option(5, "timed forward+backward steps per strategy", min=1)
     dtype: Literal["float32", "bfloat16"] = option(
         "float32", "element type of the weights and activations, no autocast (bfloat16: a pure-bf16 step)")
@@ -241,13 +241,13 @@ class Result:
 
     @property
     def block_input_bytes(self) -> int:
-        """b: one (B, T, w) block input in --dtype, what a checkpoint keeps."""
+        """I_blk: one (b, s, h) block input in --dtype, what a checkpoint keeps."""
         c = self.config
         return c.batch_size * c.seq_len * (c.model_spec() or c).width * DTYPES[c.dtype].itemsize
 
     @property
     def per_block_bytes(self) -> int | None:
-        """a, measured: what one block keeps for backward (none's kept bytes less full's, per block,
+        """K_blk, measured: what one block keeps for backward (none's kept bytes less full's, per block,
         plus the input that full keeps)."""
         r = self.results
         if "full" not in r:
@@ -255,14 +255,16 @@ class Result:
         return (r["none"]["kept_bytes"] - r["full"]["kept_bytes"]) // self.config.depth + self.block_input_bytes
 
     def summary(self) -> dict:
-        a, b, c = self.per_block_bytes, self.block_input_bytes, self.config
+        kept, block_input, c = self.per_block_bytes, self.block_input_bytes, self.config
         spec = c.model_spec()
         return {"lab": labs.slug(__file__), "device": str(self.device), "model": c.model,
                 "config": asdict(spec) if spec else asdict(c.model_config()), "dtype": c.dtype,
                 "batch_size": c.batch_size, "seq_len": c.seq_len, "layers": c.depth, "every": self.every,
                 "strategies": list(self.results), "traced": TRACED if c.fake else None,
-                "block_input_bytes": b, "per_block_bytes": a, "per_block_over_input": a / b if a else None,
-                "two_block_segments_pay_beyond": 2 * a / b if a else None,  # n > 2·a/b: (n/2)·b + 2a < n·b + a
+                "block_input_bytes": block_input, "per_block_bytes": kept,
+                "per_block_over_input": kept / block_input if kept else None,
+                # L > 2·K_blk/I_blk: (L/2)·I_blk + 2·K_blk < L·I_blk + K_blk
+                "two_block_segments_pay_beyond": 2 * kept / block_input if kept else None,
                 "activation_memory": "activation_peak_bytes: highest live activations + temporaries over forward and "
                                      "backward; kept_bytes: activations alive when forward ends",
                 "timing": None if c.fake else

@@ -12,9 +12,9 @@
 #
 # 1. Checkpointing lowers the activation mountain; the recomputed tensors reappear in backward.
 # 2. Every strategy gives the same gradients as no checkpointing, bit for bit, with dropout on.
-# 3. The segment size k trades kept boundaries (n/k of them) against the recompute window (k
+# 3. The segment size k trades kept boundaries (L/k of them) against the recompute window (k
 #    blocks): the derived curves sit on the measured points. A chain of simple blocks is lowest at
-#    the textbook k = √n; the TinyGPT, whose blocks keep far more than their input, at k = 1.
+#    the textbook k = √L; the TinyGPT, whose blocks keep far more than their input, at k = 1.
 #
 # **Activation memory** in this lab is the highest value, over forward and backward, of the
 # ledger's `activations` + `temporaries` categories. Recomputed tensors are born in backward, so
@@ -45,7 +45,7 @@ config = lab.Config(device=nb.device.type, **size)
 # %%
 result = lab.run(config)
 R = result.results
-print(f"{config.layers} blocks, every-k with k = {result.every}; one block input b = {result.block_input_bytes:,} B")
+print(f"{config.layers} blocks, every-k with k = {result.every}; one block input I_blk = {result.block_input_bytes:,} B")
 
 # %% [markdown]
 # ## The timelines
@@ -108,21 +108,21 @@ for ax in (ax_mem, ax_flop, ax_time):
 # %% [markdown]
 # ## Formula against measurement
 #
-# Each row is **derived** (formula shown, `block_costs.py`) next to the **measured** figure. With
-# B = batch, T = sequence, w = width, h = heads, N = B·T tokens and b = 4·N·w bytes (one fp32
-# block input):
+# Each row is **derived** (formula shown, `block_costs.py`) next to the **measured** figure. In the
+# handbook's notation, b = batch, s = sequence, h = width, a = heads, L = blocks, and
+# I_blk = 4·s·b·h bytes (one fp32 block input):
 #
 # - a checkpointed segment keeps exactly its input, so full and every-k differ by
-#   (n − ⌈n/k⌉)·b kept bytes;
+#   (L − ⌈L/k⌉)·I_blk kept bytes;
 # - the save-matmuls policy keeps every matmul output in each block: the four linear layers
-#   (3w + w + 4w + w per token) and, on the CPU math attention path that dropout selects, the two
-#   attention matmuls (scores B·h·T², and B·T·w); all fp32;
-# - a checkpointed block recomputes its forward matmuls in backward: 2·N·12w² for the linear
-#   layers plus 4·B·T²·w for attention, per block;
-# - a block without checkpointing keeps 72·N·w + 12·B·h·T² + 16·N bytes: the per-layer count of
-#   Korthikanti et al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte dropout
-#   masks, rewritten for fp32 tensors and the 4-byte masks that CPU dropout uses, plus the two
-#   layer norms' fp32 mean and 1/std per token (16·N).
+#   (3h + h + 4h + h per token) and, on the CPU math attention path that dropout selects, the two
+#   attention matmuls (scores a·s²·b, and s·b·h); all fp32;
+# - a checkpointed block recomputes its forward matmuls in backward: 2·s·b·12h² for the linear
+#   layers plus 4·s²·b·h for attention, per block;
+# - a block without checkpointing keeps K_blk = 72·s·b·h + 12·a·s²·b + 16·s·b bytes: the per-layer
+#   count of Korthikanti et al. (2022), 34·s·b·h + 5·a·s²·b bytes for 2-byte tensors and 1-byte
+#   dropout masks, rewritten for fp32 tensors and the 4-byte masks that CPU dropout uses, plus the
+#   two layer norms' fp32 mean and 1/std per token (16·s·b).
 #
 # The last three rows hold on the CPU path only, and only a CPU run shows them.
 
@@ -133,50 +133,50 @@ display(checks)
 # %% [markdown]
 # ## The segment rule: how big should a segment be?
 #
-# Checkpoint n blocks in segments of k. After forward, each segment has kept only its input:
-# ⌈n/k⌉·b. In backward, a segment is recomputed as a whole, so for a while its k blocks hold
-# everything a block saves, a bytes each. With C for what lives outside the blocks (embedding,
+# Checkpoint L blocks in segments of k. After forward, each segment has kept only its input:
+# ⌈L/k⌉·I_blk. In backward, a segment is recomputed as a whole, so for a while its k blocks hold
+# everything a block saves, K_blk bytes each. With C for what lives outside the blocks (embedding,
 # head, loss) and G for what backward itself holds at that moment (the gradients in flight, less
-# what the loss and head have already freed), the derivation in `segments.py` gives, for k dividing n,
+# what the loss and head have already freed), the derivation in `segments.py` gives, for k dividing L,
 #
-# kept(k) = C + ⌈n/k⌉·b and peak(k) = C + G + (n/k)·b + k·a,
+# kept(k) = C + ⌈L/k⌉·I_blk and peak(k) = C + G + (L/k)·I_blk + k·K_blk,
 #
-# and peak(k) is smallest where its derivative −n·b/k² + a is zero: **k\* = √(n·b/a)**. G does not
-# depend on k, so it moves the curve, not its minimum. We measure two models of n = 16 blocks:
+# and peak(k) is smallest where its derivative −L·I_blk/k² + K_blk is zero: **k\* = √(L·I_blk/K_blk)**.
+# G does not depend on k, so it moves the curve, not its minimum. We measure two models of L = 16 blocks:
 #
 # - a **chain of simple blocks** (Linear, then ReLU): a block keeps one tensor, its ReLU output, the
-#   size of its input, so a = b and k\* = √n, the textbook rule;
+#   size of its input, so K_blk = I_blk and k\* = √L, the textbook rule;
 # - the **TinyGPT**: a block keeps far more than its input, so k\* is much smaller.
 #
-# C and a come from the `none` and k = 1 runs, G from the k = 1 run's peak; nothing is fitted to the
+# C and K_blk come from the `none` and k = 1 runs, G from the k = 1 run's peak; nothing is fitted to the
 # other points. The lines are `segments.predict` at every whole k (short last segments included);
 # the points are measured.
 
 # %%
-n, ks = 16, [1, 2, 4, 8, 16]
+L, ks = 16, [1, 2, 4, 8, 16]
 shape = (dict(width=1024, heads=16, seq_len=1024, batch_size=4) if nb.on_gpu
          else dict(width=32, heads=2, seq_len=32, batch_size=4, vocab=64))
 chain_width, chain_batch = (1024, 1024) if nb.on_gpu else (64, 64)
-gpt = lab.Config(device=nb.device.type, layers=n, **shape)
-rules = {"TinyGPT": seg.compare(seg.sweep(*lab.build(gpt, nb.device), ks), n, 4 * gpt.batch_size * gpt.seq_len * gpt.width),
-         "chain": seg.compare(seg.sweep(*seg.chain(n, chain_width, chain_batch, nb.device), ks), n, 4 * chain_batch * chain_width)}
-segment_tables = {name: seg.table(rule, n) for name, rule in rules.items()}
+gpt = lab.Config(device=nb.device.type, layers=L, **shape)
+rules = {"TinyGPT": seg.compare(seg.sweep(*lab.build(gpt, nb.device), ks), L, 4 * gpt.batch_size * gpt.seq_len * gpt.width),
+         "chain": seg.compare(seg.sweep(*seg.chain(L, chain_width, chain_batch, nb.device), ks), L, 4 * chain_batch * chain_width)}
+segment_tables = {name: seg.table(rule, L) for name, rule in rules.items()}
 findings = seg.findings(rules)
 display(*segment_tables.values())
 
 # %%
 segments, axes3 = plt.subplots(2, 1, figsize=(7.5, 9), dpi=110, layout="constrained")  # stacked: phones
-grid = range(1, n + 1)
+grid = range(1, L + 1)
 for ax, (name, r) in zip(axes3, rules.items()):
-    mem, a, b = r["measured"], r["per_block_bytes"], r["block_input_bytes"]
+    mem, K_blk, I_blk = r["measured"], r["per_block_bytes"], r["block_input_bytes"]
     unit, unit_size = pick_unit(max(m["activation_peak_bytes"] for m in mem.values()))
-    derived = [seg.predict(n, k, a, b, r["outside_bytes"], r["backward_extra_bytes"]) for k in grid]
+    derived = [seg.predict(L, k, K_blk, I_blk, r["outside_bytes"], r["backward_extra_bytes"]) for k in grid]
     ax.plot(grid, [p / unit_size for _, p in derived], color="#d62728", lw=1.4, ls="--",
             label="derived peak (segments.predict)")
     ax.plot(ks, [mem[k]["activation_peak_bytes"] / unit_size for k in ks], "o", color="#d62728", ms=7,
             label="measured activation peak")
     ax.plot(grid, [kept / unit_size for kept, _ in derived], color="#4C72B0", lw=1.2, ls=":",
-            label="derived kept after forward (C + ⌈n/k⌉·b)")
+            label="derived kept after forward (C + ⌈L/k⌉·I_blk)")
     ax.plot(ks, [mem[k]["kept_bytes"] / unit_size for k in ks], "s", color="#4C72B0", ms=6,
             label="measured kept after forward")
     ax.axhline(r["none"]["activation_peak_bytes"] / unit_size, color="#8C8C8C", lw=1,
@@ -185,10 +185,10 @@ for ax, (name, r) in zip(axes3, rules.items()):
     ax.plot([best], [mem[best]["activation_peak_bytes"] / unit_size], "o", mfc="none", mec="black", mew=1.4, ms=15,
             label="lowest measured peak")
     if r["k_star"] >= 1:
-        ax.axvline(r["k_star"], color="black", lw=1, ls=":", label="derived k* = √(n·b/a)")
+        ax.axvline(r["k_star"], color="black", lw=1, ls=":", label="derived k* = √(L·I_blk/K_blk)")
     ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel=unit,
-           title=f"{n}-block {'chain of Linear + ReLU' if name == 'chain' else name}: a = {a / b:.2f}·b, "
-                 f"so k* = √(n·b/a) = {r['k_star']:.2f} ({nb.device.type})")
+           title=f"{L}-block {'chain of Linear + ReLU' if name == 'chain' else name}: K_blk = {K_blk / I_blk:.2f}·I_blk, "
+                 f"so k* = √(L·I_blk/K_blk) = {r['k_star']:.2f} ({nb.device.type})")
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_ylim(0, max(m["activation_peak_bytes"] for m in mem.values()) / unit_size * 1.08)
     ax.grid(alpha=0.3)
@@ -234,31 +234,31 @@ display(real_scale)
 # k = 2, 3 and 4 as well (k = 1 and k = 9 come from the run above). A second peak appears that the
 # toy models did not have: as backward starts, the loss and the head hold S bytes (the fp32 logits
 # of a 128,256-token vocabulary and their gradient) on top of every kept block input. The rule
-# becomes peak(k) = max(C + G + (n/k)·b + k·a, C + ⌈n/k⌉·b + S): `segments.predict_with_head`,
-# its constants from three runs (none and k = 1 give C, a and S; k = 9, where the recompute window
+# becomes peak(k) = max(C + G + (L/k)·I_blk + k·K_blk, C + ⌈L/k⌉·I_blk + S): `segments.predict_with_head`,
+# its constants from three runs (none and k = 1 give C, K_blk and S; k = 9, where the recompute window
 # is the higher, gives G). k = 2, 3 and 4 are predictions, not fits.
 
 # %%
 rule70 = at_scale.segment_rule(traced["llama-3-70b", 8192], ks=(1, 2, 3, 4, 9))
-n70, k70 = traced["llama-3-70b", 8192].config.depth, traced["llama-3-70b", 8192].every
-real_scale_segments = seg.table(rule70, n70, kind="bytes", evidence="traced")
+L70, k70 = traced["llama-3-70b", 8192].config.depth, traced["llama-3-70b", 8192].every
+real_scale_segments = seg.table(rule70, L70, kind="bytes", evidence="traced")
 display(real_scale_segments)
 
 # %%
 real_segments, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110, layout="constrained")
-a70, b70, C70, G70, S70 = (rule70[k] for k in ("per_block_bytes", "block_input_bytes", "outside_bytes",
+K70, I70, C70, G70, S70 = (rule70[k] for k in ("per_block_bytes", "block_input_bytes", "outside_bytes",
                                                "backward_extra_bytes", "head_spike_bytes"))
 grid70 = range(1, 17)
-window, head = zip(*(seg.two_peaks(n70, k, a70, b70, C70, G70, S70) for k in grid70))
+window, head = zip(*(seg.two_peaks(L70, k, K70, I70, C70, G70, S70) for k in grid70))
 window, head = [w / 2**30 for w in window], [h / 2**30 for h in head]
-ax.plot(grid70, window, color="#4C72B0", lw=1.2, ls=":", label="derived: recompute window, C + G + (n/k)·b + k·a")
-ax.plot(grid70, head, color="#DD8452", lw=1.2, ls=":", label="derived: head's peak, C + ⌈n/k⌉·b + S")
+ax.plot(grid70, window, color="#4C72B0", lw=1.2, ls=":", label="derived: recompute window, C + G + (L/k)·I_blk + k·K_blk")
+ax.plot(grid70, head, color="#DD8452", lw=1.2, ls=":", label="derived: head's peak, C + ⌈L/k⌉·I_blk + S")
 ax.plot(grid70, [max(w, h) for w, h in zip(window, head)], color="#d62728", lw=1.6, ls="--",
         label="derived peak: the higher of the two")
 traced_ks = list(rule70["measured"])
 ax.plot(traced_ks, [rule70["measured"][k]["activation_peak_bytes"] / 2**30 for k in traced_ks], "o", color="#d62728",
         ms=7, label="traced activation peak")
-ax.axvline(k70, color="black", lw=1, ls="-.", label="textbook k = round(√n)")
+ax.axvline(k70, color="black", lw=1, ls="-.", label="textbook k = round(√L)")
 ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel="GiB", ylim=(0, 40),
        title="Llama-3-70B, 80 blocks, 8,192 tokens, bf16 (traced on fake tensors)")
 ax.set_xticks([1, 2, 3, 4, 9, 16], ["1", "2", "3", "4", "9", "16"])
@@ -271,8 +271,8 @@ notebook.publish(
                 "segments": segment_tables["TinyGPT"], "segments_chain": segment_tables["chain"],
                 "real_scale": real_scale, "real_scale_segments": real_scale_segments},
     figures={"timelines": timelines, "cost": cost, "segments": segments, "real_scale_segments": real_segments},
-    summary=result.summary(), segments={"n": n, "tolerance": seg.TOLERANCE, **rules}, segment_findings=findings,
+    summary=result.summary(), segments={"blocks": L, "tolerance": seg.TOLERANCE, **rules}, segment_findings=findings,
     real_scale=at_scale.numbers(traced), real_scale_rule=rule70 | {
-        "n": n70, "textbook_k": k70, "a_over_b": rule70["per_block_bytes"] / rule70["block_input_bytes"],
+        "blocks": L70, "textbook_k": k70, "kept_over_input": rule70["per_block_bytes"] / rule70["block_input_bytes"],
         "textbook_k_peak_bytes": rule70["measured"][k70]["activation_peak_bytes"],
         "best_k_peak_bytes": rule70["measured"][rule70["best_k_measured"]]["activation_peak_bytes"]})

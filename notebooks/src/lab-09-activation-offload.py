@@ -32,7 +32,7 @@ derived = labs.load(9, "offload_checks")
 # times are not shown); GPU-sized on a GPU
 size = dict(width=1024, layers=32, heads=16, seq_len=1024, batch_size=8, steps=10) if nb.on_gpu else dict(steps=1)
 config = lab.Config(device=nb.device.type, **size)
-b = config.block_input_bytes  # one fp32 block input
+block_input = config.block_input_bytes  # one fp32 block input, I_blk
 
 # %% [markdown]
 # ## Five modes, one step each under the ledger
@@ -89,15 +89,15 @@ timelines = draw_timelines(result, f"measured, {nb.device.type}")
 # %% [markdown]
 # ## Formula against measurement
 #
-# With checkpointing, the hooks see only what `checkpoint` keeps: each block's input, b bytes.
-# The last K stay on the device; the other n − K go to the host in forward. In backward the first
+# With checkpointing, the hooks see only what `checkpoint` keeps: each block's input, I_blk
+# bytes. The last k_keep stay on the device; the other L − k_keep go to the host in forward. In backward the first
 # recompute (of the last block) is where the activation peak sits. At that moment checkpointing
-# alone holds all n inputs; with the streamed hooks the device holds the kept one(s) and the P
-# inputs fetched ahead, max(K, 1) + P in all (`offload_checks.blocks_held`). So:
+# alone holds all L inputs; with the streamed hooks the device holds the kept one(s) and the k_ahead
+# inputs fetched ahead, max(k_keep, 1) + k_ahead in all (`offload_checks.blocks_held`). So:
 #
-# - host copies after forward = (n − K)·b,
-# - kept after forward = checkpoint's kept − (n − K)·b,
-# - activation peak = checkpoint's peak − (n − max(K, 1) − P)·b.
+# - host copies after forward = (L − k_keep)·I_blk,
+# - kept after forward = checkpoint's kept − (L − k_keep)·I_blk,
+# - activation peak = checkpoint's peak − (L − max(k_keep, 1) − k_ahead)·I_blk.
 #
 # The other checks compare the ledger with the hooks' own count of the bytes they copied, and the
 # bytes `save_on_cpu` moves with what the streamed hooks move when they filter nothing. On a GPU a
@@ -108,11 +108,11 @@ checks = derived.checks(result)
 display(checks)
 
 # %% [markdown]
-# ## Depth: checkpointing grows by b per block, checkpointing + streamed does not
+# ## Depth: checkpointing grows by I_blk per block, checkpointing + streamed does not
 #
-# From the formula above, checkpointing's activation peak grows by one block input b per block,
-# while with the inputs streamed the device holds max(K, 1) + P of them whatever the depth. So the
-# reduction against checkpointing alone, 1 − (C′ + (K + P)·b) / (C′ + n·b), grows with depth, with
+# From the formula above, checkpointing's activation peak grows by one block input I_blk per
+# block, while with the inputs streamed the device holds max(k_keep, 1) + k_ahead of them whatever the depth. So the
+# reduction against checkpointing alone, 1 − (C′ + (k_keep + k_ahead)·I_blk) / (C′ + L·I_blk), grows with depth, with
 # C′ what the peak holds besides the block inputs (the head and loss, one block's recompute). The
 # derived lines use C′ from the shallowest run only (`offload_checks.depth_rule`); the points are
 # measured.
@@ -131,22 +131,22 @@ display(depth)
 depths, sweep = list(depth_rule["measured"]), depth_rule["measured"]
 grid = list(range(depths[0], depths[-1] + 1))
 depth_figure, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 3.8), dpi=110, layout="constrained")
-ax.plot(grid, [derived.depth_peak(depth_rule, n) / 2**20 for n in grid], color="#4C72B0", lw=1.2, ls="--",
-        label="derived: C′ + n·b")
-ax.plot(depths, [sweep[n]["checkpoint"] / 2**20 for n in depths], "o", color="#4C72B0", label="checkpoint")
-ax.plot(grid, [derived.depth_peak(depth_rule, n, held) / 2**20 for n in grid], color="#55A868", lw=1.2, ls="--",
-        label="derived: C′ + (K + P)·b")
-ax.plot(depths, [sweep[n]["checkpoint+streamed"] / 2**20 for n in depths], "s", color="#55A868",
+ax.plot(grid, [derived.depth_peak(depth_rule, L) / 2**20 for L in grid], color="#4C72B0", lw=1.2, ls="--",
+        label="derived: C′ + L·I_blk")
+ax.plot(depths, [sweep[L]["checkpoint"] / 2**20 for L in depths], "o", color="#4C72B0", label="checkpoint")
+ax.plot(grid, [derived.depth_peak(depth_rule, L, held) / 2**20 for L in grid], color="#55A868", lw=1.2, ls="--",
+        label="derived: C′ + (k_keep + k_ahead)·I_blk")
+ax.plot(depths, [sweep[L]["checkpoint+streamed"] / 2**20 for L in depths], "s", color="#55A868",
         label="checkpoint+streamed")
-ax.set(xlabel="blocks n", ylabel="activation peak (MiB)", title=f"points measured ({nb.device.type}), lines derived",
+ax.set(xlabel="blocks L", ylabel="activation peak (MiB)", title=f"points measured ({nb.device.type}), lines derived",
        ylim=(0, None))
 ax.legend(fontsize=8)
-ax2.plot(grid, [100 * (1 - derived.depth_peak(depth_rule, n, held) / derived.depth_peak(depth_rule, n)) for n in grid],
+ax2.plot(grid, [100 * (1 - derived.depth_peak(depth_rule, L, held) / derived.depth_peak(depth_rule, L)) for L in grid],
          color="#55A868", lw=1.4, label="derived reduction")
-ax2.plot(depths, [100 * (1 - sweep[n]["checkpoint+streamed"] / sweep[n]["checkpoint"]) for n in depths], "s",
+ax2.plot(depths, [100 * (1 - sweep[L]["checkpoint+streamed"] / sweep[L]["checkpoint"]) for L in depths], "s",
          color="#55A868", label="measured")
 ax2.axhline(50, color="#8C8C8C", lw=1, ls=":", label="50 %: the GPU run's target")
-ax2.set(xlabel="blocks n", ylabel="% lower than checkpoint alone", title="activation peak: reduction vs depth",
+ax2.set(xlabel="blocks L", ylabel="% lower than checkpoint alone", title="activation peak: reduction vs depth",
         ylim=(0, 100))
 ax2.legend(fontsize=8, loc="lower right")
 for a in (ax, ax2):
@@ -155,7 +155,7 @@ for a in (ax, ax2):
 # %% [markdown]
 # ## The two knobs: keep-last and min-bytes
 #
-# **Keep-last K**: the last K saved tensors that would be offloaded stay on the device. They are
+# **Keep-last k_keep**: the last k_keep saved tensors that would be offloaded stay on the device. They are
 # the first that backward reads, so moving them out and straight back is traffic for nothing. In
 # `streamed`, the last two saved tensors are the same one: `cross_entropy` saves the log-softmax
 # output twice (for its own backward and for the loss's), so offloading only one of them frees no
@@ -164,7 +164,7 @@ for a in (ax, ax2):
 
 # %%
 keep_last = derived.keep_last_table(config, nb.device)
-min_bytes = derived.min_bytes_table(config, nb.device, (0, 1024, 4096, b + 1))
+min_bytes = derived.min_bytes_table(config, nb.device, (0, 1024, 4096, block_input + 1))
 display(keep_last, min_bytes)
 
 # %% [markdown]
@@ -193,8 +193,8 @@ display(Table(["mode", ("ledger peak", "bytes"), ("max_memory_allocated", "bytes
 # bytes are the same. No values (no gradient check), no time.
 
 # %%
-traced = {n: lab.run(lab.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_len=n, batch_size=1))
-          for n in derived.REAL_SCALE_LENGTHS}
+traced = {s: lab.run(lab.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_len=s, batch_size=1))
+          for s in derived.REAL_SCALE_LENGTHS}
 real_scale = derived.real_scale_table(traced)
 display(real_scale)
 longest = max(traced)
