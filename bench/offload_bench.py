@@ -20,6 +20,7 @@ the timed runs (``measure_time``). Peak memory comes from ``torch.cuda.max_memor
 """
 
 import importlib.util
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,8 +192,8 @@ def crossover(config: Config, device, bandwidth: dict | None) -> tuple[list[dict
     rows = []
     for w in cli.progress(widths, total=len(widths), desc="sweep"):
         a = lab_config(config, device, width=w, heads=max(1, w // 64))
-        resident_ms = lab08.measure_time("none", a, device)[2]
-        layerwise_ms = lab08.measure_time("layerwise", a, device)[2]
+        resident_ms = statistics.median(lab08.measure_time("none", a, device)[2])  # median warm step
+        layerwise_ms = statistics.median(lab08.measure_time("layerwise", a, device)[2])
         blocks = a.denoiser_layers
         rows.append({"width": w, "block_bytes": block_bytes(a), "compute_ms_per_block": resident_ms / blocks,
                      "step_ms_resident": resident_ms, "step_ms_layerwise": layerwise_ms,
