@@ -32,6 +32,7 @@ LAB = "lab-08-offload-memory-saving"
 CPU_ONLY = True  # a property of CPU scheduling: no GPU run is pending for it
 SPIN = "while True:\n    pass"
 SETTINGS = {"default threads (one per core)": 0, "one thread": 1}
+KEYS = {"default threads (one per core)": "default_threads", "one thread": "one_thread"}  # for page placeholders
 
 
 @dataclass
@@ -80,7 +81,8 @@ def run(config: Config) -> dict:
              "unit": "x", "lab": LAB, "note": note},
             *({"metric": f"worst median step, {name}", "value": worst[name], "unit": "ms", "lab": LAB,
                "note": f"best median {best[name]:.1f} ms; {note}"} for name in SETTINGS)]
-    result = {"bench": BENCH, "device": "cpu", "cores": os.cpu_count(), "busy": busy, "runs": runs,
+    medians = {KEYS[name]: {"best_ms": best[name], "worst_ms": worst[name], "runs": len(runs[name])} for name in SETTINGS}
+    result = {"bench": BENCH, "device": "cpu", "cores": os.cpu_count(), "busy": busy, "runs": runs, "medians": medians,
               "summary_rows": rows, "source_hashes": {LAB: provenance.source_hash(8)},
               "note": "CPU scheduling: the same command, only the intra-op thread count differs"}
     record = provenance.collect(None, cli.pick_device("cpu"), time.perf_counter() - t0)
