@@ -33,7 +33,39 @@ def presets() -> list[str]:
 
 
 @dataclass
-class Inputs:
+class TrainingRun:
+    """How a step runs: its sizes, precision, optimizer, checkpointing and data-parallel sharding.
+
+    Written once, for the calculator's :class:`Inputs` and Lab 13's ``fit.py`` ``Config`` (which mixes
+    it in), so that a flag means the same in a command line and a page's address."""
+
+    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
+    seq: int = option(4096, "tokens per sequence", min=1)
+    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
+    precision: Literal["fp32", "bf16", "mixed"] = option(
+        "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
+        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
+    checkpointing: Literal["none", "selective", "full"] = option(
+        "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
+    zero_stage: Literal[0, 1, 2, 3] = option(
+        0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
+    offload: Literal["none", "optimizer", "params"] = option(
+        "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+
+    def check_sharding(self) -> None:
+        """The rules between the sharding flags (UsageError naming them)."""
+        if self.zero_stage and self.dp == 1:
+            raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
+        if self.offload == "params" and self.zero_stage != 3:
+            raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+        if self.offload == "optimizer" and self.optimizer == "sgd":
+            raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+
+
+@dataclass
+class Inputs(TrainingRun):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
     model: str = option("llama-3-8b", "a zoo model, or custom: the dimensions below")
@@ -49,19 +81,7 @@ class Inputs:
     tied: bool | None = option(None, "the head shares the embedding's weight")
     task: Literal["train", "infer", "serve"] = option(
         "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
-    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
-    seq: int = option(4096, "tokens per sequence", min=1)
-    accumulation: int = option(1, "micro-batches per optimizer step", min=1)
-    precision: Literal["fp32", "bf16", "mixed"] = option(
-        "mixed", "fp32; bf16: pure bf16 weights, gradients and state; mixed: fp32 weights and bf16 autocast")
-    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
-        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
-    checkpointing: Literal["none", "selective", "full"] = option("none", "activation checkpointing of every block")
-    dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
-    zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO: 1 shards the optimizer state, 2 the gradients, 3 the weights")
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
-    offload: Literal["none", "optimizer", "params"] = option(
-        "none", "optimizer: state and step on the host; params: FSDP2's CPU offload of the shards")
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)", min=0)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1)
     requests: int = option(32, "serve: requests in flight at once", min=1)
@@ -100,12 +120,7 @@ class Inputs:
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
-            if self.zero_stage and self.dp == 1:
-                raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
-            if self.offload == "params" and self.zero_stage != 3:
-                raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
-            if self.offload == "optimizer" and self.optimizer == "sgd":
-                raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+            self.check_sharding()
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

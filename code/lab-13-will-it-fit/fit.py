@@ -53,6 +53,7 @@ lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
+TrainingRun = labs.load(1, "fit_inputs").TrainingRun  # --batch ... --offload, shared with the calculator
 
 
 # --8<-- [start:recipes]
@@ -144,26 +145,18 @@ def shard(model, config: Config, mesh):
 
 # ----------------------------------------------------------------------------- the configuration
 @dataclass
-class Config(LabConfig):
-    """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
+class Step:
+    """The model and the step traced (first on a command line, before how the step runs)."""
 
     model: str = option("llama-3-8b", "a zoo model (llama-3-8b, llama-3-70b, mixtral-8x7b, ...) or the path of a "
                         "Hugging Face config.json of a causal LM", metavar="NAME|PATH")
     task: Literal["train", "infer"] = option("train", "train: one training step; infer: one prefill forward")
-    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
-    seq: int = option(4096, "tokens per sequence", min=1)
-    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
-    precision: Literal["fp32", "bf16", "mixed"] = option(
-        "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
-    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
-        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
-    checkpointing: Literal["none", "selective", "full"] = option(
-        "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
-    dp: int = option(1, "data-parallel ranks (the trace is rank 0's)", min=1, max=2**20)
-    zero_stage: Literal[0, 1, 2, 3] = option(
-        0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
-    offload: Literal["none", "optimizer", "params"] = option(
-        "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+
+
+@dataclass
+class Config(TrainingRun, Step, LabConfig):
+    """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
+
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
@@ -173,12 +166,7 @@ class Config(LabConfig):
         spec, z = self.spec, self.zero_stage
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
-        if z and self.dp == 1:
-            raise UsageError(f"--zero-stage {z} shards over data-parallel ranks: give --dp N (N > 1)")
-        if self.offload == "params" and z != 3:
-            raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
-        if self.offload == "optimizer" and self.optimizer == "sgd":
-            raise UsageError("--offload optimizer runs Lab 07's AdamW on the host: choose an adamw --optimizer")
+        self.check_sharding()
         if self.task == "infer":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
