@@ -65,8 +65,9 @@ class TrainingRun:
 
 
 @dataclass
-class Inputs(TrainingRun):
-    """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
+class Subject:
+    """The model (a zoo preset, or its dimensions typed or read from a config.json) and the task:
+    first in an address, before how the step runs."""
 
     model: str = option("llama-3-8b", "a zoo model, or custom: the dimensions below")
     layers: int | None = option(None, "transformer blocks (default: the preset's)", min=1)
@@ -81,6 +82,12 @@ class Inputs(TrainingRun):
     tied: bool | None = option(None, "the head shares the embedding's weight")
     task: Literal["train", "infer", "serve"] = option(
         "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
+
+
+@dataclass
+class Inputs(TrainingRun, Subject):
+    """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
+
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)", min=0)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1)
