@@ -50,7 +50,7 @@ class _DDPAtTheBoundary(TorchDispatchMode):
         new_index = func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") == torch.int32
         on_index = tensors and all(t.dtype == torch.int32 and not fake.is_fake(t) for t in tensors)
         if new_index or on_index:
-            with _outside_fake():  # DDP's bucket indices, and what it does with them, stay real
+            with fake.outside():  # DDP's bucket indices, and what it does with them, stay real
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
@@ -60,12 +60,6 @@ class _DDPAtTheBoundary(TorchDispatchMode):
             done.set_result(tensors)
             return tensors, torch._C._distributed_c10d._create_work_from_future(done).boxed()
         return out
-
-
-def _outside_fake():
-    from torch._subclasses.fake_tensor import unset_fake_temporarily  # labkit.fake guards the import
-
-    return unset_fake_temporarily()
 
 
 @contextlib.contextmanager

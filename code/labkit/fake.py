@@ -126,7 +126,7 @@ def materialize(build: Callable[[], nn.Module], device: str | torch.device = "cp
     would). Inside :func:`tensors` the result holds fake tensors; outside, real uninitialised ones
     (what ``to_empty`` gives), so the same call builds the real twin of a traced model.
     """
-    with _outside_fake(), torch.device("meta"):  # meta, not fake-of-meta: to_empty swaps it for fake
+    with outside(), torch.device("meta"):  # meta, not fake-of-meta: to_empty swaps it for fake
         module = build()
         if dtype is not None:
             module = module.to(dtype)
@@ -149,8 +149,9 @@ def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def _outside_fake():
-    """Step out of the fake mode for a moment (a no-op outside one)."""
+def outside():
+    """Step out of the fake mode for a block: what it makes is real (a no-op outside the mode). Guarded
+    for torch versions that lack ``unset_fake_temporarily``."""
     if active() is None:
         return contextlib.nullcontext()
     try:
