@@ -81,7 +81,9 @@ class Config(LabConfig):
 def parameter_set(width: int, layers: int, seed: int):
     """fp32 parameters with TinyGPT's shapes, and one fixed gradient per parameter."""
     torch.manual_seed(seed)
-    model = TinyGPT(GPTConfig(width=width, layers=layers, heads=max(1, width // 64)))
+    # heads change no parameter's shape: about one per 64 dimensions, the most that divide the width
+    heads = next(h for h in range(max(1, width // 64), 0, -1) if width % h == 0)
+    model = TinyGPT(GPTConfig(width=width, layers=layers, heads=heads))
     params = [p.detach().clone() for p in model.parameters()]
     g = torch.Generator().manual_seed(seed + 1)
     return params, [torch.randn(p.shape, generator=g) * 1e-2 for p in params]

@@ -438,6 +438,13 @@ def test_cpu_adam_bench_bad_sizes(bench, capsys, sizes):
     assert_usage_error_in_process(bench, ["--sizes", sizes], capsys, "WIDTHxLAYERS")
 
 
+def test_cpu_adam_bench_takes_any_width(bench):
+    """--sizes 200x3 was a traceback (200 // 64 = 3 heads do not divide 200): heads change no
+    parameter's shape, so the bench picks a count that divides the width."""
+    params, _ = bench.parameter_set(200, 1, 0)
+    assert sum(p.numel() for p in params) == sum(p.numel() for p in TinyGPT(GPTConfig(width=200, layers=1, heads=2)).parameters())
+
+
 def test_committed_cpu_adam_bench_result_has_provenance(bench):
     data = json.loads((ROOT / "results" / "cpu_adam_bench.json").read_text())
     assert data["provenance"]["lab"] == "lab-07-optimizer-offload" and data["provenance"]["git_commit"]
