@@ -60,6 +60,17 @@ class Config(LabConfig):
     out: Path | None = option(None, "default: results/offload_bench.json on CUDA, results/offload_bench.cpu.json "
                                     "on CPU")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        device = cli.pick_device(self.device)
+        lab_config(self, device)  # Lab 08's rules on these sizes, before anything runs
+        for w in self.sweep_widths or ():
+            try:
+                lab_config(self, device, width=w, heads=max(1, w // 64))
+            except UsageError as err:
+                raise UsageError(f"--sweep-widths {w}: the sweep gives it {max(1, w // 64)} heads (width / 64), "
+                                 f"and Lab 08 says: {err}") from None
+
 
 def lab_config(config: Config, device: torch.device, **over) -> lab08.Config:
     """Lab 08's Config for this benchmark's sizes (GPU-sized on CUDA, tiny on CPU), the denoiser alone

@@ -43,6 +43,16 @@ def test_offload_bench_bad_input():
     assert_clean_usage_error(run_bench("--device", "cpu", "--depths", "6"), "below the 6 denoiser blocks")
 
 
+@pytest.mark.parametrize(("fields", "fragment"), [({"sweep_widths": (200,)}, "--sweep-widths 200: the sweep gives it 3 heads"),
+                                                  ({"width": 100, "heads": 3}, "--width 100 is not divisible")])
+def test_offload_bench_refuses_sizes_lab08_cannot_build_before_it_runs(fields, fragment):
+    """Sizes are checked against Lab 08's rules when the flags are read: a sweep width the sweep
+    cannot split into heads no longer fails after the modes have run."""
+    bench = load_bench("offload_bench")
+    with pytest.raises(bench.UsageError, match=fragment):
+        bench.Config(device="cpu", **fields)
+
+
 def load_bench(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
