@@ -1,14 +1,15 @@
-"""Lab 05 - memory-efficient attention: the N x N score matrix, and three ways to hold it.
+"""Lab 05 - memory-efficient attention: the s x s score matrix, and three ways to hold it.
 
-softmax(Q K^T / sqrt(d)) V, written as it reads, materialises one score per (query, key) pair:
-batch x heads x N x N elements. Three implementations, measured by the memory ledger (labkit):
+softmax(Q K^T / sqrt(d_head)) V, written as it reads, materialises one score per (query, key) pair:
+b x a x s x s elements (micro-batch b, heads a, sequence length s: the handbook's notation).
+Three implementations, measured by the memory ledger (labkit):
 
-    naive    the whole score matrix and its softmax at once                 O(N^2) bytes
-    chunked  one block of query rows at a time against all the keys         O(N) for a fixed block
+    naive    the whole score matrix and its softmax at once                 O(s^2) bytes
+    chunked  one block of query rows at a time against all the keys         O(s) for a fixed block
     sdpa     F.scaled_dot_product_attention; the ledger names the backend that ran
 
 Every query row still sees every key, so the softmax of each row and the output are unchanged.
---backward measures forward + backward: chunking alone then keeps N x N probabilities for backward
+--backward measures forward + backward: chunking alone then keeps s x s probabilities for backward
 again, unless each block is recomputed (--recompute), as the fused kernels do.
 
 With ``--kv-heads`` k and v have fewer heads than q (grouped-query attention); ``--model`` takes a
@@ -42,8 +43,9 @@ from labkit.scale import RealScale
 
 # --8<-- [start:naive]
 def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
-    """softmax(q k^T / sqrt(d)) v, materialising every score. q: (B, H, Nq, d); k, v: (B, Hkv, N, d),
-    Hkv dividing H; ``causal`` hides the keys after each query, whose positions start at ``q_offset``."""
+    """softmax(q k^T / sqrt(d_head)) v, materialising every score. q: (b, a, s_q, d_head); k, v:
+    (b, a_kv, s, d_head), a_kv dividing a; ``causal`` hides the keys after each query, whose
+    positions start at ``q_offset``."""
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (1)!
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (2)!
     if causal:
@@ -54,8 +56,8 @@ def naive_attention(q, k, v, causal: bool = False, q_offset: int = 0):
 
 
 def repeat_kv(t, heads: int):
-    """Grouped-query attention: k or v (B, Hkv, N, d), each head repeated for the heads / Hkv query
-    heads it serves; a copy, as Hugging Face's eager attention makes (``repeat_kv``)."""
+    """Grouped-query attention: k or v (b, a_kv, s, d_head), each head repeated for the a / a_kv
+    query heads it serves; a copy, as Hugging Face's eager attention makes (``repeat_kv``)."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 # --8<-- [end:naive]
 
@@ -134,34 +136,34 @@ def inference(attend, q, k, v):
 
 
 # --8<-- [start:formulas]
-def score_matrix_bytes(n: int, batch: int, heads: int, e: int) -> int:
-    """One N x N matrix per head, B.H.N.N elements of e bytes: the scores, or the probabilities."""
-    return batch * heads * n * n * e
+def score_matrix_bytes(s: int, batch: int, heads: int, e: int) -> int:
+    """One s x s matrix per head, b.a.s.s elements of e bytes: the scores, or the probabilities."""
+    return batch * heads * s * s * e
 
 
-def predicted_bytes(impl: str, n: int, *, batch: int, heads: int, head_dim: int, e: int, chunk: int,
+def predicted_bytes(impl: str, s: int, *, batch: int, heads: int, head_dim: int, e: int, chunk: int,
                     backward: bool = False, recompute: bool = False, causal: bool = False,
                     backend: str | None = None, kv_heads: int | None = None) -> int | None:
-    """Derived bytes of ``impl`` at length ``n`` (None where no formula is given: causal masks, and
+    """Derived bytes of ``impl`` at length ``s`` (None where no formula is given: causal masks, and
     the math backend with backward): the forward peak, or with ``backward`` the bytes alive after
     forward. ``batch``, ``heads``, ``head_dim``: the shape of q; ``e``: bytes per element;
     ``chunk``: query rows per block; ``recompute``: chunked recomputes each block in backward;
     ``backend``: the SDPA backend that ran; ``kv_heads``: k and v's heads, when fewer than q's
     (grouped-query attention: the unfused paths repeat k and v to every query head, two copies of
     the output's size, alive to the end and kept for backward)."""
-    bh, out = batch * heads, batch * heads * n * head_dim * e  # the output, B.H.N.d
-    scores = score_matrix_bytes(n, batch, heads, e)
+    ba, out = batch * heads, batch * heads * s * head_dim * e  # the output, b.a.s.d_head
+    scores = score_matrix_bytes(s, batch, heads, e)
     fused = impl == "sdpa" and backend != "MATH"
     kv = 2 * out if kv_heads not in (None, heads) and not fused else 0
     if causal or (backward and impl == "sdpa" and not fused):
         return None
     if fused:
-        return out + bh * n * 4  # (1)!
+        return out + ba * s * 4  # (1)!
     if backward:
         return kv + (out if impl == "chunked" and recompute else scores + 2 * out)  # (2)!
     if impl == "chunked":
-        c = min(chunk, n)
-        return kv + out + 2 * bh * c * n * e + bh * c * head_dim * e  # (3)!
+        c = min(chunk, s)
+        return kv + out + 2 * ba * c * s * e + ba * c * head_dim * e  # (3)!
     return kv + 2 * scores + out  # (4)!
 # --8<-- [end:formulas]
 
@@ -176,8 +178,8 @@ class Config(RealScale, LabConfig):
     """Naive, query-chunked and fused (SDPA) attention: peak bytes against sequence length."""
 
     impl: Literal["naive", "chunked", "sdpa", "all"] = option("all", "which implementation to measure")
-    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048), "sequence lengths N to sweep", min=1,
-                                       metavar="N,N,...")
+    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048), "sequence lengths s to sweep", min=1,
+                                       metavar="S,S,...")
     chunk: int = option(128, "query rows per block (chunked)", min=1)
     batch: int = option(1, "sequences per batch", min=1)
     heads: int = option(2, "attention heads (query heads)", min=1)
@@ -205,7 +207,7 @@ class Config(RealScale, LabConfig):
 
     @property
     def key_value_heads(self) -> int:
-        """Hkv: ``--kv-heads``, or one per query head."""
+        """a_kv: ``--kv-heads``, or one per query head."""
         return self.kv_heads or self.heads
 
 
@@ -215,20 +217,20 @@ def run(config: Config) -> Result:
     if config.snapshot and device.type != "cuda":
         raise UsageError("--snapshot needs a CUDA device (memory history is a CUDA allocator feature)")
     impls = IMPLS if config.impl == "all" else (config.impl,)
-    n, e = max(config.seq_lens), torch.finfo(DTYPES[config.dtype]).bits // 8  # too big for the machine: refused
+    s, e = max(config.seq_lens), torch.finfo(DTYPES[config.dtype]).bits // 8  # too big for the machine: refused
     if not config.fake:  # a trace allocates nothing
-        budget.require(4 * config.batch * config.heads * n * config.head_dim * e + ("naive" in impls) * score_matrix_bytes(
-            n, batch=config.batch, heads=config.heads, e=e), device, f"q, k, v and the output at N = {n:,}"
-            + (" and one N x N matrix per head (naive)" if "naive" in impls else ""))
+        budget.require(4 * config.batch * config.heads * s * config.head_dim * e + ("naive" in impls) * score_matrix_bytes(
+            s, batch=config.batch, heads=config.heads, e=e), device, f"q, k, v and the output at s = {s:,}"
+            + (" and one s x s matrix per head (naive)" if "naive" in impls else ""))
     with sdpa_backend(config.sdpa_backend if "sdpa" in impls else "auto", device):
         pass  # refuses a backend this machine does not have before anything runs
-    jobs = [(impl, n) for n in config.seq_lens for impl in impls]
+    jobs = [(impl, s) for s in config.seq_lens for impl in impls]
     rows, timelines, refs, t0 = [], {}, {}, time.perf_counter()
     with config.tensors(), record_snapshot(config.snapshot):  # --fake: every tensor from here on is fake
-        for impl, n in cli.progress(jobs, total=len(jobs), desc="sweep"):
-            if n not in refs:  # one float64 run per length; a trace has no values to compare
-                refs = {n: None if config.fake else reference(n, config, device)}
-            row, timelines[impl, n] = measure(impl, n, config, device, refs[n])
+        for impl, s in cli.progress(jobs, total=len(jobs), desc="sweep"):
+            if s not in refs:  # one float64 run per length; a trace has no values to compare
+                refs = {s: None if config.fake else reference(s, config, device)}
+            row, timelines[impl, s] = measure(impl, s, config, device, refs[s])
             rows.append(row)
     return Result(config, device, impls, rows, timelines, time.perf_counter() - t0, allocator_stats(device))
 # --8<-- [end:run]
@@ -243,33 +245,33 @@ def attention_fn(impl: str, chunk: int, causal: bool, recompute: bool):
                                                                    enable_gqa=k.shape[1] != q.shape[1])}[impl]
 
 
-def make_qkv(n: int, config: Config, device, requires_grad: bool = False, seed_offset: int = 0):
-    """q, k and v of length ``n`` in the shape and dtype of ``config``, on ``device``: the same for
-    every implementation (drawn from ``config.seed``, ``n`` and ``seed_offset``)."""
-    g = torch.Generator().manual_seed(config.seed * 1_000_003 + n + seed_offset)
-    return [torch.randn(config.batch, heads, n, config.head_dim, generator=g).to(device, DTYPES[config.dtype])
+def make_qkv(s: int, config: Config, device, requires_grad: bool = False, seed_offset: int = 0):
+    """q, k and v of length ``s`` in the shape and dtype of ``config``, on ``device``: the same for
+    every implementation (drawn from ``config.seed``, ``s`` and ``seed_offset``)."""
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + s + seed_offset)
+    return [torch.randn(config.batch, heads, s, config.head_dim, generator=g).to(device, DTYPES[config.dtype])
             .requires_grad_(requires_grad) for heads in (config.heads, config.key_value_heads, config.key_value_heads)]
 
 
-def reference(n: int, config: Config, device) -> tuple:
+def reference(s: int, config: Config, device) -> tuple:
     """The same inputs in float64 through the chunked maths: the yardstick every output is held to."""
-    q, k, v = [t.double().requires_grad_(config.backward) for t in make_qkv(n, config, device)]
+    q, k, v = [t.double().requires_grad_(config.backward) for t in make_qkv(s, config, device)]
     with torch.enable_grad() if config.backward else torch.no_grad():
         out = chunked_attention(q, k, v, config.chunk, config.causal, recompute=True)
         if config.backward:
-            out.backward(make_qkv(n, config, device, seed_offset=7)[0].double())
+            out.backward(make_qkv(s, config, device, seed_offset=7)[0].double())
     return out.detach(), [t.grad for t in (q, k, v)] if config.backward else None
 
 
 # --8<-- [start:measure]
-def measure(impl: str, n: int, config: Config, device: torch.device, ref: tuple):
+def measure(impl: str, s: int, config: Config, device: torch.device, ref: tuple):
     """One implementation at one length: its row (peak bytes, bytes kept after forward, backend,
     error against ``ref``, the float64 :func:`reference`) and the ledger's timeline."""
-    q, k, v = make_qkv(n, config, device, requires_grad=config.backward)
-    grad_out = make_qkv(n, config, device, seed_offset=7)[0] if config.backward else None
+    q, k, v = make_qkv(s, config, device, requires_grad=config.backward)
+    grad_out = make_qkv(s, config, device, seed_offset=7)[0] if config.backward else None
     attend = attention_fn(impl, config.chunk, config.causal, config.recompute)
     ledger, e = Ledger(device), q.element_size()  # (1)!
-    row = {"impl": impl, "seq_len": n, "scores_bytes": score_matrix_bytes(n, config.batch, config.heads, e)}
+    row = {"impl": impl, "seq_len": s, "scores_bytes": score_matrix_bytes(s, config.batch, config.heads, e)}
     reset_peak(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
@@ -281,12 +283,12 @@ def measure(impl: str, n: int, config: Config, device: torch.device, ref: tuple)
     except torch.cuda.OutOfMemoryError:
         return row | {"oom": True}, None  # (2)!
     tl = ledger.timeline()
-    after_forward = next(s.end for s in tl.spans if s.name == "forward") - 1
+    after_forward = next(span.end for span in tl.spans if span.name == "forward") - 1
     row["backend"] = backend_that_ran([r.op for r in ledger.records]) if impl == "sdpa" else None
     row["peak_bytes"] = tl.peak()["total"]  # (3)!
     row["kept_bytes"] = tl.device["activations"][after_forward]  # (4)!
     row["predicted_bytes"] = predicted_bytes(
-        impl, n, batch=config.batch, heads=config.heads, head_dim=config.head_dim, e=e, chunk=config.chunk,
+        impl, s, batch=config.batch, heads=config.heads, head_dim=config.head_dim, e=e, chunk=config.chunk,
         backward=config.backward, recompute=config.recompute, causal=config.causal, backend=row["backend"],
         kv_heads=config.key_value_heads)
     if device.type == "cuda":
@@ -302,12 +304,12 @@ class Result:
     device: torch.device
     impls: tuple[str, ...]
     rows: list[dict]  # one per (implementation, length), in sweep order
-    timelines: dict  # (impl, n) -> the ledger's Timeline of that measurement (None: out of memory)
+    timelines: dict  # (impl, s) -> the ledger's Timeline of that measurement (None: out of memory)
     wall_time_s: float
     cuda: dict | None
 
     def slopes(self, key: str = "peak_bytes") -> dict[str, float | None]:
-        """The exponent p in bytes ~ N^p, per implementation (``key``: peak_bytes or kept_bytes)."""
+        """The exponent p in bytes ~ s^p, per implementation (``key``: peak_bytes or kept_bytes)."""
         done = [r for r in self.rows if not r.get("oom")]
         return {i: fit_slope([r["seq_len"] for r in done if r["impl"] == i],
                              [r[key] for r in done if r["impl"] == i]) for i in self.impls}
@@ -318,7 +320,7 @@ class Result:
 
     @property
     def outside_tolerance(self) -> list[str]:
-        return [f"{r['impl']} N={r['seq_len']}" for r in self.rows if r.get("within_tolerance") is False]
+        return [f"{r['impl']} s={r['seq_len']}" for r in self.rows if r.get("within_tolerance") is False]
 
     def summary(self) -> dict:
         c = self.config

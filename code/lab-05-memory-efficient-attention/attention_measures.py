@@ -1,7 +1,7 @@
 """Lab 05 - the yardsticks the attention sweep is held to, beside the memory ledger.
 
 * :func:`errors`: every output (and gradient) against the same maths in float64;
-* :func:`fit_slope`: the exponent p in bytes ~ N^p, from a least-squares line on log-log axes;
+* :func:`fit_slope`: the exponent p in bytes ~ s^p (s the sequence length), from a least-squares line on log-log axes;
 * :func:`report` and :func:`rows_table`: the sweep for a terminal;
 * :func:`real_scale_table` and :func:`real_scale_numbers`: three traced sweeps (forward, forward +
   backward, and chunked with recompute) as one table of peaks and as the numbers a page quotes;
@@ -59,7 +59,7 @@ def kernel_scratch_bytes(q, k, v, threads: int) -> int:
             F.scaled_dot_product_attention(q, k, v)
     finally:
         torch.set_num_threads(before)
-    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::empty")
+    return sum(ev.self_cpu_memory_usage for ev in prof.key_averages() if ev.key == "aten::empty")
 
 
 @contextlib.contextmanager
@@ -79,8 +79,8 @@ def quiet_stderr():
 def rows_table(result) -> Table:
     """Every measurement of a sweep: one row per implementation and length."""
     derived = "derived kept" if result.config.backward else "derived peak"
-    return Table(["impl", "N", ("peak", "B"), ("kept after forward", "B"), (derived, "B"),
-                  ("one N x N matrix", "B"), ("max abs error", "sci:1"), ("grad max abs error", "sci:1"),
+    return Table(["impl", "s", ("peak", "B"), ("kept after forward", "B"), (derived, "B"),
+                  ("one s x s matrix", "B"), ("max abs error", "sci:1"), ("grad max abs error", "sci:1"),
                   "backend"],
                  [[r["impl"], r["seq_len"], r.get("peak_bytes"), r.get("kept_bytes"), r.get("predicted_bytes"),
                    r["scores_bytes"], r.get("max_abs_error"), r.get("grad_max_abs_error"),
@@ -90,26 +90,26 @@ def rows_table(result) -> Table:
 def real_scale_table(forward, backward, recompute) -> Table:
     """Peak bytes per implementation and pass (rows) at each length (columns), from three sweeps of
     the same lengths: forward only, forward + backward, and forward + backward with chunked recompute."""
-    ns = forward.config.seq_lens
-    rows = [["one N x N score matrix", "-", *(_at(forward, "naive", "scores_bytes")[n] for n in ns)]]
+    lengths = forward.config.seq_lens
+    rows = [["one s x s score matrix", "-", *(_at(forward, "naive", "scores_bytes")[s] for s in lengths)]]
     for title, result, impls in (("forward", forward, forward.impls), ("forward + backward", backward, backward.impls)):
         for impl in impls:
-            rows.append([impl, title, *(_at(result, impl)[n] for n in ns)])
+            rows.append([impl, title, *(_at(result, impl)[s] for s in lengths)])
             if impl == "chunked" and result is backward:
-                rows.append(["chunked + recompute", title, *(_at(recompute, impl)[n] for n in ns)])
-    return Table(["implementation", "pass", *((f"N = {n:,}", "size") for n in ns)], rows)
+                rows.append(["chunked + recompute", title, *(_at(recompute, impl)[s] for s in lengths)])
+    return Table(["implementation", "pass", *((f"s = {s:,}", "size") for s in lengths)], rows)
 
 
 def real_scale_numbers(forward, backward, recompute) -> dict:
-    """The same sweeps as numbers a page can quote: ``forward.<impl>.<N>`` (peak bytes),
-    ``backward.<impl>.<N>.peak_bytes`` and ``.kept_bytes`` (chunked with recompute as
-    ``chunked_recompute``), ``scores_bytes.<N>``."""
+    """The same sweeps as numbers a page can quote: ``forward.<impl>.<s>`` (peak bytes),
+    ``backward.<impl>.<s>.peak_bytes`` and ``.kept_bytes`` (chunked with recompute as
+    ``chunked_recompute``), ``scores_bytes.<s>``."""
     def by_length(result, impl, keys):
         return {str(r["seq_len"]): {k: r[k] for k in keys} for r in result.rows if r["impl"] == impl}
     kept = ("peak_bytes", "kept_bytes")
     return {"seq_lens": list(forward.config.seq_lens),
-            "scores_bytes": {str(n): b for n, b in _at(forward, "naive", "scores_bytes").items()},
-            "forward": {i: {n: v["peak_bytes"] for n, v in by_length(forward, i, ("peak_bytes",)).items()}
+            "scores_bytes": {str(s): b for s, b in _at(forward, "naive", "scores_bytes").items()},
+            "forward": {i: {s: v["peak_bytes"] for s, v in by_length(forward, i, ("peak_bytes",)).items()}
                         for i in forward.impls},
             "backward": {i: by_length(backward, i, kept) for i in backward.impls}
             | {"chunked_recompute": by_length(recompute, "chunked", kept)}}
@@ -128,10 +128,10 @@ def report(result) -> None:
           + f"batch {c.batch}, {heads}, head dim {c.head_dim}, {c.dtype}, "
           f"{'causal' if c.causal else 'not causal'}, chunk {c.chunk}, {mode}" + (f"\n{TRACED}" if c.fake else "") + "\n")
     print(rows_table(result).text())
-    print("\nFitted slope of log(bytes) against log(N) (2 = quadratic, 1 = linear):")
+    print("\nFitted slope of log(bytes) against log(s) (2 = quadratic, 1 = linear):")
     kept = result.slopes("kept_bytes")
-    for impl, s in result.slopes().items():
-        print(f"  {impl:8s} peak {'n/a' if s is None else f'{s:.2f}'}"
+    for impl, p in result.slopes().items():
+        print(f"  {impl:8s} peak {'n/a' if p is None else f'{p:.2f}'}"
               + (f"   kept for backward {kept[impl]:.2f}" if c.backward and kept[impl] is not None else ""))
     if result.backends_ran:
         print(f"SDPA ran the {', '.join(result.backends_ran)} backend (named from the aten op that "

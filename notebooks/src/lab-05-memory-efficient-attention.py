@@ -12,7 +12,7 @@
 # 1. The three outputs agree with a float64 reference within the stated tolerance.
 # 2. On log-log axes, naive attention's peak climbs with slope 2, chunked and SDPA with slope 1,
 #    and the derived formulas lie on the measured points.
-# 3. With backward, chunking alone keeps N x N probabilities again; recomputing each block (what
+# 3. With backward, chunking alone keeps s x s probabilities again; recomputing each block (what
 #    the fused kernels do) brings it back to slope 1.
 
 # %%
@@ -35,7 +35,7 @@ config = lab.Config(device=nb.device.type, **size)
 # %% [markdown]
 # ## Forward pass: peak bytes against sequence length
 #
-# `lab.run` is the function the command line calls. For each length N and implementation it
+# `lab.run` is the function the command line calls. For each sequence length s and implementation it
 # makes fresh inputs, runs the attention under a fresh ledger (no grad: inference), and records
 # the peak of live bytes the attention itself allocated (its inputs were made before the ledger
 # started and are the same for every implementation). It also runs the same inputs in float64
@@ -44,15 +44,15 @@ config = lab.Config(device=nb.device.type, **size)
 
 # %%
 fwd = lab.run(config)
-NS = config.seq_lens
+SEQ = config.seq_lens
 by = {(r["impl"], r["seq_len"]): r for r in fwd.rows}
-forward = Table(["N", *((impl, "B") for impl in lab.IMPLS), ("max error of the three", "sci:1")],
-                [[n, *(by[i, n]["peak_bytes"] for i in lab.IMPLS), max(by[i, n]["max_abs_error"] for i in lab.IMPLS)]
-                 for n in NS])
-forward_derived = Table(["N", ("one N x N matrix", "B"), *((impl, "B") for impl in lab.IMPLS),
+forward = Table(["s", *((impl, "B") for impl in lab.IMPLS), ("max error of the three", "sci:1")],
+                [[s, *(by[i, s]["peak_bytes"] for i in lab.IMPLS), max(by[i, s]["max_abs_error"] for i in lab.IMPLS)]
+                 for s in SEQ])
+forward_derived = Table(["s", ("one s x s matrix", "B"), *((impl, "B") for impl in lab.IMPLS),
                          ("equal to the measurement", "yes")],
-                        [[n, by["naive", n]["scores_bytes"], *(by[i, n]["predicted_bytes"] for i in lab.IMPLS),
-                          all(by[i, n]["peak_bytes"] == by[i, n]["predicted_bytes"] for i in lab.IMPLS)] for n in NS])
+                        [[s, by["naive", s]["scores_bytes"], *(by[i, s]["predicted_bytes"] for i in lab.IMPLS),
+                          all(by[i, s]["peak_bytes"] == by[i, s]["predicted_bytes"] for i in lab.IMPLS)] for s in SEQ])
 display(forward, forward_derived)
 
 # %% [markdown]
@@ -73,7 +73,7 @@ for pin in pins:
         pinned[pin] = lab.run(replace(config, impl="sdpa", sdpa_backend=pin))
     except lab.UsageError as err:  # e.g. a GPU or torch without that backend
         print(err)
-backends = Table([("--sdpa-backend", "code"), "backend that ran (from the aten op)", ("peak at the largest N", "B"),
+backends = Table([("--sdpa-backend", "code"), "backend that ran (from the aten op)", ("peak at the largest s", "B"),
                   ("fitted slope", "float:2")],
                  [[pin, ", ".join(r.backends_ran), r.rows[-1]["peak_bytes"], r.slopes()["sdpa"]]
                   for pin, r in pinned.items()])
@@ -82,42 +82,43 @@ display(backends)
 # %% [markdown]
 # ## Peak bytes on log-log axes, with the formulas drawn over them
 #
-# Points are measured; lines are derived by `lab.predicted_bytes` (B = batch, H = heads,
-# d = head dim, e = bytes per element, C = chunk):
+# Points are measured; lines are derived by `lab.predicted_bytes`, in the handbook's notation
+# (b = micro-batch, a = heads, s = sequence length, d_head = head dimension, e = bytes per element)
+# and c = query rows per chunk:
 #
-# - naive: `2 B H N² e + B H N d e` (scores and probabilities alive together, plus the output)
-# - chunked: `B H N d e + 2 B H C N e + B H C d e` (the output plus one block's scores and probabilities)
-# - SDPA (fused): `B H N d e + 4 B H N` (the output plus one float32 log-sum-exp per row)
+# - naive: `2 b a s² e + b a s d_head e` (scores and probabilities alive together, plus the output)
+# - chunked: `b a s d_head e + 2 b a c s e + b a c d_head e` (the output plus one block's scores and probabilities)
+# - SDPA (fused): `b a s d_head e + 4 b a s` (the output plus one float32 log-sum-exp per row)
 #
-# A straight line of slope p on these axes means bytes grow like N^p.
+# A straight line of slope p on these axes means bytes grow like s^p.
 
 # %%
-xs, slopes = [float(n) for n in NS], fwd.slopes()
+xs, slopes = [float(s) for s in SEQ], fwd.slopes()
 fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110, layout="constrained")
 styles = {"naive": ("#C44E52", "o"), "chunked": ("#4C72B0", "s"), "sdpa": ("#55A868", "^")}
 for impl, (color, marker) in styles.items():
-    ax.loglog(xs, [by[impl, n]["peak_bytes"] for n in NS], marker, color=color, ms=7,
+    ax.loglog(xs, [by[impl, s]["peak_bytes"] for s in SEQ], marker, color=color, ms=7,
               label=f"{impl} measured (slope {slopes[impl]:.2f})")
-    ax.loglog(xs, [by[impl, n]["predicted_bytes"] for n in NS], "-", color=color, lw=1.2, alpha=0.8,
+    ax.loglog(xs, [by[impl, s]["predicted_bytes"] for s in SEQ], "-", color=color, lw=1.2, alpha=0.8,
               label=f"{impl} derived")
     if nb.on_gpu:
-        ax.loglog(xs, [by[impl, n]["cuda_peak_bytes"] for n in NS], marker, mfc="none", color=color, ms=11,
+        ax.loglog(xs, [by[impl, s]["cuda_peak_bytes"] for s in SEQ], marker, mfc="none", color=color, ms=11,
                   label=f"{impl} max_memory_allocated")
 if "math" in pinned:
     ax.loglog(xs, [r["peak_bytes"] for r in pinned["math"].rows], "x", color="#8172B3", ms=9,
               label=f"sdpa pinned to MATH (slope {pinned['math'].slopes()['sdpa']:.2f})")
-ax.loglog(xs, [by["naive", n]["scores_bytes"] for n in NS], ":", color="#555555", label="one N x N matrix, B H N² e")
-ax.set(xlabel="sequence length N (log)", ylabel="peak bytes the attention allocated (log)",
-       title=f"Forward peak against N on {nb.device.type}: {config.dtype}, B={config.batch}, H={config.heads}, "
-             f"d={config.head_dim}, C={config.chunk}, not causal")
+ax.loglog(xs, [by["naive", s]["scores_bytes"] for s in SEQ], ":", color="#555555", label="one s x s matrix, b a s² e")
+ax.set(xlabel="sequence length s (log)", ylabel="peak bytes the attention allocated (log)",
+       title=f"Forward peak against s on {nb.device.type}: {config.dtype}, b={config.batch}, a={config.heads}, "
+             f"d_head={config.head_dim}, c={config.chunk}, not causal")
 ax.legend(fontsize=7.5, loc="upper left")
 ax.grid(which="both", alpha=0.25)
 
 # %%
 expected = {"naive": "2 (quadratic)", "chunked": "1 (linear)", "sdpa": "1 (linear)"}
-slope_table = Table(["implementation", ("fitted slope of log(peak) on log(N)", "float:3"), "expected", "SDPA backend"],
-                    [[impl, s, expected[impl], ", ".join(fwd.backends_ran) if impl == "sdpa" else "-"]
-                     for impl, s in slopes.items()])
+slope_table = Table(["implementation", ("fitted slope of log(peak) on log(s)", "float:3"), "expected", "SDPA backend"],
+                    [[impl, p, expected[impl], ", ".join(fwd.backends_ran) if impl == "sdpa" else "-"]
+                     for impl, p in slopes.items()])
 display(slope_table)
 
 # %% [markdown]
@@ -127,20 +128,20 @@ display(slope_table)
 # inside itself and free them before it returns. On a CPU, `torch.profiler` with
 # `profile_memory=True` sees those allocations too (the `aten::empty` calls made inside the
 # kernel: `kernel_scratch_bytes` in `attention_measures.py`), so we can check that the SDPA line
-# above is not hiding a quadratic buffer. The second table repeats the largest N with 1, 2 and 4
+# above is not hiding a quadratic buffer. The second table repeats the largest s with 1, 2 and 4
 # threads: the kernel's scratch is per thread. This is a CPU measurement at the CPU sizes on any
 # machine; on a GPU, `max_memory_allocated` (in the figure) includes the kernels' workspaces.
 
 # %%
 cpu = lab.run(lab.Config(device="cpu", impl="sdpa")) if nb.on_gpu else fwd
-cpu_ns = cpu.config.seq_lens
-scratch = {n: measures.kernel_scratch_bytes(*lab.make_qkv(n, cpu.config, "cpu"), threads=1) for n in cpu_ns}
-largest = lab.make_qkv(cpu_ns[-1], cpu.config, "cpu")
+cpu_seq = cpu.config.seq_lens
+scratch = {s: measures.kernel_scratch_bytes(*lab.make_qkv(s, cpu.config, "cpu"), threads=1) for s in cpu_seq}
+largest = lab.make_qkv(cpu_seq[-1], cpu.config, "cpu")
 by_threads = {t: measures.kernel_scratch_bytes(*largest, threads=t) for t in (1, 2, 4)}
-scratch_table = Table(["N", ("SDPA output + log-sum-exp (ledger)", "bytes"), ("scratch inside the kernel (profiler)", "bytes")],
+scratch_table = Table(["s", ("SDPA output + log-sum-exp (ledger)", "bytes"), ("scratch inside the kernel (profiler)", "bytes")],
                       [[r["seq_len"], r["peak_bytes"], scratch[r["seq_len"]]] for r in cpu.rows if r["impl"] == "sdpa"],
                       unit="KiB")
-scratch_threads = Table(["threads", (f"scratch at N = {cpu_ns[-1]} (profiler)", "B"), ("÷ one thread's", "x:2")],
+scratch_threads = Table(["threads", (f"scratch at s = {cpu_seq[-1]} (profiler)", "B"), ("÷ one thread's", "x:2")],
                         [[t, b, b / by_threads[1]] for t, b in by_threads.items()])
 display(scratch_table, scratch_threads)
 
@@ -149,41 +150,41 @@ display(scratch_table, scratch_threads)
 #
 # A training step also runs backward, and backward needs what forward kept. The same sweep with
 # `backward=True` runs `lab.train_step` (one forward and one backward) under the ledger; on a CPU
-# it stops at N = 1024, to keep this notebook under 20 s. Each measurement keeps its ledger
-# timeline: here is each implementation at the second largest N. The dotted line marks the size
-# of one N x N matrix.
+# it stops at s = 1024, to keep this notebook under 20 seconds. Each measurement keeps its ledger
+# timeline: here is each implementation at the second largest s. The dotted line marks the size
+# of one s x s matrix.
 
 # %%
-bwd_config = replace(config, backward=True, seq_lens=NS if nb.on_gpu else NS[:-1])
+bwd_config = replace(config, backward=True, seq_lens=SEQ if nb.on_gpu else SEQ[:-1])
 bwd = lab.run(bwd_config)
 rec = lab.run(replace(bwd_config, recompute=True, impl="chunked"))
 series = {"naive": bwd, "chunked": bwd, "chunked + recompute": rec, "sdpa": bwd}
 get = {name: {r["seq_len"]: r for r in res.rows if r["impl"] == name.split(" ")[0]} for name, res in series.items()}
-N_TL, BNS = NS[-2], bwd_config.seq_lens
+S_TL, BSEQ = SEQ[-2], bwd_config.seq_lens
 fig_tl, axes = plt.subplots(len(series), 1, figsize=(10, 2.7 * len(series)), dpi=110, layout="constrained")
 for ax, (name, res) in zip(axes, series.items()):
-    tl = res.timelines[name.split(" ")[0], N_TL]
-    plot.plot_timeline(tl, ax=ax, title=f"{name}: forward + backward at N={N_TL} (measured by the ledger)",
-                       overlay={"one N x N matrix (derived)": [get[name][N_TL]["scores_bytes"]] * len(tl)})
+    tl = res.timelines[name.split(" ")[0], S_TL]
+    plot.plot_timeline(tl, ax=ax, title=f"{name}: forward + backward at s={S_TL} (measured by the ledger)",
+                       overlay={"one s x s matrix (derived)": [get[name][S_TL]["scores_bytes"]] * len(tl)})
 
 # %% [markdown]
 # ## Forward + backward: what forward keeps for backward
 #
 # "Kept" is what is still alive when forward ends: the tensors autograd saved for backward, plus
-# the output. Naive attention keeps its N x N probabilities. Chunked attention keeps every block's
-# probabilities, which together are the same N x N. Only recomputing each block in backward
+# the output. Naive attention keeps its s x s probabilities. Chunked attention keeps every block's
+# probabilities, which together are the same s x s. Only recomputing each block in backward
 # (`recompute=True`, `torch.utils.checkpoint` per block) or a fused kernel, which keeps one
 # log-sum-exp per row and recomputes the rest, makes it linear.
 
 # %%
 kept_slopes = {name: res.slopes("kept_bytes")[name.split(" ")[0]] for name, res in series.items()}
 peak_slopes = {name: res.slopes()[name.split(" ")[0]] for name, res in series.items()}
-backward = Table(["N", *((name, "B") for name in series), ("max error (output and gradients)", "sci:1")],
-                 [[n, *(get[name][n]["kept_bytes"] for name in series),
-                   max(max(get[name][n]["max_abs_error"], get[name][n]["grad_max_abs_error"]) for name in series)]
-                  for n in BNS])
-backward_peak = Table(["N", *((name, "B") for name in series)],
-                      [[n, *(get[name][n]["peak_bytes"] for name in series)] for n in BNS])
+backward = Table(["s", *((name, "B") for name in series), ("max error (output and gradients)", "sci:1")],
+                 [[s, *(get[name][s]["kept_bytes"] for name in series),
+                   max(max(get[name][s]["max_abs_error"], get[name][s]["grad_max_abs_error"]) for name in series)]
+                  for s in BSEQ])
+backward_peak = Table(["s", *((name, "B") for name in series)],
+                      [[s, *(get[name][s]["peak_bytes"] for name in series)] for s in BSEQ])
 backward_slopes = Table(["forward + backward", ("slope of bytes kept for backward", "float:3"),
                          ("slope of the step's peak", "float:3")],
                         [[name, kept_slopes[name], peak_slopes[name]] for name in series])
@@ -196,16 +197,16 @@ looks = {"naive": dict(color="#C44E52", marker="o", lw=5, ms=10, alpha=0.55),
          "chunked": dict(color="#4C72B0", marker="s", ls="--", lw=1.5, ms=5),
          "chunked + recompute": dict(color="#8172B3", marker="D", lw=5, ms=10, alpha=0.55),
          "sdpa": dict(color="#55A868", marker="^", ls="--", lw=1.5, ms=6)}
-bxs = [float(n) for n in BNS]
+bxs = [float(s) for s in BSEQ]
 for name in series:
-    ax_k.loglog(bxs, [get[name][n]["kept_bytes"] for n in BNS], label=f"{name} (slope {kept_slopes[name]:.2f})",
+    ax_k.loglog(bxs, [get[name][s]["kept_bytes"] for s in BSEQ], label=f"{name} (slope {kept_slopes[name]:.2f})",
                 **looks[name])
-    ax_p.loglog(bxs, [get[name][n]["peak_bytes"] for n in BNS], label=f"{name} (slope {peak_slopes[name]:.2f})",
+    ax_p.loglog(bxs, [get[name][s]["peak_bytes"] for s in BSEQ], label=f"{name} (slope {peak_slopes[name]:.2f})",
                 **looks[name])
 for ax, title in ((ax_k, "kept after forward, for backward (measured)"), (ax_p, "peak of forward + backward (measured)")):
-    ax.loglog(bxs, [get["naive"][n]["scores_bytes"] for n in BNS], ":", color="#555555",
-              label="one N x N matrix (derived)")
-    ax.set(title=title, xlabel="sequence length N (log)", ylabel="bytes (log)")
+    ax.loglog(bxs, [get["naive"][s]["scores_bytes"] for s in BSEQ], ":", color="#555555",
+              label="one s x s matrix (derived)")
+    ax.set(title=title, xlabel="sequence length s (log)", ylabel="bytes (log)")
     ax.legend(fontsize=7.5)
     ax.grid(which="both", alpha=0.25)
 
@@ -218,9 +219,9 @@ for ax, title in ((ax_k, "kept after forward, for backward (measured)"), (ax_p, 
 # softmax allocates its output.
 
 # %%
-causal = lab.run(replace(config, causal=True, seq_lens=(N_TL,)))
-causal_table = Table([f"N = {N_TL}", ("peak, full", "B"), ("peak, causal", "B"), ("max error, causal", "sci:1")],
-                     [[r["impl"], by[r["impl"], N_TL]["peak_bytes"], r["peak_bytes"], r["max_abs_error"]]
+causal = lab.run(replace(config, causal=True, seq_lens=(S_TL,)))
+causal_table = Table([f"s = {S_TL}", ("peak, full", "B"), ("peak, causal", "B"), ("max error, causal", "sci:1")],
+                     [[r["impl"], by[r["impl"], S_TL]["peak_bytes"], r["peak_bytes"], r["max_abs_error"]]
                       for r in causal.rows])
 display(causal_table)
 
@@ -232,7 +233,7 @@ display(causal_table)
 # there is no caching allocator to compare with, and the table says so.
 
 # %%
-cuda = Table(["impl", "N", ("ledger peak", "bytes"), ("max_memory_allocated - inputs", "bytes"), ("ratio", "float:3")],
+cuda = Table(["impl", "s", ("ledger peak", "bytes"), ("max_memory_allocated - inputs", "bytes"), ("ratio", "float:3")],
              [[r["impl"], r["seq_len"], r["peak_bytes"], r.get("cuda_peak_bytes"),
                r["peak_bytes"] / r["cuda_peak_bytes"] if r.get("cuda_peak_bytes") else None] for r in fwd.rows])
 display(cuda)
@@ -267,18 +268,18 @@ display(real_scale)
 
 # %%
 fig_real, ax = plt.subplots(figsize=(8, 5), dpi=110, layout="constrained")
-RNS = [float(n) for n in llama["seq_lens"]]
+RSEQ = [float(s) for s in llama["seq_lens"]]
 real_series = {"naive": (real_bwd, "naive"), "chunked": (real_bwd, "chunked"),
                "chunked + recompute": (real_rec, "chunked"), "sdpa": (real_bwd, "sdpa")}
 for name, (res, impl) in real_series.items():
-    ax.loglog(RNS, [r["peak_bytes"] for r in res.rows if r["impl"] == impl], marker=looks[name]["marker"],
+    ax.loglog(RSEQ, [r["peak_bytes"] for r in res.rows if r["impl"] == impl], marker=looks[name]["marker"],
               color=looks[name]["color"], label=f"{name}: forward + backward peak (traced)")
-ax.loglog(RNS, [r["scores_bytes"] for r in real_fwd.rows if r["impl"] == "naive"], ":", color="#555555",
-          label="one N x N score matrix, 32 heads, bf16")
+ax.loglog(RSEQ, [r["scores_bytes"] for r in real_fwd.rows if r["impl"] == "naive"], ":", color="#555555",
+          label="one s x s score matrix, 32 heads, bf16")
 ax.axhline(80e9, color="black", lw=1, ls="-.", label="80 GB: one H100's memory")
-ax.set(xlabel="sequence length N (log)", ylabel="bytes (log)",
+ax.set(xlabel="sequence length s (log)", ylabel="bytes (log)",
        title="Llama-3-8B attention, one layer, bf16 (traced on fake tensors)")
-ax.set_xticks(RNS, [f"{int(n):,}" for n in RNS])
+ax.set_xticks(RSEQ, [f"{int(s):,}" for s in RSEQ])
 ax.legend(fontsize=7.5)
 ax.grid(which="both", alpha=0.25)
 
@@ -291,7 +292,7 @@ notebook.publish(
     figures={"peak_vs_seq": fig, "timelines": fig_tl, "backward_vs_seq": fig_bwd, "real_scale": fig_real},
     real_scale=measures.real_scale_numbers(real_fwd, real_bwd, real_rec) | {
         "chunk": llama["chunk"], "equal_to_the_formulas": real_scale_derived},
-    summary=fwd.summary(), slope_bands=measures.SLOPE_BANDS, timeline_seq_len=N_TL, backward_max_seq_len=BNS[-1],
+    summary=fwd.summary(), slope_bands=measures.SLOPE_BANDS, timeline_seq_len=S_TL, backward_max_seq_len=BSEQ[-1],
     pinned={pin: {"ran": r.backends_ran, "slope": r.slopes()["sdpa"]} for pin, r in pinned.items()},
     kernel_scratch_bytes=scratch, kernel_scratch_bytes_by_threads=by_threads,
     backward={"rows": bwd.rows + rec.rows, "kept_slopes": kept_slopes, "peak_slopes": peak_slopes},
