@@ -89,7 +89,7 @@ def test_paper_formula_is_sbh_times_34_plus_5as_over_h(lab01, s, b, h, a):
     assert f(s, b, h, a) * h == s * b * h * (34 * h + 5 * a * s)  # s*b*h*(34 + 5as/h), kept in integers
     assert f(s, b, h, a, recompute="selective") == 34 * s * b * h  # attention scores recomputed
     assert f(s, b, h, a, recompute="full") == 2 * s * b * h  # only the layer input is kept
-    assert f(s, b, h, a, mask=None) == 32 * s * b * h + 2 * a * s * s * b  # no dropout: no masks, one N x N
+    assert f(s, b, h, a, mask=None) == 32 * s * b * h + 2 * a * s * s * b  # no dropout: no masks, one s x s
 
 
 def test_7b_activations_by_sequence(sweeps):
@@ -210,7 +210,7 @@ def test_adamw_state_is_two_moments_and_a_step_counter_per_tensor(lab01):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_saved_tensor_list_holds_for_explicit_attention(lab01, toy, dropout):
-    """attention='math' materialises the N x N scores: the per-op list must still match to the byte."""
+    """attention='math' materialises the s x s scores: the per-op list must still match to the byte."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq_len=16, width=32, layers=2, heads=4, dropout=dropout, attention="math")
     model = TinyGPT(cfg)

@@ -31,7 +31,7 @@ def sweep(lab05, **fields):
 
 @pytest.fixture(scope="module")
 def default_sweep(lab05):
-    """The forward sweep the page shows: the defaults, N = 128 to 2048."""
+    """The forward sweep the page shows: the defaults, s = 128 to 2048."""
     return sweep(lab05)
 
 
@@ -160,7 +160,7 @@ def test_the_sdpa_kernel_scratch_is_per_thread_and_far_below_n_squared(lab05, me
     q, k, v = lab05.make_qkv(2048, lab05.Config(device="cpu"), "cpu")
     by_threads = {t: measures.kernel_scratch_bytes(q, k, v, threads=t) for t in (1, 2, 4)}
     assert by_threads[1] < by_threads[2] < by_threads[4], by_threads  # the page: it grows with threads
-    assert by_threads[1] < lab05.score_matrix_bytes(2048, batch=1, heads=2, e=4) / 10  # not an N x N buffer
+    assert by_threads[1] < lab05.score_matrix_bytes(2048, batch=1, heads=2, e=4) / 10  # not an s x s buffer
     assert torch.get_num_threads() == 1  # the thread count is restored
 
 
@@ -198,7 +198,7 @@ def test_a_trace_holds_the_bytes_of_the_real_run(lab05, monkeypatch, fields):
 
 def test_the_score_matrix_at_128k_tokens_is_traced_not_allocated(lab05, capsys):
     """The page's headline: Llama-3-8B's attention (32 query heads, 8 KV heads, head dim 128), bf16,
-    131,072 tokens. One N x N score matrix is 32 x 131,072² x 2 B = 1 TiB; naive attention keeps it for
+    131,072 tokens. One s x s score matrix is 32 x 131,072² x 2 B = 1 TiB; naive attention keeps it for
     backward (the probabilities), the fused kernel keeps the output and a float32 log-sum-exp per row."""
     config = lab05.Config(model="llama-3-8b", fake=True, dtype="bfloat16", seq_lens=(131072,), backward=True,
                           impl="naive")

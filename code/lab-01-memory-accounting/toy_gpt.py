@@ -15,7 +15,7 @@ Facts about PyTorch's CPU kernels this count relies on (torch 2.13; the tests ch
   * ``nn.Dropout`` on CPU saves a noise tensor of the input's dtype (CUDA's fused kernel: a 1-byte mask);
   * ``F.scaled_dot_product_attention`` on CPU runs its flash kernel only without dropout; it saves
     q, k, v, the output and one fp32 log-sum-exp per row. With dropout it falls back to the math
-    path, which keeps the N x N probabilities as ``attention="math"`` does;
+    path, which keeps the s x s probabilities as ``attention="math"`` does;
   * ``native_layer_norm`` saves its input and a mean and 1/std per row, in the input's dtype.
 """
 

@@ -43,8 +43,9 @@ def block_costs(batch: int, seq: int, width: int, heads: int) -> dict[str, int]:
 
 
 def attention_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
-    """Fused attention forward, from the shapes of q (B, H, Tq, d) and k: q·kᵀ and p·v, two matmuls
-    of B·H·Tq·Tk·d multiply-adds (H the query heads, GQA or not; a causal mask is not discounted)."""
+    """Fused attention forward, from the shapes of q (b, a, s_q, d_head) and k: q·kᵀ and p·v, two
+    matmuls of b·a·s_q·s_k·d_head multiply-adds (a the query heads, GQA or not; a causal mask is not
+    discounted)."""
     return 4 * math.prod(q) * k[-2]
 
 
