@@ -271,7 +271,7 @@ def _code_state(data: dict, lab: str | None) -> str:
     recorded = (data.get("source_hashes") or {}).get(lab) or (prov.get("source_hash") if lab == prov.get("lab") else None)
     if not lab or not recorded or source_hash(lab) == recorded:
         return "current"
-    return f"older lab code ({recorded})"
+    return f"older ({recorded[:8]})"  # short: the column stays narrow; the page says what it means
 
 
 TARGET = re.compile(r"^\s*(>=|<=|>|<|≥|≤)\s*([0-9.]+)")
@@ -314,7 +314,7 @@ def render_performance(page_src: str) -> str:
                    f"From `results/{path.name}`, written by the benchmark's own run "
                    f"<span class=\"il-tag il-tag--measured\">measured</span>.", "",
                    '<div class="il-perf" markdown="1">', "",
-                   _table(["metric", "value", "target", "met?", "code", "note", "measured on", "date", "commit"],
+                   _table(["metric", "value", "target", "met?", "lab code", "note", "measured on", "date", "commit"],
                           table), "", "</div>", ""]
     scripts = _bench_scripts()
     pending = [b for b in scripts if b["bench"] not in measured_on_gpu and not b["cpu_only"]]

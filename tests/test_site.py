@@ -303,7 +303,7 @@ def test_performance_rows_of_several_labs_each_say_whether_their_lab_changed(tmp
     text = hooks.render_performance("performance.md").split("## multi", 1)[1]
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     assert lines[1].startswith("| bf16 speed | 2.00x | - | - | current |")
-    assert lines[2].startswith("| full overhead | 30.0 % | - | - | older lab code (0000000000000000) |")
+    assert lines[2].startswith("| full overhead | 30.0 % | - | - | older (00000000) |")
 
 
 def test_results_become_tables_and_numbers_on_a_page_escaped(tmp_path, monkeypatch):
@@ -401,4 +401,4 @@ def test_performance_rows_say_whether_their_target_is_met():
     assert hooks.target_met(2.8, None, gpu_target=False, on_gpu=False) == "-"
     page = hooks.render_performance("performance.md")
     assert page.startswith("## On a GPU: measured and not yet")
-    assert "| metric | value | target | met? | code | note |" in page
+    assert "| metric | value | target | met? | lab code | note |" in page
