@@ -31,8 +31,8 @@ RESULT_FILE = "results/cpu_threads_bench.json"
 LAB = "lab-08-offload-memory-saving"
 CPU_ONLY = True  # a property of CPU scheduling: no GPU run is pending for it
 SPIN = "while True:\n    pass"
-SETTINGS = {"default threads (one per core)": 0, "one thread": 1}
-KEYS = {"default threads (one per core)": "default_threads", "one thread": "one_thread"}  # for page placeholders
+#: published key (what a page's placeholder names) -> (Lab 08's --threads, the label in tables)
+SETTINGS = {"default_threads": (0, "default threads (one per core)"), "one_thread": (1, "one thread")}
 
 
 @dataclass
@@ -65,23 +65,24 @@ def run(config: Config) -> dict:
     t0 = time.perf_counter()
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
     try:
-        runs = {name: [] for name in SETTINGS}
+        runs = {label: [] for _, label in SETTINGS.values()}
         for _ in cli.progress(range(config.rounds), total=config.rounds, desc="rounds"):
-            for name, threads in SETTINGS.items():
-                runs[name].append(one_run(threads, config.repeats))
+            for threads, label in SETTINGS.values():
+                runs[label].append(one_run(threads, config.repeats))
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
     worst = {name: max(r["step_ms"] for r in rs) for name, rs in runs.items()}
     best = {name: min(r["step_ms"] for r in rs) for name, rs in runs.items()}
-    default, one = SETTINGS
+    default, one = (label for _, label in SETTINGS.values())
     note = f"{config.rounds} runs each, {busy} busy process(es) on {os.cpu_count()} cores"
     rows = [{"metric": "worst median step, default threads over one thread", "value": worst[default] / worst[one],
              "unit": "x", "lab": LAB, "note": note},
             *({"metric": f"worst median step, {name}", "value": worst[name], "unit": "ms", "lab": LAB,
-               "note": f"best median {best[name]:.1f} ms; {note}"} for name in SETTINGS)]
-    medians = {KEYS[name]: {"best_ms": best[name], "worst_ms": worst[name], "runs": len(runs[name])} for name in SETTINGS}
+               "note": f"best median {best[name]:.1f} ms; {note}"} for name in runs)]
+    medians = {key: {"best_ms": best[label], "worst_ms": worst[label], "runs": len(runs[label])}
+               for key, (_, label) in SETTINGS.items()}
     result = {"bench": BENCH, "device": "cpu", "cores": os.cpu_count(), "busy": busy, "runs": runs, "medians": medians,
               "summary_rows": rows, "source_hashes": {LAB: provenance.source_hash(8)},
               "note": "CPU scheduling: the same command, only the intra-op thread count differs"}

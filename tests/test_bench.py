@@ -145,12 +145,14 @@ def test_cpu_threads_bench_times_both_settings_and_stops_its_busy_processes(tmp_
 
     bench = load_bench("cpu_threads_bench")
     result = bench.run(bench.Config(rounds=2, busy=1, repeats=2, out=tmp_path / "threads.json"))
-    assert set(result["runs"]) == set(bench.SETTINGS) and all(len(r) == 2 for r in result["runs"].values())
+    assert set(result["runs"]) == {label for _, label in bench.SETTINGS.values()}
+    assert all(len(r) == 2 for r in result["runs"].values())
     for runs in result["runs"].values():
         assert all(0 < r["step_ms_range"][0] <= r["step_ms"] <= r["step_ms_range"][1] for r in runs)
     data = json.loads((tmp_path / "threads.json").read_text())
     ratio, worst_default, worst_one = data["summary_rows"]
     assert worst_default["value"] == max(r["step_ms"] for r in result["runs"]["default threads (one per core)"])
+    assert data["medians"]["one_thread"]["worst_ms"] == worst_one["value"]
     assert ratio["value"] == pytest.approx(worst_default["value"] / worst_one["value"])
     left = subprocess.run(["pgrep", "-f", "^" + sys.executable + " -c while True"], capture_output=True, text=True)
     assert left.stdout == ""

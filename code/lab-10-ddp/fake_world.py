@@ -30,6 +30,7 @@ channels, gloo's staging copies), in a real job as here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from unittest import mock
 
@@ -40,6 +41,26 @@ from torch.utils._pytree import tree_leaves
 
 from labkit import dist as dist_kit
 from labkit import fake
+from labkit.config import UsageError, option
+
+
+@dataclasses.dataclass
+class OneRankOfMany(dist_kit.Ranks):
+    """Mix into a torchrun lab's ``Config`` (Labs 10 and 11): ``--world-size N`` plays rank 0 of an
+    N-rank job in this process, under :func:`fake_world`, instead of starting ranks."""
+
+    world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
+                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.world_size is not None and self.nproc_per_node is not None:
+            raise UsageError("--world-size plays one rank in this process; --nproc-per-node starts ranks: give one")
+        if getattr(self, "fake", False) and self.world_size is None:
+            raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
+
+    def starts_ranks(self) -> bool:
+        return super().starts_ranks() and self.world_size is None  # --world-size: one rank, here
 
 class _DDPAtTheBoundary(TorchDispatchMode):
     """DDP's two reads of values at the fake group's boundary (see the module docstring)."""

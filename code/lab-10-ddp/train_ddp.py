@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_report import RankRun, Result, bucket_report, compare, memory_report
 from ddp_trace_report import TraceResult, report
-from fake_world import fake_world
+from fake_world import OneRankOfMany, fake_world
 from labkit import cli, files, labs, marks
 from labkit import dist as labdist
 from labkit.config import LabConfig, UsageError, option
@@ -187,7 +187,7 @@ def single_process_reference(build, data, device, world: int, *, seed: int, step
 
 # --8<-- [start:config]
 @dataclass
-class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
+class Config(OneRankOfMany, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) data parallel with DDP: buckets, identical replicas, memory per rank."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
@@ -204,17 +204,11 @@ class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
     ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json")
     no_reference: bool = option(False, "skip rank 0's single-process replay")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)")
-    world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
-                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.world_size is not None and self.nproc_per_node is not None:
-            raise UsageError("--world-size plays one rank in this process; --nproc-per-node starts ranks: give one")
-        if self.fake and self.world_size is None:
-            raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
         if self.world_size is not None and (self.device == "cuda" or self.snapshot or self.ledger_dir):
             raise UsageError("--world-size runs one rank in this process on the CPU: drop --device cuda, --snapshot "
                              "and --ledger-dir")
@@ -222,9 +216,6 @@ class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
         labdist.check_backend(device, self.backend)
         if self.snapshot and device.type != "cuda":
             raise UsageError("--snapshot needs a CUDA device (a CUDA allocator feature)")
-
-    def starts_ranks(self) -> bool:
-        return super().starts_ranks() and self.world_size is None  # --world-size: one rank, here
 # --8<-- [end:config]
 
 

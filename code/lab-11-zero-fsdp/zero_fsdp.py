@@ -138,7 +138,7 @@ def full_params(model) -> torch.Tensor:
 
 # --8<-- [start:config]
 @dataclass
-class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
+class Config(world.OneRankOfMany, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) at ZeRO stages 0-3; memory per rank against Lab 01."""
 
     seq_len: int = option(32, "tokens per sequence", min=1)
@@ -154,17 +154,11 @@ class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
     timelines: bool = option(False, "add rank 0's ledger timeline of each stage's last step to the result")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per stage and rank "
                                          "(NAME.stageS.rankR.pickle)")
-    world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
-                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.world_size is not None and self.nproc_per_node is not None:
-            raise UsageError("--world-size plays one rank in this process; --nproc-per-node starts ranks: give one")
-        if self.fake and self.world_size is None:
-            raise UsageError("--fake traces one rank in this process: give --world-size N, the ranks of the job")
         if self.world_size is not None and (self.device == "cuda" or self.snapshot):
             raise UsageError("--world-size runs one rank in this process on the CPU: drop --device cuda and --snapshot")
         device = cli.pick_device(self.device)  # resolves auto, refuses cuda without a GPU; launches nothing
@@ -174,9 +168,6 @@ class Config(labdist.Ranks, RealScale, TinyGPTShape, LabConfig):
     @property
     def stages(self) -> list[int]:
         return [0, 1, 2, 3] if self.stage == "all" else [int(self.stage)]
-
-    def starts_ranks(self) -> bool:
-        return super().starts_ranks() and self.world_size is None  # --world-size: one rank, here
 # --8<-- [end:config]
 
 
