@@ -138,6 +138,22 @@ def _rel(page_src: str, target_src: str) -> str:
     return posixpath.relpath(target_src, posixpath.dirname(page_src) or ".")
 
 
+_LINK = re.compile(r"(\]\()([^)\s]+)")
+
+
+def _relink(markdown: str, from_src: str, to_src: str) -> str:
+    """Markdown moved from page `from_src` to page `to_src`, its relative links still pointing where they did
+    (the interview page inlines the labs' answers: "#measured-results" means the lab's section)."""
+    def fix(m: re.Match) -> str:
+        target = m.group(2)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("/"):
+            return m.group(0)
+        path, _, anchor = target.partition("#")
+        full = posixpath.normpath(posixpath.join(posixpath.dirname(from_src), path)) if path else from_src
+        return m.group(1) + _rel(to_src, full) + (f"#{anchor}" if anchor else "")
+    return _LINK.sub(fix, markdown)
+
+
 def _measured_text(notebook: str) -> str:
     badge = measured_badge(notebook)
     if badge["state"] == "stale":
@@ -200,6 +216,7 @@ def render_placeholder(name: str, page_src: str, config) -> str:
                 continue
             link = _rel(page_src, src)
             section = text.split("[start:interview]", 1)[1].split("\n", 1)[1].split("<!-- --8<-- [end:interview]", 1)[0]
+            section = _relink(section, src, page_src)
             parts += [f"## Lab {m['lab']} · {_title(m)}", "",
                       f"From [Lab {m['lab']}]({link}); the figures its answers point at are in its "
                       f"[Measured results]({link}#measured-results).", "",

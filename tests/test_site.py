@@ -232,6 +232,22 @@ def test_interview_page_gathers_each_labs_questions(built_site):
         section = text.split("[start:interview]", 1)[1].split("[end:interview]", 1)[0]
         first_question = re.search(r'\?\?\? question "([^"]+)"', section).group(1)
         assert first_question.replace('"', "&quot;") in html or first_question in html
+    # the answers are inlined: a link in one still reaches the page or section it named on the lab page
+    for href in re.findall(r'href="([^"]+)"', html):
+        parts = urlsplit(href)
+        if parts.scheme or href.startswith("#") or not parts.path:
+            continue
+        target = (built_site["dir"] / "interview" / unquote(parts.path)).resolve()
+        assert (target / "index.html").exists() or target.is_file(), href
+
+
+def test_inlined_markdown_keeps_its_relative_links(tmp_path):
+    relink = hooks_on(tmp_path)._relink
+    text = ("[a](#measured-results) [b](more/x.md) [c](../handbook/y.md#z) [d](https://e.org/f.md) "
+            "[g](lab-02-single-gpu-training.md)")
+    assert relink(text, "labs/lab-11-zero-fsdp.md", "interview.md") == (
+        "[a](labs/lab-11-zero-fsdp.md#measured-results) [b](labs/more/x.md) [c](handbook/y.md#z) "
+        "[d](https://e.org/f.md) [g](labs/lab-02-single-gpu-training.md)")
 
 
 def test_readme_lab_index_links_every_lab():
