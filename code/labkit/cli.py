@@ -228,6 +228,12 @@ def _json_default(obj: Any):
 _quiet = False  # set by main() under --json
 
 
+def answers_in_json() -> bool:
+    """Whether the command ``main`` is running was given ``--json`` (its output is one JSON
+    document, so nothing else may print: no progress bar; a launcher passes the flag on)."""
+    return _quiet
+
+
 def progress(iterable: Iterable, total: int | None = None, desc: str = "", quiet: bool = False):
     """A progress bar on stderr that shows itself only if the run lasts more than two seconds, only
     on a terminal (a notebook or a log gets no bar), and never under ``--json``."""

@@ -251,7 +251,7 @@ class Voice:
         @functools.wraps(run)
         def run_on_every_rank(config):
             if isinstance(config, Ranks) and config.starts_ranks():  # run with python: start the ranks
-                flags = [*cli.argv(config), *(["--json"] if cli._quiet else [])]
+                flags = [*cli.argv(config), *(["--json"] if cli.answers_in_json() else [])]
                 raise SystemExit(start_ranks(inspect.getfile(run), flags, config.nproc_per_node or DEFAULT_RANKS))
             try:
                 result = run(config)
