@@ -418,3 +418,20 @@ def test_performance_rows_say_whether_their_target_is_met():
     page = hooks.render_performance("performance.md")
     assert page.startswith("## On a GPU: measured and not yet")
     assert "| metric | value | target | met? | lab code | note |" in page
+
+
+def test_pytorch_reference_links_are_pinned_to_the_pinned_torch():
+    """The docs and source a page cites are those of the torch the project installs, not whatever
+    "stable" or "main" says the day a reader clicks."""
+    pinned = re.search(r"^torch==(\d+)\.(\d+)\.(\d+)$", (ROOT / "requirements.txt").read_text(encoding="utf-8"), re.M)
+    major_minor, full = f"{pinned[1]}.{pinned[2]}", f"v{pinned[1]}.{pinned[2]}.{pinned[3]}"
+    loose = []
+    for page in [*DOCS.rglob("*.md"), ROOT / "README.md"]:
+        text = page.read_text(encoding="utf-8")
+        for version in re.findall(r"https?://(?:docs\.)?pytorch\.org/docs/([^/\s)]+)/", text):
+            if version != major_minor:
+                loose.append((page.name, f"docs/{version}"))
+        for ref in re.findall(r"github\.com/pytorch/pytorch/(?:blob|tree)/([^/\s)]+)/", text):
+            if ref != full:
+                loose.append((page.name, f"pytorch/pytorch@{ref}"))
+    assert not loose, loose
