@@ -435,3 +435,12 @@ def test_pytorch_reference_links_are_pinned_to_the_pinned_torch():
             if ref != full:
                 loose.append((page.name, f"pytorch/pytorch@{ref}"))
     assert not loose, loose
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_lab_page_stays_readable_in_one_sitting(page):
+    """A lab page is 250–320 source lines: a longer one repeats what its chapter, another lab or a
+    table says (state it once and link), or carries a second lesson (give it an extra page, as Lab
+    11's sharded inference has)."""
+    lines = len(page.read_text(encoding="utf-8").splitlines())
+    assert 250 <= lines <= 320, f"{page.name}: {lines} lines"
