@@ -138,6 +138,7 @@ def _rel(page_src: str, target_src: str) -> str:
     return posixpath.relpath(target_src, posixpath.dirname(page_src) or ".")
 
 
+CPU_RUN_NOTE = "labs/index.md#what-a-cpu-run-shows"  # what a CPU run shows and cannot, stated once
 _LINK = re.compile(r"(\]\()([^)\s]+)")
 
 
@@ -383,8 +384,13 @@ def render_results_placeholder(name: str, args: str, page_src: str) -> str:
         prov = results(parts[0]).get("provenance")
         if not prov:
             raise PluginError(f"{page_src}: results of {parts[0]} carry no provenance")
-        how = "`scripts/run_notebooks.py`" if parts[0].startswith("lab-") else "its benchmark"
-        return provenance_table(prov).markdown() + f"\n\nWritten by {how}; the badge under the title says whether the code has changed since."
+        lab = parts[0].startswith("lab-")
+        how = "`scripts/run_notebooks.py`" if lab else "its benchmark"
+        text = provenance_table(prov).markdown() + f"\n\nWritten by {how}; the badge under the title says whether the code has changed since."
+        if lab and prov.get("device_type") != "cuda":  # said once, on the labs index; gone when a GPU run lands
+            text += (" A CPU run: the bytes are exact; GPU speed and the CUDA allocator are not measured here"
+                     f" ([what a CPU run shows]({_rel(page_src, CPU_RUN_NOTE)})).")
+        return text
     raise PluginError(f"{page_src}: bad placeholder infralab:{name} {args}")
 
 

@@ -444,3 +444,30 @@ def test_lab_page_stays_readable_in_one_sitting(page):
     11's sharded inference has)."""
     lines = len(page.read_text(encoding="utf-8").splitlines())
     assert 250 <= lines <= 320, f"{page.name}: {lines} lines"
+
+
+def test_a_cpu_run_points_at_the_one_cpu_note_and_a_gpu_run_does_not(tmp_path, monkeypatch):
+    """What a CPU run cannot show is said once (the labs index); a lab's "Where these figures come
+    from" box links there while its figures are from a CPU, and stops once a GPU run is committed."""
+    hooks = hooks_on(tmp_path)
+    slug = "lab-02-single-gpu-training"
+    data = json.loads((ROOT / "results" / slug / "summary.json").read_text(encoding="utf-8"))
+    (tmp_path / "results" / slug).mkdir()
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+
+    class Page:
+        file = type("File", (), {"src_uri": f"labs/{slug}.md"})()
+        meta = {}
+
+    said = {}
+    for device in ("cpu", "cuda"):
+        data["provenance"]["device_type"] = device
+        (tmp_path / "results" / slug / "summary.json").write_text(json.dumps(data), encoding="utf-8")
+        hooks.results.cache_clear()
+        said[device] = hooks.on_page_markdown("<!-- infralab:provenance lab-02 -->", Page(), {"extra": {}}, None)
+    hooks.results.cache_clear()
+    assert "[what a CPU run shows](index.md#what-a-cpu-run-shows)" in said["cpu"]
+    assert "what a CPU run shows" not in said["cuda"]
+    index = (DOCS / "labs" / "index.md").read_text(encoding="utf-8")
+    assert "\n## What a CPU run shows\n" in index
+    assert not [p.name for p in DOCS.rglob("*.md") if "gpu-pending" in p.read_text(encoding="utf-8")], "one note, not a banner per page"
