@@ -1,4 +1,4 @@
-"""Training levers on one GPU: the speedups and overheads Labs 03, 04 and 09 are held to, in one run.
+"""Training levers on one GPU: the speedups and overheads Labs 02, 03, 04 and 09 are held to, in one run.
 
     .venv/bin/python bench/training_bench.py --device cuda                    # writes results/training_bench.json
     .venv/bin/python bench/training_bench.py --device cpu --out /tmp/t.json   # a smoke run; CPU times only
@@ -10,7 +10,12 @@ One process runs each lab's own measurement (``run(Config(...)).summary()``, unc
    overhead against no checkpointing (targets: ``GPU_TARGETS`` in the lab);
 3. Lab 09: checkpointing alone against checkpointing with streamed activation offload; activation
    peak reduction and step-time overhead (target: at least 50 % lower at no more than 10 % more
-   time), and the synchronous ``save_on_cpu`` against the streamed hooks.
+   time), and the synchronous ``save_on_cpu`` against the streamed hooks;
+4. Lab 02: AdamW foreach (PyTorch's CUDA default) against fused, the third candidate for a step's
+   peak: the optimizer step's temporaries over 4 B x P (foreach holds one fp32 copy of every weight
+   at once, fused none), the step's and the whole peak with fused against foreach (the whole peak
+   moves only where the step sets it), and on a GPU the ledger's peak against
+   ``max_memory_allocated`` for each.
 
 Each lab interleaves its variants step by step, so that drift on the machine hits all of them alike.
 The rows go to the performance page with the source hash of the lab that produced them, so a row
@@ -26,7 +31,7 @@ from pathlib import Path
 from labkit import cli, files, labs, provenance
 from labkit.config import LabConfig, option
 
-lab03, lab04, lab09 = labs.load(3), labs.load(4), labs.load(9)
+lab02, lab03, lab04, lab09 = labs.load(2), labs.load(3), labs.load(4), labs.load(9)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "training"
@@ -36,6 +41,7 @@ OFFLOAD_TARGET = {"min_reduction": 0.50, "max_overhead": 0.10}  # Lab 09's issue
 
 # The model sizes of the labs' own cuda tests; a CPU smoke run uses each lab's small defaults.
 GPU_SIZES = {
+    2: dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=8),  # Lab 02's run_gpu
     3: dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=16),
     4: dict(width=1024, layers=16, heads=16, seq_len=1024, batch_size=8),
     9: dict(width=1024, layers=32, heads=16, seq_len=1024, batch_size=8),
@@ -44,7 +50,7 @@ GPU_SIZES = {
 
 @dataclass
 class Config(LabConfig):
-    """Benchmark the training levers of Labs 03, 04 and 09 side by side, as ratios."""
+    """Benchmark the training levers of Labs 02, 03, 04 and 09 side by side, as ratios."""
 
     steps: int | None = option(None, "timed steps per variant (default: 10 on CUDA, 2 on CPU)", min=1)
     out: Path | None = option(None, "where to write the results (default: results/training_bench.json on CUDA, "
@@ -114,6 +120,29 @@ def activation_offload(device, steps: int, seed: int) -> tuple[dict, list[dict]]
     return {"config": s["config"], "results": detail, "timing": s["timing"]}, rows
 
 
+def adamw_step(device, steps: int, seed: int) -> tuple[dict, list[dict]]:
+    lab = labs.slug(2)
+    s = {impl: lab02.run(lab02.Config(**sized(2, device, seed, steps=max(steps, 2), adamw=impl))).summary()
+         for impl in ("foreach", "fused")}
+    four_p = 4 * s["fused"]["params"]
+    temporaries = {impl: r["peak_bytes_by_phase"]["optimizer"]["temporaries"] for impl, r in s.items()}
+    rows = [row(f"{impl} AdamW: optimizer-step temporaries over 4 B x P", temporaries[impl] / four_p, "x", lab)
+            for impl in ("foreach", "fused")]
+    step_peak = {impl: sum(r["peak_bytes_by_phase"]["optimizer"].values()) for impl, r in s.items()}
+    rows.append(row("fused AdamW: optimizer-step peak against foreach", step_peak["fused"] / step_peak["foreach"],
+                    "x", lab, "< 1"))
+    rows.append(row("fused AdamW: whole-step peak against foreach", s["fused"]["peak_bytes"]["total"]
+                    / s["foreach"]["peak_bytes"]["total"], "x", lab))  # 1 where activations set the peak
+    for impl, r in s.items():
+        if r["cuda"]:
+            rows.append(row(f"{impl} AdamW: ledger peak over max_memory_allocated", r["cuda"]["ledger_over_allocator"],
+                            "x", lab))
+    detail = {impl: {"peak_bytes": r["peak_bytes"]["total"], "optimizer_step_peak_bytes": step_peak[impl],
+                     "optimizer_temporaries": temporaries[impl],
+                     "losses": r["losses"], "cuda": r["cuda"]} for impl, r in s.items()}
+    return {"config": s["fused"]["config"], "params": s["fused"]["params"], "adamw": detail}, rows
+
+
 def run(config: Config) -> dict:
     device = cli.pick_device(config.device)
     steps = config.steps or (10 if device.type == "cuda" else 2)
@@ -121,7 +150,7 @@ def run(config: Config) -> dict:
     files.check_writable(out, "--out")
     t0 = time.perf_counter()
     parts, rows = {}, []
-    plan = [(3, mixed_precision), (4, checkpointing), (9, activation_offload)]
+    plan = [(2, adamw_step), (3, mixed_precision), (4, checkpointing), (9, activation_offload)]
     for n, measure in cli.progress(plan, total=len(plan), desc="labs"):
         parts[labs.slug(n)], lab_rows = measure(device, steps, config.seed)
         rows += lab_rows

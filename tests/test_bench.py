@@ -79,13 +79,14 @@ def test_offload_bench_names_the_crossover_width():
 
 
 def test_training_bench_smoke_run_writes_each_labs_rows(tmp_path):
-    """Labs 03, 04 and 09 measured by their own code in one process; every target row present."""
+    """Labs 02, 03, 04 and 09 measured by their own code in one process; every target row present."""
     out = tmp_path / "training.json"
     proc = run_bench("--device", "cpu", "--out", str(out), "--steps", "1", script="training_bench.py")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["provenance"]["device_type"] == "cpu" and "no GPU speed claim" in data["note"]
-    labs = ["lab-03-mixed-precision", "lab-04-activation-checkpointing", "lab-09-activation-offload"]
+    labs = ["lab-02-single-gpu-training", "lab-03-mixed-precision", "lab-04-activation-checkpointing",
+            "lab-09-activation-offload"]
     assert sorted(data["source_hashes"]) == labs
     rows = {r["metric"]: r for r in data["summary_rows"]}
     assert {r["lab"] for r in rows.values()} == set(labs)
@@ -99,6 +100,11 @@ def test_training_bench_smoke_run_writes_each_labs_rows(tmp_path):
     assert all(r["grads_equal"] for r in ck.values())  # the ratios come from runs held to the plain gradients
     assert rows["full checkpointing: activation peak reduction"]["value"] == ck["full"]["activation_reduction"]
     assert "fp32" in data["labs"]["lab-03-mixed-precision"]["recipes"]
+    # the step's third peak candidate: foreach holds 4 B x P of temporaries at once, fused none
+    assert rows["foreach AdamW: optimizer-step temporaries over 4 B x P"]["value"] == 1.0
+    assert rows["fused AdamW: optimizer-step temporaries over 4 B x P"]["value"] == 0.0
+    assert rows["fused AdamW: optimizer-step peak against foreach"]["target"] == "< 1"
+    assert rows["fused AdamW: optimizer-step peak against foreach"]["value"] < 1
 
 
 def test_training_bench_bad_input():

@@ -373,3 +373,21 @@ def test_a_traced_run_from_the_command_line_reports_bytes_and_no_losses():
     data = json.loads(proc.stdout)
     assert data["traced"].startswith("traced on fake tensors") and data["losses"] == [] and data["steps"] == 2
     assert data["peak_bytes"]["total"] % 512 == 0 and data["optimizer_state_first_seen"]["phase"] == "optimizer"
+
+
+def test_adamw_implementations_take_the_same_step_with_different_temporaries(lab02):
+    """The third candidate for the step's peak, measured on real tensors: during AdamW's step,
+    foreach holds an fp32 temporary the size of every weight at once (4 B x P), the for-loop a couple
+    of temporaries of one tensor at a time, fused none; all three leave the same parameters."""
+    h = labs.load(2, "scale_harness")
+    runs = {impl: lab02.run(lab02.Config(model="small-llama", adamw=impl, seq_len=32, batch_size=2, steps=2, device="cpu"))
+            for impl in ("foreach", "for-loop", "fused")}
+    temporaries = {impl: h.peaks_by_step_and_phase(r.ledger.timeline())["step 1 optimizer"]["temporaries"]
+                   for impl, r in runs.items()}
+    params, largest = runs["fused"].params, max(p.numel() for p in runs["fused"].model.parameters())
+    assert temporaries["foreach"] == 4 * params and temporaries["fused"] == 0
+    assert 0 < temporaries["for-loop"] <= 3 * 4 * largest < temporaries["foreach"]
+    reference = dict(runs["for-loop"].model.named_parameters())
+    for impl in ("foreach", "fused"):
+        for name, p in runs[impl].model.named_parameters():
+            torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-6)

@@ -94,7 +94,10 @@ def reset_peak(device: torch.device) -> None:
 
 
 def allocator_stats(device: torch.device) -> dict[str, int] | None:
-    """``max_memory_allocated`` and friends for a CUDA device; None on CPU."""
+    """``max_memory_allocated`` and friends for a CUDA device; None on CPU. ``max_requested_bytes``
+    (``memory_stats()["requested_bytes.all.peak"]``) is the peak of what tensors asked for, before the
+    allocator's 512-byte rounding: the ledger rounds as the allocator does, so its twin is
+    ``max_memory_allocated``, and the gap between the two counters is the rounding."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
@@ -103,6 +106,8 @@ def allocator_stats(device: torch.device) -> dict[str, int] | None:
         "max_memory_allocated": torch.cuda.max_memory_allocated(device),
         "memory_reserved": torch.cuda.memory_reserved(device),
         "max_memory_reserved": torch.cuda.max_memory_reserved(device),
+        # what the tensors asked for, before the allocator rounded each request up to 512 bytes
+        "max_requested_bytes": torch.cuda.memory_stats(device).get("requested_bytes.all.peak"),
     }
 
 
