@@ -421,12 +421,13 @@ def test_performance_rows_say_whether_their_target_is_met():
 
 
 def test_pytorch_reference_links_are_pinned_to_the_pinned_torch():
-    """The docs and source a page cites are those of the torch the project installs, not whatever
-    "stable" or "main" says the day a reader clicks."""
+    """The docs and source a page (or a docstring) cites are those of the torch the project installs,
+    not whatever "stable" or "main" says the day a reader clicks."""
     pinned = re.search(r"^torch==(\d+)\.(\d+)\.(\d+)$", (ROOT / "requirements.txt").read_text(encoding="utf-8"), re.M)
     major_minor, full = f"{pinned[1]}.{pinned[2]}", f"v{pinned[1]}.{pinned[2]}.{pinned[3]}"
     loose = []
-    for page in [*DOCS.rglob("*.md"), ROOT / "README.md"]:
+    code = [*(ROOT / "code").rglob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "notebooks" / "src").glob("*.py")]
+    for page in [*DOCS.rglob("*.md"), ROOT / "README.md", *code]:
         text = page.read_text(encoding="utf-8")
         for version in re.findall(r"https?://(?:docs\.)?pytorch\.org/docs/([^/\s)]+)/", text):
             if version != major_minor:

@@ -62,7 +62,7 @@ def warm_up(device: torch.device) -> int:
     """CUDA: one tiny forward and backward, once per device; then the bytes allocated. 0 on CPU.
 
     PyTorch gives each cuBLAS (and cuBLASLt) handle and stream a workspace the first time it runs a
-    matmul, and keeps it (https://pytorch.org/docs/stable/notes/cuda.html#cublas-workspaces). A
+    matmul, and keeps it (https://docs.pytorch.org/docs/2.13/notes/cuda.html#cublas-workspaces). A
     workspace is no tensor, so the ledger cannot see it; backward runs on autograd's own thread,
     with its own handle. Taken here, before a measurement starts, the workspaces are part of what
     the allocator held when the window began, which the comparisons with the ledger set aside.

@@ -175,7 +175,7 @@ def cuda_default_optimizer_kwargs(name: str) -> dict:
 
 # ----------------------------------------------------------------------------- autocast, CPU vs CUDA
 # CUDA autocast's op lists, from the table "CUDA Ops that can autocast to float16 / to float32" of
-# https://docs.pytorch.org/docs/2.11/amp.html (the same in 2.13). The CPU lists are shorter; rather
+# https://docs.pytorch.org/docs/2.13/amp.html (the same in 2.11). The CPU lists are shorter; rather
 # than keep a second table, the audit runs each listed call and looks at what CPU autocast gave.
 CUDA_AUTOCAST_LOWER = frozenset((
     "__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
