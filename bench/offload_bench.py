@@ -66,10 +66,15 @@ class Config(LabConfig):
         lab_config(self, device)  # Lab 08's rules on these sizes, before anything runs
         for w in self.sweep_widths or ():
             try:
-                lab_config(self, device, width=w, heads=max(1, w // 64))
+                lab_config(self, device, width=w, heads=sweep_heads(w))
             except UsageError as err:
-                raise UsageError(f"--sweep-widths {w}: the sweep gives it {max(1, w // 64)} heads (width / 64), "
+                raise UsageError(f"--sweep-widths {w}: the sweep gives it {sweep_heads(w)} heads (width / 64), "
                                  f"and Lab 08 says: {err}") from None
+
+
+def sweep_heads(width: int) -> int:
+    """The crossover sweep's attention heads at ``width``: one per 64 dimensions, as at GPU size."""
+    return max(1, width // 64)
 
 
 def lab_config(config: Config, device: torch.device, **over) -> lab08.Config:
@@ -202,7 +207,7 @@ def crossover(config: Config, device, bandwidth: dict | None) -> tuple[list[dict
     widths = config.sweep_widths or ((512, 1024, 2048, 4096) if device.type == "cuda" else (32, 64))
     rows = []
     for w in cli.progress(widths, total=len(widths), desc="sweep"):
-        a = lab_config(config, device, width=w, heads=max(1, w // 64))
+        a = lab_config(config, device, width=w, heads=sweep_heads(w))
         resident_ms = statistics.median(lab08.measure_time("none", a, device)[2])  # median warm step
         layerwise_ms = statistics.median(lab08.measure_time("layerwise", a, device)[2])
         blocks = a.denoiser_layers

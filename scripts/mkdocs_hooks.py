@@ -94,6 +94,9 @@ def lab_provenance(notebook: str) -> dict | None:
         return None
 
 
+CPU_RUN_NOTE = "labs/index.md#what-a-cpu-run-shows"  # what a CPU run shows and cannot, stated once
+
+
 def measured_badge(notebook: str) -> dict:
     """What the "measured on" badge says for a lab's notebook and page (see overrides/main.html)."""
     prov = lab_provenance(notebook)
@@ -115,6 +118,7 @@ def measured_badge(notebook: str) -> dict:
         "current_hash": current,
         "stale": stale,
         "bench_changed": bench_changed,
+        "cpu_note": CPU_RUN_NOTE.replace("index.md", ""),  # the template's url filter takes the built path
         "title": (
             f"Figures measured on {prov.get('device_name')} ({prov.get('device_type')}), torch "
             f"{prov.get('torch_version')}, {str(prov.get('date_utc', ''))[:10]}, lab source "
@@ -138,7 +142,6 @@ def _rel(page_src: str, target_src: str) -> str:
     return posixpath.relpath(target_src, posixpath.dirname(page_src) or ".")
 
 
-CPU_RUN_NOTE = "labs/index.md#what-a-cpu-run-shows"  # what a CPU run shows and cannot, stated once
 _LINK = re.compile(r"(\]\()([^)\s]+)")
 
 

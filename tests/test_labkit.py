@@ -528,6 +528,38 @@ def test_started_ranks_bad_input_is_rank_0s_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == ["job: error: --steps must be 1 or more, got 0"]
 
 
+STOPS_READING = """
+import os, sys
+from dataclasses import dataclass
+from labkit import cli
+from labkit.config import LabConfig
+
+@dataclass
+class Job(LabConfig):
+    \"\"\"A job whose summary is long.\"\"\"
+
+if os.environ.get("RANK") == "0":  # a started rank 0 whose reader has already gone
+    r, w = os.pipe()
+    os.close(r)
+    os.dup2(w, 1)
+if os.environ.get("RANK", "0") == "0":
+    cli.main(Job, lambda config: {"numbers": list(range(200_000))}, None, ["--json"], prog="job")
+"""
+
+
+def test_a_reader_that_stops_reading_is_no_error(tmp_path):
+    """`lab --json | head -c 0`: the reader closes the pipe before the summary is written. The run
+    was fine: no traceback, no line, exit 141 (a shell's SIGPIPE), in one process and when rank 0
+    of started ranks meets it (the launcher stays silent too)."""
+    script = tmp_path / "lab.py"
+    script.write_text(STOPS_READING)
+    one = subprocess.run(["bash", "-c", f'"{sys.executable}" {script} | head -c 0; exit ${{PIPESTATUS[0]}}'],
+                         capture_output=True, text=True, timeout=60)
+    assert (one.returncode, one.stderr) == (cli.STOPPED_READING, "")
+    proc = _start_ranks(tmp_path, STOPS_READING)
+    assert (proc.returncode, proc.stderr) == (cli.STOPPED_READING, "")
+
+
 def test_progress_bar_is_silent_off_a_terminal(monkeypatch):
     """A notebook's or a log's stderr is no terminal: no bar in it, however long the loop; a
     terminal's gets one."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from collections.abc import Callable, Iterable
@@ -167,6 +168,9 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:  # the reader stopped reading (`--json | head`): nothing is wrong with the run
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        raise SystemExit(STOPPED_READING) from None
 
 
 def _prog(prog: str | None) -> str:
@@ -226,6 +230,8 @@ def _json_default(obj: Any):
 
 
 _quiet = False  # set by main() under --json
+#: exit code when whoever reads the output closes it early, as a shell reports a SIGPIPE: 128 + 13
+STOPPED_READING = 141
 
 
 def answers_in_json() -> bool:

@@ -151,6 +151,8 @@ def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int 
         codes = {rank: f.exitcode for rank, f in failed.failures.items()}
         if 2 in codes.values():
             return 2  # bad input: rank 0 has said what
+        if cli.STOPPED_READING in codes.values():
+            return cli.STOPPED_READING  # the reader closed rank 0's output early: nothing to report
         rank, first = failed.get_first_failure()
         how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
                else f"exited with code {first.exitcode} (its error is above)")
