@@ -389,7 +389,7 @@ def render_results_placeholder(name: str, args: str, page_src: str) -> str:
             raise PluginError(f"{page_src}: results of {parts[0]} carry no provenance")
         lab = parts[0].startswith("lab-")
         how = "`scripts/run_notebooks.py`" if lab else "its benchmark"
-        text = provenance_table(prov).markdown() + f"\n\nWritten by {how}; the badge under the title says whether the code has changed since."
+        text = provenance_table(prov).markdown() + f"\n\nWritten by {how}; the \"measured on\" badge under the lab's title says whether the code has changed since."
         if lab and prov.get("device_type") != "cuda":  # said once, on the labs index; gone when a GPU run lands
             text += (" A CPU run: the bytes are exact; GPU speed and the CUDA allocator are not measured here"
                      f" ([what a CPU run shows]({_rel(page_src, CPU_RUN_NOTE)})).")
