@@ -361,6 +361,20 @@ def test_llama_3_8b_on_an_h100_the_budget_and_what_paging_changes_at_real_size()
     assert run.identical_tokens() is None and all(s.outputs for s in run.served.values())
 
 
+def test_a_tp_group_serves_from_one_gpus_pool_not_the_groups():
+    """--fake --tp 4: the pool the caches serve from holds 70B's 2 KV heads of each GPU, so its bytes and
+    the peak any cache holds stay within the budget's KV pool; the tokens are the budget's either way."""
+    run = lab.run(lab.Config(model="llama-3-70b", fake=True, tp=4, seq_len=8192, requests=300, arrival_rate=4,
+                             output_lens=(128, 1024)))
+    b = run.budget
+    assert b.kv_heads_per_gpu == 2 and run.pool_tokens == b.max_tokens_in_flight
+    assert run.pool_bytes == b.max_tokens_in_flight * b.kv_bytes_per_token <= b.kv_pool_bytes
+    for name, served in run.served.items():
+        assert served.bytes_per_token == b.kv_bytes_per_token, name
+        assert served.metrics()["peak_held_bytes"] <= b.kv_pool_bytes, name
+    assert run.summary()["pool_bytes"] <= run.summary()["kv_pool_bytes"]
+
+
 def test_chunked_prefill_cuts_the_32k_prefill_peak_of_llama_3_8b_below_a_fifth():
     whole = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768)["activations"]
     chunked = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768, chunk=2048)["activations"]
@@ -369,7 +383,7 @@ def test_chunked_prefill_cuts_the_32k_prefill_peak_of_llama_3_8b_below_a_fifth()
 
 def test_block_size_trades_waste_for_block_table_entries(small_run):
     measure = labs.load(14, "serving_measure")
-    table = measure.block_sizes(small_run.requests, spec=SPEC, pool=288, config=small_run.config, sizes=(1, 4, 16, 64))
+    table = measure.block_sizes(small_run.requests, pool=288, config=small_run.config, sizes=(1, 4, 16, 64))
     waste, tables = [row[1] for row in table.rows], [row[5] for row in table.rows]
     assert waste[0] == 0 and waste == sorted(waste) and tables == sorted(tables, reverse=True)
 

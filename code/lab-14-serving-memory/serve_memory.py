@@ -185,8 +185,7 @@ def run(config: Config) -> Result:
         model = ServingLlama(spec.build().to(device).eval())
     served, ledgers = {}, {}
     for kind in CACHES if config.cache == "all" else [config.cache]:
-        store = KVStore(layers=spec.layers, slots=pool, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
-                        kv_dtype=config.kv_dtype, device=device, allocate=model is not None)
+        store = kv_store(config, pool, device, allocate=model is not None)
         ledger = Ledger(device)
         if model:
             ledger.track_module(model.model)
@@ -197,6 +196,14 @@ def run(config: Config) -> Result:
         ledgers[kind] = ledger
     return Result(config, spec, device, plan, requests, pool, served, ledgers, time.perf_counter() - t0)
 # --8<-- [end:run]
+
+
+def kv_store(config: Config, pool: int, device="cpu", allocate: bool = False) -> KVStore:
+    """The pool a run serves from: with --fake, one GPU's of a --tp group (its share of the KV heads,
+    as the budget sizes it); else the whole model's, which runs on this device."""
+    spec = serving_budget.per_gpu_spec(config.spec(), config.tp) if config.fake else config.spec()
+    return KVStore(layers=spec.layers, slots=pool, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                   kv_dtype=config.kv_dtype, device=device, allocate=allocate)
 
 
 def requests_of(config: Config, spec) -> list[Request]:

@@ -15,7 +15,7 @@ import dataclasses
 import serving_budget
 import torch
 from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
-from serve_memory import CACHES, serve
+from serve_memory import CACHES, kv_store, serve
 
 from labkit import marks
 from labkit.ledger import Ledger
@@ -24,20 +24,20 @@ from labkit.table import Table
 TABLE_ENTRY_BYTES = 4  # one int32 per block-table entry, as vLLM keeps its block tables
 
 
-def bookkeeping(kind: str, requests, *, spec, pool: int, config):
-    """``requests`` served by cache ``kind`` with no tensors behind it: the allocator's counts alone."""
-    store = KVStore(layers=spec.layers, slots=pool, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
-                    kv_dtype=config.kv_dtype, allocate=False)
-    return serve(CACHES[kind](store, config), requests)
+def bookkeeping(kind: str, requests, *, pool: int, config):
+    """``requests`` served by cache ``kind`` with no tensors behind it: the allocator's counts alone, on
+    ``config``'s model (with ``--fake``, one GPU's share of a ``--tp`` group's KV heads)."""
+    return serve(CACHES[kind](kv_store(config, pool), config), requests)
 
 
-def block_sizes(requests, *, spec, pool: int, config, sizes=(1, 2, 4, 8, 16, 32, 64)) -> Table:
+def block_sizes(requests, *, pool: int, config, sizes=(1, 2, 4, 8, 16, 32, 64)) -> Table:
     """The paged cache at each block size on one trace and pool: waste against block-table size."""
     rows = []
     for size in sizes:
-        m = bookkeeping("paged", requests, spec=spec, pool=pool, config=dataclasses.replace(config, block_size=size)).metrics()
+        served = bookkeeping("paged", requests, pool=pool, config=dataclasses.replace(config, block_size=size))
+        m = served.metrics()
         table_bytes = m["mean_table_entries"] * TABLE_ENTRY_BYTES
-        stored = m["utilization"] * pool * kv_bytes_per_token(spec.layers, spec.kv_heads, spec.head_dim, config.kv_dtype)
+        stored = m["utilization"] * pool * served.bytes_per_token
         rows.append([size, m["waste_fraction"], m["max_concurrent"], m["tokens_per_step"], m["preemptions"],
                      table_bytes, table_bytes / stored])
     return Table([("block size", "int"), ("waste of held", "pct:1"), ("max concurrent", "int"),
@@ -45,12 +45,12 @@ def block_sizes(requests, *, spec, pool: int, config, sizes=(1, 2, 4, 8, 16, 32,
                   ("tables / KV stored", "pct:3")], rows)
 
 
-def prefix_sharing(requests, *, spec, pool: int, config) -> Table:
+def prefix_sharing(requests, *, pool: int, config) -> Table:
     """The paged cache with and without sharing a common prefix's blocks, on one trace and pool."""
     rows = []
     for share in (False, True):
         c = dataclasses.replace(config, no_prefix_sharing=not share)
-        m = bookkeeping("paged", requests, spec=spec, pool=pool, config=c).metrics()
+        m = bookkeeping("paged", requests, pool=pool, config=c).metrics()
         rows.append(["shared once" if share else "a copy per request", m["shared_fraction"], m["max_concurrent"],
                      m["tokens_per_step"], m["preemptions"], m["steps"]])
     return Table(["prefix blocks", ("tokens not stored twice", "pct:1"), ("max concurrent", "int"),

@@ -149,8 +149,9 @@ def budget_table(b) -> Table:
 def report(result: Result) -> None:
     b, c = result.budget, result.config
     mode = "bookkeeping only (--fake: no tensors, no tokens)" if c.fake else f"{result.spec.name} on {result.device}"
+    where = f" per GPU of TP {c.tp}" if c.fake and c.tp > 1 else ""
     print(f"Lab 14: {len(result.requests)} requests, a KV pool of {result.pool_tokens:,} tokens "
-          f"({format_bytes(result.pool_bytes)}), {mode}")
+          f"({format_bytes(result.pool_bytes)}{where}), {mode}")
     print(caches_table(result).text())
     for name, s in result.served.items():
         for rid, why in list(s.rejected.items())[:3]:

@@ -96,7 +96,7 @@ plot.plot_timeline(result.ledgers["paged"].timeline(), ax=ax_ledger, max_points=
 # step for step). Block tables are counted at 4 bytes per entry.
 
 # %%
-blocks = measure.block_sizes(result.requests, spec=result.spec, pool=result.pool_tokens, config=config)
+blocks = measure.block_sizes(result.requests, pool=result.pool_tokens, config=config)
 display(blocks)
 
 # %% [markdown]
@@ -107,7 +107,7 @@ display(blocks)
 
 # %%
 with_prompt = lab.Config(device=nb.device.type, system_prompt=32)
-prefix = measure.prefix_sharing(lab.requests_of(with_prompt, result.spec), spec=result.spec,
+prefix = measure.prefix_sharing(lab.requests_of(with_prompt, result.spec),
                                 pool=result.pool_tokens, config=with_prompt)
 display(prefix)
 
