@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ base = labs.load(14, "kv_baselines")
 sm = labs.load(14, "serving_model")
 trace = labs.load(14, "serving_trace")
 budget = labs.load(14, "serving_budget")
+report = labs.load(14, "serving_report")
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = "lab-14-serving-memory/serve_memory.py"
 SMALL = dict(device="cpu", requests=12, prompt_lens=(4, 24), output_lens=(2, 20), pool_tokens=288)
@@ -261,6 +265,10 @@ def test_prefix_sharing_stores_the_system_prompt_once_and_keeps_the_tokens():
     static = lab.run(lab.Config(**SMALL, system_prompt=32, cache="static"))
     a, b = shared.served["paged"], unshared.served["paged"]
     assert a.outputs == b.outputs == static.served["static"].outputs
+    for served in (a, b):  # the waste bound holds with shared prefix blocks too
+        for r in served.records:
+            assert r.internal <= r.running * (shared.config.block_size - 1), r
+            assert r.stored + r.internal == r.held <= served.pool_slots, r
     assert a.metrics()["shared_fraction"] > 0.2 and b.metrics()["shared_fraction"] == 0
     assert a.metrics()["max_concurrent"] > b.metrics()["max_concurrent"]
     assert a.metrics()["tokens_per_step"] > b.metrics()["tokens_per_step"]
@@ -303,6 +311,18 @@ def test_a_pool_smaller_than_a_prompt_and_a_model_that_leaves_no_pool_are_refuse
                                   "smaller than the prompt of request")
     assert_usage_error_in_process(lab, ["--model", "llama-3.2-1b", "--fake", "--seq-len", "256",
                                         "--gpu-memory-utilization", "0.02"], capsys, "leaves no KV pool on h100-80gb")
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--pool-tokens", "100"], "smaller than one static region of --max-len 128"),
+    (["--pool-tokens", "100", "--cache", "paged", "--block-size", "128"], "smaller than one block (--block-size 128)"),
+    (["--fake", "--model", "llama-3-8b", "--cache", "paged", "--pool-tokens", "100000000000"], "keeps the books of"),
+    (["--fake", "--seq-len", "1000000000"], "more than small-llama's context of 128 tokens"),
+    (["--non-torch-gib", "1e308"], "--non-torch-gib must be in [0, 1024]")])
+def test_a_pool_no_cache_can_use_and_sizes_past_any_gpu_are_one_line(capsys, argv, fragment):
+    for cache in ("all", "static") if "static" in fragment else (None,):
+        extra = ["--cache", cache] if cache else []
+        assert_usage_error_in_process(lab, ["--device", "cpu", "--prompt-lens", "4,8", *argv, *extra], capsys, fragment)
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [
@@ -379,6 +399,28 @@ def test_chunked_prefill_cuts_the_32k_prefill_peak_of_llama_3_8b_below_a_fifth()
     whole = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768)["activations"]
     chunked = budget.trace_prefill(zoo.get("llama-3-8b"), seq_len=32768, chunk=2048)["activations"]
     assert chunked < whole / 5 and whole > 3 * 2**30
+
+
+def test_each_budget_row_sizes_its_pool_for_its_own_context_and_chunking_is_the_lever_at_32k():
+    measure = labs.load(14, "serving_measure")
+    table, plans = measure.budgets([("llama-3-8b", 1, "bf16", 8192, None), ("llama-3.1-8b", 1, "bf16", 32768, None),
+                                    ("llama-3.1-8b", 1, "bf16", 32768, 2048)])
+    short, whole, chunked = plans
+    assert [p.seq_len for p in plans] == [row[3] for row in table.rows] == [8192, 32768, 32768]
+    assert whole.prefill_peak_bytes > 3 * short.prefill_peak_bytes > 5 * chunked.prefill_peak_bytes
+    assert whole.kv_pool_bytes < short.kv_pool_bytes < chunked.kv_pool_bytes
+    assert [row[10] for row in table.rows] == [short.sequences(8192), whole.sequences(32768), chunked.sequences(32768)]
+
+
+def test_the_non_torch_memory_is_lab_13s_cited_allowance_in_one_wording(capsys):
+    fit_gpus = labs.load(13, "fit_gpus")
+    assert budget.NON_TORCH_BYTES == fit_gpus.CUDA_CONTEXT_BYTES == lab.Config().non_torch_gib * 2**30
+    row = next(r for r in report.budget_table(budget.plan(SPEC, seq_len=64)).rows if "non-torch" in r[0])
+    assert row[2] == budget.NON_TORCH_HOW
+    page = (ROOT / "docs" / "labs" / "lab-14-serving-memory.md").read_text()
+    assert budget.NON_TORCH_HOW in page
+    for url in re.findall(r"https://\S+", budget.NON_TORCH_SOURCE):
+        assert url.rstrip(",;") in page, url
 
 
 def test_block_size_trades_waste_for_block_table_entries(small_run):

@@ -135,8 +135,10 @@ class Config(LabConfig):
     seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: the context)",
                                  min=1)
     prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)", min=1)
-    non_torch_gib: float = option(1.0, "GiB per GPU outside PyTorch's allocator (CUDA context, cuBLAS, NCCL): "
-                                  "an assumption until measured", min=0)
+    non_torch_gib: float = option(serving_budget.NON_TORCH_BYTES / serving_budget.GIB,
+                                  "GiB per GPU outside PyTorch's allocator (CUDA context, cuBLAS, NCCL); default "
+                                  f"{serving_budget.NON_TORCH_HOW}: {serving_budget.NON_TORCH_SOURCE}",
+                                  min=0, max=1024)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,6 +156,8 @@ class Config(LabConfig):
                              f"and MLP of {spec.ffn} evenly")
         if self.fake and self.device == "cuda":
             raise UsageError("--fake runs on this machine's CPU; leave --device at cpu or auto")
+        if self.seq_len is not None and self.seq_len > spec.context:
+            raise UsageError(f"--seq-len {self.seq_len:,} is more than {spec.name}'s context of {spec.context:,} tokens")
 
     def spec(self):
         return zoo.get(self.model)  # an unknown name or a bad path: UsageError, one line
@@ -217,16 +221,30 @@ def requests_of(config: Config, spec) -> list[Request]:
         output_lens=config.output_lens or (max(1, ctx // 16), max(1, ctx // 2)), system_prompt=config.system_prompt)
 
 
+MAX_BLOCKS = 1 << 24  # the bookkeeping keeps list entries per block; 16M blocks of 16 outnumber any GPU's pool
+
+
 def check_pool(config: Config, plan, requests: list[Request], pool: int) -> None:
-    """Refuse, in one line, a pool that cannot hold even one request's prompt."""
+    """Refuse, in one line, a pool that cannot hold even one request's prompt, one block of the paged
+    cache or one max_len region of the static one, or one too large to keep the books of."""
     if config.fake and not config.pool_tokens and plan.kv_pool_bytes <= 0:
         raise UsageError(f"{plan.model} leaves no KV pool on {config.gpu} at --tp {config.tp}: weights "
                          f"{plan.weights_bytes / 2**30:.1f} GiB + prefill {plan.prefill_peak_bytes / 2**30:.1f} GiB + "
                          f"non-torch {plan.non_torch_bytes / 2**30:.1f} GiB > {plan.usable_bytes / 2**30:.1f} GiB usable")
+    if pool // config.block_size > MAX_BLOCKS:
+        raise UsageError(f"a KV pool of {pool:,} tokens is {pool // config.block_size:,} blocks of "
+                         f"{config.block_size}: more than the {MAX_BLOCKS:,} this lab keeps the books of")
     longest = max(requests, key=lambda r: r.prompt_len)
     if longest.prompt_len > pool:
         raise UsageError(f"the KV pool ({pool:,} tokens, --pool-tokens) is smaller than the prompt of request "
                          f"{longest.id} ({longest.prompt_len:,} tokens): no cache could ever admit it")
+    uses = {config.cache} if config.cache != "all" else set(CACHES)
+    if "paged" in uses and pool < config.block_size:
+        raise UsageError(f"the KV pool ({pool:,} tokens) is smaller than one block (--block-size {config.block_size})")
+    max_len = config.max_len or config.spec().context
+    if "static" in uses and pool < max_len:
+        raise UsageError(f"the KV pool ({pool:,} tokens) is smaller than one static region of --max-len "
+                         f"{max_len:,}: the static cache could admit nothing")
 
 
 if __name__ == "__main__":

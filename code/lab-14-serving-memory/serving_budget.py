@@ -7,7 +7,8 @@ forward (the activations of the largest prefill it will run) and the memory no t
 (CUDA context, cuBLAS workspaces, NCCL buffers, CUDA graphs); the rest becomes KV blocks. This file
 does that sum with the weights and the prefill peak **traced on fake tensors** (the zoo model at its
 published size, bf16, the lab's own serving forward; nothing is allocated) and the non-torch memory
-**assumed** (a flag, until a GPU run measures it). Bytes per token come from the model's config.
+**cited**: Lab 13's CUDA context allowance and its source (``fit_gpus.CUDA_CONTEXT_SOURCE``), a flag
+to override it. Bytes per token come from the model's config.
 
 Tensor parallelism over ``tp`` GPUs is traced as the per-GPU model Megatron-style sharding leaves:
 the query heads, the KV heads, the MLP's hidden size and the vocabulary (embedding and head) divided
@@ -29,10 +30,16 @@ from labkit import fake, labs, marks
 from labkit.ledger import Ledger
 
 GIB = 1 << 30
+FIT_GPUS = labs.load(13, "fit_gpus")
 #: Memory per GPU: the total the CUDA driver reports, from Lab 13's GPU table (one place for it; the
 #: datasheets' "80 GB" is a little more than an 80 GB card's driver total).
-GPUS = {name: gpu.total_bytes for name, gpu in labs.load(13, "fit_gpus").GPUS.items()
+GPUS = {name: gpu.total_bytes for name, gpu in FIT_GPUS.GPUS.items()
         if name in ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb")}
+#: Memory per GPU outside PyTorch's allocator (CUDA context, cuBLAS workspaces): Lab 13's allowance,
+#: with its source; one wording for the report, ``--help`` and the page.
+NON_TORCH_BYTES = FIT_GPUS.CUDA_CONTEXT_BYTES
+NON_TORCH_SOURCE = FIT_GPUS.CUDA_CONTEXT_SOURCE
+NON_TORCH_HOW = "cited (Lab 13's CUDA context)"
 
 
 def per_gpu_spec(spec, tp: int):
@@ -102,7 +109,7 @@ class Budget:
     gpu_bytes: int
     weights_bytes: int  # traced
     prefill_peak_bytes: int  # traced: activations and temporaries at the prefill's peak
-    non_torch_bytes: int  # assumed
+    non_torch_bytes: int  # cited (NON_TORCH_BYTES) or a flag
     kv_heads_per_gpu: int
     kv_bytes_per_token: int  # per GPU, from the config
 
@@ -134,9 +141,10 @@ class Budget:
 
 
 def plan(spec, *, gpu: str = "h100-80gb", tp: int = 1, utilization: float = 0.9, kv_dtype: str = "bf16",
-         seq_len: int, chunk: int | None = None, block_size: int = 16, non_torch_bytes: int = GIB) -> Budget:
+         seq_len: int, chunk: int | None = None, block_size: int = 16,
+         non_torch_bytes: int = NON_TORCH_BYTES) -> Budget:
     """The serving budget of ``spec`` on one ``gpu`` of a ``tp``-way group: weights and the peak of a
-    ``seq_len``-token prefill (in ``chunk``-token chunks) traced, ``non_torch_bytes`` assumed, and the
+    ``seq_len``-token prefill (in ``chunk``-token chunks) traced, ``non_torch_bytes`` cited, and the
     KV pool that is left at ``utilization`` of the GPU, in ``kv_dtype``."""
     rank = per_gpu_spec(spec, tp)
     peak = trace_prefill(spec, tp=tp, seq_len=seq_len, chunk=chunk, kv_dtype=kv_dtype, block_size=block_size)

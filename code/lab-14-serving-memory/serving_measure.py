@@ -117,29 +117,30 @@ def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llam
                   ("logits, max difference", "sci:1"), ("greedy tokens agreeing", "pct:0")], rows)
 
 
-def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9, seq_len: int = 8192,
-            chunk: int | None = None, non_torch_bytes: int = serving_budget.GIB, contexts=(8192, 32768),
-            reserve: int = 8192) -> tuple[Table, list]:
-    """The serving budget of each ``(model name, tp, kv_dtype)`` in ``cases`` on one ``gpu``: traced weights
-    and prefill peak, assumed non-torch memory, the KV pool and what it holds. Returns the table and the
-    :class:`serving_budget.Budget` of each case."""
+def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9,
+            non_torch_bytes: int = serving_budget.NON_TORCH_BYTES, short: int = 2048) -> tuple[Table, list]:
+    """The serving budget of each ``(model name, tp, kv_dtype, context, prefill chunk)`` in ``cases`` on one
+    ``gpu``: traced weights and the peak of a prefill of the whole context (in chunks, if one is given),
+    cited non-torch memory, the KV pool and what it holds: sequences of that context (paged, whole blocks;
+    a static cache reserving the context holds as many) and of ``short`` tokens. Each row's pool is sized
+    for its own context. Returns the table and the :class:`serving_budget.Budget` of each case."""
     plans, rows = [], []
-    for name, tp, kv_dtype in cases:
+    for name, tp, kv_dtype, context, chunk in cases:
         b = serving_budget.plan(zoo_spec(name), gpu=gpu, tp=tp, utilization=utilization, kv_dtype=kv_dtype,
-                                seq_len=seq_len, chunk=chunk, non_torch_bytes=non_torch_bytes)
+                                seq_len=context, chunk=chunk, non_torch_bytes=non_torch_bytes)
         plans.append(b)
         fits = b.kv_pool_bytes > 0
-        rows.append([name, tp, kv_dtype, b.weights_bytes, b.prefill_peak_bytes, b.kv_pool_bytes if fits else None,
-                     b.kv_bytes_per_token, b.max_tokens_in_flight if fits else None,
-                     *((b.sequences(c) if fits else None) for c in contexts),
-                     b.sequences(reserve, reserve=reserve) if fits else None])
-    return Table(["model", ("TP", "int"), "KV dtype", ("weights / GPU", "size"), ("prefill peak", "size"),
-                  ("KV pool / GPU", "size"), ("KV / token / GPU", "size"), ("tokens in flight", "int"),
-                  *((f"sequences of {c // 1024}k", "int") for c in contexts),
-                  (f"static, {reserve // 1024}k reserved", "int")], rows), plans
+        rows.append([name, tp, kv_dtype, context, chunk, b.weights_bytes, b.prefill_peak_bytes,
+                     b.kv_pool_bytes if fits else None, b.kv_bytes_per_token,
+                     b.max_tokens_in_flight if fits else None, b.sequences(context) if fits else None,
+                     b.sequences(short) if fits else None])
+    return Table(["model", ("TP", "int"), "KV dtype", ("context", "int"), ("prefill chunk", "int"),
+                  ("weights / GPU", "size"), ("prefill peak", "size"), ("KV pool / GPU", "size"),
+                  ("KV / token / GPU", "size"), ("tokens in flight", "int"), ("sequences of the context", "int"),
+                  (f"sequences of {short // 1024}k", "int")], rows), plans
 
 
-def prefill_peaks(name: str = "llama-3-8b", lengths=(8192, 32768), chunks=(None, 2048), decode_batch: int = 256) -> Table:
+def prefill_peaks(name: str = "llama-3.1-8b", lengths=(8192, 32768), chunks=(None, 2048), decode_batch: int = 256) -> Table:
     """Activations at the peak of one forward, traced: the zoo's training-style forward (every position's
     logits) against the serving prefill (last-token logits), whole and in chunks; and one decode step of
     ``decode_batch`` sequences, traced at a one-block context so that it holds its own activations and

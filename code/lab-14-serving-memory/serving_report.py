@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import serving_budget
 import torch
 
 from labkit import labs, provenance
@@ -137,11 +138,12 @@ def caches_table(result: Result) -> Table:
 def budget_table(b) -> Table:
     """The serving budget of one GPU, each line labelled by where its number comes from."""
     return Table(["", ("bytes", "bytes"), "how"], [
-        [f"{b.gpu} x {b.utilization:g} (--gpu-memory-utilization)", b.usable_bytes, "cited capacity x flag"],
+        [f"{b.gpu} x {b.utilization:g} (--gpu-memory-utilization)", b.usable_bytes, "Lab 13's driver total x flag"],
         [f"weights, bf16, 1/{b.tp} of {b.model}", b.weights_bytes, "traced"],
         [f"prefill peak, {b.seq_len:,} tokens" + (f" in chunks of {b.chunk:,}" if b.chunk else ""),
          b.prefill_peak_bytes, "traced"],
-        ["CUDA context, cuBLAS, NCCL (non-torch)", b.non_torch_bytes, "assumed"],
+        ["CUDA context, cuBLAS, NCCL (non-torch)", b.non_torch_bytes,
+         serving_budget.NON_TORCH_HOW if b.non_torch_bytes == serving_budget.NON_TORCH_BYTES else "--non-torch-gib"],
         ["KV pool", b.kv_pool_bytes, "derived"],
         [f"KV per token ({b.kv_heads_per_gpu} KV heads, {b.kv_dtype})", b.kv_bytes_per_token, "from the config"]])
 
@@ -162,6 +164,8 @@ def report(result: Result) -> None:
     print(budget_table(b).text())
     print(f"max tokens in flight: {b.max_tokens_in_flight:,}; sequences of {b.seq_len:,} tokens at once: "
           f"{b.sequences(b.seq_len):,}")
+    print(f"  {b.gpu}'s driver total: {serving_budget.FIT_GPUS.GPUS[b.gpu].total_source}")
+    print(f"  non-torch memory, {serving_budget.NON_TORCH_HOW}: {serving_budget.NON_TORCH_SOURCE}")
 
 
 def records_table(served: Served) -> Table:

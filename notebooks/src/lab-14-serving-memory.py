@@ -133,16 +133,21 @@ display(layouts, kv_dtypes)
 # The serving budget the way vLLM sizes it: of the GPU's memory, the `--gpu-memory-utilization`
 # fraction (0.9), less the weights and the peak of one prefill (both **traced on fake tensors**: the
 # zoo's models at their published sizes in bf16, through this lab's own serving forward; nothing is
-# allocated), less 1 GiB for the CUDA context, cuBLAS and NCCL (**assumed**), is the KV pool. Bytes per
-# token come from each configuration. Tensor parallelism is traced as the per-GPU model: heads, KV heads,
-# MLP width and vocabulary divided by the TP degree. The prefill profiled here is 8,192 tokens at once.
+# allocated), less Lab 13's CUDA context allowance for the memory outside PyTorch (**cited**: its source
+# is `fit_gpus.CUDA_CONTEXT_SOURCE`), is the KV pool. Bytes per token come from each configuration. Tensor
+# parallelism is traced as the per-GPU model: heads, KV heads, MLP width and vocabulary divided by the TP
+# degree. Each row's prefill is its whole context (8,192 tokens; 32,768 for Llama-3.1-8B, whose shapes are
+# Llama-3-8B's), at once or in 2,048-token chunks: each pool is sized for the prefill it must run.
 
 # %%
-cases = [("llama-3-8b", 1, "bf16"), ("llama-3-8b", 1, "fp8"), ("llama-3-8b", 1, "int8"),
-         ("llama-3-70b", 1, "bf16"), ("llama-3-70b", 2, "bf16"), ("llama-3-70b", 4, "bf16"),
-         ("llama-3-70b", 8, "bf16"), ("llama-3-70b", 4, "fp8")]
-real_scale, plans = measure.budgets(cases, contexts=(2048, 8192, 32768))
-prefill = measure.prefill_peaks("llama-3-8b")
+cases = [("llama-3-8b", 1, "bf16", 8192, None), ("llama-3-8b", 1, "fp8", 8192, None),
+         ("llama-3-8b", 1, "int8", 8192, None),
+         ("llama-3.1-8b", 1, "bf16", 32768, None), ("llama-3.1-8b", 1, "bf16", 32768, 2048),
+         ("llama-3-70b", 1, "bf16", 8192, None), ("llama-3-70b", 2, "bf16", 8192, None),
+         ("llama-3-70b", 4, "bf16", 8192, None), ("llama-3-70b", 8, "bf16", 8192, None),
+         ("llama-3-70b", 4, "fp8", 8192, None)]
+real_scale, plans = measure.budgets(cases)
+prefill = measure.prefill_peaks()
 display(real_scale, prefill)
 
 # %% [markdown]
@@ -159,7 +164,7 @@ real_serving = report.caches_table(at_8b)
 display(real_serving)
 
 # %%
-budget_8b = plans[0]
+budget_8b, long_whole, long_chunked = plans[0], plans[3], plans[4]
 budget_70b = {plan.tp: plan for plan in plans if plan.model == "llama-3-70b" and plan.kv_dtype == "bf16"}
 prefill_numbers = dict(zip(("zoo_8k", "whole_8k", "chunked_8k", "zoo_32k", "whole_32k", "chunked_32k", "decode_256"),
                            (row[2] for row in prefill.rows)))
@@ -177,7 +182,12 @@ notebook.publish(
     real={"kv_bytes_per_token_8b": budget_8b.kv_bytes_per_token, "weights_8b": budget_8b.weights_bytes,
           "prefill_8b": budget_8b.prefill_peak_bytes, "pool_8b": budget_8b.kv_pool_bytes,
           "tokens_8b": budget_8b.max_tokens_in_flight, "seqs_8k_8b": budget_8b.sequences(8192),
-          "seqs_32k_8b": budget_8b.sequences(32768), "seqs_2k_8b": budget_8b.sequences(2048),
+          "seqs_2k_8b": budget_8b.sequences(2048),
+          "long": {"pool_whole": long_whole.kv_pool_bytes, "pool_chunked": long_chunked.kv_pool_bytes,
+                   "seqs_whole": long_whole.sequences(32768), "seqs_chunked": long_chunked.sequences(32768)},
+          "non_torch": budget_8b.non_torch_bytes, "kv_int8_8b": plans[2].kv_bytes_per_token,
+          "kv_half_8b": budget_8b.kv_bytes_per_token // 2, "kv_8k_request_8b": 8192 * budget_8b.kv_bytes_per_token,
+          "kv_mha_8b": layouts.rows[0][2], "kv_mqa_8b": layouts.rows[2][2],
           "tokens_8b_fp8": plans[1].max_tokens_in_flight, "seqs_8k_8b_fp8": plans[1].sequences(8192),
           "weights_70b_tp1": budget_70b[1].weights_bytes, "usable": budget_8b.usable_bytes,
           "pool_70b": {tp: p.kv_pool_bytes for tp, p in budget_70b.items()},
