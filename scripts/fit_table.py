@@ -227,6 +227,13 @@ BAD = [
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
     ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),
+    # a field the task does not show: the page shows it while it is wrong, and the task's result
+    ({"task": "serve", "seq": "-1"}, "seq"), ({"task": "serve", "dp": "two"}, "dp"),
+    ({"task": "infer", "lora_rank": "-8"}, "lora_rank"), ({"task": "train", "context": "0"}, "context"),
+    ({"task": "serve", "gpu_memory_utilization": "0.001"}, "gpu_memory_utilization"),
+    # a choice no control offers: marked beside the control, computed with its default
+    ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
+    ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '
@@ -239,7 +246,9 @@ def bad_cases() -> list[dict]:
     out = []
     for given, field in BAD:
         try:
-            Inputs(**{k: _parse(k, v) for k, v in given.items()})
+            if given.get("gpu", "h100-80gb") not in lab13_gpus.GPUS:
+                raise UsageError(f"--gpu must be one of {', '.join(lab13_gpus.GPUS)}, got {given['gpu']!r}")
+            Inputs(**{k: _parse(k, v) for k, v in given.items() if k != "gpu"})
         except (UsageError, ValueError) as err:
             out.append({"query": given, "field": field, "python": str(err)})
             continue

@@ -236,7 +236,8 @@ def test_results_table_is_what_the_python_computes_now():
         fields = {k: v for k, v in row["query"].items()}
         again = script.row(Inputs(**fields), row["gpu"], with_formulas="formulas" in row)
         assert again == {k: row[k] for k in again}, row["query"]
-    assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json"}
+    assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json", "precision", "model", "gpu",
+                                                  "zero_stage", "offload", "context", "gpu_memory_utilization"}
 
 
 # ---------------------------------------------------------------- bad input
@@ -245,6 +246,9 @@ def test_results_table_is_what_the_python_computes_now():
     ({"heads": 7}, "--heads 7 does not divide --hidden"), ({"tp": 3}, "--tp 3"), ({"model": "nope"}, "--model"),
     ({"model": "custom", "layers": 2}, "--hidden"), ({"zero_stage": 3}, "--dp"),
     ({"experts": 4, "top_k": 5}, "--top-k"), ({"task": "serve", "gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
+    # a fraction that leaves a 24 GB card less than its CUDA context: a negative capacity, refused
+    ({"task": "serve", "gpu_memory_utilization": 0.001}, "--gpu-memory-utilization must be in [0.1, 1]"),
+    ({"task": "infer", "lora_rank": -8}, "--lora-rank"), ({"task": "serve", "seq": -1}, "--seq"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

@@ -454,7 +454,7 @@
     if (!el) return;
     const body = h("tbody");
     for (const t of D.traced) {
-      const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [k, String(v)])).toString();
+      const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [keyOf(field(k)), String(v)])).toString();
       const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${k}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
@@ -469,25 +469,57 @@
   }
 
   const UI = {};  // the controls and the output elements, by name
+  const TASK_OF = {};  // the tasks that use a field, where not every task does
   let state = null;  // the last valid inputs
   let gpu = "h100-80gb";
 
+  /** An input's key in the address: its flag's spelling (`zero-stage`, as `fit.py --zero-stage`). */
+  const keyOf = (f) => f.flag.slice(2);
+
+  /** An address's query as text per input. The flag's spelling wins; the field's name
+      (`zero_stage`, what links shared before) is read as an alias. Keys of no input are listed. */
   function readQuery(search) {
     const q = new URLSearchParams(search);
-    const raw = {};
-    for (const f of D.inputs) raw[f.name] = q.has(f.name) ? q.get(f.name) : "";
-    raw.gpu = q.get("gpu") || "h100-80gb";
+    const raw = {}, known = new Set(["gpu"]);
+    for (const f of D.inputs) {
+      known.add(keyOf(f)).add(f.name);
+      raw[f.name] = q.has(keyOf(f)) ? q.get(keyOf(f)) : q.has(f.name) ? q.get(f.name) : "";
+    }
+    raw.gpu = q.get("gpu") || "";
+    raw.ignored = [...new Set([...q.keys()].filter((k) => !known.has(k)))];
     return raw;
   }
+
+  // A choice the address gave that no control offers: {name: text}, shown beside the control until
+  // that control is changed; the result uses the control's default meanwhile, and says so.
+  let offChoice = {};
 
   /** Set every control from an address's query (`?model=llama-3-8b&seq=4096`) and compute. */
   function load(search) {
     const raw = readQuery(search);
-    for (const f of D.inputs) setControl(f, raw[f.name]);
+    offChoice = {};
+    for (const f of D.inputs) {
+      setControl(f, raw[f.name]);
+      const c = UI[f.name];
+      if (c.tagName === "SELECT" && raw[f.name] !== "" && c.value !== raw[f.name]) offChoice[f.name] = raw[f.name];
+    }
     UI.gpu.value = D.gpus[raw.gpu] ? raw.gpu : "h100-80gb";
+    if (raw.gpu && !D.gpus[raw.gpu]) offChoice.gpu = raw.gpu;
+    UI.ignored.textContent = raw.ignored.length ? `Ignored in the address (no such input): ${raw.ignored.join(", ")}` : "";
+    UI.ignored.hidden = !raw.ignored.length;
     UI.config.value = "";
     showError("config_json", null);
+    state = null;  // a new address: never the result of the previous one
     update(false);
+  }
+
+  /** The message beside a select whose address value is not one of its choices. */
+  function offChoiceText(name, text) {
+    if (name === "gpu") return `--gpu must be one of ${Object.keys(D.gpus).join(", ")}, got ${text}: computed with ${UI.gpu.value}`;
+    const f = field(name);
+    const choices = name === "model" ? "custom or a zoo preset" : name === "tied" ? "true or false"
+      : `one of ${f.choices.join(", ")}`;
+    return `${f.flag} must be ${choices}, got ${text}: computed with ${f.default === null ? "the preset's" : f.default}`;
   }
 
   function setControl(f, text) {
@@ -513,24 +545,51 @@
     }
     gpu = UI.gpu.value;
     Object.assign(errors, Object.keys(errors).length ? {} : check(x));
-    for (const f of D.inputs) showError(f.name, errors[f.name] || null);
+    const marks = {};  // every message beside a control: errors first, then choices the address gave that are none
+    for (const [name, text] of Object.entries(offChoice)) marks[name] = offChoiceText(name, text);
+    Object.assign(marks, errors);
+    for (const name of Object.keys(marks)) {  // a field this task hides is shown while it is marked
+      if (TASK_OF[name] && !TASK_OF[name].includes(x.task)) marks[name] += ` (${x.task} does not use it: clear it)`;
+    }
+    for (const f of D.inputs) showError(f.name, marks[f.name] || null);
+    showError("gpu", marks.gpu || null);
     if (x.model === "custom" || DIMS.some((k) => errors[k] || x[k] !== null)) UI.dims.open = true;  // errors in view
-    showTask(x.task);
+    showTask(x.task, marks);
     hintPreset(x);
-    root.classList.toggle("il-fit--stale", Object.keys(errors).length > 0);
-    if (Object.keys(errors).length) {
-      if (state === null) {  // nothing valid yet: show the defaults rather than nothing
-        state = {};
-        for (const f of D.inputs) state[f.name] = f.default;
-        draw(state);
+    const wrong = Object.keys(errors);
+    root.classList.toggle("il-fit--stale", wrong.length > 0);
+    if (wrong.length) {
+      if (state === null || state.task !== x.task) {  // a new address, or another task: its defaults, said
+        const y = fallback(x, errors);
+        const used = D.inputs.filter((f) => y[f.name] !== x[f.name] && y[f.name] !== null).map((f) => `${f.flag} ${y[f.name]}`);
+        state = y;
+        draw(y);
+        UI.status.textContent = `Fix the marked field: the result uses ${used.length ? used.join(", ") : "the defaults"}.`;
+      } else {
+        UI.status.textContent = "Fix the marked field: the result is for the last valid inputs.";
       }
-      UI.status.textContent = "Fix the marked field: the result is for the last valid inputs.";
       return;
     }
     state = x;
-    UI.status.textContent = "";
+    const off = Object.keys(offChoice);
+    UI.status.textContent = off.length ? `${off.map((k) => (k === "gpu" ? "--gpu" : field(k).flag)).join(", ")}: not a choice, the default is used.` : "";
     draw(x);
     if (push) writeAddress(queryOf(x));
+  }
+
+  /** The inputs with each wrong field at its default (and again while the rules still refuse them); the
+      task's defaults if that is not enough. Never blank, never another task's result. */
+  function fallback(x, errors) {
+    const y = Object.assign({}, x);
+    let wrong = Object.keys(errors);
+    for (let i = 0; i < 4 && wrong.length; i++) {
+      for (const k of wrong) if (field(k)) y[k] = field(k).default;
+      wrong = Object.keys(check(y));
+    }
+    if (!wrong.length) return y;
+    const z = { task: x.task };
+    for (const f of D.inputs) if (f.name !== "task") z[f.name] = f.default;
+    return z;
   }
 
   // The address follows the inputs a moment after the last keystroke: history.replaceState costs more
@@ -547,7 +606,7 @@
     q.set("task", x.task);
     for (const f of D.inputs) {
       if (f.name === "model" || f.name === "task" || x[f.name] === null || x[f.name] === f.default) continue;
-      q.set(f.name, String(x[f.name]));
+      q.set(keyOf(f), String(x[f.name]));
     }
     if (gpu !== "h100-80gb") q.set("gpu", gpu);
     return "?" + q.toString();
@@ -562,13 +621,21 @@
     const slot = document.getElementById(`fit-err-${name}`), c = name === "config_json" ? UI.config : UI[name];
     slot.textContent = text;
     slot.hidden = !text;
+    slot.parentElement.classList.toggle("il-fit__note--error", !!text);  // the message covers the hint
     c.setAttribute("aria-invalid", text ? "true" : "false");
   }
 
-  function showTask(task) {
-    if (shown.task === task) return;
-    shown.task = task;
-    for (const el of root.querySelectorAll("[data-task]")) el.hidden = !el.dataset.task.split(" ").includes(task);
+  /** Show the fields of ``task``, and any other field while it is wrong (its message must be seen). */
+  function showTask(task, errors) {
+    const key = `${task} ${Object.keys(errors).join(" ")}`;
+    if (shown.task === key) return;
+    shown.task = key;
+    for (const [name, tasks] of Object.entries(TASK_OF)) {
+      UI[name].closest(".il-fit__field").hidden = !tasks.includes(task) && !errors[name];
+    }
+    for (const set of root.querySelectorAll("fieldset[data-task]")) {
+      set.hidden = [...set.querySelectorAll(".il-fit__field")].every((el) => el.hidden);
+    }
   }
 
   function hintPreset(x) {
@@ -636,18 +703,27 @@
     }
     UI[f.name] = c;
     return h("div", { class: "il-fit__field", "data-field": f.name },
-      h("label", { for: id, text: LABELS[f.name] || f.name }), c,
-      h("small", { class: "il-fit__hint", id: `fit-hint-${f.name}`, text: `${f.flag}: ${f.help}` }),
-      h("p", { class: "il-fit__error", id: `fit-err-${f.name}`, hidden: true }));
+      h("label", { for: id, text: LABELS[f.name] || f.name }), c, note(f.name, `${f.flag}: ${f.help}`));
+  }
+
+  /** A field's hint, and the slot of its error over it: the slot takes no room of its own, so a message
+      coming or going moves nothing (no layout shift while typing). */
+  function note(name, hint) {
+    return h("div", { class: "il-fit__note" }, h("small", { class: "il-fit__hint", id: `fit-hint-${name}`, text: hint }),
+      h("p", { class: "il-fit__error", id: `fit-err-${name}`, hidden: true }));
   }
 
   function build(el) {
     el.textContent = "";
     const form = h("form", { class: "il-fit__form", novalidate: true, "aria-label": "What to fit" });
+    form.append(UI.ignored = h("p", { class: "il-fit__notice", id: "fit-ignored", role: "status", hidden: true }));
     for (const [title, task, names] of GROUPS) {
       const set = h("fieldset", { class: "il-fit__group", "data-task": task },
         title ? h("legend", { text: title }) : null);
-      for (const name of names) set.append(control(field(name)));
+      for (const name of names) {
+        set.append(control(field(name)));
+        if (task) TASK_OF[name] = task.split(" ");
+      }
       if (names[0] === "model") {
         const dimsBox = h("details", { class: "il-fit__dims" }, h("summary", { text: "Dimensions: the preset's, or yours" }));
         const grid = h("div", { class: "il-fit__fields" });
@@ -656,20 +732,17 @@
           "aria-describedby": "fit-hint-config_json fit-err-config_json", placeholder: '{"num_hidden_layers": 32, ...}' });
         dimsBox.append(grid, h("div", { class: "il-fit__field il-fit__field--wide", "data-field": "config_json" },
           h("label", { for: "fit-config_json", text: "Or paste a Hugging Face config.json" }), UI.config,
-          h("small", { class: "il-fit__hint", id: "fit-hint-config_json",
-            text: "read as a Llama-shaped decoder: layers, sizes, heads, KV heads, experts, a tied head" }),
-          h("p", { class: "il-fit__error", id: "fit-err-config_json", hidden: true })));
+          note("config_json", "read as a Llama-shaped decoder: layers, sizes, heads, KV heads, experts, a tied head")));
         set.append(dimsBox);
         UI.dims = dimsBox;
       }
       form.append(set);
     }
-    UI.gpu = h("select", { id: "fit-gpu", name: "gpu", "aria-describedby": "fit-hint-gpu" });
+    UI.gpu = h("select", { id: "fit-gpu", name: "gpu", "aria-describedby": "fit-hint-gpu fit-err-gpu" });
     for (const [name, g] of Object.entries(D.gpus)) UI.gpu.append(h("option", { value: name, text: `${name} (${g.stated})` }));
     form.append(h("fieldset", { class: "il-fit__group" }, h("legend", { text: "The GPU" }),
       h("div", { class: "il-fit__field", "data-field": "gpu" }, h("label", { for: "fit-gpu", text: "GPU" }), UI.gpu,
-        h("small", { class: "il-fit__hint", id: "fit-hint-gpu",
-          text: "--gpu: what a process can use is Lab 13's: the driver's total, less a CUDA context and headroom" }))));
+        note("gpu", "--gpu: what a process can use is Lab 13's: the driver's total, less a CUDA context and headroom"))));
 
     UI.verdict = h("p", { class: "il-fit__verdict", id: "fit-verdict" });
     UI.total = h("strong", { id: "fit-total" });
@@ -705,8 +778,13 @@
         h("h3", { text: "The formulas, filled in" }), UI.moments, UI.formulas,
         h("details", {}, h("summary", { text: "The symbols and their values" }), UI.symbols)));
     UI.symbols.parentElement.addEventListener("toggle", () => { if (state) drawSymbols(state); });
-    form.addEventListener("input", (e) => { if (e.target !== UI.config) update(true); });
-    form.addEventListener("change", (e) => { if (e.target !== UI.config) update(true); });
+    const changed = (e) => {
+      if (e.target === UI.config) return;
+      delete offChoice[e.target.name];  // a choice made: the address's unknown one is gone
+      update(true);
+    };
+    form.addEventListener("input", changed);
+    form.addEventListener("change", changed);
     form.addEventListener("submit", (e) => e.preventDefault());
     UI.config.addEventListener("input", readConfig);
   }
