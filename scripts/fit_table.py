@@ -39,7 +39,7 @@ SERVING_LEVERS = (
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
-          lambda c: {"tp": c.tp * 2} if c.tp < 64 else None),
+          lambda c: {"tp": c.tp * 2} if c.tp < 64 else None, repeats=True),
 )
 LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
@@ -48,8 +48,12 @@ TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activation
               "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
-LEVER_LAB = {"optimizer": 7, "precision": 3, "checkpointing": 4, "zero": 11, "batch": 6, "offload": 7, "kv": 14,
-             "prefill": 14, "tp": 14}
+#: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
+#: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11.
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
+             "half the micro-batch": 6, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
+             "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
+             "chunked prefill": 14, "tensor parallelism x2": 14}
 
 
 @dataclass
@@ -85,29 +89,37 @@ def verdict(x: Inputs, gpu: str) -> dict:
 
 def ladder(x: Inputs, gpu: str) -> list[dict]:
     """Lab 13's ladder (``fit_levers.climb``) on the formulas: each lever that applies, cheapest first,
-    kept when it lowers the peak (replacing a kept one of its kind), until the configuration fits."""
+    kept when it lowers the peak (replacing a kept one of its kind), a halving pulled again while it
+    applies and saves, until the configuration fits. One row per lever: ``saves_bytes`` over its pulls."""
     base = verdict(x, gpu)
     if base["fits"]:
         return []
-    out, kept, current, now = [], {}, x, base
+    out, kept, current, now = {}, {}, x, base
     for lever in LEVERS:
-        if x.task not in lever.tasks or not lever.pull(current):
+        if x.task not in lever.tasks:
             continue
-        changes = lever.pull(current)
-        trial = {k: v for name, ch in kept.items() if KIND[name] != lever.kind for k, v in ch.items()} | changes
-        try:
-            after = replace(x, **trial)
-        except UsageError:
-            continue
-        after_v = verdict(after, gpu)
-        saved = now["total"] - after_v["total"]
-        if saved > 0:
-            kept = {n: ch for n, ch in kept.items() if KIND[n] != lever.kind} | {lever.name: changes}
-            current, now = after, after_v
-        out.append({"name": lever.name, "kept": saved > 0, "saves": saved, "total": now["total"], "fits": now["fits"]})
+        while not now["fits"] and (changes := lever.pull(current)):
+            trial = {k: v for name, ch in kept.items() if KIND[name] != lever.kind for k, v in ch.items()} | changes
+            try:
+                after = replace(x, **trial)
+            except UsageError:
+                break
+            after_v = verdict(after, gpu)
+            saved = now["total"] - after_v["total"]
+            again = lever.name in out
+            if saved > 0:
+                kept = {n: ch for n, ch in kept.items() if KIND[n] != lever.kind} | {lever.name: changes}
+                current, now = after, after_v
+            if not again or saved > 0:  # a pull again that saves nothing leaves the lever as it was
+                out[lever.name] = {"name": lever.name, "kept": saved > 0 or again,
+                                   "saves_bytes": (out[lever.name]["saves_bytes"] if again else 0) + saved,
+                                   "pulls": out[lever.name]["pulls"] + 1 if again else 1,
+                                   "total": now["total"], "fits": now["fits"]}
+            if not (lever.repeats and saved > 0):
+                break
         if now["fits"]:
             break
-    return out
+    return list(out.values())
 
 
 KIND = {lever.name: lever.kind for lever in LEVERS}
@@ -278,7 +290,7 @@ def _parse(name: str, text: str):
 def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
     moment, cats = lab01_fit.peak(x)
     out = {"query": _fields(x), "gpu": gpu, "bytes": {k: e.value for k, e in cats.items()},
-           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"]] for r in ladder(x, gpu)]}
+           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"], r["pulls"]] for r in ladder(x, gpu)]}
     if with_formulas:
         out["formulas"] = {k: [e.text, e.filled] for k, e in cats.items()}
     return out
@@ -311,17 +323,20 @@ def calculator(traced: list[dict]) -> dict:
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
                       "slot": f.SLOT, "indices": f.INDICES},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
-        "levers": [{"name": lv.name, "kind": lv.kind, "cost": lv.cost, "tasks": list(lv.tasks),
-                    "lab": _lab_link(LEVER_LAB[lv.kind])} for lv in LEVERS],
+        "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
+                    "cost": {task: lv.cost_for(task) for task in lv.tasks}, "lab": _lab_link(LEVER_LAB[lv.name])}
+                   for lv in LEVERS],
         "measured_by": {task: {k: _lab_link(n) for k, n in labs_.items()} for task, labs_ in MEASURED_BY.items()},
         "traced": traced,
     }
 
 
-def _lab_link(n: int) -> dict | None:
-    """The lab page that measures it, when that page is in the site."""
-    page = next((ROOT / "docs" / "labs").glob(f"lab-{n:02d}-*.md"), None)
-    return {"lab": n, "page": f"labs/{page.stem}/"} if page else None
+def _lab_link(n: int | tuple[int, str]) -> dict | None:
+    """The lab page that measures it, when that page is in the site (a lab's number, or its number and
+    a page under docs/labs/, for a lab's extra page)."""
+    n, stem = n if isinstance(n, tuple) else (n, None)
+    page = ROOT / "docs" / "labs" / f"{stem}.md" if stem else next((ROOT / "docs" / "labs").glob(f"lab-{n:02d}-*.md"), None)
+    return {"lab": n, "page": f"labs/{stem or page.stem}/"} if page and page.is_file() else None
 
 
 def run(config: Config) -> dict:

@@ -360,7 +360,7 @@ READ_FIT = """() => {
   return {total: document.getElementById('fit-total').dataset.bytes, capacity: document.getElementById('fit-capacity').dataset.bytes,
           moment: m.dataset.moment, pool_requests: m.dataset.poolRequests || null, cats, formulas,
           fits: document.getElementById('fit-verdict').classList.contains('il-fit__verdict--yes'),
-          levers: [...document.querySelectorAll('#fit-levers li[data-lever]')].map(li => [li.dataset.lever, li.dataset.kept === 'true', li.dataset.total]),
+          levers: [...document.querySelectorAll('#fit-levers li[data-lever]')].map(li => [li.dataset.lever, li.dataset.kept === 'true', li.dataset.total, li.dataset.pulls]),
           text: document.getElementById('fit').innerText};
 }"""
 
@@ -397,7 +397,7 @@ def fit_gaps(got: dict, row: dict) -> tuple[float, list[str]]:
             problems.append(f"{key}: page {page_value}, Python {v[key]}")
     if "pool_requests" in v and int(got["pool_requests"] or -1) != max(v["pool_requests"], 0) and v["pool"] > 0:
         problems.append(f"pool requests: page {got['pool_requests']}, Python {v['pool_requests']}")
-    if [[name, kept, int(total)] for name, kept, total in got["levers"]] != row["levers"]:
+    if [[name, kept, int(total), int(pulls)] for name, kept, total, pulls in got["levers"]] != row["levers"]:
         problems.append(f"levers: page {got['levers']}, Python {row['levers']}")
     for cat, texts in row.get("formulas", {}).items():
         if row["bytes"][cat] and got["formulas"].get(cat) != texts:

@@ -283,3 +283,17 @@ def test_the_flags_the_page_shares_with_lab13_are_one_definition():
             assert set(choices_of(kind)) < set(choices_of(my_kind))
             continue
         assert mine.default == f.default and split_optional(my_kind)[0] == split_optional(kind)[0], f.name
+
+
+def test_each_lever_links_to_the_lab_that_measures_it():
+    """The page's lever links are keyed by lever: fused AdamW is Lab 02's (foreach against fused), parameter
+    offload Lab 11's sharded-inference page (FSDP2's CPU offload), optimizer offload Lab 07's."""
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    lab = {lv["name"]: lv["lab"] for lv in calc["levers"]}
+    assert lab["fused AdamW"] == {"lab": 2, "page": "labs/lab-02-single-gpu-training/"}
+    assert lab["parameter offload"] == {"lab": 11, "page": "labs/more/lab-11-sharded-inference/"}
+    assert lab["optimizer offload"]["lab"] == 7 and all(lab.values())
+    for link in lab.values():
+        assert (ROOT / "docs" / (link["page"].rstrip("/") + ".md")).is_file(), link
+    costs = {lv["name"]: lv["cost"] for lv in calc["levers"]}
+    assert "accumulation" in costs["half the micro-batch"]["train"] and "throughput" in costs["half the micro-batch"]["infer"]

@@ -403,32 +403,41 @@
     }
   }
 
+  /** Python: fit_table.ladder (Lab 13's fit_levers.climb): one row per lever, a halving pulled again
+      while it applies and saves; ``changes``: every field the ladder has changed up to that lever. */
   function climb(x, gpu, base) {
     const kind = {};
     for (const lv of D.levers) kind[lv.name] = lv.kind;
-    const out = [];
+    const out = new Map();
     let kept = {}, current = x, now = base;
     for (const lv of D.levers) {
       const pull = PULLS[lv.name];
-      if (!pull || !lv.tasks.includes(x.task) || !pull(current)) continue;
-      const changes = pull(current);
-      const trial = {};
-      for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) Object.assign(trial, ch);
-      Object.assign(trial, changes);
-      const after = Object.assign({}, x, trial);
-      if (Object.keys(check(after)).length) continue;
-      const afterV = verdict(after, gpu);
-      const saved = now.total - afterV.total;
-      if (saved > 0n) {
-        const next = {};
-        for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) next[name] = ch;
-        next[lv.name] = changes;
-        kept = next; current = after; now = afterV;
+      if (!pull || !lv.tasks.includes(x.task)) continue;
+      let changes;
+      while (!now.fits && (changes = pull(current))) {
+        const trial = {};
+        for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) Object.assign(trial, ch);
+        Object.assign(trial, changes);
+        const after = Object.assign({}, x, trial);
+        if (Object.keys(check(after)).length) break;
+        const afterV = verdict(after, gpu);
+        const saved = now.total - afterV.total;
+        const prev = out.get(lv.name);
+        if (saved > 0n) {
+          const next = {};
+          for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) next[name] = ch;
+          next[lv.name] = changes;
+          kept = next; current = after; now = afterV;
+        }
+        if (!prev || saved > 0n) {  // a pull again that saves nothing leaves the lever as it was
+          out.set(lv.name, { lever: lv, kept: saved > 0n || !!prev, saves: (prev ? prev.saves : 0n) + saved,
+            pulls: prev ? prev.pulls + 1 : 1, total: now.total, fits: now.fits, changes: saved > 0n ? trial : changes });
+        }
+        if (!(lv.repeats && saved > 0n)) break;
       }
-      out.push({ lever: lv, kept: saved > 0n, saves: saved, total: now.total, fits: now.fits, changes });
       if (now.fits) break;
     }
-    return out;
+    return [...out.values()];
   }
 
   // ---------------------------------------------------------------------------- the page
@@ -971,12 +980,17 @@
     const list = h("ol", { class: "il-fit__levers" });
     for (const s of steps) {
       const q = new URLSearchParams(queryOf(Object.assign({}, x, s.changes)));
-      list.append(h("li", { "data-lever": s.lever.name, "data-kept": String(s.kept), "data-total": s.total.toString() },
-        h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name })),
+      const times = s.pulls > 1 ? ` (${s.pulls} times)` : "";
+      list.append(h("li", { "data-lever": s.lever.name, "data-kept": String(s.kept), "data-total": s.total.toString(),
+        "data-pulls": String(s.pulls) },
+        h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
-        h("br"), h("small", {}, `cost: ${s.lever.cost}`,
+        h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
           s.lever.lab ? h("span", {}, " · ", labLink(s.lever.lab)) : null)));
     }
     UI.levers.append(list);
+    if (!steps[steps.length - 1].fits) {
+      UI.levers.append(h("p", { text: "No combination of these levers fits: fewer tokens per rank, more ranks or a larger GPU remain." }));
+    }
   }
 })();
