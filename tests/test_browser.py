@@ -477,6 +477,20 @@ def test_fit_controls_write_the_address_and_a_link_gives_the_result(browser, ser
     ctx.close()
 
 
+def test_fit_verdict_says_by_how_much_it_does_not_fit(browser, server):
+    """Llama-3-8B in pure bf16 (seq 1024) on an H100 is over by 77,898,892 B (80,302,613,644 against 80,224,714,752):
+    the verdict says "over by 74.29 MiB" (Lab 13's report says "short"), not a ratio that rounds to 1.00×."""
+    ctx, page, watch = open_fit(browser, server, "?precision=bf16&seq=1024")
+    total, capacity = (int(page.get_attribute(i, "data-bytes")) for i in ("#fit-total", "#fit-capacity"))
+    assert total - capacity == 77_898_892 and total > capacity
+    text = page.inner_text("#fit-verdict")
+    assert text.endswith("over by 74.29 MiB") and "×" not in text, text
+    page.evaluate("q => InfraLabFit.load(q)", "?model=llama-3.2-1b")
+    assert "to spare" in page.inner_text("#fit-verdict")
+    assert not watch.errors
+    ctx.close()
+
+
 FIT_CHANGE = """([name, value]) => {
   const el = document.getElementById('fit-' + name);
   const t0 = performance.now();

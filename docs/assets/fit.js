@@ -853,8 +853,9 @@
 
   function draw(x) {
     const v = verdict(x, gpu), g = D.gpus[gpu], total = v.total;
-    const ratio = Number(total) / Number(v.capacity);
-    UI.verdict.textContent = v.fits ? `✓ Fits on ${gpu}` : `✗ Does not fit on ${gpu}: ${ratio.toFixed(2)}× what it can use`;
+    // Over by the bytes, as Lab 13's report says "short": a ratio rounds 80.30 GB against 80.22 GB to 1.00×.
+    UI.verdict.textContent = v.fits ? `✓ Fits on ${gpu}: ${bytes(v.capacity - total)} to spare`
+      : `✗ Does not fit on ${gpu}: over by ${bytes(total - v.capacity)}`;
     UI.verdict.className = `il-fit__verdict il-fit__verdict--${v.fits ? "yes" : "no"}`;
     UI.total.textContent = bytes(total);
     UI.total.dataset.bytes = total.toString();
