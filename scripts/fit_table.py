@@ -15,6 +15,7 @@ reproduce within 0.1 %, and inputs the page must refuse next to the field that i
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import time
@@ -22,14 +23,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from labkit import cli, files, labs, provenance, zoo
-from labkit.config import UsageError, check_fields, option
+from labkit.config import UsageError, check_fields, choices_of, fields_of, flag, option
 
 ROOT = Path(__file__).resolve().parents[1]
 lab01_fit = labs.load(1, "fit_formula")
 lab01_inputs = labs.load(1, "fit_inputs")
 lab13_gpus = labs.load(13, "fit_gpus")
 lab13_levers = labs.load(13, "fit_levers")
-Inputs, Lever = lab01_inputs.Inputs, lab13_levers.Lever
+Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
 #: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
@@ -123,6 +124,78 @@ def ladder(x: Inputs, gpu: str) -> list[dict]:
 
 
 KIND = {lever.name: lever.kind for lever in LEVERS}
+
+
+# ----------------------------------------------------------------------------- the command that traces it
+PYTHON = ".venv/bin/python"
+
+
+@functools.cache
+def clis() -> dict:
+    """The labs' command lines that trace a configuration, as the page builds them: Lab 13's fit.py (a
+    step or a prefill) and Lab 14's serve_memory.py --fake (a serving budget, real size on fake tensors).
+    Each flag is read from the lab's own Config: [its field, its flag, its default], --model first."""
+    def flags(config_cls, names):
+        got = {f.name: [f.name, flag(f.name), f.default] for f in fields(config_cls) if f.name in names}
+        return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
+
+    lab13, lab14 = labs.load(13).Config, labs.load(14).Config
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers"}
+    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "kv_dtype", "seq_len", "prefill_chunk", "block_size"}
+    return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
+            "serve": {"script": "code/lab-14-serving-memory/serve_memory.py", "fixed": ["--fake"],
+                      "flags": flags(lab14, serve), "gpus": _choices(lab14, "gpu")}}
+
+
+def _choices(config_cls, name: str) -> list:
+    return next(list(choices_of(kind)) for f, kind in fields_of(config_cls) if f.name == name)
+
+
+def command(x: Inputs, gpu: str) -> list:
+    """``[the command that traces x on gpu, None]``, or ``[None, why no lab's command can]`` (an input that
+    CLI has no flag for). The page (fit.js ``command``) builds the same text from the same ``clis()``."""
+    custom = x.model == CUSTOM or any(getattr(x, n) is not None for n in lab01_inputs.DIMS)
+    c = clis()["serve" if x.task == "serve" else "fit"]
+    script = c["script"].split("/")[-1]
+    if custom:
+        return [None, f"{script} takes a zoo model or a config.json's path (--model PATH), not dimensions: "
+                      "save them as a config.json to trace them"]
+    if x.task == "serve":
+        if zoo.get(x.model).family == "gpt":
+            return [None, f"{script} serves the Llama-family models, not {x.model}"]
+        if x.precision == "fp32":
+            return [None, f"{script} serves bf16 weights: it has no --precision fp32"]
+        if gpu not in c["gpus"]:
+            return [None, f"{script} sizes a budget for {', '.join(c['gpus'])}: not {gpu}"]
+        values = {"model": x.model, "gpu": gpu, "tp": x.tp, "gpu_memory_utilization": x.gpu_memory_utilization,
+                  "kv_dtype": x.kv_dtype, "block_size": x.block_size, "prefill_chunk": x.prefill_chunk,
+                  "seq_len": None if x.context == zoo.get(x.model).context else x.context}
+    else:
+        if x.tp > 1:
+            return [None, f"{script} traces data parallelism only: it has no --tp"]
+        if x.lora_rank and x.task == "train":
+            return [None, "no lab traces LoRA: --lora-rank is derived only"]
+        if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none",
+                        zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
+                        offload="none" if x.offload == "optimizer" else x.offload)
+            try:
+                x.check_sharding()
+            except UsageError as err:
+                return [None, f"{script}: {err}"]
+        values = asdict(x) | {"gpu": gpu}
+    args = [PYTHON, c["script"]]
+    for name, flag_, default in c["flags"]:
+        if values[name] is not None and values[name] != default:
+            args += [flag_, _text(values[name])]
+        if name == "model":
+            args += c["fixed"]
+    return [" ".join(args), None]
+
+
+def _text(value) -> str:
+    """A flag's value as the page writes it (JavaScript's String: 1.0 is "1")."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 # ----------------------------------------------------------------------------- what the labs traced
@@ -290,7 +363,8 @@ def _parse(name: str, text: str):
 def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
     moment, cats = lab01_fit.peak(x)
     out = {"query": _fields(x), "gpu": gpu, "bytes": {k: e.value for k, e in cats.items()},
-           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"], r["pulls"]] for r in ladder(x, gpu)]}
+           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"], r["pulls"]] for r in ladder(x, gpu)],
+           "command": command(x, gpu)}
     if with_formulas:
         out["formulas"] = {k: [e.text, e.filled] for k, e in cats.items()}
     return out
@@ -327,6 +401,7 @@ def calculator(traced: list[dict]) -> dict:
                     "cost": {task: lv.cost_for(task) for task in lv.tasks}, "lab": _lab_link(LEVER_LAB[lv.name])}
                    for lv in LEVERS],
         "measured_by": {task: {k: _lab_link(n) for k, n in labs_.items()} for task, labs_ in MEASURED_BY.items()},
+        "python": PYTHON, "clis": clis(),
         "traced": traced,
     }
 

@@ -361,6 +361,7 @@ READ_FIT = """() => {
           moment: m.dataset.moment, pool_requests: m.dataset.poolRequests || null, cats, formulas,
           fits: document.getElementById('fit-verdict').classList.contains('il-fit__verdict--yes'),
           levers: [...document.querySelectorAll('#fit-levers li[data-lever]')].map(li => [li.dataset.lever, li.dataset.kept === 'true', li.dataset.total, li.dataset.pulls]),
+          command: [document.getElementById('fit-command').dataset.command || null, document.getElementById('fit-command').dataset.why || null],
           text: document.getElementById('fit').innerText};
 }"""
 
@@ -399,6 +400,8 @@ def fit_gaps(got: dict, row: dict) -> tuple[float, list[str]]:
         problems.append(f"pool requests: page {got['pool_requests']}, Python {v['pool_requests']}")
     if [[name, kept, int(total), int(pulls)] for name, kept, total, pulls in got["levers"]] != row["levers"]:
         problems.append(f"levers: page {got['levers']}, Python {row['levers']}")
+    if got["command"] != row["command"]:  # the command that traces it, or why none can: Python's words
+        problems.append(f"command: page {got['command']}, Python {row['command']}")
     for cat, texts in row.get("formulas", {}).items():
         if row["bytes"][cat] and got["formulas"].get(cat) != texts:
             problems.append(f"formula of {cat}: page {got['formulas'].get(cat)}, Python {texts}")

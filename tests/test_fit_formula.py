@@ -297,3 +297,43 @@ def test_each_lever_links_to_the_lab_that_measures_it():
         assert (ROOT / "docs" / (link["page"].rstrip("/") + ".md")).is_file(), link
     costs = {lv["name"]: lv["cost"] for lv in calc["levers"]}
     assert "accumulation" in costs["half the micro-batch"]["train"] and "throughput" in costs["half the micro-batch"]["infer"]
+
+
+def test_the_command_beside_each_configuration_is_the_labs_own():
+    """The command the page shows for a configuration (Python's, in table.json; the browser test holds the
+    page's equal to it) parses with the lab's own Config into the same inputs: it cannot rot. Where no lab
+    has the flag (tensor parallelism in training, LoRA, typed dimensions), it says so instead."""
+    import shlex
+
+    from labkit import cli
+
+    table = json.loads((ROOT / "results" / "fit" / "table.json").read_text())
+    lab13, lab14 = labs.load(13).Config, labs.load(14).Config
+    seen = {"fit.py": 0, "serve_memory.py": 0, "why": set()}
+    for row in table["configurations"][::3]:
+        cmd, why = row["command"]
+        x = Inputs(**row["query"])
+        if cmd is None:
+            seen["why"].add(why.split(":")[0])
+            continue
+        argv = shlex.split(cmd)
+        assert argv[0] == ".venv/bin/python" and (ROOT / argv[1]).is_file(), cmd
+        serve = argv[1].endswith("serve_memory.py")
+        seen[argv[1].split("/")[-1]] += 1
+        config, _ = cli.parse(lab14 if serve else lab13, argv[2:])
+        assert (config.model, config.gpu) == (x.model, row["gpu"]), cmd
+        if serve:
+            assert config.fake and (config.tp, config.kv_dtype, config.block_size, config.prefill_chunk) == (
+                x.tp, x.kv_dtype, x.block_size, x.prefill_chunk), cmd
+            assert config.gpu_memory_utilization == x.gpu_memory_utilization, cmd
+            assert (config.seq_len or zoo.get(x.model).context) == x.context, cmd
+        else:
+            same = ["task", "batch", "seq", "precision", "dp"] + (["accumulation", "optimizer", "checkpointing", "zero_stage",
+                                                                   "offload"] if x.task == "train" else [])
+            assert all(getattr(config, n) == getattr(x, n) for n in same), cmd
+    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5, seen
+    assert {"fit.py traces data parallelism only", "no lab traces LoRA"} <= seen["why"], seen["why"]
+    script = table_script()
+    issue = Inputs(model="llama-3-8b", task="train", seq=4096, batch=1, precision="bf16", checkpointing="full")
+    assert script.command(issue, "h100-80gb") == [
+        ".venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --precision bf16 --checkpointing full", None]

@@ -156,11 +156,56 @@
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
-      if (x.zero_stage && x.dp === 1) say("zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`);
-      if (x.offload === "params" && x.zero_stage !== 3) say("offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3");
-      if (x.offload === "optimizer" && x.optimizer === "sgd") say("offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer");
+      const [name, text] = sharding(x) || [];
+      if (name) say(name, text);
     }
     return err;
+  }
+
+  /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
+  function sharding(x) {
+    if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
+    if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
+    if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
+    return null;
+  }
+
+  /** Python: fit_table.command. [the command that traces x on the GPU, null], or [null, why no lab's
+      command can] (an input that CLI has no flag for); the flags are the labs' own (calculator.json). */
+  function command(x, gpu) {
+    const custom = x.model === "custom" || DIMS.some((k) => x[k] !== null && x[k] !== undefined);
+    const c = D.clis[x.task === "serve" ? "serve" : "fit"], script = c.script.split("/").pop();
+    if (custom) {
+      return [null, `${script} takes a zoo model or a config.json's path (--model PATH), not dimensions: save them as a config.json to trace them`];
+    }
+    let values;
+    if (x.task === "serve") {
+      const p = D.presets[x.model];
+      if (p.family === "gpt") return [null, `${script} serves the Llama-family models, not ${x.model}`];
+      if (x.precision === "fp32") return [null, `${script} serves bf16 weights: it has no --precision fp32`];
+      if (!c.gpus.includes(gpu)) return [null, `${script} sizes a budget for ${c.gpus.join(", ")}: not ${gpu}`];
+      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, kv_dtype: x.kv_dtype,
+        block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
+    } else {
+      if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
+      if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
+      let y = x;
+      if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
+        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none",
+          zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
+          offload: x.offload === "optimizer" ? "none" : x.offload });
+        const broken = sharding(y);
+        if (broken) return [null, `${script}: ${broken[1]}`];
+      }
+      values = Object.assign({}, y, { gpu });
+    }
+    const args = [D.python, c.script];
+    for (const [name, flag, byDefault] of c.flags) {
+      const v = values[name];
+      if (v !== null && v !== undefined && v !== byDefault) args.push(flag, String(v));
+      if (name === "model") args.push(...c.fixed);
+    }
+    return [args.join(" "), null];
   }
 
   // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
@@ -954,9 +999,13 @@
       return [...keys].every((k) => (k in t.inputs ? String(t.inputs[k]) : undefined) === mine[k]);
     });
     UI.traced.textContent = "";
+    const [cmd, why] = command(x, gpu), serve = x.task === "serve" ? " (the weights and a prefill's peak; the KV pool is what is left)" : "";
+    const how = cmd
+      ? h("p", { id: "fit-command", "data-command": cmd }, hit ? "The command that traces it again" : "No lab has traced it " +
+          "yet; the command that traces it on fake tensors", `${serve}: `, h("code", { class: "il-fit__cmd", text: cmd }))
+      : h("p", { id: "fit-command", "data-why": why, text: `${hit ? "" : "No lab has traced it, and no lab's command can: "}${why}.` });
     if (!hit) {
-      UI.traced.append(h("p", { text: "No lab has traced this configuration. Presets that Lab 13 or Lab 14 traced " +
-        "show the traced bytes here: try the Llama-3-8B default, or ?model=llama-3-70b&dp=8&zero_stage=3." }));
+      UI.traced.append(how);
       return;
     }
     UI.traced.dataset.gap = String(hit.gap);
@@ -964,7 +1013,8 @@
       h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
       h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${percent(hit.gap)}.`),
     h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
-      hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."));
+      hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."),
+    how);
   }
 
   function drawLevers(x, v) {
