@@ -494,6 +494,25 @@ def test_fit_verdict_says_by_how_much_it_does_not_fit(browser, server):
     ctx.close()
 
 
+def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
+    """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
+    gradients and optimizer state link to their formula on the page, not to Lab 02."""
+    ctx, page, watch = open_fit(browser, server, "?lora-rank=16")
+    assert "derived, not measured" in page.text_content("label[for=fit-lora_rank]")
+    for cat in ("parameters", "gradients", "optimizer_state"):
+        cell = page.locator(f"#fit-table tr[data-category={cat}] td:last-child")
+        assert "Lab" not in cell.inner_text(), cat
+        if page.get_attribute(f"#fit-table tr[data-category={cat}]", "data-bytes") == "0":
+            continue  # none at the peak: no formula shown to link to
+        assert cell.locator("a").get_attribute("href") == f"#fit-formula-{cat}", cat
+        assert page.locator(f"#fit-formula-{cat}").count() == 1 and "Lab 02" not in page.inner_text(f"#fit-formula-{cat}")
+    assert page.inner_text("#fit-table tr[data-category=activations] td:last-child") == "Lab 04"
+    page.evaluate("q => InfraLabFit.load(q)", "")
+    assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
+    assert not watch.errors
+    ctx.close()
+
+
 FIT_CHANGE = """([name, value]) => {
   const el = document.getElementById('fit-' + name);
   const t0 = performance.now();

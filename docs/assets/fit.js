@@ -756,8 +756,11 @@
         autocomplete: "off", spellcheck: "false", "aria-describedby": described });
     }
     UI[f.name] = c;
-    return h("div", { class: "il-fit__field", "data-field": f.name },
-      h("label", { for: id, text: LABELS[f.name] || f.name }), c, note(f.name, `${f.flag}: ${f.help}`));
+    const label = h("label", { for: id, text: LABELS[f.name] || f.name });
+    if (f.name === "lora_rank") {  // no lab trains adapters: say so where the rank is typed
+      label.append(" ", h("span", { class: "il-tag il-tag--derived", text: "derived, not measured" }));
+    }
+    return h("div", { class: "il-fit__field", "data-field": f.name }, label, c, note(f.name, `${f.flag}: ${f.help}`));
   }
 
   /** A field's hint, and the slot of its error over it: the slot takes no room of its own, so a message
@@ -894,6 +897,9 @@
     return `${p >= 0 ? "+" : "−"}${Math.abs(p).toFixed(digits)} %`;
   }
 
+  /** A LoRA step's weights, gradients and optimizer state: the adapters' formula, which no lab measures. */
+  const loraOnly = (x, cat) => x.task === "train" && x.lora_rank > 0 && ["parameters", "gradients", "optimizer_state"].includes(cat);
+
   const labLink = (link) => h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` });
 
   function draw(x) {
@@ -922,11 +928,13 @@
       tr.dataset.bytes = b.toString();
       tr.children[1].textContent = bytes(b);
       tr.children[2].textContent = total > 0n ? `${(100 * Number(b) / Number(total)).toFixed(1)} %` : "–";
-      const link = D.measured_by[x.task][cat], cell = tr.children[3];
-      if (cell.dataset.lab !== String(link && link.lab)) {  // the lab that measures it, for this task
-        cell.dataset.lab = String(link && link.lab);
+      const link = D.measured_by[x.task][cat], cell = tr.children[3], lora = loraOnly(x, cat);
+      const key = lora ? `lora ${b > 0n}` : String(link && link.lab);
+      if (cell.dataset.lab !== key) {  // the lab that measures it, for this task; LoRA's: its formula, derived
+        cell.dataset.lab = key;
         cell.textContent = "";
-        cell.append(link ? labLink(link) : "–");
+        cell.append(lora ? (b > 0n ? h("a", { href: `#fit-formula-${cat}`, text: "none: derived" }) : "none: derived")
+          : link ? labLink(link) : "–");
       }
     }
     drawFormulas(x, v);
@@ -966,9 +974,10 @@
       if (!e.value) continue;
       for (const m of e.text.matchAll(/\b[A-Za-z]+\b/g)) used.add(m[0]);
       const link = D.measured_by[x.task][cat];
-      UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat },
+      UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat, id: `fit-formula-${cat}` },
         h("p", {}, h("strong", { text: cat.replace("_", " ") }), " ", h("span", { class: "il-tag il-tag--derived", text: "derived" }),
-          link ? h("span", {}, " · measured in ", labLink(link)) : null),
+          loraOnly(x, cat) ? h("span", { text: " · LoRA adapters on a frozen base: no lab measures them" })
+            : link ? h("span", {}, " · measured in ", labLink(link)) : null),
         h("code", { class: "il-fit__text", text: e.text }), h("code", { class: "il-fit__filled", text: `= ${e.filled}` }),
         h("p", { class: "il-fit__value", text: `= ${fmt(e.value)} bytes (${bytes(e.value)})` })));
     }
