@@ -498,7 +498,8 @@ def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
     """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
     gradients and optimizer state link to their formula on the page, not to Lab 02."""
     ctx, page, watch = open_fit(browser, server, "?lora-rank=16")
-    assert "derived, not measured" in page.text_content("label[for=fit-lora_rank]")
+    tag = page.locator("#fit-hint-lora_rank .il-tag--derived")  # under the input, where the rank is typed
+    assert tag.is_visible() and tag.text_content() == "derived, not measured"
     for cat in ("parameters", "gradients", "optimizer_state"):
         cell = page.locator(f"#fit-table tr[data-category={cat}] td:last-child")
         assert "Lab" not in cell.inner_text(), cat

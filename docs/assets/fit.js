@@ -756,11 +756,12 @@
         autocomplete: "off", spellcheck: "false", "aria-describedby": described });
     }
     UI[f.name] = c;
-    const label = h("label", { for: id, text: LABELS[f.name] || f.name });
+    const about = note(f.name, `${f.flag}: ${f.help}`);
     if (f.name === "lora_rank") {  // no lab trains adapters: say so where the rank is typed
-      label.append(" ", h("span", { class: "il-tag il-tag--derived", text: "derived, not measured" }));
+      about.firstChild.prepend(h("span", { class: "il-tag il-tag--derived", text: "derived, not measured" }), " ");
     }
-    return h("div", { class: "il-fit__field", "data-field": f.name }, label, c, note(f.name, `${f.flag}: ${f.help}`));
+    return h("div", { class: "il-fit__field", "data-field": f.name },
+      h("label", { for: id, text: LABELS[f.name] || f.name }), c, about);
   }
 
   /** A field's hint, and the slot of its error over it: the slot takes no room of its own, so a message
