@@ -337,3 +337,22 @@ def test_the_command_beside_each_configuration_is_the_labs_own():
     issue = Inputs(model="llama-3-8b", task="train", seq=4096, batch=1, precision="bf16", checkpointing="full")
     assert script.command(issue, "h100-80gb") == [
         ".venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --precision bf16 --checkpointing full", None]
+
+
+def test_the_address_spells_each_input_as_the_lab_that_has_it():
+    """The page's address key is the flag without its dashes (``zero-stage``), and an input a lab also
+    takes is that lab's flag: fit.py's, serve_memory.py's (--tp --kv-dtype --block-size
+    --gpu-memory-utilization --prefill-chunk), memory_accounting.py's (the layer dimensions)."""
+    from labkit.config import flag
+
+    page = {f["name"]: f["flag"] for f in fit_inputs.fields()}
+    assert page["zero_stage"] == "--zero-stage" and page["gpu_memory_utilization"] == "--gpu-memory-utilization"
+    shared = {13: None, 14: {"tp", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"},
+              1: {"layers", "hidden", "heads", "kv_heads", "vocab", "experts"}}
+    for lab, names in shared.items():
+        theirs = {f.name for f in dataclasses.fields(labs.load(lab).Config)}
+        names = names or theirs & set(page) - {"model"}
+        assert names <= theirs, (lab, names - theirs)
+        assert all(page[n] == flag(n) for n in names), lab
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    assert {f["name"]: f["flag"] for f in calc["inputs"]} == page  # what fit.js writes into the address
