@@ -411,8 +411,9 @@ def fit_gaps(got: dict, row: dict) -> tuple[float, list[str]]:
 def test_fit_calculator_agrees_with_python_in_every_configuration(browser, server):
     """Every configuration of results/fit/table.json (written by scripts/fit_table.py from the Python
     formulas) set through the page's address: every category within 0.1 % of Python, and the same
-    total, moment, verdict, KV pool, levers and filled-in formulas. Each goes through the function the
-    page runs on its address at load; every 50th is also a real load of that address."""
+    total, moment, verdict, KV pool, levers, filled-in formulas, and command that traces it (or why
+    none can). Each goes through the function the page runs on its address at load; every 50th is
+    also a real load of that address."""
     table = json.loads(FIT_TABLE.read_text())
     rows = table["configurations"]
     assert len(rows) >= 500
