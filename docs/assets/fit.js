@@ -449,7 +449,7 @@
   }
 
   /** Python: fit_table.ladder (Lab 13's fit_levers.climb): one row per lever, a halving pulled again
-      while it applies and saves; ``changes``: every field the ladder has changed up to that lever. */
+      while it applies and saves. ``changes`` (its link): a kept lever's, with those kept before it. */
   function climb(x, gpu, base) {
     const kind = {};
     for (const lv of D.levers) kind[lv.name] = lv.kind;
@@ -509,7 +509,7 @@
     const body = h("tbody");
     for (const t of D.traced) {
       const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [keyOf(field(k)), String(v)])).toString();
-      const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${k}=${v}`).join(" ") || "defaults";
+      const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${keyOf(field(k))}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
         h("td", { class: "il-fit__num", text: percent(t.gap) })));
