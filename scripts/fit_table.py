@@ -50,9 +50,10 @@ TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activation
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
-#: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11.
+#: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
+#: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
 LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
-             "half the micro-batch": 6, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
+             "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "chunked prefill": 14, "tensor parallelism x2": 14}
 
@@ -398,12 +399,17 @@ def calculator(traced: list[dict]) -> dict:
                       "slot": f.SLOT, "indices": f.INDICES},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
-                    "cost": {task: lv.cost_for(task) for task in lv.tasks}, "lab": _lab_link(LEVER_LAB[lv.name])}
+                    "cost": {task: lv.cost_for(task) for task in lv.tasks},
+                    "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
                    for lv in LEVERS],
         "measured_by": {task: {k: _lab_link(n) for k, n in labs_.items()} for task, labs_ in MEASURED_BY.items()},
         "python": PYTHON, "clis": clis(),
         "traced": traced,
     }
+
+
+def _per_task(value, task: str):
+    return value[task] if isinstance(value, dict) else value
 
 
 def _lab_link(n: int | tuple[int, str]) -> dict | None:

@@ -495,6 +495,23 @@ def test_fit_verdict_says_by_how_much_it_does_not_fit(browser, server):
     ctx.close()
 
 
+def test_fit_ladder_halves_the_batch_again_and_links_each_lever_to_its_lab(browser, server):
+    """Llama-3-8B, a bf16 prefill of batch 8 on an L4: half the micro-batch twice (batch 2) fits; its cost
+    is inference's, its link Lab 13's; a training step's fused AdamW links to Lab 02 (foreach against fused)."""
+    ctx, page, watch = open_fit(browser, server, "?model=llama-3-8b&task=infer&precision=bf16&batch=8&gpu=l4-24gb")
+    lever = page.locator("#fit-levers li[data-lever='half the micro-batch']")
+    assert lever.get_attribute("data-pulls") == "2" and "fits" in lever.inner_text(), lever.inner_text()
+    assert "lower throughput" in lever.inner_text() and "accumulation" not in lever.inner_text()
+    assert "lab-13-will-it-fit" in lever.locator("small a").get_attribute("href")
+    assert "batch=2" in lever.locator("strong a").get_attribute("href")
+    assert "No combination" not in page.inner_text("#fit-levers")
+    page.evaluate("q => InfraLabFit.load(q)", "?model=llama-3-70b&dp=8")
+    fused = page.locator("#fit-levers li[data-lever='fused AdamW'] small a")
+    assert "lab-02-single-gpu-training" in fused.get_attribute("href")
+    assert not watch.errors
+    ctx.close()
+
+
 def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
     """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
     gradients and optimizer state link to their formula on the page, not to Lab 02."""

@@ -290,11 +290,13 @@ def test_each_lever_links_to_the_lab_that_measures_it():
     offload Lab 11's sharded-inference page (FSDP2's CPU offload), optimizer offload Lab 07's."""
     calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
     lab = {lv["name"]: lv["lab"] for lv in calc["levers"]}
-    assert lab["fused AdamW"] == {"lab": 2, "page": "labs/lab-02-single-gpu-training/"}
-    assert lab["parameter offload"] == {"lab": 11, "page": "labs/more/lab-11-sharded-inference/"}
-    assert lab["optimizer offload"]["lab"] == 7 and all(lab.values())
-    for link in lab.values():
-        assert (ROOT / "docs" / (link["page"].rstrip("/") + ".md")).is_file(), link
+    assert lab["fused AdamW"] == {"train": {"lab": 2, "page": "labs/lab-02-single-gpu-training/"}}
+    assert lab["parameter offload"]["train"] == lab["parameter offload"]["infer"] == {
+        "lab": 11, "page": "labs/more/lab-11-sharded-inference/"}
+    assert lab["optimizer offload"]["train"]["lab"] == 7
+    assert lab["half the micro-batch"]["train"]["lab"] == 6 and lab["half the micro-batch"]["infer"]["lab"] == 13
+    for task, link in ((t, link) for links in lab.values() for t, link in links.items()):
+        assert link and (ROOT / "docs" / (link["page"].rstrip("/") + ".md")).is_file(), (task, link)
     costs = {lv["name"]: lv["cost"] for lv in calc["levers"]}
     assert "accumulation" in costs["half the micro-batch"]["train"] and "throughput" in costs["half the micro-batch"]["infer"]
 

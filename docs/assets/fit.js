@@ -1047,7 +1047,7 @@
         h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
         h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
-          s.lever.lab ? h("span", {}, " · ", labLink(s.lever.lab)) : null)));
+          s.lever.lab[x.task] ? h("span", {}, " · ", labLink(s.lever.lab[x.task])) : null)));
     }
     UI.levers.append(list);
     if (!steps[steps.length - 1].fits) {
