@@ -15,6 +15,7 @@ reproduce within 0.1 %, and inputs the page must refuse next to the field that i
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import time
@@ -22,14 +23,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from labkit import cli, files, labs, provenance, zoo
-from labkit.config import UsageError, check_fields, option
+from labkit.config import UsageError, check_fields, choices_of, fields_of, flag, option
 
 ROOT = Path(__file__).resolve().parents[1]
 lab01_fit = labs.load(1, "fit_formula")
 lab01_inputs = labs.load(1, "fit_inputs")
 lab13_gpus = labs.load(13, "fit_gpus")
 lab13_levers = labs.load(13, "fit_levers")
-Inputs, Lever = lab01_inputs.Inputs, lab13_levers.Lever
+Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
 #: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
@@ -39,7 +40,7 @@ SERVING_LEVERS = (
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
-          lambda c: {"tp": c.tp * 2} if c.tp < 64 else None),
+          lambda c: {"tp": c.tp * 2} if c.tp < 64 else None, repeats=True),
 )
 LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
@@ -48,8 +49,13 @@ TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activation
               "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
-LEVER_LAB = {"optimizer": 7, "precision": 3, "checkpointing": 4, "zero": 11, "batch": 6, "offload": 7, "kv": 14,
-             "prefill": 14, "tp": 14}
+#: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
+#: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
+#: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
+             "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
+             "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
+             "chunked prefill": 14, "tensor parallelism x2": 14}
 
 
 @dataclass
@@ -85,32 +91,112 @@ def verdict(x: Inputs, gpu: str) -> dict:
 
 def ladder(x: Inputs, gpu: str) -> list[dict]:
     """Lab 13's ladder (``fit_levers.climb``) on the formulas: each lever that applies, cheapest first,
-    kept when it lowers the peak (replacing a kept one of its kind), until the configuration fits."""
+    kept when it lowers the peak (replacing a kept one of its kind), a halving pulled again while it
+    applies and saves, until the configuration fits. One row per lever: ``saves_bytes`` over its pulls."""
     base = verdict(x, gpu)
     if base["fits"]:
         return []
-    out, kept, current, now = [], {}, x, base
+    out, kept, current, now = {}, {}, x, base
     for lever in LEVERS:
-        if x.task not in lever.tasks or not lever.pull(current):
+        if x.task not in lever.tasks:
             continue
-        changes = lever.pull(current)
-        trial = {k: v for name, ch in kept.items() if KIND[name] != lever.kind for k, v in ch.items()} | changes
-        try:
-            after = replace(x, **trial)
-        except UsageError:
-            continue
-        after_v = verdict(after, gpu)
-        saved = now["total"] - after_v["total"]
-        if saved > 0:
-            kept = {n: ch for n, ch in kept.items() if KIND[n] != lever.kind} | {lever.name: changes}
-            current, now = after, after_v
-        out.append({"name": lever.name, "kept": saved > 0, "saves": saved, "total": now["total"], "fits": now["fits"]})
+        while not now["fits"] and (changes := lever.pull(current)):
+            trial = {k: v for name, ch in kept.items() if KIND[name] != lever.kind for k, v in ch.items()} | changes
+            try:
+                after = replace(x, **trial)
+            except UsageError:
+                break
+            after_v = verdict(after, gpu)
+            saved = now["total"] - after_v["total"]
+            again = lever.name in out
+            if saved > 0:
+                kept = {n: ch for n, ch in kept.items() if KIND[n] != lever.kind} | {lever.name: changes}
+                current, now = after, after_v
+            if not again or saved > 0:  # a pull again that saves nothing leaves the lever as it was
+                out[lever.name] = {"name": lever.name, "kept": saved > 0 or again,
+                                   "saves_bytes": (out[lever.name]["saves_bytes"] if again else 0) + saved,
+                                   "pulls": out[lever.name]["pulls"] + 1 if again else 1,
+                                   "total": now["total"], "fits": now["fits"]}
+            if not (lever.repeats and saved > 0):
+                break
         if now["fits"]:
             break
-    return out
+    return list(out.values())
 
 
 KIND = {lever.name: lever.kind for lever in LEVERS}
+
+
+# ----------------------------------------------------------------------------- the command that traces it
+PYTHON = ".venv/bin/python"
+
+
+@functools.cache
+def clis() -> dict:
+    """The labs' command lines that trace a configuration, as the page builds them: Lab 13's fit.py (a
+    step or a prefill) and Lab 14's serve_memory.py --fake (a serving budget, real size on fake tensors).
+    Each flag is read from the lab's own Config: [its field, its flag, its default], --model first."""
+    def flags(config_cls, names):
+        got = {f.name: [f.name, flag(f.name), f.default] for f in fields(config_cls) if f.name in names}
+        return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
+
+    lab13, lab14 = labs.load(13).Config, labs.load(14).Config
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers"}
+    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "kv_dtype", "seq_len", "prefill_chunk", "block_size"}
+    return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
+            "serve": {"script": "code/lab-14-serving-memory/serve_memory.py", "fixed": ["--fake"],
+                      "flags": flags(lab14, serve), "gpus": _choices(lab14, "gpu")}}
+
+
+def _choices(config_cls, name: str) -> list:
+    return next(list(choices_of(kind)) for f, kind in fields_of(config_cls) if f.name == name)
+
+
+def command(x: Inputs, gpu: str) -> list:
+    """``[the command that traces x on gpu, None]``, or ``[None, why no lab's command can]`` (an input that
+    CLI has no flag for). The page (fit.js ``command``) builds the same text from the same ``clis()``."""
+    custom = x.model == CUSTOM or any(getattr(x, n) is not None for n in lab01_inputs.DIMS)
+    c = clis()["serve" if x.task == "serve" else "fit"]
+    script = c["script"].split("/")[-1]
+    if custom:
+        return [None, f"{script} takes a zoo model or a config.json's path (--model PATH), not dimensions: "
+                      "save them as a config.json to trace them"]
+    if x.task == "serve":
+        if zoo.get(x.model).family == "gpt":
+            return [None, f"{script} serves the Llama-family models, not {x.model}"]
+        if x.precision == "fp32":
+            return [None, f"{script} serves bf16 weights: it has no --precision fp32"]
+        if gpu not in c["gpus"]:
+            return [None, f"{script} sizes a budget for {', '.join(c['gpus'])}: not {gpu}"]
+        values = {"model": x.model, "gpu": gpu, "tp": x.tp, "gpu_memory_utilization": x.gpu_memory_utilization,
+                  "kv_dtype": x.kv_dtype, "block_size": x.block_size, "prefill_chunk": x.prefill_chunk,
+                  "seq_len": None if x.context == zoo.get(x.model).context else x.context}
+    else:
+        if x.tp > 1:
+            return [None, f"{script} traces data parallelism only: it has no --tp"]
+        if x.lora_rank and x.task == "train":
+            return [None, "no lab traces LoRA: --lora-rank is derived only"]
+        if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none",
+                        zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
+                        offload="none" if x.offload == "optimizer" else x.offload)
+            try:
+                x.check_sharding()
+            except UsageError as err:
+                return [None, f"{script}: {err}"]
+        values = asdict(x) | {"gpu": gpu}
+    args = [PYTHON, c["script"]]
+    for name, flag_, default in c["flags"]:
+        if values[name] is not None and values[name] != default:
+            args += [flag_, _text(values[name])]
+        if name == "model":
+            args += c["fixed"]
+    return [" ".join(args), None]
+
+
+def _text(value) -> str:
+    """A flag's value as the page writes it (JavaScript's String: 1.0 is "1")."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 # ----------------------------------------------------------------------------- what the labs traced
@@ -227,6 +313,13 @@ BAD = [
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
     ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),
+    # a field the task does not show: the page shows it while it is wrong, and the task's result
+    ({"task": "serve", "seq": "-1"}, "seq"), ({"task": "serve", "dp": "two"}, "dp"),
+    ({"task": "infer", "lora_rank": "-8"}, "lora_rank"), ({"task": "train", "context": "0"}, "context"),
+    ({"task": "serve", "gpu_memory_utilization": "0.001"}, "gpu_memory_utilization"),
+    # a choice no control offers: marked beside the control, computed with its default
+    ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
+    ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '
@@ -239,7 +332,9 @@ def bad_cases() -> list[dict]:
     out = []
     for given, field in BAD:
         try:
-            Inputs(**{k: _parse(k, v) for k, v in given.items()})
+            if given.get("gpu", "h100-80gb") not in lab13_gpus.GPUS:
+                raise UsageError(f"--gpu must be one of {', '.join(lab13_gpus.GPUS)}, got {given['gpu']!r}")
+            Inputs(**{k: _parse(k, v) for k, v in given.items() if k != "gpu"})
         except (UsageError, ValueError) as err:
             out.append({"query": given, "field": field, "python": str(err)})
             continue
@@ -269,7 +364,8 @@ def _parse(name: str, text: str):
 def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
     moment, cats = lab01_fit.peak(x)
     out = {"query": _fields(x), "gpu": gpu, "bytes": {k: e.value for k, e in cats.items()},
-           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"]] for r in ladder(x, gpu)]}
+           "verdict": verdict(x, gpu), "levers": [[r["name"], r["kept"], r["total"], r["pulls"]] for r in ladder(x, gpu)],
+           "command": command(x, gpu)}
     if with_formulas:
         out["formulas"] = {k: [e.text, e.filled] for k, e in cats.items()}
     return out
@@ -302,17 +398,26 @@ def calculator(traced: list[dict]) -> dict:
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
                       "slot": f.SLOT, "indices": f.INDICES},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
-        "levers": [{"name": lv.name, "kind": lv.kind, "cost": lv.cost, "tasks": list(lv.tasks),
-                    "lab": _lab_link(LEVER_LAB[lv.kind])} for lv in LEVERS],
+        "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
+                    "cost": {task: lv.cost_for(task) for task in lv.tasks},
+                    "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
+                   for lv in LEVERS],
         "measured_by": {task: {k: _lab_link(n) for k, n in labs_.items()} for task, labs_ in MEASURED_BY.items()},
+        "python": PYTHON, "clis": clis(),
         "traced": traced,
     }
 
 
-def _lab_link(n: int) -> dict | None:
-    """The lab page that measures it, when that page is in the site."""
-    page = next((ROOT / "docs" / "labs").glob(f"lab-{n:02d}-*.md"), None)
-    return {"lab": n, "page": f"labs/{page.stem}/"} if page else None
+def _per_task(value, task: str):
+    return value[task] if isinstance(value, dict) else value
+
+
+def _lab_link(n: int | tuple[int, str]) -> dict | None:
+    """The lab page that measures it, when that page is in the site (a lab's number, or its number and
+    a page under docs/labs/, for a lab's extra page)."""
+    n, stem = n if isinstance(n, tuple) else (n, None)
+    page = ROOT / "docs" / "labs" / f"{stem}.md" if stem else next((ROOT / "docs" / "labs").glob(f"lab-{n:02d}-*.md"), None)
+    return {"lab": n, "page": f"labs/{stem or page.stem}/"} if page and page.is_file() else None
 
 
 def run(config: Config) -> dict:

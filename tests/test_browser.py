@@ -360,14 +360,16 @@ READ_FIT = """() => {
   return {total: document.getElementById('fit-total').dataset.bytes, capacity: document.getElementById('fit-capacity').dataset.bytes,
           moment: m.dataset.moment, pool_requests: m.dataset.poolRequests || null, cats, formulas,
           fits: document.getElementById('fit-verdict').classList.contains('il-fit__verdict--yes'),
-          levers: [...document.querySelectorAll('#fit-levers li[data-lever]')].map(li => [li.dataset.lever, li.dataset.kept === 'true', li.dataset.total]),
+          levers: [...document.querySelectorAll('#fit-levers li[data-lever]')].map(li => [li.dataset.lever, li.dataset.kept === 'true', li.dataset.total, li.dataset.pulls]),
+          command: [document.getElementById('fit-command').dataset.command || null, document.getElementById('fit-command').dataset.why || null],
           text: document.getElementById('fit').innerText};
 }"""
 
 
 def fit_query(fields: dict, gpu: str | None = None) -> str:
-    """A configuration as the page's address carries it (the flag names of Lab 13's fit.py)."""
-    text = {k: ("true" if v is True else "false" if v is False else str(v)) for k, v in fields.items()}
+    """A configuration as the page's address carries it: each key a flag's spelling (``zero-stage``, as
+    ``fit.py --zero-stage``; ``kv-dtype``, as ``serve_memory.py --kv-dtype``)."""
+    text = {k.replace("_", "-"): ("true" if v is True else "false" if v is False else str(v)) for k, v in fields.items()}
     return "?" + urlencode(text | ({"gpu": gpu} if gpu else {}))
 
 
@@ -396,8 +398,10 @@ def fit_gaps(got: dict, row: dict) -> tuple[float, list[str]]:
             problems.append(f"{key}: page {page_value}, Python {v[key]}")
     if "pool_requests" in v and int(got["pool_requests"] or -1) != max(v["pool_requests"], 0) and v["pool"] > 0:
         problems.append(f"pool requests: page {got['pool_requests']}, Python {v['pool_requests']}")
-    if [[name, kept, int(total)] for name, kept, total in got["levers"]] != row["levers"]:
+    if [[name, kept, int(total), int(pulls)] for name, kept, total, pulls in got["levers"]] != row["levers"]:
         problems.append(f"levers: page {got['levers']}, Python {row['levers']}")
+    if got["command"] != row["command"]:  # the command that traces it, or why none can: Python's words
+        problems.append(f"command: page {got['command']}, Python {row['command']}")
     for cat, texts in row.get("formulas", {}).items():
         if row["bytes"][cat] and got["formulas"].get(cat) != texts:
             problems.append(f"formula of {cat}: page {got['formulas'].get(cat)}, Python {texts}")
@@ -407,8 +411,9 @@ def fit_gaps(got: dict, row: dict) -> tuple[float, list[str]]:
 def test_fit_calculator_agrees_with_python_in_every_configuration(browser, server):
     """Every configuration of results/fit/table.json (written by scripts/fit_table.py from the Python
     formulas) set through the page's address: every category within 0.1 % of Python, and the same
-    total, moment, verdict, KV pool, levers and filled-in formulas. Each goes through the function the
-    page runs on its address at load; every 50th is also a real load of that address."""
+    total, moment, verdict, KV pool, levers, filled-in formulas, and command that traces it (or why
+    none can). Each goes through the function the page runs on its address at load; every 50th is
+    also a real load of that address."""
     table = json.loads(FIT_TABLE.read_text())
     rows = table["configurations"]
     assert len(rows) >= 500
@@ -445,11 +450,18 @@ def test_fit_controls_write_the_address_and_a_link_gives_the_result(browser, ser
     want = sum(fit.estimate(Inputs(model="llama-3-70b", dp=8, zero_stage=3, checkpointing="full")).values())
     assert int(page.get_attribute("#fit-total", "data-bytes")) == want
     page.wait_for_function("location.search.includes('checkpointing=full')")  # written after the last change
-    for part in ("model=llama-3-70b", "dp=8", "zero_stage=3", "checkpointing=full"):
+    for part in ("model=llama-3-70b", "dp=8", "zero-stage=3", "checkpointing=full"):  # the flags' spellings
         assert part in page.url, page.url
+    assert "zero_stage" not in page.url
     page.goto(page.url, wait_until="load")  # the address is the result
     page.wait_for_selector("#fit-total[data-bytes]")
     assert int(page.get_attribute("#fit-total", "data-bytes")) == want
+    for query in ("?model=llama-3-70b&dp=8&zero-stage=3&checkpointing=full",
+                  "?model=llama-3-70b&dp=8&zero_stage=3&checkpointing=full"):  # an old link (the field's name) too
+        page.goto(page.url.split("?")[0] + query, wait_until="load")
+        page.wait_for_selector("#fit-total[data-bytes]")
+        assert int(page.get_attribute("#fit-total", "data-bytes")) == want, query
+        assert page.input_value("#fit-zero_stage") == "3" and not page.locator("#fit-ignored").is_visible(), query
     page.select_option("#fit-task", "serve")
     page.select_option("#fit-kv_dtype", "fp8")
     page.fill("#fit-tp", "4")
@@ -469,6 +481,57 @@ def test_fit_controls_write_the_address_and_a_link_gives_the_result(browser, ser
     ctx.close()
 
 
+def test_fit_verdict_says_by_how_much_it_does_not_fit(browser, server):
+    """Llama-3-8B in pure bf16 (seq 1024) on an H100 is over by 77,898,892 B (80,302,613,644 against 80,224,714,752):
+    the verdict says "over by 74.29 MiB" (Lab 13's report says "short"), not a ratio that rounds to 1.00×."""
+    ctx, page, watch = open_fit(browser, server, "?precision=bf16&seq=1024")
+    total, capacity = (int(page.get_attribute(i, "data-bytes")) for i in ("#fit-total", "#fit-capacity"))
+    assert total - capacity == 77_898_892 and total > capacity
+    text = page.inner_text("#fit-verdict")
+    assert text.endswith("over by 74.29 MiB") and "×" not in text, text
+    page.evaluate("q => InfraLabFit.load(q)", "?model=llama-3.2-1b")
+    assert "to spare" in page.inner_text("#fit-verdict")
+    assert not watch.errors
+    ctx.close()
+
+
+def test_fit_ladder_halves_the_batch_again_and_links_each_lever_to_its_lab(browser, server):
+    """Llama-3-8B, a bf16 prefill of batch 8 on an L4: half the micro-batch twice (batch 2) fits; its cost
+    is inference's, its link Lab 13's; a training step's fused AdamW links to Lab 02 (foreach against fused)."""
+    ctx, page, watch = open_fit(browser, server, "?model=llama-3-8b&task=infer&precision=bf16&batch=8&gpu=l4-24gb")
+    lever = page.locator("#fit-levers li[data-lever='half the micro-batch']")
+    assert lever.get_attribute("data-pulls") == "2" and "fits" in lever.inner_text(), lever.inner_text()
+    assert "lower throughput" in lever.inner_text() and "accumulation" not in lever.inner_text()
+    assert "lab-13-will-it-fit" in lever.locator("small a").get_attribute("href")
+    assert "batch=2" in lever.locator("strong a").get_attribute("href")
+    assert "No combination" not in page.inner_text("#fit-levers")
+    page.evaluate("q => InfraLabFit.load(q)", "?model=llama-3-70b&dp=8")
+    fused = page.locator("#fit-levers li[data-lever='fused AdamW'] small a")
+    assert "lab-02-single-gpu-training" in fused.get_attribute("href")
+    assert not watch.errors
+    ctx.close()
+
+
+def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
+    """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
+    gradients and optimizer state link to their formula on the page, not to Lab 02."""
+    ctx, page, watch = open_fit(browser, server, "?lora-rank=16")
+    tag = page.locator("#fit-hint-lora_rank .il-tag--derived")  # under the input, where the rank is typed
+    assert tag.is_visible() and tag.text_content() == "derived, not measured"
+    for cat in ("parameters", "gradients", "optimizer_state"):
+        cell = page.locator(f"#fit-table tr[data-category={cat}] td:last-child")
+        assert "Lab" not in cell.inner_text(), cat
+        if page.get_attribute(f"#fit-table tr[data-category={cat}]", "data-bytes") == "0":
+            continue  # none at the peak: no formula shown to link to
+        assert cell.locator("a").get_attribute("href") == f"#fit-formula-{cat}", cat
+        assert page.locator(f"#fit-formula-{cat}").count() == 1 and "Lab 02" not in page.inner_text(f"#fit-formula-{cat}")
+    assert page.inner_text("#fit-table tr[data-category=activations] td:last-child") == "Lab 04"
+    page.evaluate("q => InfraLabFit.load(q)", "")
+    assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
+    assert not watch.errors
+    ctx.close()
+
+
 FIT_CHANGE = """([name, value]) => {
   const el = document.getElementById('fit-' + name);
   const t0 = performance.now();
@@ -482,8 +545,8 @@ FIT_CHANGE = """([name, value]) => {
 def test_fit_updates_within_50_ms_on_a_throttled_cpu(browser, server):
     """A phone-class CPU: Chromium's CPU throttled 4x (DevTools' Emulation.setCPUThrottlingRate). Each
     change (a keystroke's input event, or a choice) recomputes, redraws and lays out the page. Every kind
-    of change is timed five times back and forth; the fastest of the five is what the page costs (the
-    others also hold what other processes of a shared machine took meanwhile) and must be under 50 ms."""
+    of change is timed five times back and forth; the median of its five must be under 50 ms. The worst
+    is printed, not asserted: on a shared machine it also holds what other processes took meanwhile."""
     ctx, page, watch = open_fit(browser, server, viewport={"width": 390, "height": 844}, is_mobile=True)
     cdp = ctx.new_cdp_session(page)
     cdp.send("Emulation.setCPUThrottlingRate", {"rate": 4})
@@ -492,20 +555,18 @@ def test_fit_updates_within_50_ms_on_a_throttled_cpu(browser, server):
              ("task", "serve", "train"), ("gpu", "l4-24gb", "h100-80gb")]
     serve = [("context", "32768", "8192"), ("requests", "256", "32"), ("kv_dtype", "fp8", "bf16")]
     page.evaluate(FIT_CHANGE, ["seq", "2048"])  # warm-up
-    fastest, all_times = {}, []
+    median, worst = {}, {}
     for changes in (train, serve):
         if changes is serve:
             page.evaluate(FIT_CHANGE, ["task", "serve"])
         for name, a, b in changes:
-            times = [page.evaluate(FIT_CHANGE, [name, value]) for value in (a, b, a, b, a)]
-            fastest[f"{name}={a}"] = min(times)
-            all_times += times
+            times = sorted(page.evaluate(FIT_CHANGE, [name, value]) for value in (a, b, a, b, a))
+            median[f"{name}={a}"], worst[f"{name}={a}"] = times[len(times) // 2], times[-1]
     cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
-    all_times.sort()
-    print(f"fit: update at 4x CPU throttling: fastest of five per change {min(fastest.values()):.1f} to "
-          f"{max(fastest.values()):.1f} ms; all {len(all_times)} updates: median {all_times[len(all_times) // 2]:.1f} ms, "
-          f"slowest {all_times[-1]:.1f} ms")
-    assert max(fastest.values()) < 50, fastest
+    slow = max(median, key=median.get)
+    print(f"fit: update at 4x CPU throttling, median of five per change: {min(median.values()):.1f} to "
+          f"{median[slow]:.1f} ms ({slow}); worst single update {max(worst.values()):.1f} ms ({max(worst, key=worst.get)})")
+    assert median[slow] < 50, median
     assert not watch.errors
     ctx.close()
 
@@ -578,18 +639,29 @@ def test_fit_is_keyboard_reachable_with_labels(browser, server):
 
 @pytest.mark.parametrize("width", [390, 1280])
 def test_fit_result_area_keeps_its_size_while_typing(browser, server, width):
+    """Typing into Sequence, an invalid character included (its message comes and goes): the result
+    area, the table and every field below Sequence stay where they are."""
     ctx, page, watch = open_fit(browser, server, viewport={"width": width, "height": 844})
     page.locator("#fit-seq").scroll_into_view_if_needed()
     page.focus("#fit-seq")
     page.keyboard.press("Control+A")
-    rect = "id => { const r = document.getElementById(id).getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; }"
-    before = {i: page.evaluate(rect, i) for i in ("fit-result", "fit-table")}
-    for key in ["1", "3", "1", "0", "7", "2", "x", "Backspace", "Backspace", "Backspace", "Backspace", "Backspace",
+    rect = ("id => { const r = document.getElementById(id).getBoundingClientRect(); "
+            "return [r.x, r.y + (id === 'fit-result' ? 0 : window.scrollY), r.width, r.height]; }")
+    below = page.evaluate("""() => { const top = document.getElementById('fit-seq').getBoundingClientRect().bottom;
+        return [...document.querySelectorAll('#fit form input, #fit form select, #fit form textarea')]
+          .filter(c => c.offsetParent && c.getBoundingClientRect().top > top).map(c => c.id); }""")
+    assert {"fit-checkpointing", "fit-dp", "fit-tp", "fit-gpu"} <= set(below), below
+    before = {i: page.evaluate(rect, i) for i in ("fit-result", "fit-table", *below)}
+    marked = False
+    for key in ["4", "0", "x", "Backspace", "Backspace", "Backspace",
+                "1", "3", "1", "0", "7", "2", "x", "Backspace", "Backspace", "Backspace", "Backspace", "Backspace",
                 "Backspace", "Backspace", "-", "5", "Backspace", "Backspace", "6", "5", "5", "3", "6"]:
         page.keyboard.press(key)
+        marked |= page.locator("#fit-err-seq").is_visible()
         for i, r in before.items():
             now = page.evaluate(rect, i)
             assert all(abs(a - b) < 0.5 for a, b in zip(now, r)), (key, i, r, now)
+    assert marked, "typing 40x never showed Sequence's error"
     assert page.input_value("#fit-seq") == "65536"
     page.wait_for_function("location.search.includes('seq=65536')")
     assert not watch.errors
@@ -609,9 +681,23 @@ def test_fit_bad_input_is_shown_next_to_the_field_never_nan(browser, server):
         error = page.locator(f"#fit-err-{case['field']}")
         assert error.is_visible() and error.inner_text().strip(), (case, page.evaluate(READ_FIT)["text"][:200])
         control = "#fit-config_json" if case["field"] == "config_json" else f"#fit-{case['field']}"
+        assert page.locator(control).is_visible(), case  # beside a field the reader sees, whatever the task
         assert page.get_attribute(control, "aria-invalid") == "true", case
         got = page.evaluate(READ_FIT)
         assert got["total"].isdigit() and "NaN" not in got["text"] and "undefined" not in got["text"], case
+        task = case.get("query", {}).get("task", "train")  # the result is the task's, never another's
+        assert got["moment"] == task if task != "train" else got["moment"] not in ("infer", "serve"), (case, got["moment"])
+        offered = "([c, v]) => { const s = document.querySelector(c); return s.tagName !== 'SELECT' || [...s.options].some(o => o.value === v); }"
+        given = case.get("query", {}).get(case["field"])
+        if given is not None and not page.evaluate(offered, [control, given]):  # never a silent default
+            text = error.inner_text()
+            assert given in text and "computed with" in text, (case, text)
+    for query, key in (("?sequence=8192", "sequence"), ("?task=serve&zero_stage=2&foo=1", "foo")):
+        page.evaluate("q => InfraLabFit.load(q)", query)
+        notice = page.locator("#fit-ignored")
+        assert notice.is_visible() and key in notice.inner_text() and "zero_stage" not in notice.inner_text(), query
+    page.evaluate("q => InfraLabFit.load(q)", "?seq=8192")
+    assert not page.locator("#fit-ignored").is_visible()
     ctx.close()
     # a first visit with a bad address: the field is marked, the defaults' result is shown, never a blank
     ctx, page, watch = open_fit(browser, server, "?kv_heads=5")

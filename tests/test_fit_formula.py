@@ -236,7 +236,8 @@ def test_results_table_is_what_the_python_computes_now():
         fields = {k: v for k, v in row["query"].items()}
         again = script.row(Inputs(**fields), row["gpu"], with_formulas="formulas" in row)
         assert again == {k: row[k] for k in again}, row["query"]
-    assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json"}
+    assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json", "precision", "model", "gpu",
+                                                  "zero_stage", "offload", "context", "gpu_memory_utilization"}
 
 
 # ---------------------------------------------------------------- bad input
@@ -245,6 +246,9 @@ def test_results_table_is_what_the_python_computes_now():
     ({"heads": 7}, "--heads 7 does not divide --hidden"), ({"tp": 3}, "--tp 3"), ({"model": "nope"}, "--model"),
     ({"model": "custom", "layers": 2}, "--hidden"), ({"zero_stage": 3}, "--dp"),
     ({"experts": 4, "top_k": 5}, "--top-k"), ({"task": "serve", "gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
+    # a fraction that leaves a 24 GB card less than its CUDA context: a negative capacity, refused
+    ({"task": "serve", "gpu_memory_utilization": 0.001}, "--gpu-memory-utilization must be in [0.1, 1]"),
+    ({"task": "infer", "lora_rank": -8}, "--lora-rank"), ({"task": "serve", "seq": -1}, "--seq"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):
@@ -279,3 +283,78 @@ def test_the_flags_the_page_shares_with_lab13_are_one_definition():
             assert set(choices_of(kind)) < set(choices_of(my_kind))
             continue
         assert mine.default == f.default and split_optional(my_kind)[0] == split_optional(kind)[0], f.name
+
+
+def test_each_lever_links_to_the_lab_that_measures_it():
+    """The page's lever links are keyed by lever: fused AdamW is Lab 02's (foreach against fused), parameter
+    offload Lab 11's sharded-inference page (FSDP2's CPU offload), optimizer offload Lab 07's."""
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    lab = {lv["name"]: lv["lab"] for lv in calc["levers"]}
+    assert lab["fused AdamW"] == {"train": {"lab": 2, "page": "labs/lab-02-single-gpu-training/"}}
+    assert lab["parameter offload"]["train"] == lab["parameter offload"]["infer"] == {
+        "lab": 11, "page": "labs/more/lab-11-sharded-inference/"}
+    assert lab["optimizer offload"]["train"]["lab"] == 7
+    assert lab["half the micro-batch"]["train"]["lab"] == 6 and lab["half the micro-batch"]["infer"]["lab"] == 13
+    for task, link in ((t, link) for links in lab.values() for t, link in links.items()):
+        assert link and (ROOT / "docs" / (link["page"].rstrip("/") + ".md")).is_file(), (task, link)
+    costs = {lv["name"]: lv["cost"] for lv in calc["levers"]}
+    assert "accumulation" in costs["half the micro-batch"]["train"] and "throughput" in costs["half the micro-batch"]["infer"]
+
+
+def test_the_command_beside_each_configuration_is_the_labs_own():
+    """The command the page shows for a configuration (Python's, in table.json; the browser test holds the
+    page's equal to it) parses with the lab's own Config into the same inputs: it cannot rot. Where no lab
+    has the flag (tensor parallelism in training, LoRA, typed dimensions), it says so instead."""
+    import shlex
+
+    from labkit import cli
+
+    table = json.loads((ROOT / "results" / "fit" / "table.json").read_text())
+    lab13, lab14 = labs.load(13).Config, labs.load(14).Config
+    seen = {"fit.py": 0, "serve_memory.py": 0, "why": set()}
+    for row in table["configurations"][::3]:
+        cmd, why = row["command"]
+        x = Inputs(**row["query"])
+        if cmd is None:
+            seen["why"].add(why.split(":")[0])
+            continue
+        argv = shlex.split(cmd)
+        assert argv[0] == ".venv/bin/python" and (ROOT / argv[1]).is_file(), cmd
+        serve = argv[1].endswith("serve_memory.py")
+        seen[argv[1].split("/")[-1]] += 1
+        config, _ = cli.parse(lab14 if serve else lab13, argv[2:])
+        assert (config.model, config.gpu) == (x.model, row["gpu"]), cmd
+        if serve:
+            assert config.fake and (config.tp, config.kv_dtype, config.block_size, config.prefill_chunk) == (
+                x.tp, x.kv_dtype, x.block_size, x.prefill_chunk), cmd
+            assert config.gpu_memory_utilization == x.gpu_memory_utilization, cmd
+            assert (config.seq_len or zoo.get(x.model).context) == x.context, cmd
+        else:
+            same = ["task", "batch", "seq", "precision", "dp"] + (["accumulation", "optimizer", "checkpointing", "zero_stage",
+                                                                   "offload"] if x.task == "train" else [])
+            assert all(getattr(config, n) == getattr(x, n) for n in same), cmd
+    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5, seen
+    assert {"fit.py traces data parallelism only", "no lab traces LoRA"} <= seen["why"], seen["why"]
+    script = table_script()
+    issue = Inputs(model="llama-3-8b", task="train", seq=4096, batch=1, precision="bf16", checkpointing="full")
+    assert script.command(issue, "h100-80gb") == [
+        ".venv/bin/python code/lab-13-will-it-fit/fit.py --model llama-3-8b --precision bf16 --checkpointing full", None]
+
+
+def test_the_address_spells_each_input_as_the_lab_that_has_it():
+    """The page's address key is the flag without its dashes (``zero-stage``), and an input a lab also
+    takes is that lab's flag: fit.py's, serve_memory.py's (--tp --kv-dtype --block-size
+    --gpu-memory-utilization --prefill-chunk), memory_accounting.py's (the layer dimensions)."""
+    from labkit.config import flag
+
+    page = {f["name"]: f["flag"] for f in fit_inputs.fields()}
+    assert page["zero_stage"] == "--zero-stage" and page["gpu_memory_utilization"] == "--gpu-memory-utilization"
+    shared = {13: None, 14: {"tp", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"},
+              1: {"layers", "hidden", "heads", "kv_heads", "vocab", "experts"}}
+    for lab, names in shared.items():
+        theirs = {f.name for f in dataclasses.fields(labs.load(lab).Config)}
+        names = names or theirs & set(page) - {"model"}
+        assert names <= theirs, (lab, names - theirs)
+        assert all(page[n] == flag(n) for n in names), lab
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    assert {f["name"]: f["flag"] for f in calc["inputs"]} == page  # what fit.js writes into the address

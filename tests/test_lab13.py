@@ -161,8 +161,8 @@ def test_levers_come_cheapest_first_and_each_saves_what_it_claims(lab13):
     assert derived and top not in derived
     for row in [top, *derived]:
         again = lab13.trace(replace(config, levers="none", **row["changes"]))
-        assert result.trace.per_rank_peak_bytes - again.per_rank_peak_bytes == row["alone"]["saving_bytes"], row["name"]
-    assert top["name"] == "fused AdamW" and top["alone"]["saving_bytes"] == top["together"]["saves_bytes"] > 0
+        assert result.trace.per_rank_peak_bytes - again.per_rank_peak_bytes == row["alone"]["saves_bytes"], row["name"]
+    assert top["name"] == "fused AdamW" and top["alone"]["saves_bytes"] == top["together"]["saves_bytes"] > 0
     assert top["flags"] == ["--model", "llama-3.2-1b", "--seq", "256", "--precision", "fp32", "--optimizer",
                             "adamw-fused", "--gpu", "l4-24gb"]
     fitting = [row["together"] for row in result.levers if row["together"] and row["together"]["fits"]]
@@ -193,3 +193,23 @@ def test_a_sequence_longer_than_the_context_warns_then_traces():
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "longer than small-llama's context (128" in lines[0], proc.stderr
     assert json.loads(proc.stdout)["config"]["seq"] == 256
+
+
+def test_the_ladder_halves_the_batch_again_until_it_fits(lab13):
+    """Batch 8 of a Llama-3-8B prefill on an L4: half the micro-batch once (4) is not enough, twice (2)
+    fits; the ladder says so, costed as inference (no accumulation), and the formulas' ladder (the page's)
+    pulls it the same number of times."""
+    from test_fit_formula import table_script
+
+    config = lab13.Config(model="llama-3-8b", task="infer", precision="bf16", batch=8, gpu="l4-24gb")
+    result = lab13.run(config)
+    row = next(r for r in result.levers if r["name"] == "half the micro-batch")
+    up = row["together"]
+    assert up["fits"] and up["pulls"] == 2 and up["kept"], up
+    assert up["flags"][up["flags"].index("--batch") + 1] == "2"
+    assert up["saves_bytes"] == result.trace.per_rank_peak_bytes - up["per_rank_peak_bytes"]
+    assert row["cost"] == "fewer sequences per forward: lower throughput" and "accumulation" not in row["cost"]
+    assert lab13.trace(cli.parse(lab13.Config, up["flags"])[0]).fits
+    script = table_script()
+    formula = script.ladder(script.Inputs(model="llama-3-8b", task="infer", precision="bf16", batch=8), "l4-24gb")
+    assert [(r["name"], r["pulls"], r["fits"]) for r in formula] == [("half the micro-batch", 2, True)]

@@ -95,7 +95,9 @@ class Inputs(TrainingRun, Subject):
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
         "bf16", "serve: how keys and values are stored (fp8, int8: with an fp32 scale per token and head)")
     block_size: int = option(16, "serve: tokens per KV block", min=1)
-    gpu_memory_utilization: float = option(0.9, "serve: fraction of the GPU the engine may use", above=0, max=1)
+    gpu_memory_utilization: float = option(
+        0.9, "serve: fraction of the GPU the engine may use (0.1 or more: less leaves a 24 GB card no more than its "
+        "CUDA context)", min=0.1, max=1)
     prefill_chunk: int | None = option(None, "serve: prefill in chunks of this many tokens", min=1)
 
     def __post_init__(self) -> None:

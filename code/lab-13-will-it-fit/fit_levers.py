@@ -12,11 +12,13 @@ cannot lower a peak that lies in another phase, which it leaves exactly as it wa
 
 When no lever fits alone, the levers that saved bytes are pulled together, cheapest first (a
 stronger lever of the same kind replacing a weaker one), re-traced after each, until the step fits.
+A lever that halves something (the micro-batch) is pulled again while it applies and saves bytes:
+batch 8 that needs batch 2 gets there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from labkit import cli
@@ -28,10 +30,15 @@ TRAIN, INFER = ("train",), ("train", "infer")
 class Lever:
     name: str
     kind: str  # levers of one kind replace each other when pulled together
-    cost: str  # what it costs, in speed, numerics or complexity
+    cost: str | Mapping[str, str]  # what it costs, in speed, numerics or complexity (per task where that differs)
     tasks: tuple[str, ...]
     phases: tuple[str, ...] | None  # the phases it changes (None: all of them)
     pull: Callable  # config -> the fields it changes, or None where it does not apply
+    repeats: bool = False  # pulled again while it applies and saves bytes (a halving)
+
+    def cost_for(self, task: str) -> str:
+        """What pulling it costs for ``task`` (inference has no accumulation to make up a smaller batch)."""
+        return self.cost if isinstance(self.cost, str) else self.cost[task]
 
 
 def _adam(c) -> bool:
@@ -50,10 +57,12 @@ LEVERS = (
           lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" else None),
     Lever("ZeRO-2", "zero", "DDP's communication volume, as reduce-scatter and all-gather", TRAIN, None,
           lambda c: {"zero_stage": 2} if c.dp > 1 and c.zero_stage < 2 and c.offload == "none" else None),
-    Lever("half the micro-batch", "batch", "twice the steps of accumulation for the same tokens: smaller matmuls",
+    Lever("half the micro-batch", "batch",
+          {"train": "twice the steps of accumulation for the same tokens: smaller matmuls",
+           "infer": "fewer sequences per forward: lower throughput"},
           INFER, ("forward", "backward", "prefill"),
           lambda c: {"batch": c.batch // 2, "accumulation": c.accumulation * 2 if c.task == "train" else 1}
-          if c.batch > 1 else None),
+          if c.batch > 1 else None, repeats=True),
     Lever("ZeRO-3", "zero", "1.5x DDP's communication: parameters gathered in forward and again in backward", INFER,
           None, lambda c: {"zero_stage": 3} if c.dp > 1 and c.zero_stage < 3 and c.offload == "none" else None),
     Lever("full checkpointing", "checkpointing", "one more forward per step: about a third more compute", TRAIN,
@@ -95,7 +104,7 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
         if not every and lever.name not in ladder:
             continue
         alone, how = _pulled(lever, changes, base, lambda ch: traced(ch, known_only=not every))
-        rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost, "changes": changes,
+        rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost_for(base.config.task), "changes": changes,
                      "flags": _flags(replace(base.config, **changes)),
                      "alone": None if alone is None else {**_bytes(base, alone), "how": how},
                      "together": ladder.get(lever.name)})
@@ -104,24 +113,32 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
 
 def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
     """The ladder: pull the levers one after another, cheapest first, keeping each that saves bytes
-    (one of a kind: full checkpointing replaces selective), until the step fits. Per lever: what it
-    saved on top of those kept before it, and the peak with every lever kept so far."""
+    (one of a kind: full checkpointing replaces selective), until the step fits; a lever that
+    ``repeats`` is pulled again while it applies and saves. Per lever: what it saved on top of those
+    kept before it (every pull of it together), the times it was pulled, and the peak with every lever
+    kept so far. ``fit_table.ladder`` and the page's ``climb`` (docs/assets/fit.js) do the same on the
+    formulas."""
     out, kept, current = {}, {}, base
     for lever, _ in applicable:
-        changes = lever.pull(current.config)
-        if not changes:
-            continue
-        trial = {k: v for name, ch in kept.items() if LEVER[name].kind != lever.kind for k, v in ch.items()} | changes
-        after, how = _pulled(lever, trial, current, traced)
-        saved = current.per_rank_peak_bytes - after.per_rank_peak_bytes
-        if saved > 0:
-            for name in kept:
-                if LEVER[name].kind == lever.kind:
-                    out[name]["replaced_by"] = lever.name
-            kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
-            current = after
-        out[lever.name] = {"kept": saved > 0, "saves_bytes": saved, "per_rank_peak_bytes": current.per_rank_peak_bytes,
-                           "fits": current.fits, "how": how, "flags": _flags(current.config)}
+        while not current.fits and (changes := lever.pull(current.config)):
+            trial = {k: v for name, ch in kept.items() if LEVER[name].kind != lever.kind for k, v in ch.items()} | changes
+            after, how = _pulled(lever, trial, current, traced)
+            saved = current.per_rank_peak_bytes - after.per_rank_peak_bytes
+            again = lever.name in out
+            if saved > 0:
+                for name in kept:
+                    if LEVER[name].kind == lever.kind and name != lever.name:
+                        out[name]["replaced_by"] = lever.name
+                kept = {name: ch for name, ch in kept.items() if LEVER[name].kind != lever.kind} | {lever.name: changes}
+                current = after
+            if not again or saved > 0:  # a pull again that saves nothing leaves the lever as it was
+                before = out[lever.name]["saves_bytes"] if again else 0
+                out[lever.name] = {"kept": saved > 0 or again, "saves_bytes": before + max(saved, 0) if again else saved,
+                                   "pulls": out[lever.name]["pulls"] + 1 if again else 1,
+                                   "per_rank_peak_bytes": current.per_rank_peak_bytes, "fits": current.fits,
+                                   "how": how, "flags": _flags(current.config)}
+            if not (lever.repeats and saved > 0):
+                break
         if current.fits:
             break
     return out
@@ -142,7 +159,7 @@ def _pulled(lever: Lever, changes: dict, current, traced: Callable):
 
 
 def _bytes(base, after) -> dict:
-    return {"saving_bytes": base.per_rank_peak_bytes - after.per_rank_peak_bytes,
+    return {"saves_bytes": base.per_rank_peak_bytes - after.per_rank_peak_bytes,
             "per_rank_peak_bytes": after.per_rank_peak_bytes, "fits": after.fits}
 
 

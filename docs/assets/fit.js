@@ -156,11 +156,56 @@
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
-      if (x.zero_stage && x.dp === 1) say("zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`);
-      if (x.offload === "params" && x.zero_stage !== 3) say("offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3");
-      if (x.offload === "optimizer" && x.optimizer === "sgd") say("offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer");
+      const [name, text] = sharding(x) || [];
+      if (name) say(name, text);
     }
     return err;
+  }
+
+  /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
+  function sharding(x) {
+    if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
+    if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
+    if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
+    return null;
+  }
+
+  /** Python: fit_table.command. [the command that traces x on the GPU, null], or [null, why no lab's
+      command can] (an input that CLI has no flag for); the flags are the labs' own (calculator.json). */
+  function command(x, gpu) {
+    const custom = x.model === "custom" || DIMS.some((k) => x[k] !== null && x[k] !== undefined);
+    const c = D.clis[x.task === "serve" ? "serve" : "fit"], script = c.script.split("/").pop();
+    if (custom) {
+      return [null, `${script} takes a zoo model or a config.json's path (--model PATH), not dimensions: save them as a config.json to trace them`];
+    }
+    let values;
+    if (x.task === "serve") {
+      const p = D.presets[x.model];
+      if (p.family === "gpt") return [null, `${script} serves the Llama-family models, not ${x.model}`];
+      if (x.precision === "fp32") return [null, `${script} serves bf16 weights: it has no --precision fp32`];
+      if (!c.gpus.includes(gpu)) return [null, `${script} sizes a budget for ${c.gpus.join(", ")}: not ${gpu}`];
+      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, kv_dtype: x.kv_dtype,
+        block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
+    } else {
+      if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
+      if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
+      let y = x;
+      if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
+        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none",
+          zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
+          offload: x.offload === "optimizer" ? "none" : x.offload });
+        const broken = sharding(y);
+        if (broken) return [null, `${script}: ${broken[1]}`];
+      }
+      values = Object.assign({}, y, { gpu });
+    }
+    const args = [D.python, c.script];
+    for (const [name, flag, byDefault] of c.flags) {
+      const v = values[name];
+      if (v !== null && v !== undefined && v !== byDefault) args.push(flag, String(v));
+      if (name === "model") args.push(...c.fixed);
+    }
+    return [args.join(" "), null];
   }
 
   // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
@@ -403,32 +448,41 @@
     }
   }
 
+  /** Python: fit_table.ladder (Lab 13's fit_levers.climb): one row per lever, a halving pulled again
+      while it applies and saves. ``changes`` (its link): a kept lever's, with those kept before it. */
   function climb(x, gpu, base) {
     const kind = {};
     for (const lv of D.levers) kind[lv.name] = lv.kind;
-    const out = [];
+    const out = new Map();
     let kept = {}, current = x, now = base;
     for (const lv of D.levers) {
       const pull = PULLS[lv.name];
-      if (!pull || !lv.tasks.includes(x.task) || !pull(current)) continue;
-      const changes = pull(current);
-      const trial = {};
-      for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) Object.assign(trial, ch);
-      Object.assign(trial, changes);
-      const after = Object.assign({}, x, trial);
-      if (Object.keys(check(after)).length) continue;
-      const afterV = verdict(after, gpu);
-      const saved = now.total - afterV.total;
-      if (saved > 0n) {
-        const next = {};
-        for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) next[name] = ch;
-        next[lv.name] = changes;
-        kept = next; current = after; now = afterV;
+      if (!pull || !lv.tasks.includes(x.task)) continue;
+      let changes;
+      while (!now.fits && (changes = pull(current))) {
+        const trial = {};
+        for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) Object.assign(trial, ch);
+        Object.assign(trial, changes);
+        const after = Object.assign({}, x, trial);
+        if (Object.keys(check(after)).length) break;
+        const afterV = verdict(after, gpu);
+        const saved = now.total - afterV.total;
+        const prev = out.get(lv.name);
+        if (saved > 0n) {
+          const next = {};
+          for (const [name, ch] of Object.entries(kept)) if (kind[name] !== lv.kind) next[name] = ch;
+          next[lv.name] = changes;
+          kept = next; current = after; now = afterV;
+        }
+        if (!prev || saved > 0n) {  // a pull again that saves nothing leaves the lever as it was
+          out.set(lv.name, { lever: lv, kept: saved > 0n || !!prev, saves: (prev ? prev.saves : 0n) + saved,
+            pulls: prev ? prev.pulls + 1 : 1, total: now.total, fits: now.fits, changes: saved > 0n ? trial : changes });
+        }
+        if (!(lv.repeats && saved > 0n)) break;
       }
-      out.push({ lever: lv, kept: saved > 0n, saves: saved, total: now.total, fits: now.fits, changes });
       if (now.fits) break;
     }
-    return out;
+    return [...out.values()];
   }
 
   // ---------------------------------------------------------------------------- the page
@@ -454,8 +508,8 @@
     if (!el) return;
     const body = h("tbody");
     for (const t of D.traced) {
-      const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [k, String(v)])).toString();
-      const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${k}=${v}`).join(" ") || "defaults";
+      const q = "?" + new URLSearchParams(Object.entries(t.inputs).map(([k, v]) => [keyOf(field(k)), String(v)])).toString();
+      const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${keyOf(field(k))}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
         h("td", { class: "il-fit__num", text: percent(t.gap) })));
@@ -469,25 +523,57 @@
   }
 
   const UI = {};  // the controls and the output elements, by name
+  const TASK_OF = {};  // the tasks that use a field, where not every task does
   let state = null;  // the last valid inputs
   let gpu = "h100-80gb";
 
+  /** An input's key in the address: its flag's spelling (`zero-stage`, as `fit.py --zero-stage`). */
+  const keyOf = (f) => f.flag.slice(2);
+
+  /** An address's query as text per input. The flag's spelling wins; the field's name
+      (`zero_stage`, what links shared before) is read as an alias. Keys of no input are listed. */
   function readQuery(search) {
     const q = new URLSearchParams(search);
-    const raw = {};
-    for (const f of D.inputs) raw[f.name] = q.has(f.name) ? q.get(f.name) : "";
-    raw.gpu = q.get("gpu") || "h100-80gb";
+    const raw = {}, known = new Set(["gpu"]);
+    for (const f of D.inputs) {
+      known.add(keyOf(f)).add(f.name);
+      raw[f.name] = q.has(keyOf(f)) ? q.get(keyOf(f)) : q.has(f.name) ? q.get(f.name) : "";
+    }
+    raw.gpu = q.get("gpu") || "";
+    raw.ignored = [...new Set([...q.keys()].filter((k) => !known.has(k)))];
     return raw;
   }
+
+  // A choice the address gave that no control offers: {name: text}, shown beside the control until
+  // that control is changed; the result uses the control's default meanwhile, and says so.
+  let offChoice = {};
 
   /** Set every control from an address's query (`?model=llama-3-8b&seq=4096`) and compute. */
   function load(search) {
     const raw = readQuery(search);
-    for (const f of D.inputs) setControl(f, raw[f.name]);
+    offChoice = {};
+    for (const f of D.inputs) {
+      setControl(f, raw[f.name]);
+      const c = UI[f.name];
+      if (c.tagName === "SELECT" && raw[f.name] !== "" && c.value !== raw[f.name]) offChoice[f.name] = raw[f.name];
+    }
     UI.gpu.value = D.gpus[raw.gpu] ? raw.gpu : "h100-80gb";
+    if (raw.gpu && !D.gpus[raw.gpu]) offChoice.gpu = raw.gpu;
+    UI.ignored.textContent = raw.ignored.length ? `Ignored in the address (no such input): ${raw.ignored.join(", ")}` : "";
+    UI.ignored.hidden = !raw.ignored.length;
     UI.config.value = "";
     showError("config_json", null);
+    state = null;  // a new address: never the result of the previous one
     update(false);
+  }
+
+  /** The message beside a select whose address value is not one of its choices. */
+  function offChoiceText(name, text) {
+    if (name === "gpu") return `--gpu must be one of ${Object.keys(D.gpus).join(", ")}, got ${text}: computed with ${UI.gpu.value}`;
+    const f = field(name);
+    const choices = name === "model" ? "custom or a zoo preset" : name === "tied" ? "true or false"
+      : `one of ${f.choices.join(", ")}`;
+    return `${f.flag} must be ${choices}, got ${text}: computed with ${f.default === null ? "the preset's" : f.default}`;
   }
 
   function setControl(f, text) {
@@ -513,24 +599,51 @@
     }
     gpu = UI.gpu.value;
     Object.assign(errors, Object.keys(errors).length ? {} : check(x));
-    for (const f of D.inputs) showError(f.name, errors[f.name] || null);
+    const marks = {};  // every message beside a control: errors first, then choices the address gave that are none
+    for (const [name, text] of Object.entries(offChoice)) marks[name] = offChoiceText(name, text);
+    Object.assign(marks, errors);
+    for (const name of Object.keys(marks)) {  // a field this task hides is shown while it is marked
+      if (TASK_OF[name] && !TASK_OF[name].includes(x.task)) marks[name] += ` (${x.task} does not use it: clear it)`;
+    }
+    for (const f of D.inputs) showError(f.name, marks[f.name] || null);
+    showError("gpu", marks.gpu || null);
     if (x.model === "custom" || DIMS.some((k) => errors[k] || x[k] !== null)) UI.dims.open = true;  // errors in view
-    showTask(x.task);
+    showTask(x.task, marks);
     hintPreset(x);
-    root.classList.toggle("il-fit--stale", Object.keys(errors).length > 0);
-    if (Object.keys(errors).length) {
-      if (state === null) {  // nothing valid yet: show the defaults rather than nothing
-        state = {};
-        for (const f of D.inputs) state[f.name] = f.default;
-        draw(state);
+    const wrong = Object.keys(errors);
+    root.classList.toggle("il-fit--stale", wrong.length > 0);
+    if (wrong.length) {
+      if (state === null || state.task !== x.task) {  // a new address, or another task: its defaults, said
+        const y = fallback(x, errors);
+        const used = D.inputs.filter((f) => y[f.name] !== x[f.name] && y[f.name] !== null).map((f) => `${f.flag} ${y[f.name]}`);
+        state = y;
+        draw(y);
+        UI.status.textContent = `Fix the marked field: the result uses ${used.length ? used.join(", ") : "the defaults"}.`;
+      } else {
+        UI.status.textContent = "Fix the marked field: the result is for the last valid inputs.";
       }
-      UI.status.textContent = "Fix the marked field: the result is for the last valid inputs.";
       return;
     }
     state = x;
-    UI.status.textContent = "";
+    const off = Object.keys(offChoice);
+    UI.status.textContent = off.length ? `${off.map((k) => (k === "gpu" ? "--gpu" : field(k).flag)).join(", ")}: not a choice, the default is used.` : "";
     draw(x);
     if (push) writeAddress(queryOf(x));
+  }
+
+  /** The inputs with each wrong field at its default (and again while the rules still refuse them); the
+      task's defaults if that is not enough. Never blank, never another task's result. */
+  function fallback(x, errors) {
+    const y = Object.assign({}, x);
+    let wrong = Object.keys(errors);
+    for (let i = 0; i < 4 && wrong.length; i++) {
+      for (const k of wrong) if (field(k)) y[k] = field(k).default;
+      wrong = Object.keys(check(y));
+    }
+    if (!wrong.length) return y;
+    const z = { task: x.task };
+    for (const f of D.inputs) if (f.name !== "task") z[f.name] = f.default;
+    return z;
   }
 
   // The address follows the inputs a moment after the last keystroke: history.replaceState costs more
@@ -547,7 +660,7 @@
     q.set("task", x.task);
     for (const f of D.inputs) {
       if (f.name === "model" || f.name === "task" || x[f.name] === null || x[f.name] === f.default) continue;
-      q.set(f.name, String(x[f.name]));
+      q.set(keyOf(f), String(x[f.name]));
     }
     if (gpu !== "h100-80gb") q.set("gpu", gpu);
     return "?" + q.toString();
@@ -562,13 +675,21 @@
     const slot = document.getElementById(`fit-err-${name}`), c = name === "config_json" ? UI.config : UI[name];
     slot.textContent = text;
     slot.hidden = !text;
+    slot.parentElement.classList.toggle("il-fit__note--error", !!text);  // the message covers the hint
     c.setAttribute("aria-invalid", text ? "true" : "false");
   }
 
-  function showTask(task) {
-    if (shown.task === task) return;
-    shown.task = task;
-    for (const el of root.querySelectorAll("[data-task]")) el.hidden = !el.dataset.task.split(" ").includes(task);
+  /** Show the fields of ``task``, and any other field while it is wrong (its message must be seen). */
+  function showTask(task, errors) {
+    const key = `${task} ${Object.keys(errors).join(" ")}`;
+    if (shown.task === key) return;
+    shown.task = key;
+    for (const [name, tasks] of Object.entries(TASK_OF)) {
+      UI[name].closest(".il-fit__field").hidden = !tasks.includes(task) && !errors[name];
+    }
+    for (const set of root.querySelectorAll("fieldset[data-task]")) {
+      set.hidden = [...set.querySelectorAll(".il-fit__field")].every((el) => el.hidden);
+    }
   }
 
   function hintPreset(x) {
@@ -635,19 +756,32 @@
         autocomplete: "off", spellcheck: "false", "aria-describedby": described });
     }
     UI[f.name] = c;
+    const about = note(f.name, `${f.flag}: ${f.help}`);
+    if (f.name === "lora_rank") {  // no lab trains adapters: say so where the rank is typed
+      about.firstChild.prepend(h("span", { class: "il-tag il-tag--derived", text: "derived, not measured" }), " ");
+    }
     return h("div", { class: "il-fit__field", "data-field": f.name },
-      h("label", { for: id, text: LABELS[f.name] || f.name }), c,
-      h("small", { class: "il-fit__hint", id: `fit-hint-${f.name}`, text: `${f.flag}: ${f.help}` }),
-      h("p", { class: "il-fit__error", id: `fit-err-${f.name}`, hidden: true }));
+      h("label", { for: id, text: LABELS[f.name] || f.name }), c, about);
+  }
+
+  /** A field's hint, and the slot of its error over it: the slot takes no room of its own, so a message
+      coming or going moves nothing (no layout shift while typing). */
+  function note(name, hint) {
+    return h("div", { class: "il-fit__note" }, h("small", { class: "il-fit__hint", id: `fit-hint-${name}`, text: hint }),
+      h("p", { class: "il-fit__error", id: `fit-err-${name}`, hidden: true }));
   }
 
   function build(el) {
     el.textContent = "";
     const form = h("form", { class: "il-fit__form", novalidate: true, "aria-label": "What to fit" });
+    form.append(UI.ignored = h("p", { class: "il-fit__notice", id: "fit-ignored", role: "status", hidden: true }));
     for (const [title, task, names] of GROUPS) {
       const set = h("fieldset", { class: "il-fit__group", "data-task": task },
         title ? h("legend", { text: title }) : null);
-      for (const name of names) set.append(control(field(name)));
+      for (const name of names) {
+        set.append(control(field(name)));
+        if (task) TASK_OF[name] = task.split(" ");
+      }
       if (names[0] === "model") {
         const dimsBox = h("details", { class: "il-fit__dims" }, h("summary", { text: "Dimensions: the preset's, or yours" }));
         const grid = h("div", { class: "il-fit__fields" });
@@ -656,20 +790,17 @@
           "aria-describedby": "fit-hint-config_json fit-err-config_json", placeholder: '{"num_hidden_layers": 32, ...}' });
         dimsBox.append(grid, h("div", { class: "il-fit__field il-fit__field--wide", "data-field": "config_json" },
           h("label", { for: "fit-config_json", text: "Or paste a Hugging Face config.json" }), UI.config,
-          h("small", { class: "il-fit__hint", id: "fit-hint-config_json",
-            text: "read as a Llama-shaped decoder: layers, sizes, heads, KV heads, experts, a tied head" }),
-          h("p", { class: "il-fit__error", id: "fit-err-config_json", hidden: true })));
+          note("config_json", "read as a Llama-shaped decoder: layers, sizes, heads, KV heads, experts, a tied head")));
         set.append(dimsBox);
         UI.dims = dimsBox;
       }
       form.append(set);
     }
-    UI.gpu = h("select", { id: "fit-gpu", name: "gpu", "aria-describedby": "fit-hint-gpu" });
+    UI.gpu = h("select", { id: "fit-gpu", name: "gpu", "aria-describedby": "fit-hint-gpu fit-err-gpu" });
     for (const [name, g] of Object.entries(D.gpus)) UI.gpu.append(h("option", { value: name, text: `${name} (${g.stated})` }));
     form.append(h("fieldset", { class: "il-fit__group" }, h("legend", { text: "The GPU" }),
       h("div", { class: "il-fit__field", "data-field": "gpu" }, h("label", { for: "fit-gpu", text: "GPU" }), UI.gpu,
-        h("small", { class: "il-fit__hint", id: "fit-hint-gpu",
-          text: "--gpu: what a process can use is Lab 13's: the driver's total, less a CUDA context and headroom" }))));
+        note("gpu", "--gpu: what a process can use is Lab 13's: the driver's total, less a CUDA context and headroom"))));
 
     UI.verdict = h("p", { class: "il-fit__verdict", id: "fit-verdict" });
     UI.total = h("strong", { id: "fit-total" });
@@ -705,8 +836,13 @@
         h("h3", { text: "The formulas, filled in" }), UI.moments, UI.formulas,
         h("details", {}, h("summary", { text: "The symbols and their values" }), UI.symbols)));
     UI.symbols.parentElement.addEventListener("toggle", () => { if (state) drawSymbols(state); });
-    form.addEventListener("input", (e) => { if (e.target !== UI.config) update(true); });
-    form.addEventListener("change", (e) => { if (e.target !== UI.config) update(true); });
+    const changed = (e) => {
+      if (e.target === UI.config) return;
+      delete offChoice[e.target.name];  // a choice made: the address's unknown one is gone
+      update(true);
+    };
+    form.addEventListener("input", changed);
+    form.addEventListener("change", changed);
     form.addEventListener("submit", (e) => e.preventDefault());
     UI.config.addEventListener("input", readConfig);
   }
@@ -762,12 +898,16 @@
     return `${p >= 0 ? "+" : "−"}${Math.abs(p).toFixed(digits)} %`;
   }
 
+  /** A LoRA step's weights, gradients and optimizer state: the adapters' formula, which no lab measures. */
+  const loraOnly = (x, cat) => x.task === "train" && x.lora_rank > 0 && ["parameters", "gradients", "optimizer_state"].includes(cat);
+
   const labLink = (link) => h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` });
 
   function draw(x) {
     const v = verdict(x, gpu), g = D.gpus[gpu], total = v.total;
-    const ratio = Number(total) / Number(v.capacity);
-    UI.verdict.textContent = v.fits ? `✓ Fits on ${gpu}` : `✗ Does not fit on ${gpu}: ${ratio.toFixed(2)}× what it can use`;
+    // Over by the bytes, as Lab 13's report says "short": a ratio rounds 80.30 GB against 80.22 GB to 1.00×.
+    UI.verdict.textContent = v.fits ? `✓ Fits on ${gpu}: ${bytes(v.capacity - total)} to spare`
+      : `✗ Does not fit on ${gpu}: over by ${bytes(total - v.capacity)}`;
     UI.verdict.className = `il-fit__verdict il-fit__verdict--${v.fits ? "yes" : "no"}`;
     UI.total.textContent = bytes(total);
     UI.total.dataset.bytes = total.toString();
@@ -789,11 +929,13 @@
       tr.dataset.bytes = b.toString();
       tr.children[1].textContent = bytes(b);
       tr.children[2].textContent = total > 0n ? `${(100 * Number(b) / Number(total)).toFixed(1)} %` : "–";
-      const link = D.measured_by[x.task][cat], cell = tr.children[3];
-      if (cell.dataset.lab !== String(link && link.lab)) {  // the lab that measures it, for this task
-        cell.dataset.lab = String(link && link.lab);
+      const link = D.measured_by[x.task][cat], cell = tr.children[3], lora = loraOnly(x, cat);
+      const key = lora ? `lora ${b > 0n}` : String(link && link.lab);
+      if (cell.dataset.lab !== key) {  // the lab that measures it, for this task; LoRA's: its formula, derived
+        cell.dataset.lab = key;
         cell.textContent = "";
-        cell.append(link ? labLink(link) : "–");
+        cell.append(lora ? (b > 0n ? h("a", { href: `#fit-formula-${cat}`, text: "none: derived" }) : "none: derived")
+          : link ? labLink(link) : "–");
       }
     }
     drawFormulas(x, v);
@@ -833,9 +975,10 @@
       if (!e.value) continue;
       for (const m of e.text.matchAll(/\b[A-Za-z]+\b/g)) used.add(m[0]);
       const link = D.measured_by[x.task][cat];
-      UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat },
+      UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat, id: `fit-formula-${cat}` },
         h("p", {}, h("strong", { text: cat.replace("_", " ") }), " ", h("span", { class: "il-tag il-tag--derived", text: "derived" }),
-          link ? h("span", {}, " · measured in ", labLink(link)) : null),
+          loraOnly(x, cat) ? h("span", { text: " · LoRA adapters on a frozen base: no lab measures them" })
+            : link ? h("span", {}, " · measured in ", labLink(link)) : null),
         h("code", { class: "il-fit__text", text: e.text }), h("code", { class: "il-fit__filled", text: `= ${e.filled}` }),
         h("p", { class: "il-fit__value", text: `= ${fmt(e.value)} bytes (${bytes(e.value)})` })));
     }
@@ -866,9 +1009,13 @@
       return [...keys].every((k) => (k in t.inputs ? String(t.inputs[k]) : undefined) === mine[k]);
     });
     UI.traced.textContent = "";
+    const [cmd, why] = command(x, gpu), serve = x.task === "serve" ? " (the weights and a prefill's peak; the KV pool is what is left)" : "";
+    const how = cmd
+      ? h("p", { id: "fit-command", "data-command": cmd }, hit ? "The command that traces it again" : "No lab has traced it " +
+          "yet; the command that traces it on fake tensors", `${serve}: `, h("code", { class: "il-fit__cmd", text: cmd }))
+      : h("p", { id: "fit-command", "data-why": why, text: `${hit ? "" : "No lab has traced it, and no lab's command can: "}${why}.` });
     if (!hit) {
-      UI.traced.append(h("p", { text: "No lab has traced this configuration. Presets that Lab 13 or Lab 14 traced " +
-        "show the traced bytes here: try the Llama-3-8B default, or ?model=llama-3-70b&dp=8&zero_stage=3." }));
+      UI.traced.append(how);
       return;
     }
     UI.traced.dataset.gap = String(hit.gap);
@@ -876,7 +1023,8 @@
       h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
       h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${percent(hit.gap)}.`),
     h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
-      hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."));
+      hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."),
+    how);
   }
 
   function drawLevers(x, v) {
@@ -893,12 +1041,17 @@
     const list = h("ol", { class: "il-fit__levers" });
     for (const s of steps) {
       const q = new URLSearchParams(queryOf(Object.assign({}, x, s.changes)));
-      list.append(h("li", { "data-lever": s.lever.name, "data-kept": String(s.kept), "data-total": s.total.toString() },
-        h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name })),
+      const times = s.pulls > 1 ? ` (${s.pulls} times)` : "";
+      list.append(h("li", { "data-lever": s.lever.name, "data-kept": String(s.kept), "data-total": s.total.toString(),
+        "data-pulls": String(s.pulls) },
+        h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
-        h("br"), h("small", {}, `cost: ${s.lever.cost}`,
-          s.lever.lab ? h("span", {}, " · ", labLink(s.lever.lab)) : null)));
+        h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
+          s.lever.lab[x.task] ? h("span", {}, " · ", labLink(s.lever.lab[x.task])) : null)));
     }
     UI.levers.append(list);
+    if (!steps[steps.length - 1].fits) {
+      UI.levers.append(h("p", { text: "No combination of these levers fits: fewer tokens per rank, more ranks or a larger GPU remain." }));
+    }
   }
 })();
