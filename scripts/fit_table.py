@@ -168,6 +168,8 @@ def command(x: Inputs, gpu: str) -> list:
             return [None, f"{script} serves bf16 weights: it has no --precision fp32"]
         if gpu not in c["gpus"]:
             return [None, f"{script} sizes a budget for {', '.join(c['gpus'])}: not {gpu}"]
+        if x.context > zoo.get(x.model).context:  # serve_memory.py refuses it, as vLLM refuses a max_model_len past it
+            return [None, f"{script} serves at most {x.model}'s context of {zoo.get(x.model).context} tokens"]
         values = {"model": x.model, "gpu": gpu, "tp": x.tp, "gpu_memory_utilization": x.gpu_memory_utilization,
                   "kv_dtype": x.kv_dtype, "block_size": x.block_size, "prefill_chunk": x.prefill_chunk,
                   "seq_len": None if x.context == zoo.get(x.model).context else x.context}
@@ -235,8 +237,8 @@ def lab14_traced() -> list[dict]:
     out = []
     for row in table["rows"]:
         r = dict(zip(cols, row))
-        x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"],
-                   context=zoo.get(r["model"]).context)  # Lab 14 traces the prefill of a whole context, bf16
+        x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"], context=r["context"],
+                   prefill_chunk=r["prefill chunk"])  # each row's prefill, whole or chunked, bf16
         out.append({"inputs": _fields(x), "bytes": r["weights / GPU"] + r["prefill peak"], "phase": "prefill",
                     "by_category": {"parameters": r["weights / GPU"], "activations": r["prefill peak"]},
                     "compared": ["parameters", "activations"],  # the KV pool is the budget's remainder

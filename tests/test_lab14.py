@@ -309,8 +309,8 @@ def test_a_bad_trace_file_is_one_line_naming_its_line(tmp_path, capsys, line, fr
 def test_a_pool_smaller_than_a_prompt_and_a_model_that_leaves_no_pool_are_refused(capsys):
     assert_usage_error_in_process(lab, ["--device", "cpu", "--pool-tokens", "20"], capsys,
                                   "smaller than the prompt of request")
-    assert_usage_error_in_process(lab, ["--model", "llama-3.2-1b", "--fake", "--seq-len", "256",
-                                        "--gpu-memory-utilization", "0.02"], capsys, "leaves no KV pool on h100-80gb")
+    assert_usage_error_in_process(lab, ["--model", "llama-3-8b", "--fake", "--seq-len", "256",
+                                        "--gpu-memory-utilization", "0.1"], capsys, "leaves no KV pool on h100-80gb")
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [

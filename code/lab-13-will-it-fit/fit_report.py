@@ -93,7 +93,7 @@ def levers_table(levers: list[dict]) -> Table:
         kept = None if not up else f"replaced by {up['replaced_by']}" if up.get("replaced_by") else \
             "yes" if up["kept"] else "no: saves nothing there"
         rows.append([r["name"], kept, up.get("saves_bytes"), up.get("per_rank_peak_bytes"), up.get("fits"),
-                     alone.get("saving_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0], r["cost"]])
+                     alone.get("saves_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0], r["cost"]])
     return Table(["lever", "on the ladder: kept", ("saves there", "bytes"), ("peak with those kept", "bytes"),
                   ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "costs"], rows,
                  unit="GiB")

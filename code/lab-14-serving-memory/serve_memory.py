@@ -129,7 +129,7 @@ class Config(LabConfig):
                         "tokens) on the budget's pool; the budget is traced on fake tensors either way")
     gpu: Literal["h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb"] = option("h100-80gb", "the GPU the serving budget is sized for")
     tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1)
-    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", above=0, max=1)
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", min=0.1, max=1)
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
         "bf16", "how keys and values are stored (fp8, int8: with a float32 scale per token and head)")
     seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: the context)",

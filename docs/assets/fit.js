@@ -184,6 +184,7 @@
       if (p.family === "gpt") return [null, `${script} serves the Llama-family models, not ${x.model}`];
       if (x.precision === "fp32") return [null, `${script} serves bf16 weights: it has no --precision fp32`];
       if (!c.gpus.includes(gpu)) return [null, `${script} sizes a budget for ${c.gpus.join(", ")}: not ${gpu}`];
+      if (x.context > p.context) return [null, `${script} serves at most ${x.model}'s context of ${p.context} tokens`];
       values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, kv_dtype: x.kv_dtype,
         block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
     } else {
