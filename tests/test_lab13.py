@@ -126,6 +126,47 @@ def test_autocast_caches_a_bf16_copy_of_every_weight_through_forward(lab13):
     assert forward_temporaries("bf16") < 2 * blocks / 20
 
 
+def linear_weight_bytes(name: str, element: int) -> int:
+    with torch.device("meta"):
+        model = zoo.get(name).build()
+    return element * sum({id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+                         .values())
+
+
+def test_autocast_saves_a_bf16_cast_of_every_linear_weight_and_the_report_names_it(lab13):
+    """Under torch AMP every linear's weight is cast to bf16 and saved for backward: the activations
+    hold exactly 2 B x the linear parameters of those casts, and the gap table names them."""
+    trace = lab13.trace(small(lab13), tensors=EXACT)
+    casts = trace.derived["weight_casts"]
+    assert casts["at_activations_max"] == casts["max"] == linear_weight_bytes("small-llama", 2)
+    assert casts["max"] < trace.derived["category_max"]["activations"]
+    rows = {r[0]: r for r in load_lab(13, "fit_report").gap_table(trace).rows}
+    assert rows["of which: bf16 weight casts"][1] == casts["max"]
+
+
+def test_zero3_mixed_keeps_no_unsharded_weight_copy(lab13, monkeypatch):
+    """ZeRO-3 with --precision mixed is FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduction): no
+    weight cast is saved. Autocast over FSDP2's fp32 gathers instead saves a bf16 copy of every
+    unsharded weight (the detector sees them there), and holds more activations than fp32 itself."""
+    config = small(lab13, dp=2, zero_stage=3)
+    policy = lab13.trace(config, tensors=EXACT).derived
+    fp32 = lab13.trace(replace(config, precision="fp32"), tensors=EXACT).derived
+    monkeypatch.setattr(lab13, "fsdp_mixed", lambda _config: False)
+    autocast = lab13.trace(config, tensors=EXACT).derived
+    assert policy["weight_casts"]["max"] == 0
+    assert autocast["weight_casts"]["max"] == linear_weight_bytes("small-llama", 2)
+    assert policy["category_max"]["activations"] < fp32["category_max"]["activations"]
+    assert policy["category_max"]["activations"] < autocast["category_max"]["activations"]
+
+
+def test_a_prefills_phases_table_adds_up_to_the_verdict(lab13):
+    """Each category once (the KV cache was listed twice): the table's total is the per-rank peak."""
+    trace = lab13.trace(small(lab13, task="infer"))
+    rows = load_lab(13, "fit_report").phases_table(trace).rows
+    assert [r[0] for r in rows][-1] == "per-rank peak" and rows[-1][1] == trace.per_rank_peak_bytes
+    assert all(r[1] == sum(r[2:]) for r in rows)
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_the_real_step_holds_what_the_trace_says(lab13):
     """The GPU issue's check: the step that fits runs for real; its ledger is the trace within 3 %

@@ -35,7 +35,7 @@ from functools import cached_property, partial
 from typing import Literal
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import cli, fake, labs, marks, provenance, zoo
@@ -47,7 +47,7 @@ from fit_gap import derive
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_report import report, summary
-from fit_setup import ShardOptimizer, build, create_state, fake_process_group, label, label_gradients
+from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
@@ -101,6 +101,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
     allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
+    recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
@@ -109,7 +110,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         ledger = Ledger(device)
-        with ledger, Traffic():  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
@@ -117,18 +118,22 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             else:
                 prefill(model, idx, recipe=recipe)
         timeline = ledger.timeline()
-    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer))
+    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer), casts=casts.sids)
 
 
 def shard(model, config: Config, mesh):
     """Who holds which bytes: ZeRO over the ranks of ``mesh``, or offload to the host; returns rank
     0's optimizer (None for inference)."""
     make, kwargs = OPTIMIZERS[config.optimizer]
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if fsdp_mixed(config) else {}
     if config.offload == "params":  # (5)!
         for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **policy)
+    elif policy:  # (6)!
+        for module in (*model.blocks, model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=config.zero_stage == 3, **policy)
     elif config.zero_stage >= 2:
-        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)  # (6)!
+        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)
     if config.task == "infer":
         return None
     if config.zero_stage >= 2:
@@ -140,6 +145,12 @@ def shard(model, config: Config, mesh):
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make(model.parameters(), **kwargs)
+
+
+def fsdp_mixed(config: Config) -> bool:
+    """Mixed precision under FSDP2 (ZeRO-2/3): its MixedPrecisionPolicy gathers bf16 weights and
+    reduces fp32 gradients, as torchtitan trains; autocast would keep a bf16 copy of whole weights."""
+    return config.precision == "mixed" and config.zero_stage >= 2
 # --8<-- [end:trace]
 
 
@@ -217,6 +228,7 @@ class Trace:
     ledger: Ledger | None = field(default=None, repr=False)  # the recorder, for tests that compare events
     keep: tuple = field(default=(), repr=False)  # the model and optimizer: freed whenever Python collects them,
     # they would log frees after the step, at a moment that varies from run to run
+    casts: set = field(default_factory=set, repr=False)  # the ledger's ids of weights' dtype casts
     derived: dict = field(default_factory=dict)  # filled by fit_gap.derive
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from labkit.config import summary_of
 from labkit.table import Table, format_bytes
-from fit_gap import DEVICE_CATEGORIES, predicted, reasons
+from fit_gap import DEVICE_CATEGORIES, WEIGHT_CASTS, predicted, reasons
 from fit_gpus import ALLOCATOR_HEADROOM, CUDA_CONTEXT_BYTES, CUDA_CONTEXT_SOURCE, GPUS
 
 TRACED_ON = ("traced on fake tensors (labkit.fake): every storage of the step counted and rounded to the CUDA "
@@ -26,7 +26,7 @@ def summary(result) -> dict:
             "by_category": {k: d["peak"][k] for k in DEVICE_CATEGORIES}, "predicted": predicted(t),
             "gpu": c.gpu, "capacity_bytes": gpu.capacity_bytes, "fits": t.fits, "levers": result.levers,
             "config": summary_of(c), "spec": asdict(c.spec), "peak_phase": d["peak_phase"], "by_phase": d["by_phase"],
-            "category_max": d["category_max"], "sources": d["sources"], "reasons": reasons(t),
+            "category_max": d["category_max"], "weight_casts": d["weight_casts"], "sources": d["sources"], "reasons": reasons(t),
             "host_peak_bytes": d["host_peak_bytes"], "gpu_detail": gpu_detail(c.gpu), "trace_seconds": t.seconds,
             "measured_on_gpu": result.measured, "traced_on": TRACED_ON}
 
@@ -64,6 +64,10 @@ def gap_table(trace) -> Table:
     rows = [[k.replace("_", " "), d["category_max"][k], want[k],
              None if want[k] is None else d["category_max"][k] - want[k], d["sources"][k].split(":")[0], why[k]]
             for k in DEVICE_CATEGORIES if d["category_max"][k] or want[k]]
+    if trace.config.precision == "mixed" and trace.config.task == "train":  # a part of activations, named
+        at = next(i for i, r in enumerate(rows) if r[0] == "activations") + 1
+        rows.insert(at, ["of which: bf16 weight casts", d["weight_casts"]["at_activations_max"], None, None, "traced",
+                         why[WEIGHT_CASTS]])
     total = sum(v for v in want.values() if v)
     rows.append(["per-rank peak (Lab 01: the sum)", trace.per_rank_peak_bytes, total,
                  trace.per_rank_peak_bytes - total, "traced", "categories peak at different moments: the trace's peak "
