@@ -167,14 +167,32 @@ def test_a_prefills_phases_table_adds_up_to_the_verdict(lab13):
     assert all(r[1] == sum(r[2:]) for r in rows)
 
 
+def test_the_gpu_measurement_rehearses_on_cpu(lab13, tmp_path):
+    """measure_on_gpu's plumbing, on real CPU tensors: the same step run for real, its ledger equal to
+    the exact-byte trace; no allocator counters on a CPU, and multi-rank steps are not run."""
+    config = small(lab13, precision="bf16", checkpointing="full")
+    measured = lab13.measure_on_gpu(config, lab13.trace(config, tensors=EXACT), device="cpu")
+    assert measured["measured"] and measured["ledger_peak_bytes"] == measured["traced_peak_bytes"] > 0
+    assert measured["max_memory_allocated"] is None and measured["traced_over_allocated"] is None
+    sharded = small(lab13, dp=2, zero_stage=3)
+    assert not lab13.measure_on_gpu(sharded, lab13.trace(sharded), device="cpu")["measured"]
+    proc = run_cli("../bench/fit_gpu_bench.py", "--device", "cpu", "--out", str(tmp_path / "b.json"))
+    assert proc.returncode == 0, proc.stderr
+    cases = json.loads((tmp_path / "b.json").read_text())["cases"].values()
+    assert len(cases) == 2 and all(c["ledger_peak_bytes"] > 0 and c["measured"] for c in cases)
+
+
 @pytest.mark.cuda
-def test_on_a_gpu_the_real_step_holds_what_the_trace_says(lab13):
-    """The GPU issue's check: the step that fits runs for real; its ledger is the trace within 3 %
-    (AdamW's step counters stay on the host for CUDA parameters), and the allocator saw at least that."""
-    measured = lab13.run(lab13.Config(model="llama-3.2-1b", seq=512, device="cuda", levers="none")).measured
-    assert measured["measured"]
-    assert abs(measured["ledger_peak_bytes"] / measured["traced_peak_bytes"] - 1) <= 0.03
-    assert measured["allocated_peak_bytes"] >= measured["ledger_peak_bytes"]
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_on_a_gpu_the_trace_is_the_allocators_peak_within_3_percent(lab13, checkpointing):
+    """Issue 13, clause 6: the traced peak against torch.cuda.max_memory_allocated over the same step
+    (less what the allocator held before it: cuBLAS workspaces), within 3 %."""
+    config = lab13.Config(model="llama-3.2-1b", seq=1024, precision="bf16", checkpointing=checkpointing,
+                          device="cuda", levers="none")
+    measured = lab13.run(config).measured
+    assert measured["measured"], measured
+    assert abs(measured["traced_over_allocated"] - 1) <= 0.03, measured
+    assert measured["max_requested_bytes"] <= measured["max_memory_allocated"]
 
 
 def test_json_has_the_issues_keys_and_the_formula_beside_each_category():

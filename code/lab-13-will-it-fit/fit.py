@@ -39,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import cli, fake, labs, marks, provenance, zoo
+from labkit import cuda as cuda_kit
 from labkit.config import INT64_MAX, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
@@ -109,6 +110,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
+        cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
@@ -117,8 +119,9 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
                            micro_batches=config.accumulation)
             else:
                 prefill(model, idx, recipe=recipe)
-        timeline = ledger.timeline()
-    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer), casts=casts.sids)
+        timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))
+    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer), casts=casts.sids,
+                 allocator=allocator)
 
 
 def shard(model, config: Config, mesh):
@@ -206,16 +209,23 @@ def run(config: Config) -> Result:
     return Result(config, traced, levers, measured, time.perf_counter() - t0)
 
 
-def measure_on_gpu(config: Config, traced: Trace) -> dict:
-    """The same step on real tensors on this GPU, when one rank holds it all and it fits what is free:
-    the real ledger's peak, and the most ``torch.cuda.memory_allocated`` read at any of its events."""
-    free, _ = torch.cuda.mem_get_info()
-    if config.dp > 1 or config.offload != "none" or traced.per_rank_peak_bytes > free:
+def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
+    """The same step on real tensors on ``device``, when one rank holds it all (and, on a GPU, it fits
+    what is free): the trace's peak beside the real ledger's and, on a GPU, the allocator's own
+    counters over the step (``max_memory_allocated``: every block as rounded, up to 512 B; the
+    ``requested_bytes`` peak: what the tensors asked for). On ``cpu`` it rehearses the plumbing."""
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    if config.dp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
-    real = trace(config, tensors=contextlib.nullcontext, device="cuda")
-    return {"measured": True, "device_name": torch.cuda.get_device_name(), "free_bytes": free,
-            "traced_peak_bytes": traced.timeline.peak()["total"], "ledger_peak_bytes": real.timeline.peak()["total"],
-            "allocated_peak_bytes": max(real.timeline.cuda_allocated, default=0)}
+    real = trace(config, tensors=contextlib.nullcontext, device=device)
+    stats = cuda_kit.ledger_vs_allocator(real.timeline, real.allocator) or {}
+    peak = traced.timeline.peak()["total"]
+    allocated = stats.get("max_memory_allocated", 0) - stats.get("unseen_before_window", 0)
+    return {"measured": True, "device": device, "device_name": torch.cuda.get_device_name() if free else "cpu",
+            "free_bytes": free, "traced_peak_bytes": peak, "ledger_peak_bytes": real.timeline.peak()["total"],
+            "max_memory_allocated": stats.get("max_memory_allocated"), "max_requested_bytes": stats.get("max_requested_bytes"),
+            "unseen_before_step": stats.get("unseen_before_window"),
+            "traced_over_allocated": peak / allocated if allocated > 0 else None}
 
 
 @dataclass
@@ -229,6 +239,7 @@ class Trace:
     keep: tuple = field(default=(), repr=False)  # the model and optimizer: freed whenever Python collects them,
     # they would log frees after the step, at a moment that varies from run to run
     casts: set = field(default_factory=set, repr=False)  # the ledger's ids of weights' dtype casts
+    allocator: dict | None = field(default=None, repr=False)  # on a GPU: labkit.cuda.allocator_stats after the step
     derived: dict = field(default_factory=dict)  # filled by fit_gap.derive
 
     def __post_init__(self) -> None:
