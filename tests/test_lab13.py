@@ -234,9 +234,18 @@ def test_levers_come_cheapest_first_and_each_saves_what_it_claims(lab13):
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "64-bit"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
+    (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)
+
+
+def test_the_example_config_json_traces_verbatim_with_its_published_count():
+    """The page's Try command: Qwen2.5-0.5B's published config.json, shipped in the lab folder."""
+    proc = run_cli(SCRIPT, "--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--precision", "bf16",
+                   "--optimizer", "adamw-fused", "--seq", "256", "--levers", "none", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["params"] == 494_032_768  # the model card's 0.49B, counted
 
 
 def test_a_config_that_is_not_a_causal_lm_is_refused(tmp_path):

@@ -158,6 +158,9 @@ def fsdp_mixed(config: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- the configuration
+MAX_FSDP_RANKS = 1024  # FSDP2 chunks every parameter into --dp shards: Llama-3-8B at 1,024 traces in ~30 s
+
+
 @dataclass
 class Step:
     """The model and the step traced (first on a command line, before how the step runs)."""
@@ -181,6 +184,10 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
+        if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
+            raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
+                             f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
+                             "(rank 0's bytes past that are the same shares, smaller)")
         if self.task == "infer":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
