@@ -12,8 +12,9 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
-    --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap; all under the fake
-                    process group, as rank 0 of --dp ranks
+    --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
+                    FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
+                    group, as rank 0 of --dp ranks
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced

@@ -13,6 +13,9 @@ each addition labelled **derived**:
   gathers it; on a CPU trace host and device are one memory and no copy is made, so two blocks'
   shards (one gathering, one prefetched) are added to ``communication``.
 
+It also counts, inside activations, the weights' bf16 casts that autocast saves for backward
+(``weight_casts``: the storages ``fit_setup.WeightCasts`` saw made, alive at each row), traced.
+
 ``predicted(trace)`` is Lab 01's formula for each category, and ``reasons(trace)`` one line per
 category on why the trace differs.
 """
