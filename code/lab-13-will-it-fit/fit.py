@@ -12,8 +12,9 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
-    --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap; all under the fake
-                    process group, as rank 0 of --dp ranks
+    --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
+                    FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
+                    group, as rank 0 of --dp ranks
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
@@ -35,10 +36,11 @@ from functools import cached_property, partial
 from typing import Literal
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import cli, fake, labs, marks, provenance, zoo
+from labkit import cuda as cuda_kit
 from labkit.config import INT64_MAX, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
@@ -47,7 +49,7 @@ from fit_gap import derive
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_report import report, summary
-from fit_setup import ShardOptimizer, build, create_state, fake_process_group, label, label_gradients
+from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
@@ -101,6 +103,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
     allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
+    recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
@@ -108,27 +111,33 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
+        cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic():  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
                            micro_batches=config.accumulation)
             else:
                 prefill(model, idx, recipe=recipe)
-        timeline = ledger.timeline()
-    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer))
+        timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))
+    return Trace(config, timeline, time.perf_counter() - t0, ledger, keep=(model, optimizer), casts=casts.sids,
+                 allocator=allocator)
 
 
 def shard(model, config: Config, mesh):
     """Who holds which bytes: ZeRO over the ranks of ``mesh``, or offload to the host; returns rank
     0's optimizer (None for inference)."""
     make, kwargs = OPTIMIZERS[config.optimizer]
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if fsdp_mixed(config) else {}
     if config.offload == "params":  # (5)!
         for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **policy)
+    elif policy:  # (6)!
+        for module in (*model.blocks, model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=config.zero_stage == 3, **policy)
     elif config.zero_stage >= 2:
-        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)  # (6)!
+        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)
     if config.task == "infer":
         return None
     if config.zero_stage >= 2:
@@ -140,10 +149,19 @@ def shard(model, config: Config, mesh):
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make(model.parameters(), **kwargs)
+
+
+def fsdp_mixed(config: Config) -> bool:
+    """Mixed precision under FSDP2 (ZeRO-2/3): its MixedPrecisionPolicy gathers bf16 weights and
+    reduces fp32 gradients, as torchtitan trains; autocast would keep a bf16 copy of whole weights."""
+    return config.precision == "mixed" and config.zero_stage >= 2
 # --8<-- [end:trace]
 
 
 # ----------------------------------------------------------------------------- the configuration
+MAX_FSDP_RANKS = 1024  # FSDP2 chunks every parameter into --dp shards: Llama-3-8B at 1,024 traces in ~30 s
+
+
 @dataclass
 class Step:
     """The model and the step traced (first on a command line, before how the step runs)."""
@@ -167,6 +185,10 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
+        if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
+            raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
+                             f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
+                             "(rank 0's bytes past that are the same shares, smaller)")
         if self.task == "infer":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
@@ -195,16 +217,23 @@ def run(config: Config) -> Result:
     return Result(config, traced, levers, measured, time.perf_counter() - t0)
 
 
-def measure_on_gpu(config: Config, traced: Trace) -> dict:
-    """The same step on real tensors on this GPU, when one rank holds it all and it fits what is free:
-    the real ledger's peak, and the most ``torch.cuda.memory_allocated`` read at any of its events."""
-    free, _ = torch.cuda.mem_get_info()
-    if config.dp > 1 or config.offload != "none" or traced.per_rank_peak_bytes > free:
+def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
+    """The same step on real tensors on ``device``, when one rank holds it all (and, on a GPU, it fits
+    what is free): the trace's peak beside the real ledger's and, on a GPU, the allocator's own
+    counters over the step (``max_memory_allocated``: every block as rounded, up to 512 B; the
+    ``requested_bytes`` peak: what the tensors asked for). On ``cpu`` it rehearses the plumbing."""
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    if config.dp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
-    real = trace(config, tensors=contextlib.nullcontext, device="cuda")
-    return {"measured": True, "device_name": torch.cuda.get_device_name(), "free_bytes": free,
-            "traced_peak_bytes": traced.timeline.peak()["total"], "ledger_peak_bytes": real.timeline.peak()["total"],
-            "allocated_peak_bytes": max(real.timeline.cuda_allocated, default=0)}
+    real = trace(config, tensors=contextlib.nullcontext, device=device)
+    stats = cuda_kit.ledger_vs_allocator(real.timeline, real.allocator) or {}
+    peak = traced.timeline.peak()["total"]
+    allocated = stats.get("max_memory_allocated", 0) - stats.get("unseen_before_window", 0)
+    return {"measured": True, "device": device, "device_name": torch.cuda.get_device_name() if free else "cpu",
+            "free_bytes": free, "traced_peak_bytes": peak, "ledger_peak_bytes": real.timeline.peak()["total"],
+            "max_memory_allocated": stats.get("max_memory_allocated"), "max_requested_bytes": stats.get("max_requested_bytes"),
+            "unseen_before_step": stats.get("unseen_before_window"),
+            "traced_over_allocated": peak / allocated if allocated > 0 else None}
 
 
 @dataclass
@@ -217,6 +246,8 @@ class Trace:
     ledger: Ledger | None = field(default=None, repr=False)  # the recorder, for tests that compare events
     keep: tuple = field(default=(), repr=False)  # the model and optimizer: freed whenever Python collects them,
     # they would log frees after the step, at a moment that varies from run to run
+    casts: set = field(default_factory=set, repr=False)  # the ledger's ids of weights' dtype casts
+    allocator: dict | None = field(default=None, repr=False)  # on a GPU: labkit.cuda.allocator_stats after the step
     derived: dict = field(default_factory=dict)  # filled by fit_gap.derive
 
     def __post_init__(self) -> None:

@@ -13,6 +13,9 @@ each addition labelled **derived**:
   gathers it; on a CPU trace host and device are one memory and no copy is made, so two blocks'
   shards (one gathering, one prefetched) are added to ``communication``.
 
+It also counts, inside activations, the weights' bf16 casts that autocast saves for backward
+(``weight_casts``: the storages ``fit_setup.WeightCasts`` saw made, alive at each row), traced.
+
 ``predicted(trace)`` is Lab 01's formula for each category, and ``reasons(trace)`` one line per
 category on why the trace differs.
 """
@@ -27,7 +30,8 @@ lab01 = labs.load(1)  # zero_model_state, activation_bytes_per_layer, kv_cache_b
 Shape = labs.load(1, "toy_gpt").Shape
 
 KV_CACHE = "kv_cache"
-DEVICE_CATEGORIES = tuple(c for c in CATEGORIES if c != HOST_COPIES) + (KV_CACHE,)
+WEIGHT_CASTS = "weight_casts"  # a part of activations (fit_setup.WeightCasts), reported on its own line
+DEVICE_CATEGORIES = tuple(c for c in dict.fromkeys((*CATEGORIES, KV_CACHE)) if c != HOST_COPIES)  # each once
 ELEMENT = {"fp32": 4, "bf16": 2, "mixed": 2}  # bytes of an activation (and a K or V) element
 WEIGHT = {"fp32": 4, "bf16": 2, "mixed": 4}  # bytes of a weight and of its gradient, as traced
 
@@ -65,10 +69,36 @@ def derive(trace) -> dict:
                     device={k: columns.get(k, [0] * n) for k in DEVICE_CATEGORIES}, spans=tl.spans)
     total = view.device_total()
     at = max(range(n), key=total.__getitem__) if n else 0
+    casts = weight_casts(trace, n)
     return {"peak": view.peak(), "peak_phase": tl.phase[at] if n else None, "by_phase": view.peaks_by_phase(),
+            "weight_casts": {"max": max(casts, default=0), "at_peak": casts[at] if n else 0,
+                             "at_activations_max": casts[max(range(n), key=columns["activations"].__getitem__)]
+                             if n else 0},
             "category_max": {k: max(v, default=0) for k, v in view.device.items()},
             "host_peak_bytes": max(host, default=0), "sources": {k: sources.get(k, "traced") for k in DEVICE_CATEGORIES},
             "params": params}
+
+
+def weight_casts(trace, n: int) -> list[int]:
+    """Bytes of the weights' dtype casts (``fit_setup.WeightCasts``) that the ledger counts as activations,
+    at each row of the timeline: autocast saves them for backward, so they live until backward uses them."""
+    ledger, out, live, sizes = trace.ledger, [], 0, {}
+    if ledger is None or not trace.casts:
+        return [0] * n
+    counted = {sid for sid in trace.casts
+               if ledger.category_of(ledger.records[sid]) == "activations" and ledger.scope_of(ledger.records[sid]) == "device"}
+    for ev in ledger.events[:n]:
+        if ev[1] in counted:
+            if ev[0] == "alloc":
+                sizes[ev[1]] = ev[2]
+                live += ev[2]
+            elif ev[0] == "free":
+                live -= sizes.pop(ev[1], 0)
+            else:
+                live += ev[3] - sizes.get(ev[1], ev[2])
+                sizes[ev[1]] = ev[3]
+        out.append(live)
+    return out
 
 
 def optimizer_rows(tl: Timeline) -> set[int]:
@@ -106,11 +136,14 @@ def reasons(trace) -> dict[str, str]:
     """One line per category: why the trace and Lab 01's formula differ."""
     c, s = trace.config, trace.config.spec
     mixed = c.precision == "mixed"
+    amp = mixed and c.zero_stage < 2  # torch AMP (autocast); under FSDP2, its MixedPrecisionPolicy instead
     shard = {k: f" / {c.dp}" if c.zero_stage >= lab01.ZERO_SHARDS[k] else "" for k in lab01.ZERO_SHARDS}
     logits = c.batch * c.seq * s.vocab * 4
     out = {
         "parameters": ("Lab 01's mixed is ZeRO's accounting: a bf16 copy (2 B) and an fp32 master (4 B) per parameter; torch AMP "
-                       "keeps one fp32 copy (4 B) and casts each weight as forward uses it" if mixed else
+                       "keeps one fp32 copy (4 B) and casts each weight as forward uses it" if amp else
+                       f"Lab 01's mixed is ZeRO's accounting (2 B + 4 B); FSDP2 keeps the fp32 shards (4 B x P{shard['parameters']}) "
+                       "and gathers each block's weights in bf16 (communication)" if mixed else
                        f"{WEIGHT[c.precision]} B x P{shard['parameters']}: equal, but for 512-byte rounding per tensor"),
         "gradients": ("ZeRO's accounting keeps bf16 gradients (2 B; Megatron-Core's fp32 ones make 18 B/param); AMP's "
                        "have the weights' dtype (4 B)" if mixed else
@@ -121,14 +154,21 @@ def reasons(trace) -> dict[str, str]:
         "activations": (f"Korthikanti's formula is a GPT block (4h MLP, LayerNorm, dropout, s x s scores); this "
                         f"{s.family} block keeps a {s.ffn:,}-wide SwiGLU, fp32 RMSNorm inputs, RoPE'd q and k and "
                         f"SDPA's output and log-sum-exp, no scores; plus the loss's fp32 log-softmax, "
-                        f"{format_bytes(logits)}" if c.checkpointing != "full" else
+                        f"{format_bytes(logits)}" + ("; plus autocast's bf16 weight casts (next line)" if amp else "")
+                        if c.checkpointing != "full" else
                         "full checkpointing keeps each block's input in the residual stream's dtype "
-                        f"({'fp32 under autocast' if mixed else c.precision}); plus the loss's fp32 log-softmax, "
+                        f"({'fp32 under autocast' if amp else c.precision}); plus the loss's fp32 log-softmax, "
                         f"{format_bytes(logits)}"),
+        WEIGHT_CASTS: ("autocast casts each fp32 weight to bf16 for its matmul and backward needs that cast: it is "
+                       "saved, from forward until backward has used it (2 B x each linear's parameters); Lab 01 "
+                       "has no such term" if amp else
+                       "none: FSDP2's MixedPrecisionPolicy gathers bf16 weights (param_dtype) and reduces fp32 "
+                       "gradients (reduce_dtype), so no autocast and no unsharded copy of a weight"
+                       if mixed else "none: no autocast"),
         "temporaries": ("no formula in Lab 01: "
                         + ("foreach AdamW's intermediates (a copy of a moment), " if c.optimizer in ("adamw", "adamw-foreach")
-                           else "") + ("autocast's cache of every weight's bf16 cast (2 B x P, until forward ends), "
-                                       if mixed else "") + "the fp32 logits and their gradient, recomputed blocks"),
+                           else "") + ("autocast's cache: the bf16 cast of every weight until forward's autocast region ends (the "
+                                       "casts backward needs are saved: activations), " if amp else "") + "the fp32 logits and their gradient, recomputed blocks"),
         "communication": "no formula in Lab 01: " + ("FSDP2's gathered blocks in flight and reduce-scatter inputs"
                                                      if c.zero_stage >= 2 else "DDP's gradient buckets (derived)"
                                                      if c.dp > 1 else "none on one rank"),

@@ -23,17 +23,23 @@ MiB = 2**20
 #: PyTorch's default since CUDA 11.7, kernels load as first used). ASSUMED: PyTorch issue 34323
 #: measured 781 MB for a context before lazy loading; 1 GiB also covers cuBLAS's workspaces.
 CUDA_CONTEXT_BYTES = 1024 * MiB
-CUDA_CONTEXT_SOURCE = ("assumption until measured; https://github.com/pytorch/pytorch/issues/34323 measured a "
-                       "781 MB context before lazy module loading, https://docs.nvidia.com/cuda/cuda-c-programming-guide/"
-                       "index.html#lazy-loading")
+CUDA_CONTEXT_SOURCE = ("our assumption, 1 GiB, until a lent card measures it: https://github.com/pytorch/pytorch/"
+                       "issues/34323 measured a 781 MB context before lazy module loading "
+                       "(https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#lazy-loading); the rest is "
+                       "for cuBLAS's workspaces (https://docs.pytorch.org/docs/2.13/notes/cuda.html#cublas-workspaces)")
 
 #: What the caching allocator holds beyond what is allocated (fragmentation, rounding of large blocks
 #: into segments). ASSUMED: 5 % of what is left; Lab 12 shows how it grows in a bad pattern.
 ALLOCATOR_HEADROOM = 0.05
+HEADROOM_SOURCE = ("our assumption, 5 %, until a lent card measures reserved against allocated: the caching "
+                   "allocator keeps freed blocks and splits segments, so it reserves more than tensors hold "
+                   "(https://docs.pytorch.org/docs/2.13/notes/cuda.html#memory-management); Lab 12 shows it grow")
 
 #: The driver's totals (nvidia-smi / NVML) are not in the vendors' datasheets: ASSUMED from what idle
 #: cards report publicly, until the GPU issue reads ``torch.cuda.mem_get_info`` on each card it gets.
-NVML_TABLE = "assumed: the total nvidia-smi reports on an idle card, until measured"
+NVML_TABLE = ("our assumption: the total nvidia-smi reports on an idle card (NVML's total, "
+              "https://docs.nvidia.com/deploy/nvml-api/structnvmlMemory__t.html); datasheets state only a round "
+              "figure, so a lent card's torch.cuda.mem_get_info replaces it")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 from labkit.config import summary_of
 from labkit.table import Table, format_bytes
-from fit_gap import DEVICE_CATEGORIES, predicted, reasons
-from fit_gpus import ALLOCATOR_HEADROOM, CUDA_CONTEXT_BYTES, CUDA_CONTEXT_SOURCE, GPUS
+from fit_gap import DEVICE_CATEGORIES, WEIGHT_CASTS, predicted, reasons
+from fit_gpus import ALLOCATOR_HEADROOM, CUDA_CONTEXT_BYTES, CUDA_CONTEXT_SOURCE, GPUS, HEADROOM_SOURCE
 
 TRACED_ON = ("traced on fake tensors (labkit.fake): every storage of the step counted and rounded to the CUDA "
              "allocator's 512-byte blocks, nothing allocated; CPU dispatch (CPU autocast, CPU flash attention); not "
@@ -26,7 +26,7 @@ def summary(result) -> dict:
             "by_category": {k: d["peak"][k] for k in DEVICE_CATEGORIES}, "predicted": predicted(t),
             "gpu": c.gpu, "capacity_bytes": gpu.capacity_bytes, "fits": t.fits, "levers": result.levers,
             "config": summary_of(c), "spec": asdict(c.spec), "peak_phase": d["peak_phase"], "by_phase": d["by_phase"],
-            "category_max": d["category_max"], "sources": d["sources"], "reasons": reasons(t),
+            "category_max": d["category_max"], "weight_casts": d["weight_casts"], "sources": d["sources"], "reasons": reasons(t),
             "host_peak_bytes": d["host_peak_bytes"], "gpu_detail": gpu_detail(c.gpu), "trace_seconds": t.seconds,
             "measured_on_gpu": result.measured, "traced_on": TRACED_ON}
 
@@ -35,7 +35,8 @@ def gpu_detail(name: str) -> dict:
     g = GPUS[name]
     return {"stated": g.stated, "datasheet": g.datasheet, "total_bytes": g.total_bytes, "total_source": g.total_source,
             "cuda_context_bytes": CUDA_CONTEXT_BYTES, "cuda_context_source": CUDA_CONTEXT_SOURCE,
-            "allocator_headroom": ALLOCATOR_HEADROOM, "capacity_bytes": g.capacity_bytes}
+            "allocator_headroom": ALLOCATOR_HEADROOM, "allocator_headroom_source": HEADROOM_SOURCE,
+            "capacity_bytes": g.capacity_bytes}
 
 
 def phases_table(trace) -> Table:
@@ -64,6 +65,10 @@ def gap_table(trace) -> Table:
     rows = [[k.replace("_", " "), d["category_max"][k], want[k],
              None if want[k] is None else d["category_max"][k] - want[k], d["sources"][k].split(":")[0], why[k]]
             for k in DEVICE_CATEGORIES if d["category_max"][k] or want[k]]
+    if trace.config.precision == "mixed" and trace.config.task == "train":  # a part of activations, named
+        at = next(i for i, r in enumerate(rows) if r[0] == "activations") + 1
+        rows.insert(at, ["of which: bf16 weight casts", d["weight_casts"]["at_activations_max"], None, None, "traced",
+                         why[WEIGHT_CASTS]])
     total = sum(v for v in want.values() if v)
     rows.append(["per-rank peak (Lab 01: the sum)", trace.per_rank_peak_bytes, total,
                  trace.per_rank_peak_bytes - total, "traced", "categories peak at different moments: the trace's peak "
@@ -73,16 +78,19 @@ def gap_table(trace) -> Table:
 
 
 def gpu_table(result) -> Table:
+    """What the GPU leaves the step: each row's bytes (a deduction is negative), what kind of figure it
+    is, and its source."""
     g, t = GPUS[result.config.gpu], result.trace
-    return Table(["", ("bytes", "bytes"), "where from"], [
-        [f"{g.name}: stated {g.stated}", None, g.datasheet],
-        ["total the driver reports (NVML)", g.total_bytes, g.total_source],
-        ["less the CUDA context and the driver's share", -CUDA_CONTEXT_BYTES, "assumption until measured"],
-        [f"less {ALLOCATOR_HEADROOM:.0%} allocator headroom (fragmentation)", g.total_bytes - CUDA_CONTEXT_BYTES
-         - g.capacity_bytes, "assumption until measured"],
-        ["usable by the step's tensors", g.capacity_bytes, "capacity_bytes"],
+    headroom = g.total_bytes - CUDA_CONTEXT_BYTES - g.capacity_bytes
+    return Table(["", ("bytes", "bytes"), "kind", "source"], [
+        [f"{g.name}: stated {g.stated}", None, "cited", g.datasheet],
+        ["total the driver reports (NVML)", g.total_bytes, "assumed", g.total_source],
+        ["less the CUDA context and the driver's share", -CUDA_CONTEXT_BYTES, "assumed", CUDA_CONTEXT_SOURCE],
+        [f"less {ALLOCATOR_HEADROOM:.0%} allocator headroom (fragmentation)", -headroom, "assumed", HEADROOM_SOURCE],
+        ["usable by the step's tensors (capacity_bytes)", g.capacity_bytes, "derived",
+         "(total - context) x (1 - headroom)"],
         ["the step's per-rank peak", t.per_rank_peak_bytes, "traced" + (" + derived" if any(
-            s != "traced" for s in t.derived["sources"].values()) else "")]], unit="GiB")
+            s != "traced" for s in t.derived["sources"].values()) else ""), "this trace"]], unit="GiB")
 
 
 def levers_table(levers: list[dict]) -> Table:
@@ -144,5 +152,11 @@ def report(result) -> None:
         flags = to_fit(result.levers)
         print("\nTo fit: " + (" ".join(flags) if flags else "no combination of these levers fits; more ranks (--dp) "
                                                              "or a larger GPU"))
-    if result.measured:
-        print(f"\nOn this GPU: {result.measured}")
+    m = result.measured
+    if m and m["measured"]:
+        print(f"\nThe same step run on {m['device_name']}: traced {format_bytes(m['traced_peak_bytes'])}, its real ledger "
+              f"{format_bytes(m['ledger_peak_bytes'])}, max_memory_allocated {format_bytes(m['max_memory_allocated'])} "
+              f"({format_bytes(m['unseen_before_step'])} of it held before the step: workspaces), requested bytes "
+              f"{format_bytes(m['max_requested_bytes'])}; traced / allocated {m['traced_over_allocated']:.4f}")
+    elif m:
+        print(f"\nNot run on this GPU: {m['why']}")

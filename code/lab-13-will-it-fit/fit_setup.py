@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import dist as dist_kit
 from labkit import fake, labs, marks
@@ -76,6 +77,27 @@ def fake_process_group(world: int | None, device: str):
 def build(spec, dtype: torch.dtype, device: str):
     """``spec``'s model on meta, then with (fake or real) storage on ``device``, in ``dtype``."""
     return fake.materialize(spec.build, device=device, dtype=dtype).train()
+
+
+class WeightCasts(TorchDispatchMode):
+    """Which of the ``ledger``'s storages are dtype casts of a weight: a ``_to_copy`` of a leaf that
+    requires grad (Lab 03's ``is_weight_copy`` reads the same fact from autograd's graph, after the
+    op; at dispatch the graph is not built yet). Autocast makes them, and saves them for backward.
+    Entered inside the ledger, so that the ledger has counted the cast when it is looked up."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger, self.sids = ledger, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented  # DTensor's local ops come back here
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].is_leaf and args[0].requires_grad:
+            sid = self.ledger._sid_of.get(out.untyped_storage())  # noqa: SLF001 - the ledger's storage ids
+            if sid is not None:
+                self.sids.add(sid)
+        return out
 
 
 def label_gradients(model) -> None:

@@ -17,8 +17,9 @@
 #
 # 1. The peak of a Llama-3-8B step under torch AMP is in the optimizer step, not at the turn from
 #    forward to backward: CUDA's default AdamW (foreach) holds a copy of a moment there.
-# 2. Lab 01's formulas land near the trace category by category, and where they do not, the gap
-#    table says why (Megatron's mixed precision is not torch AMP's; a Llama block is not a GPT block).
+# 2. Lab 01's formulas against the trace, category by category, and why each differs (Megatron's
+#    mixed precision is not torch AMP's; a Llama block is not a GPT block). Under torch AMP a third of
+#    the "activations" are bf16 casts of the weights that autocast saves for backward: their own line.
 # 3. Levers are pulled cheapest first; the first rung that fits is the cheapest way found.
 
 # %%
@@ -74,10 +75,14 @@ print(tables.verdict(llama8b))
 #
 # For each category, the most it holds at any moment of the step (traced) against Lab 01's formula
 # (`zero_model_state`, `activation_bytes_per_layer`), and why they differ. Lab 01's per-rank figure
-# is a sum of categories; the trace's peak is one moment, when some of them are not alive.
+# is a sum of categories; the trace's peak is one moment, when some of them are not alive. The line
+# under activations counts the `_to_copy` casts of a weight (`fit_setup.WeightCasts`) saved for backward.
+# The same step in fp32, for its activations: AMP saves bf16 activations but adds those casts.
 
 # %%
 display(gap8b)
+fp32_8b = lab.trace(lab.Config(model="llama-3-8b", seq=4096, precision="fp32", levers="none"))
+print("activations, fp32:", tables.format_bytes(fp32_8b.derived["category_max"]["activations"]))
 
 # %% [markdown]
 # ## The levers, cheapest first
@@ -95,9 +100,10 @@ print("to fit: " + " ".join(to_fit or ["nothing fits"]))
 # %% [markdown]
 # ## Llama-3-70B on 8 ranks, ZeRO-3
 #
-# The same step with FSDP2's `fully_shard` (Lab 11's `wrap`) under PyTorch's fake process group, as
-# rank 0 of 8: parameters, gradients and AdamW state sharded; each block gathered for its forward and
-# again for its backward (the pink communication band).
+# The same step with FSDP2's `fully_shard` under PyTorch's fake process group, as rank 0 of 8:
+# parameters, gradients and AdamW state sharded; each block gathered for its forward and again for its
+# backward (the pink communication band). Mixed precision here is FSDP2's `MixedPrecisionPolicy`
+# (bf16 gathers, fp32 gradient reduction), as torchtitan trains: no autocast, no bf16 copy of a weight kept.
 
 # %%
 llama70b = lab.run(lab.Config(model="llama-3-70b", seq=4096, dp=8, zero_stage=3, levers="none"))
@@ -111,21 +117,35 @@ print(tables.verdict(llama70b))
 # ## Which zoo model fits which GPU
 #
 # One trace per row (levers off), held against each GPU's usable bytes. Training rows are one step
-# at 4,096 tokens, batch 1; the inference row is a prefill of 8 prompts of 4,096 tokens in bf16 with
-# their KV cache (derived from the shape: the zoo's models return none).
+# at 4,096 tokens, batch 1 (the calculator's defaults: every preset it offers has its AMP row here);
+# GPT-3's learned positions stop at its context, so the GPT rows are traced there. The inference row
+# is a prefill of 8 prompts of 4,096 tokens in bf16 with their KV cache (derived from the shape: the
+# zoo's models return none). This cell takes about a minute: 405B and GPT-3 are the slow rows.
 
 # %%
 CONFIGS = {
     "train: AMP + AdamW": {},
+    "train: bf16, full checkpointing": dict(precision="bf16", checkpointing="full"),
     "train: bf16, fused AdamW, full checkpointing": dict(precision="bf16", optimizer="adamw-fused",
                                                          checkpointing="full"),
     "train: ZeRO-3 on 8 ranks, AMP, full checkpointing": dict(dp=8, zero_stage=3, checkpointing="full"),
     "prefill: bf16, 8 x 4,096 tokens": dict(task="infer", precision="bf16", batch=8),
+    "train: AMP + AdamW, 2,048 tokens (its context)": dict(seq=2048),
+    "train: AMP + AdamW, 128 tokens (its context)": dict(seq=128),
 }
-ROWS = {"llama-3.2-1b": list(CONFIGS)[:2] + list(CONFIGS)[3:], "llama-3-8b": list(CONFIGS),
-        "mixtral-8x7b": list(CONFIGS)[2:], "llama-3-70b": list(CONFIGS)[2:]}
-traced = [(label, llama8b.trace if model == "llama-3-8b" and not CONFIGS[label]
-             else lab.trace(lab.Config(model=model, seq=4096, levers="none", **CONFIGS[label])))
+AMP, BF16_FULL, FUSED, ZERO3, PREFILL, AT_2048, AT_128 = CONFIGS
+ROWS = {"llama-3.2-1b": [AMP, FUSED, PREFILL], "llama-3.2-3b": [AMP], "llama-3-8b": [AMP, BF16_FULL, FUSED, ZERO3, PREFILL],
+        "llama-3.1-8b": [AMP], "mixtral-8x7b": [AMP, ZERO3], "llama-3-70b": [AMP, ZERO3], "llama-3.1-405b": [AMP],
+        "gpt-3-175b": [AT_2048], "small-llama": [AMP], "small-mixtral": [AMP], "small-gpt": [AT_128]}
+
+
+def zoo_config(model, label):
+    if "seq" not in CONFIGS[label]:
+        return lab.Config(model=model, seq=4096, levers="none", **CONFIGS[label])
+    return lab.Config(**{"model": model, "levers": "none", **CONFIGS[label]})  # a context shorter than 4,096
+
+
+traced = [(label, llama8b.trace if model == "llama-3-8b" and label == AMP else lab.trace(zoo_config(model, label)))
           for model, labels in ROWS.items() for label in labels]
 zoo = tables.fits_table(traced, GPUS)
 display(zoo)
@@ -140,6 +160,10 @@ notebook.publish(
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
     foreach_temporaries_8b=d8["by_phase"]["optimizer"]["temporaries"],
     activations_8b=d8["category_max"]["activations"], activations_70b=d70["category_max"]["activations"],
+    weight_casts_8b=d8["weight_casts"]["at_activations_max"], weight_casts_70b=d70["weight_casts"]["max"],
+    activations_less_casts_8b=d8["category_max"]["activations"] - d8["weight_casts"]["at_activations_max"],
+    activations_formula_8b=summary8b["predicted"]["activations"],
+    activations_fp32_8b=fp32_8b.derived["category_max"]["activations"], zoo_rows=len(traced),
     capacity_h100=summary8b["capacity_bytes"],
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
