@@ -349,10 +349,20 @@ class GPT(CausalLM):
         self.finish(spec)
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        from labkit import fake
+
         t = idx.size(1)
+        positions = torch.arange(t, device=idx.device)
         if t > self.spec.context:
-            raise ValueError(f"sequence of length {t} is longer than the context, {self.spec.context}")
-        return self.embed(idx) + self.pos(torch.arange(t, device=idx.device))
+            if not fake.is_fake(idx):  # a real model has no learned position past its table
+                raise ValueError(f"sequence of length {t} is longer than {self.spec.name}'s context, "
+                                 f"{self.spec.context}: only a trace on fake tensors can run it")
+            # A trace (bytes, no values) reads position p from row p mod context. The gather is
+            # still (t, width), the saved indices still t int64s, the table and its gradient still
+            # the published model's: the same bytes in every category as a run whose table had t
+            # rows, less the extra rows themselves. In place, so no extra tensor either.
+            positions.remainder_(self.spec.context)
+        return self.embed(idx) + self.pos(positions)
 
 
 # ============================================================================ Flux
