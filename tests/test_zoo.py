@@ -20,9 +20,11 @@ PUBLISHED = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "mixtral-8x7b": 46_702_792_704,
-    "gpt-3-175b": 174_604_259_328,
     "flux-dev": 11_901_408_320,
 }
+# GPT-3's paper gives "175.0B" (https://arxiv.org/abs/2005.14165, Table 2.1): rounded, and no checkpoint
+# was released to count. This is computed from the paper's shape, not published.
+GPT3_COMPUTED, GPT3_PAPER = 174_604_259_328, 175.0e9
 CAUSAL = [name for name in zoo.names() if zoo.get(name).family in ("llama", "mixtral", "gpt")]
 
 
@@ -75,6 +77,12 @@ def test_closed_form_count_is_the_built_models(name):
 
 def test_published_counts():
     assert {name: zoo.get(name).param_count() for name in PUBLISHED} == PUBLISHED
+
+
+def test_gpt_3s_count_is_computed_from_its_shape_and_rounds_to_the_papers():
+    count = zoo.get("gpt-3-175b").param_count()
+    assert count == GPT3_COMPUTED and round(count / 1e9) == round(GPT3_PAPER / 1e9)  # 175 B
+    assert "computed from the paper's shape" in zoo.__doc__ and f"{GPT3_COMPUTED:,}" in zoo.__doc__
 
 
 @pytest.mark.parametrize("name", CAUSAL)

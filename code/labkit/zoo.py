@@ -4,7 +4,10 @@ The handbook traces training and inference steps of real models on fake tensors 
 allocated; :mod:`labkit.fake` does that). This module holds the models: each written plainly,
 built from its published configuration, with the published parameter count to the parameter
 (a test holds every count, and each architecture's parameter names and shapes, against Hugging
-Face's own implementation built from the same configuration)::
+Face's own implementation built from the same configuration). GPT-3 is the exception: its paper
+publishes "175.0B" (Table 2.1), a rounded figure, and no checkpoint; its count here,
+174,604,259,328, is computed from the paper's shape (96 layers, width 12,288, 2,048 positions,
+GPT-2's 50,257-token vocabulary), 0.23 % under the rounded figure::
 
     from labkit import zoo
     spec = zoo.get("llama-3-8b")          # a ModelSpec: the published configuration
