@@ -1,15 +1,32 @@
-"""The "Run it" commands work as written: each lab page's CPU command, run verbatim by bash from the
-repository root with a clean PATH (no virtual environment activated), exits 0, within 10 s of CPU time.
+"""Every command a reader is shown works as written.
 
-The wall time of each is printed (``pytest -s`` shows it); CPU time (the child's user + system) is
-what the bound holds, so that a busy machine does not fail the test.
+Two tests. Each lab page's "Run it" CPU command (its front matter's ``run_cpu``) runs verbatim by
+bash from the repository root with a clean PATH (no virtual environment activated) and exits 0
+within 10 s of CPU time. And every command in a fenced code block of the pages (``docs/**/*.md``),
+the README, the labs' READMEs and ``bench/README.md`` runs the same way: a block's commands in
+order, in one bash, so that ``--checkpoint`` then ``--resume``, or a file one command writes and the
+next reads, work as a reader would type them. A command exits 0, or the code its comment states
+(``# exit 2``: a refusal the page shows on purpose).
+
+Commands are deduplicated (the same command on a page and in a README runs once, and one equal to
+a page's ``run_cpu`` is left to the first test). What does not run here is in ``SKIP`` with its
+reason: ``--device cuda`` commands run only under ``pytest -m cuda`` on a GPU machine, commands that
+rewrite committed results run with an output folder in a temporary directory where their command
+line has one (``OUT_FLAGS``) and are skipped where it has none, and a command whose measured time is
+over ``SLOW_S`` is skipped here with its time stated (``INFRALAB_ALL_COMMANDS=1`` runs those too).
+
+The wall time of each block is printed (``pytest -s`` shows it).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import resource
 import subprocess
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,19 +37,177 @@ from labkit import dist
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 CPU_SECONDS = 10.0
+SHOWN_IN = ["docs/**/*.md", "README.md", "code/*/README.md", "bench/README.md"]
+COMMAND = re.compile(r"^(?:\$ )?(?:\.venv/bin/(?:python|torchrun)|\./scripts/|scripts/gpu_campaign)\b")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
+EXPECT = re.compile(r"#\s*exit (\d+)\s*$")
+SLOW_S = 20.0  # a command measured slower than this is in SLOW below, its time stated
+ALL = os.environ.get("INFRALAB_ALL_COMMANDS") == "1"
+
+# A command that writes committed results gets this flag (pointing into the test's temporary
+# directory) when its command line has one; otherwise it is in SKIP.
+OUT_FLAGS = {"bench/cpu_adam_bench.py": "--out {tmp}/cpu_adam_bench.json",
+             "lab-08-offload-memory-saving/make_plan.py": "--out {tmp}/offload_plan.md",
+             "scripts/run_notebooks.py": "--output-dir {tmp}/nb --results-dir {tmp}/results"}
+
+# Skipped commands, each by a fragment of its text and the reason (checked: every entry matches).
+SKIP = {
+    "./scripts/serve": "serves the site until stopped (tests/test_site.py builds it)",
+    "./scripts/test": "runs this whole suite (it would run itself)",
+    "scripts/run_notebooks.py --device cpu": "executes all 14 notebooks, many minutes (tests/test_notebooks.py does)",
+    "path/to/config.json": "a placeholder for the reader's own file (tests/test_lab13.py traces a config.json)",
+    "bench/offload_bench.py": "a GPU benchmark writing results/offload_bench.json, with no --out (gpu_campaign runs it)",
+}
+# Commands that need a CUDA GPU though their line names no --device: they run under `pytest -m cuda`.
+CUDA_ONLY = {"cuda_scenarios.py --experiment": "caps CUDA's caching allocator (refuses a CPU: exit 2)"}
+
+# Over SLOW_S: seconds of wall time, measured here (2 shared cores, other jobs running), each alone
+# in a fresh shell; run them with INFRALAB_ALL_COMMANDS=1 (all passed when measured).
+_PY = ".venv/bin/python code/"
+SLOW: dict[str, float] = {
+    _PY + "lab-04-activation-checkpointing/checkpointing.py --model llama-3-8b --fake --dtype bfloat16 "
+          "--seq-len 8192 --batch-size 1": 65,
+    _PY + "lab-04-activation-checkpointing/checkpointing.py --model llama-3-8b --fake --dtype bfloat16 "
+          "--seq-len 32768 --batch-size 1": 80,
+    _PY + "lab-04-activation-checkpointing/checkpointing.py --model llama-3-70b --fake --dtype bfloat16 "
+          "--seq-len 8192 --batch-size 1": 55,
+    _PY + "lab-06-gradient-accumulation/grad_accumulation.py --model llama-3-8b --fake --seq-len 4096 "
+          "--micro-batch 1 --accum-steps 4 --steps 2": 20,
+    _PY + "lab-07-optimizer-offload/optimizer_offload.py --model llama-3-8b --fake --precision bf16 --seq-len 4096 "
+          "--batch-size 1 --steps 2": 22,
+    _PY + "lab-08-offload-memory-saving/offload.py --model flux-dev --fake --dtype bfloat16 --latent-tokens 4096 "
+          "--text-len 512 --steps 2": 38,
+    _PY + "lab-08-offload-memory-saving/offload.py --model flux-dev --fake --dtype bfloat16 --latent-tokens 4096 "
+          "--text-len 512 --steps 2 --mode layerwise": 27,
+    _PY + "lab-11-zero-fsdp/zero_fsdp.py --device cpu --stage 3 --json": 30,
+    _PY + "lab-11-zero-fsdp/fsdp_inference.py --device cpu": 27,
+    _PY + "lab-11-zero-fsdp/zero_fsdp.py --model llama-3-8b --fake --world-size 8 --seq-len 4096 --batch-size 1 "
+          "--steps 2": 102,
+    _PY + "lab-11-zero-fsdp/zero_fsdp.py --model llama-3-70b --fake --world-size 64 --seq-len 4096 --batch-size 1 "
+          "--steps 2 --stage 3": 36,
+    _PY + "lab-13-will-it-fit/fit.py --model llama-3-70b --dp 8 --zero-stage 3 --json": 32,
+    _PY + "lab-13-will-it-fit/fit.py --model llama-3-70b --dp 8 --zero-stage 3 --checkpointing full": 22,
+}
+
+
+@dataclass
+class Command:
+    text: str
+    where: str  # file:line of its block
+    expect: int = 0
+
+    @property
+    def cuda(self) -> bool:
+        return "--device cuda" in self.text or any(fragment in self.text for fragment in CUDA_ONLY)
+
+
+@dataclass
+class Block:
+    where: str
+    commands: list[Command] = field(default_factory=list)
 
 
 def front_matter(page) -> dict:
     return yaml.safe_load(page.read_text(encoding="utf-8").split("---", 2)[1])
 
 
+def shown_files() -> list[Path]:
+    return sorted({p for pattern in SHOWN_IN for p in ROOT.glob(pattern) if p.is_file()})
+
+
+def blocks_in(path: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file that show commands, continuation lines joined."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = m.groups()
+        j, body = i + 1, []
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            j += 1
+        block = Block(f"{path.relative_to(ROOT)}:{i + 1}")
+        for line in re.sub(r"\s*\\\n\s*", " ", "\n".join(body)).splitlines():
+            line = line.strip()
+            if COMMAND.match(line):
+                expect = EXPECT.search(line)
+                text = re.sub(r"\s+#.*$", "", line.removeprefix("$ "))  # (no '#' appears inside a command)
+                block.commands.append(Command(text, block.where, int(expect.group(1)) if expect else 0))
+        if block.commands:
+            out.append(block)
+        i = j + 1
+    return out
+
+
+def skipped(command: Command) -> str | None:
+    for fragment, reason in SKIP.items():
+        if fragment in command.text:
+            return reason
+    if command.text in SLOW and not ALL:
+        return f"{SLOW[command.text]:.0f} s measured, over {SLOW_S:.0f} s (INFRALAB_ALL_COMMANDS=1 runs it)"
+    return None
+
+
+def collect(cuda: bool) -> list[Block]:
+    """Every block, its commands deduplicated across the site (first shown wins) and against the
+    pages' run_cpu commands, skipped ones left out; only the ``--device cuda`` ones if ``cuda``."""
+    seen = {front_matter(p)["run_cpu"] for p in LAB_PAGES}
+    out = []
+    for path in shown_files():
+        for block in blocks_in(path):
+            keep = Block(block.where)
+            for c in block.commands:
+                if c.text in seen or skipped(c) or c.cuda != cuda:
+                    continue
+                seen.add(c.text)
+                keep.commands.append(c)
+            if keep.commands:
+                out.append(keep)
+    return out
+
+
+def clean_env(tmp_path: Path) -> dict:
+    """A fresh shell: no virtual environment active. PYTHONPATH names this checkout's code/, which a
+    reader's venv already imports (editable install); it matters only in a git worktree sharing
+    another checkout's venv, whose editable labkit would otherwise be that checkout's."""
+    return {"PATH": CLEAN_PATH, "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT / "code")}
+
+
+def with_out_flag(text: str, tmp_path: Path) -> str:
+    for script, flag in OUT_FLAGS.items():
+        if script in text:
+            return f"{text} {flag.format(tmp=tmp_path)}"
+    return text
+
+
+def script(block: Block, tmp_path: Path) -> str:
+    """One bash script: each command in order, stopped at the first one that exits otherwise than shown."""
+    lines = []
+    for c in block.commands:
+        lines.append(f"{with_out_flag(c.text, tmp_path)} >/dev/null\n"
+                     f"rc=$?; if [ $rc -ne {c.expect} ]; then echo \"exit $rc, not {c.expect}: {c.text}\" >&2; exit 1; fi")
+    return "\n".join(lines)
+
+
+def run_block(block: Block, tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    proc = subprocess.run(["bash", "-c", script(block, tmp_path)], cwd=ROOT, env=clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=900)
+    print(f"{block.where}: {time.perf_counter() - t0:.1f} s wall, {len(block.commands)} commands")
+    assert proc.returncode == 0, f"{block.where}\n{proc.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
 def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     command = front_matter(page)["run_cpu"]
-    env = {"PATH": CLEAN_PATH, "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -41,3 +216,31 @@ def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     starts_ranks = issubclass(load_lab(int(page.stem[4:6])).Config, dist.Ranks)  # Labs 10, 11: a process per rank
     budget = CPU_SECONDS * (dist.DEFAULT_RANKS if starts_ranks else 1)
     assert cpu <= budget, f"{command}: {cpu:.1f} s of CPU, more than {budget:.0f}"
+
+
+@pytest.mark.parametrize("block", collect(cuda=False), ids=lambda b: b.where)
+def test_every_command_shown_runs_verbatim(block, tmp_path):
+    run_block(block, tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", collect(cuda=True), ids=lambda b: b.where)
+def test_every_cuda_command_shown_runs_verbatim_on_a_gpu(block, tmp_path):
+    run_block(block, tmp_path)
+
+
+def test_the_collector_finds_the_commands_and_every_skip_is_used():
+    """The collector sees what a reader sees (joined continuation lines, a block's order, a stated
+    exit code), and no SKIP or SLOW entry outlives the command it was written for."""
+    every = [c for p in shown_files() for b in blocks_in(p) for c in b.commands]
+    texts = [c.text for c in every]
+    assert len(every) > 80
+    lab02 = [c.text for b in blocks_in(ROOT / "code/lab-02-single-gpu-training/README.md") for c in b.commands]
+    assert lab02.index(next(t for t in lab02 if t.endswith("--checkpoint /tmp/c.pt"))) < lab02.index(
+        next(t for t in lab02 if t.endswith("--checkpoint /tmp/c.pt --resume")))
+    assert not any("\\" in t or "  " in t for t in texts)  # continuation lines joined
+    assert any(c.expect == 2 and "--budget 8MiB" in c.text for c in every)
+    for fragment in [*SKIP, *CUDA_ONLY, *OUT_FLAGS]:
+        assert any(fragment in t for t in texts), f"entry {fragment!r} matches no command shown"
+    for text in SLOW:
+        assert text in texts, f"SLOW entry {text!r} is no command shown"

@@ -291,6 +291,16 @@ def test_human_report_prints_the_tables(lab12, capsys):
     assert len(alive) == 2 + 3
 
 
+def test_a_fixed_loop_alone_reports_that_nothing_grew(lab12, report12, capsys):
+    """The page's real-scale command runs --scenario fixed: nothing grew is an answer (it was a TypeError)."""
+    result = lab12.run(lab12.Config(**{**SIZE, "steps": 2}, scenario="fixed"))
+    assert report12.grew_table(result).rows == []
+    lab12.report(result)
+    grew = capsys.readouterr().out.split("What grew in the last step", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert grew[3] == "nothing: no origin holds more bytes after the last step of fixed than before it"
+    assert "no rows" not in report12.grew_table(result).markdown()
+
+
 def test_the_config_refuses_a_width_the_heads_do_not_divide(lab12):
     with pytest.raises(lab12.UsageError, match="--width 30 is not divisible by --heads 4"):
         lab12.Config(**{**SIZE, "width": 30, "heads": 4})

@@ -288,6 +288,18 @@ def test_one_table_renders_the_same_numbers_everywhere_and_escapes_text():
     assert "3,149,824 B" in t.text().splitlines()[2]
 
 
+def test_a_table_with_no_rows_renders_its_header_and_says_so_everywhere():
+    t = Table(["where", ("bytes", "B"), ("share", "pct:1")], empty="nothing grew | at all")
+    console = t.text().splitlines()  # was a TypeError: max(len(name), *()) on no rows
+    assert console == ["where  bytes  share", "-----  -----  -----", "nothing grew | at all"]
+    md = t.markdown().splitlines()
+    assert md[:2] == ["| where | bytes | share |", "|---|---:|---:|"] and md[2] == "| *nothing grew \\| at all* |  |  |"
+    back = Table.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.markdown() == t.markdown() and back.text() == t.text()
+    assert Table(["a"]).text().splitlines()[-1] == "(no rows)" and "empty" not in Table(["a"], [[1]]).to_dict()
+    assert Table(["a", "b"]).add("x", "y").text().splitlines()[-1] == "x  y"  # a row replaces the note
+
+
 def test_decimate_keeps_every_local_peak():
     values = [0] * 10_000
     values[4321] = 7

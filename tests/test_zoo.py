@@ -3,6 +3,7 @@ diffusers') implementation, and (at toy size) runs for real. Real sizes are only
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,9 +20,11 @@ PUBLISHED = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "mixtral-8x7b": 46_702_792_704,
-    "gpt-3-175b": 174_604_259_328,
     "flux-dev": 11_901_408_320,
 }
+# GPT-3's paper gives "175.0B" (https://arxiv.org/abs/2005.14165, Table 2.1): rounded, and no checkpoint
+# was released to count. This is computed from the paper's shape, not published.
+GPT3_COMPUTED, GPT3_PAPER = 174_604_259_328, 175.0e9
 CAUSAL = [name for name in zoo.names() if zoo.get(name).family in ("llama", "mixtral", "gpt")]
 
 
@@ -74,6 +77,12 @@ def test_closed_form_count_is_the_built_models(name):
 
 def test_published_counts():
     assert {name: zoo.get(name).param_count() for name in PUBLISHED} == PUBLISHED
+
+
+def test_gpt_3s_count_is_computed_from_its_shape_and_rounds_to_the_papers():
+    count = zoo.get("gpt-3-175b").param_count()
+    assert count == GPT3_COMPUTED and round(count / 1e9) == round(GPT3_PAPER / 1e9)  # 175 B
+    assert "computed from the paper's shape" in zoo.__doc__ and f"{GPT3_COMPUTED:,}" in zoo.__doc__
 
 
 @pytest.mark.parametrize("name", CAUSAL)
@@ -154,6 +163,53 @@ def test_real_sizes_run_on_meta():
         out = zoo.get("flux-dev").build()(torch.zeros(1, 64, 64), torch.zeros(1, 8, 4096), torch.zeros(1, 768),
                                           torch.zeros(1), torch.zeros(1))
         assert out.shape == (1, 64, 64)
+
+
+def gpt_step_peaks(spec: zoo.ModelSpec, seq: int) -> tuple[dict, int]:
+    """The per-category peaks of one AdamW training step of ``spec`` at ``seq`` tokens on fake tensors,
+    and the bytes of its position table."""
+    from labkit import Ledger, fake
+
+    with fake.tensors():
+        model = fake.materialize(spec.build)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        idx = torch.zeros(1, seq, dtype=torch.long)
+        ledger = Ledger("cpu").track_module(model).track_optimizer(opt)
+        with ledger:
+            model(idx, idx)[1].backward()
+            opt.step()
+    timeline = ledger.timeline()
+    return {c: max(timeline.device[c]) for c in timeline.categories}, model.pos.weight.nbytes
+
+
+def test_a_gpt_traces_past_its_context_on_fake_tensors_and_refuses_on_real_ones():
+    """Past its learned positions a GPT (fit.py warns, then traces) reads position p from row p mod
+    context: every category holds what a GPT whose table had seq rows holds, less those extra rows
+    (once as parameters, once as gradients, twice as AdamW's moments)."""
+    spec = zoo.get("small-gpt")
+    longer = dataclasses.replace(spec, context=2 * spec.context)
+    ours, table = gpt_step_peaks(spec, longer.context)
+    theirs, longer_table = gpt_step_peaks(longer, longer.context)
+    extra = longer_table - table
+    assert extra == spec.context * spec.width * 4
+    assert ours == {**theirs, "parameters": theirs["parameters"] - extra, "gradients": theirs["gradients"] - extra,
+                    "optimizer_state": theirs["optimizer_state"] - 2 * extra}
+    with pytest.raises(ValueError, match="longer than small-gpt's context, 128: only a trace on fake tensors"):
+        spec.build()(torch.zeros(1, spec.context + 1, dtype=torch.long))
+    spec.build()(torch.zeros(1, spec.context, dtype=torch.long))  # up to the context, a real model runs
+
+
+def test_gpt_3_traces_at_the_default_4k_tokens_past_its_2k_context():
+    """GPT-3's published context is 2,048 tokens; fit.py's default --seq is 4,096: a forward on fake
+    tensors runs at full size (it was a ValueError after the warning)."""
+    from labkit import fake
+
+    spec = zoo.get("gpt-3-175b")
+    with fake.tensors():
+        model = fake.materialize(spec.build, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits = model(torch.zeros(1, 2 * spec.context, dtype=torch.long))[0]
+    assert logits.shape == (1, 4096, spec.vocab) and fake.is_fake(logits)
 
 
 @pytest.mark.parametrize("name", ["small-llama", "small-mixtral"])

@@ -39,9 +39,12 @@ def origin_table(rows: list[dict], top: int) -> Table:
 
 
 def grew_table(result) -> Table:
-    """What grew in the last step of each loop, by the line that allocated it (a flat loop: nothing)."""
+    """What grew in the last step of each loop, by the line that allocated it. A flat loop adds no
+    rows; if no loop grew, the table says so under its header (the answer a fixed loop should give)."""
+    flat = [name for name, leak in result.leaks.items() if not leak.grew(result.config.top)]
     return Table([("loop", "code"), *ORIGIN], [[name, *origin_row(r)] for name, leak in result.leaks.items()
-                                               for r in leak.grew(result.config.top)])
+                                               for r in leak.grew(result.config.top)],
+                 empty=f"nothing: no origin holds more bytes after the last step of {', '.join(flat)} than before it")
 
 
 def report(result) -> None:

@@ -72,13 +72,15 @@ class Table:
 
     ``columns``: names, or ``(name, kind)`` pairs; ``rows``: one list of values per row;
     ``unit``: the unit of ``bytes`` columns (default: the largest value's); ``strong``: column
-    names whose cells are set in bold (a total, say).
+    names whose cells are set in bold (a total, say); ``empty``: what a table with no rows says
+    under its header (a flat loop has nothing that grew: that is an answer, not an error).
     """
 
     columns: list
     rows: list[list] = field(default_factory=list)
     unit: str | None = None
     strong: Sequence[str] = ()
+    empty: str = "(no rows)"
 
     def __post_init__(self) -> None:
         self.columns = [tuple(c) if isinstance(c, (list, tuple)) else (c, "text") for c in self.columns]
@@ -147,18 +149,20 @@ class Table:
     def markdown(self) -> str:
         head = "| " + " | ".join(escape(n) for n, _ in self.columns) + " |"
         sep = "|" + "".join("---:|" if k.partition(":")[0] in _NUMERIC else "---|" for _, k in self.columns)
-        return "\n".join([head, sep, *("| " + " | ".join(c) + " |" for c in self._cells(True))])
+        cells = self._cells(True) or [[f"*{escape(self.empty)}*", *("" for _ in self.columns[1:])]]
+        return "\n".join([head, sep, *("| " + " | ".join(c) + " |" for c in cells)])
 
     def text(self) -> str:
         """Aligned columns for a terminal: numbers to the right, text to the left."""
         cells = self._cells(False)
         names = [n for n, _ in self.columns]
-        widths = [max(len(names[i]), *(len(r[i]) for r in cells)) for i in range(len(names))]
+        widths = [max([len(names[i]), *(len(r[i]) for r in cells)]) for i in range(len(names))]
         right = [k.partition(":")[0] in _NUMERIC for _, k in self.columns]
 
         def line(values):
             return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)).rstrip()
-        return "\n".join([line(names), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+        body = [line(r) for r in cells] or [self.empty]  # no rows: the header, then what that means
+        return "\n".join([line(names), line(["-" * w for w in widths]), *body])
 
     def _repr_markdown_(self) -> str:  # a notebook shows a Table as Markdown
         return self.markdown()
@@ -168,12 +172,16 @@ class Table:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        return {"columns": [list(c) for c in self.columns], "rows": self.rows, "unit": self.unit,
-                "strong": list(self.strong)}
+        out = {"columns": [list(c) for c in self.columns], "rows": self.rows, "unit": self.unit,
+               "strong": list(self.strong)}
+        if not self.rows:
+            out["empty"] = self.empty
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Table:
-        return cls(columns=d["columns"], rows=d["rows"], unit=d.get("unit"), strong=tuple(d.get("strong", ())))
+        return cls(columns=d["columns"], rows=d["rows"], unit=d.get("unit"), strong=tuple(d.get("strong", ())),
+                   empty=d.get("empty", "(no rows)"))
 
 
 def by_category(peaks: dict[str, dict[str, int]], label: str = "phase", categories: Sequence[str] | None = None,

@@ -4,7 +4,10 @@ The handbook traces training and inference steps of real models on fake tensors 
 allocated; :mod:`labkit.fake` does that). This module holds the models: each written plainly,
 built from its published configuration, with the published parameter count to the parameter
 (a test holds every count, and each architecture's parameter names and shapes, against Hugging
-Face's own implementation built from the same configuration)::
+Face's own implementation built from the same configuration). GPT-3 is the exception: its paper
+publishes "175.0B" (Table 2.1), a rounded figure, and no checkpoint; its count here,
+174,604,259,328, is computed from the paper's shape (96 layers, width 12,288, 2,048 positions,
+GPT-2's 50,257-token vocabulary), 0.23 % under the rounded figure::
 
     from labkit import zoo
     spec = zoo.get("llama-3-8b")          # a ModelSpec: the published configuration
@@ -25,8 +28,9 @@ What the zoo follows, and where it does not:
   ``labkit.fake.materialize(..., dtype=...)``) as a real run would load them.
 * RoPE: each attention computes its own cos/sin tables from a non-persistent buffer of inverse
   frequencies, (T, head_dim) each, the size Hugging Face computes once per forward; so a block needs
-  nothing but ``x`` (the ``run_blocks`` seam stays ``run_blocks(blocks, x)``) at the price of a few
-  KiB of temporaries per layer. Llama 3.1/3.2's "llama3" frequency scaling is left out: it changes
+  nothing but ``x`` (the ``run_blocks`` seam stays ``run_blocks(blocks, x)``) at the price of a
+  copy of the two tables per layer, saved for backward (4 MiB a layer at 4k tokens and head_dim 128:
+  0.25 % of Llama-3-8B's activations; a test holds the difference to Hugging Face's to the byte). Llama 3.1/3.2's "llama3" frequency scaling is left out: it changes
   the values of those tables, not their sizes. After ``to_empty`` the buffer holds garbage, like the
   weights: a real run fills both.
 * MoE routing on fake or meta tensors has no data to route by: every expert then gets an equal
@@ -40,6 +44,7 @@ What the zoo follows, and where it does not:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -349,10 +354,20 @@ class GPT(CausalLM):
         self.finish(spec)
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        from labkit import fake
+
         t = idx.size(1)
+        positions = torch.arange(t, device=idx.device)
         if t > self.spec.context:
-            raise ValueError(f"sequence of length {t} is longer than the context, {self.spec.context}")
-        return self.embed(idx) + self.pos(torch.arange(t, device=idx.device))
+            if not fake.is_fake(idx):  # a real model has no learned position past its table
+                raise ValueError(f"sequence of length {t} is longer than {self.spec.name}'s context, "
+                                 f"{self.spec.context}: only a trace on fake tensors can run it")
+            # A trace (bytes, no values) reads position p from row p mod context. The gather is
+            # still (t, width), the saved indices still t int64s, the table and its gradient still
+            # the published model's: the same bytes in every category as a run whose table had t
+            # rows, less the extra rows themselves. In place, so no extra tensor either.
+            positions.remainder_(self.spec.context)
+        return self.embed(idx) + self.pos(positions)
 
 
 # ============================================================================ Flux
@@ -642,17 +657,47 @@ class HFCausalLM(nn.Module):
         return getattr(owner, name)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
-        if run_blocks is None:
-            logits = self.hf(input_ids=idx, use_cache=False).logits
-        else:
-            owner, name = self._stack()
-            layers = getattr(owner, name)
-            setattr(owner, name, nn.ModuleList([_RunBlocks(layers, run_blocks)]))
-            try:
+        with _one_sequence_per_row(idx):
+            if run_blocks is None:
                 logits = self.hf(input_ids=idx, use_cache=False).logits
-            finally:
-                setattr(owner, name, layers)
+            else:
+                owner, name = self._stack()
+                layers = getattr(owner, name)
+                setattr(owner, name, nn.ModuleList([_RunBlocks(layers, run_blocks)]))
+                try:
+                    logits = self.hf(input_ids=idx, use_cache=False).logits
+                finally:
+                    setattr(owner, name, layers)
         return logits, causal_lm_loss(logits, targets)
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row(idx: torch.Tensor):
+    """transformers run as on real tensors, on fake ones too.
+
+    With no attention mask and no cache (a training step), transformers reads the position ids to
+    find packed sequences. On real tensors it finds none (the ids are its own 0..T-1) and lets SDPA
+    mask causally itself, with grouped-query attention (``is_causal``, ``enable_gqa``). On fake
+    tensors it cannot read them, so it assumes packing: it builds a (B, 1, T, T) mask, and with a
+    mask it copies K and V up to the query heads (``repeat_kv``), which SDPA then saves for
+    backward. This forward passes no position ids, so its rows are single sequences: for its length,
+    the search answers "none", as on real tensors. Guarded: another transformers may lack the hook.
+    """
+    from labkit import fake
+
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is pinned
+        masking_utils = None
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None or not fake.is_fake(idx):
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
 
 
 class _RunBlocks(nn.Module):

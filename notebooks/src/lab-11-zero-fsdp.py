@@ -207,14 +207,16 @@ display(support)
 # AdamW's state in place, is the one shown. The trace follows CPU dispatch (`labkit.fake` says
 # where CUDA's would differ) and holds neither the CUDA context, cuBLAS workspaces, NCCL's own
 # buffers nor the allocator's fragmentation. Every stage at 8 ranks; at 64, ZeRO-1 (whose rank 0
-# gets whole tensors) and ZeRO-3, the stage a 64-rank job runs (DDP's rank holds at 64 what it
-# holds at 8: Lab 10 traces both; stage 2 differs from 8 ranks only in its shards). Llama-3-70B at
-# stage 3: DDP and ZeRO-1 would keep its fp32 weights, gradients and buckets whole on every rank.
+# gets whole tensors), ZeRO-2 (its gathered weights stay from forward to backward, whatever the
+# shard) and ZeRO-3, the stage a 64-rank job runs (DDP's rank holds at 64 what it holds at 8: Lab 10
+# traces both). Llama-3-70B at stage 3: DDP and ZeRO-1 would keep its fp32 weights, gradients and
+# buckets whole on every rank.
 
 # %%
 at_scale = dict(fake=True, seq_len=4096, batch_size=1, steps=2)
 jobs = {"llama_3_8b_8": dict(model="llama-3-8b", world_size=8),
         "llama_3_8b_64_zero1": dict(model="llama-3-8b", world_size=64, stage="1"),
+        "llama_3_8b_64_zero2": dict(model="llama-3-8b", world_size=64, stage="2"),
         "llama_3_8b_64_zero3": dict(model="llama-3-8b", world_size=64, stage="3"),
         "llama_3_70b_64_zero3": dict(model="llama-3-70b", world_size=64, stage="3")}
 traces = {key: lab.run(lab.Config(**job, **at_scale)).summary() for key, job in jobs.items()}
