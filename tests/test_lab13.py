@@ -176,6 +176,9 @@ def test_the_gpu_measurement_rehearses_on_cpu(lab13, tmp_path):
     assert measured["max_memory_allocated"] is None and measured["traced_over_allocated"] is None
     sharded = small(lab13, dp=2, zero_stage=3)
     assert not lab13.measure_on_gpu(sharded, lab13.trace(sharded), device="cpu")["measured"]
+    past = lab13.Config(model="small-gpt", seq=256, device="cpu", levers="none")  # context 128: traced, not run
+    skipped = lab13.measure_on_gpu(past, lab13.trace(past), device="cpu")
+    assert not skipped["measured"] and "context" in skipped["why"]
     proc = run_cli("../bench/fit_gpu_bench.py", "--device", "cpu", "--out", str(tmp_path / "b.json"))
     assert proc.returncode == 0, proc.stderr
     cases = json.loads((tmp_path / "b.json").read_text())["cases"].values()

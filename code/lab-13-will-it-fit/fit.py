@@ -225,6 +225,8 @@ def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
     if config.dp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
+    if config.seq > config.spec.context > 0:
+        return {"measured": False, "why": "a real step cannot run past the model's context", "free_bytes": free}
     real = trace(config, tensors=contextlib.nullcontext, device=device)
     stats = cuda_kit.ledger_vs_allocator(real.timeline, real.allocator) or {}
     peak = traced.timeline.peak()["total"]
