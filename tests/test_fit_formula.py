@@ -118,6 +118,10 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
     {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "full", "accumulation": 2},
     {"precision": "bf16", "dp": 4, "zero_stage": 3},
+    # mixed under FSDP2 (MixedPrecisionPolicy): the root's bf16 gradients and fp32 reduce-scatter input hold the peak
+    {"precision": "mixed", "dp": 4, "zero_stage": 3}, {"precision": "mixed", "dp": 4, "zero_stage": 2},
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "offload": "params"},
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "selective", "accumulation": 2},
     {"precision": "mixed", "offload": "optimizer"},
     {"precision": "mixed", "task": "infer", "batch": 2},
 ])

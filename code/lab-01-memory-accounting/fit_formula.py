@@ -197,10 +197,12 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     elif x.zero_stage == 3:  # the root and one block gathered; backward gathers the root again (buffer + copy)
         fwd = bwd = gathered * (S.Pr + S.Pb)
         gather = 2 * gathered * S.Pr
+    end = S.w * S.Pr if fsdp_mixed(x) else ZERO  # the root's fp32 reduce-scatter input; its bf16 weights resharded
     if x.offload == "params":  # two blocks' shards copied to the device first (Lab 13, derived)
         shards = 2 * S.w * ceil_div(ceil_div(S.P, S.L), S.dp)
-        fwd, bwd, gather, opt = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt))
-    out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt}
+        fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
+    out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
+           "backward_end": end}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
     return out
@@ -235,6 +237,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
+    if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
+        blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
+        out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
 
 
