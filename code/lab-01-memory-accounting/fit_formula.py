@@ -30,7 +30,7 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
     "fp32": ("fp32", 4, 4),
     "bf16": ("bf16", 2, 2),  # pure bf16: weights, gradients and AdamW's moments in bf16
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
-}
+}  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
@@ -63,6 +63,13 @@ class Sizes:
     matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16
 
 
+def fsdp_mixed(x: Inputs) -> bool:
+    """Mixed precision under FSDP2 (ZeRO-2/3), as Lab 13 traces it: MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32), no autocast. fp32 shards, gradients and state; each unit's weights gathered in bf16,
+    so the whole forward runs in bf16 (no weight casts); bf16 gradients reduce-scattered in fp32."""
+    return x.precision == "mixed" and x.zero_stage >= 2 and x.task != "serve"
+
+
 def rank_spec(spec, tp: int):
     """The model one of ``tp`` tensor-parallel ranks holds (as Lab 14's ``per_gpu_spec``)."""
     if tp == 1:
@@ -90,6 +97,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     s, (recipe, c, r) = z.spec, PRECISIONS[x.precision]
     w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
     new = min(x.prefill_chunk or x.context, x.context)
+    r = c if fsdp_mixed(x) else r  # the bf16 weights make a bf16 residual stream
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
@@ -140,7 +148,7 @@ def gpt_layer(S, checkpointing: str) -> Expr:
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
     """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
-    mixed = x.precision == "mixed"
+    mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
@@ -181,17 +189,23 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     gradient, Lab 10), or what FSDP2 holds gathered (Lab 11's wrap: a unit per block, the root's own)."""
     fwd = bwd = gather = opt = ZERO
     weights = S.P + S.Pt if x.lora_rank else S.P
+    gathered = S.c if fsdp_mixed(x) else S.w  # MixedPrecisionPolicy gathers bf16 weights
     if x.dp > 1 and x.zero_stage <= 1:
         fwd = bwd = gather = opt = S.w * S.Pt
     elif x.zero_stage == 2:  # no resharding after forward: every weight stays gathered until backward ends
-        fwd, bwd = S.w * (weights + S.Pb), S.w * weights
+        fwd, bwd = gathered * (weights + S.Pb), gathered * weights
     elif x.zero_stage == 3:  # the root and one block gathered; backward gathers the root again (buffer + copy)
-        fwd = bwd = S.w * (S.Pr + S.Pb)
-        gather = 2 * S.w * S.Pr
+        fwd = bwd = gathered * (S.Pr + S.Pb)
+        gather = 2 * gathered * S.Pr
+    end = S.w * S.Pr if fsdp_mixed(x) else ZERO  # the root's fp32 reduce-scatter input; its bf16 weights resharded
     if x.offload == "params":  # two blocks' shards copied to the device first (Lab 13, derived)
         shards = 2 * S.w * ceil_div(ceil_div(S.P, S.L), S.dp)
-        fwd, bwd, gather, opt = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt))
-    return {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt}
+        fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
+    out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
+           "backward_end": end}
+    if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
+        out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
+    return out
 # --8<-- [end:state]
 
 
@@ -220,7 +234,25 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
                                        "temporaries": 8 * S.T * S.V + 4 * S.T * S.h}
     if x.zero_stage == 3 and x.offload != "params":
         out["root_gathered"] = held | {"activations": act["kept"]}
+    if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
+            and x.spec().family != "gpt" and x.offload == "none":
+        out["block_backward"] = block_backward(x, S, held, act)
+    if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
+        blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
+        out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
+
+
+def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
+    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
+    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
+    head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
+    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
+    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
+    norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
+    return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
+                   "temporaries": S.c * S.V * S.h + 3 * S.c * S.h * S.f + norm_backward}
 
 
 def peak(x: Inputs) -> tuple[str, dict[str, Expr]]:
@@ -262,7 +294,7 @@ def inference(x: Inputs, S) -> dict[str, Expr]:
         kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
         return {"parameters": S.w * S.P, "activations": prefill(S), "kv_cache": kv}
     work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
-    if x.precision == "mixed":  # autocast's cache of every weight's bf16 cast, until the forward ends
+    if x.precision == "mixed" and not fsdp_mixed(x):  # autocast's cache of every weight's bf16 cast, until the forward ends
         work = S.c * (S.Pm + S.V * S.h) + work
     out = {"parameters": S.w * S.P, "kv_cache": 2 * S.L * S.T * S.g * S.c, "temporaries": work}
     if x.zero_stage == 3:

@@ -227,8 +227,12 @@
     return { spec: s, P, Pt, n: nt, block, root: P - L * block, matmuls: L * (block - (gpt ? 13n : 2n) * BigInt(s.width)) };
   }
 
+  // Mixed under FSDP2 (ZeRO-2/3), as Lab 13 traces it: MixedPrecisionPolicy (bf16 gathers, fp32 reduction), no autocast.
+  const fsdpMixed = (x) => x.precision === "mixed" && x.zero_stage >= 2 && x.task !== "serve";
+
   function symbols(x, z) {
-    const s = z.spec, [recipe, c0, r] = D.constants.precisions[x.precision];
+    const s = z.spec, [recipe, c0, r0] = D.constants.precisions[x.precision];
+    const r = fsdpMixed(x) ? c0 : r0;  // the bf16 weights make a bf16 residual stream
     const w = x.task !== "serve" ? D.constants.recipes[recipe].param : (x.precision === "fp32" ? 4 : 2);
     const p = Math.min(x.prefill_chunk || x.context, x.context);
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
@@ -279,7 +283,7 @@
   }
 
   function activations(x, S, family) {
-    const mixed = x.precision === "mixed";
+    const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
     const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
@@ -311,19 +315,35 @@
   function communication(x, S) {
     let fwd = ZERO, bwd = ZERO, gather = ZERO, opt = ZERO;
     const weights = x.lora_rank ? S.P.add(S.Pt) : S.P;
+    const gathered = fsdpMixed(x) ? S.c : S.w;  // MixedPrecisionPolicy gathers bf16 weights
     if (x.dp > 1 && x.zero_stage <= 1) {
       fwd = bwd = gather = opt = S.w.mul(S.Pt);
     } else if (x.zero_stage === 2) {
-      fwd = S.w.mul(weights.add(S.Pb)); bwd = S.w.mul(weights);
+      fwd = gathered.mul(weights.add(S.Pb)); bwd = gathered.mul(weights);
     } else if (x.zero_stage === 3) {
-      fwd = bwd = S.w.mul(S.Pr.add(S.Pb));
-      gather = n(2).mul(S.w).mul(S.Pr);
+      fwd = bwd = gathered.mul(S.Pr.add(S.Pb));
+      gather = n(2).mul(gathered).mul(S.Pr);
     }
+    let end = fsdpMixed(x) ? S.w.mul(S.Pr) : ZERO;  // the root's fp32 reduce-scatter input; its bf16 weights resharded
     if (x.offload === "params") {
       const sh = n(2).mul(S.w).mul(ceilDiv(ceilDiv(S.P, S.L), S.dp));
-      [fwd, bwd, gather, opt] = [fwd, bwd, gather, opt].map((e) => (e === ZERO ? sh : e.add(sh)));
+      [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
-    return { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt };
+    const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
+      backward_end: end };
+    // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
+    if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    return out;
+  }
+
+  // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_formula.block_backward).
+  function blockBackward(x, S, held, act) {
+    const done = S.T.mul(norm(S, 1)).add(layer(S, "none", false))
+      .add(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
+    const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(S.Pb, S.dp));
+    const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
+    return Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
+      temporaries: S.c.mul(S.V).mul(S.h).add(n(3).mul(S.c).mul(S.h).mul(S.f)).add(normBackward) });
   }
 
   function full(m) {
@@ -353,6 +373,12 @@
         activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
+    if (comm.block_backward && x.checkpointing === "none" && !x.lora_rank && !S.E.value && z.spec.family !== "gpt"
+        && x.offload === "none") out.block_backward = blockBackward(x, S, held, act);
+    if (fsdpMixed(x) && !x.lora_rank) {  // the root's backward done: its bf16 gradients, about to be reduced
+      const blocks = x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
+      out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried, temporaries: S.c.mul(S.Pr) });
+    }
     const res = {};
     for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] }));
     return res;
@@ -395,7 +421,7 @@
       return { parameters: S.w.mul(S.P), activations: prefill(S), kv_cache: kv };
     }
     let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
-    if (x.precision === "mixed") work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
+    if (x.precision === "mixed" && !fsdpMixed(x)) work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
     const out = { parameters: S.w.mul(S.P), kv_cache: n(2).mul(S.L).mul(S.T).mul(S.g).mul(S.c), temporaries: work };
     if (x.zero_stage === 3) {
       out.parameters = S.w.mul(ceilDiv(S.P, S.dp));
@@ -725,7 +751,8 @@
   const MOMENTS = {
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
-    infer: "the prefill", serve: "the serving budget",
+    block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
+    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", serve: "the serving budget",
   };
 
   function h(tag, attrs, ...kids) {
