@@ -55,7 +55,6 @@ SKIP = {
     "./scripts/serve": "serves the site until stopped (tests/test_site.py builds it)",
     "./scripts/test": "runs this whole suite (it would run itself)",
     "scripts/run_notebooks.py --device cpu": "executes all 14 notebooks, many minutes (tests/test_notebooks.py does)",
-    "path/to/config.json": "a placeholder for the reader's own file (tests/test_lab13.py traces a config.json)",
     "bench/offload_bench.py": "a GPU benchmark writing results/offload_bench.json, with no --out (gpu_campaign runs it)",
 }
 # Commands that need a CUDA GPU though their line names no --device: they run under `pytest -m cuda`.

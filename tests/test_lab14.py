@@ -420,7 +420,7 @@ def test_the_non_torch_memory_is_lab_13s_cited_allowance_in_one_wording(capsys):
     page = (ROOT / "docs" / "labs" / "lab-14-serving-memory.md").read_text()
     assert budget.NON_TORCH_HOW in page
     for url in re.findall(r"https://\S+", budget.NON_TORCH_SOURCE):
-        assert url.rstrip(",;") in page, url
+        assert url.rstrip(",;)") in page, url
 
 
 def test_block_size_trades_waste_for_block_table_entries(small_run):

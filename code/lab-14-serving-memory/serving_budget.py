@@ -39,7 +39,7 @@ GPUS = {name: gpu.total_bytes for name, gpu in FIT_GPUS.GPUS.items()
 #: with its source; one wording for the report, ``--help`` and the page.
 NON_TORCH_BYTES = FIT_GPUS.CUDA_CONTEXT_BYTES
 NON_TORCH_SOURCE = FIT_GPUS.CUDA_CONTEXT_SOURCE
-NON_TORCH_HOW = "cited (Lab 13's CUDA context)"
+NON_TORCH_HOW = "assumed from cited measurements (Lab 13's CUDA context)"
 
 
 def per_gpu_spec(spec, tp: int):
@@ -109,7 +109,7 @@ class Budget:
     gpu_bytes: int
     weights_bytes: int  # traced
     prefill_peak_bytes: int  # traced: activations and temporaries at the prefill's peak
-    non_torch_bytes: int  # cited (NON_TORCH_BYTES) or a flag
+    non_torch_bytes: int  # Lab 13's allowance (NON_TORCH_BYTES) or a flag
     kv_heads_per_gpu: int
     kv_bytes_per_token: int  # per GPU, from the config
 
