@@ -123,6 +123,16 @@ def test_views_are_not_allocations():
     assert allocs[0].nbytes == d.numel() * F32
 
 
+def test_storage_id_names_the_record_of_a_tensor_and_of_its_views():
+    x, unseen = torch.randn(8, 8), torch.randn(4)
+    ledger = Ledger("cpu")
+    with ledger:
+        y = x.clone()
+    (rec,) = [r for r in ledger.records if r.op == "clone"]
+    assert ledger.storage_id(y) == ledger.storage_id(y.t()) == rec.sid
+    assert ledger.storage_id(unseen) is None
+
+
 def test_views_of_untracked_tensors_are_not_counted():
     w = torch.randn(32, 32)  # never registered
     ledger = Ledger("cpu")

@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,10 +60,14 @@ world = labs.load(10, "fake_world")  # one rank of N in this process: the fake p
 LOSS_RTOL = 1e-5  # losses (relative) and final parameters (absolute) against DDP; CPU runs measure 0
 
 
+NO_CASTS = MixedPrecisionPolicy()  # fully_shard's default: parameters and gradients keep their dtype
+
+
 # --8<-- [start:wrap]
-def wrap(stage: int, model: torch.nn.Module, mesh, lr: float, **adamw):
+def wrap(stage: int, model: torch.nn.Module, mesh, lr: float, mp_policy=NO_CASTS, **adamw):
     """The only place the stages differ: which rank holds which bytes (``adamw``: AdamW's
-    implementation, ``foreach=True`` or ``fused=True``, when the caller names one)."""
+    implementation, ``foreach=True`` or ``fused=True``, when the caller names one; ``mp_policy``:
+    FSDP2's mixed precision for stages 2 and 3: by default none, as ``fully_shard``'s own default)."""
     if stage <= 1:
         on_gpu = mesh.device_type == "cuda"
         ddp = DDP(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)  # (1)!
@@ -72,8 +76,8 @@ def wrap(stage: int, model: torch.nn.Module, mesh, lr: float, **adamw):
         return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
                                             **adamw)  # (2)!
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=(stage == 3))  # (3)!
-    fully_shard(model, mesh=mesh, reshard_after_forward=(stage == 3))  # (4)!
+        fully_shard(block, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp_policy)  # (3)!
+    fully_shard(model, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp_policy)  # (4)!
     return model, torch.optim.AdamW(model.parameters(), lr=lr, **adamw)  # (5)!
 # --8<-- [end:wrap]
 

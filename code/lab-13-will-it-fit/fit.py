@@ -129,15 +129,13 @@ def shard(model, config: Config, mesh):
     """Who holds which bytes: ZeRO over the ranks of ``mesh``, or offload to the host; returns rank
     0's optimizer (None for inference)."""
     make, kwargs = OPTIMIZERS[config.optimizer]
-    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if fsdp_mixed(config) else {}
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if fsdp_mixed(config)
+              else lab11.NO_CASTS)
     if config.offload == "params":  # (5)!
         for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **policy)
-    elif policy:  # (6)!
-        for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, reshard_after_forward=config.zero_stage == 3, **policy)
+            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
     elif config.zero_stage >= 2:
-        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3)
+        lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task == "infer":
         return None
     if config.zero_stage >= 2:

@@ -94,7 +94,7 @@ class WeightCasts(TorchDispatchMode):
             return NotImplemented  # DTensor's local ops come back here
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and args[0].is_leaf and args[0].requires_grad:
-            sid = self.ledger._sid_of.get(out.untyped_storage())  # noqa: SLF001 - the ledger's storage ids
+            sid = self.ledger.storage_id(out)
             if sid is not None:
                 self.sids.add(sid)
         return out

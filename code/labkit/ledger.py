@@ -415,6 +415,10 @@ class Ledger(TorchDispatchMode):
             self._original_resize = None
 
     # ------------------------------------------------------------------ reading
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        """The id this ledger gave ``t``'s storage (the ``sid`` of its records), or None if it has not seen it."""
+        return self._sid_of.get(t.untyped_storage())
+
     def category_of(self, rec: StorageRecord) -> str:
         if rec.label is not None:
             return rec.label
