@@ -82,8 +82,18 @@ def bad_values(config_cls) -> list[tuple[str, str]]:
     return out
 
 
+def _asks_for_a_gpu_there_is_not(config_cls) -> list[tuple[str, str]]:
+    """``--device cuda`` on a machine without a GPU, for every command line that offers it."""
+    import torch
+
+    field = {f.name: kind for f, kind in fields_of(config_cls)}.get("device")
+    offers = field is not None and "cuda" in (choices_of(split_optional(field)[0]) or ())
+    return [("--device", "cuda")] if offers and not torch.cuda.is_available() else []
+
+
 CASES = [pytest.param(path, name, text, id=f"{path.parent.name}/{path.stem}:{name}={text[:12]}")
-         for path in command_lines() for name, text in bad_values(load(path).Config)]
+         for path in command_lines()
+         for name, text in bad_values(load(path).Config) + _asks_for_a_gpu_there_is_not(load(path).Config)]
 
 
 @pytest.mark.parametrize("n", sorted(labs.STARTERS))

@@ -1,12 +1,17 @@
 """Every command a reader is shown works as written.
 
 Two tests. Each lab page's "Run it" CPU command (its front matter's ``run_cpu``) runs verbatim by
-bash from the repository root with a clean PATH (no virtual environment activated) and exits 0
-within 10 s of CPU time. And every command in a fenced code block of the pages (``docs/**/*.md``),
-the README, the labs' READMEs and ``bench/README.md`` runs the same way: a block's commands in
-order, in one bash, so that ``--checkpoint`` then ``--resume``, or a file one command writes and the
-next reads, work as a reader would type them. A command exits 0, or the code its comment states
-(``# exit 2``: a refusal the page shows on purpose).
+bash from the repository root with a clean PATH (no virtual environment activated) and exits 0.
+How long it takes is a benchmark, not a test: ``bench/lab_runs_bench.py`` times every lab's
+command, and the performance page shows it. And every command in a fenced code block of the pages
+(``docs/**/*.md``), the README, the labs' READMEs and ``bench/README.md`` runs the same way: a
+block that shows a command runs whole, every line of it in order in one bash (a ``printf`` that
+writes the file the next command reads included), so that ``--checkpoint`` then ``--resume``, or a
+file one command writes and the next reads, work as a reader would type them. A command exits 0, or
+the code its comment states (``# exit 2``: a refusal the page shows on purpose).
+
+A path under ``/tmp/`` in a command is a reader's scratch file: here it lands in the test's own
+temporary directory, so that no run depends on a file an earlier one left behind.
 
 Commands are deduplicated (the same command on a page and in a README runs once, and one equal to
 a page's ``run_cpu`` is left to the first test). What does not run here is in ``SKIP`` with its
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -30,15 +34,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, load_lab
+from conftest import ROOT
 
-from labkit import dist
 
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
-CPU_SECONDS = 10.0
 SHOWN_IN = ["docs/**/*.md", "README.md", "code/*/README.md", "bench/README.md"]
 COMMAND = re.compile(r"^(?:\$ )?(?:\.venv/bin/(?:python|torchrun)|\./scripts/|scripts/gpu_campaign)\b")
+SHELL_LANGS = {"", "bash", "sh", "shell", "console"}  # a block in one of these that shows a command runs whole
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
 EXPECT = re.compile(r"#\s*exit (\d+)\s*$")
 SLOW_S = 20.0  # a command measured slower than this is in SLOW below, its time stated
@@ -124,21 +127,33 @@ def blocks_in(path: Path) -> list[Block]:
             i += 1
             continue
         indent, fence = m.groups()
+        lang = lines[i].strip()[len(fence):].strip().split(" ")[0].lower()
         j, body = i + 1, []
         while j < len(lines) and not lines[j].strip().startswith(fence):
             body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
             j += 1
         block = Block(f"{path.relative_to(ROOT)}:{i + 1}")
-        for line in re.sub(r"\s*\\\n\s*", " ", "\n".join(body)).splitlines():
-            line = line.strip()
-            if COMMAND.match(line):
+        joined = [line.strip() for line in re.sub(r"\s*\\\n\s*", " ", "\n".join(body)).splitlines()]
+        if lang in SHELL_LANGS and any(COMMAND.match(line) for line in joined):
+            for line in joined:
+                if not line or line.startswith("#"):
+                    continue
                 expect = EXPECT.search(line)
-                text = re.sub(r"\s+#.*$", "", line.removeprefix("$ "))  # (no '#' appears inside a command)
+                text = without_comment(line.removeprefix("$ "))
                 block.commands.append(Command(text, block.where, int(expect.group(1)) if expect else 0))
         if block.commands:
             out.append(block)
         i = j + 1
     return out
+
+
+def without_comment(line: str) -> str:
+    """The line less a trailing ``# comment``: the first `` #`` outside quotes."""
+    for m in re.finditer(r"\s+#", line):
+        before = line[:m.start()]
+        if before.count("'") % 2 == 0 and before.count('"') % 2 == 0:
+            return before
+    return line
 
 
 def skipped(command: Command) -> str | None:
@@ -177,6 +192,11 @@ def clean_env(tmp_path: Path) -> dict:
 
 
 def with_out_flag(text: str, tmp_path: Path) -> str:
+    """The command as run here: its ``/tmp/`` scratch paths in the test's own directory, and the
+    output flag of a command that would rewrite committed results."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    text = re.sub(r"(?<![\w./])/tmp/", f"{scratch}/", text)
     for script, flag in OUT_FLAGS.items():
         if script in text:
             return f"{text} {flag.format(tmp=tmp_path)}"
@@ -187,8 +207,9 @@ def script(block: Block, tmp_path: Path) -> str:
     """One bash script: each command in order, stopped at the first one that exits otherwise than shown."""
     lines = []
     for c in block.commands:
-        lines.append(f"{with_out_flag(c.text, tmp_path)} >/dev/null\n"
-                     f"rc=$?; if [ $rc -ne {c.expect} ]; then echo \"exit $rc, not {c.expect}: {c.text}\" >&2; exit 1; fi")
+        shown = c.text.replace("'", "'\\''")
+        lines.append(f"{{ {with_out_flag(c.text, tmp_path)}\n}} >/dev/null\n"
+                     f"rc=$?; if [ $rc -ne {c.expect} ]; then echo 'exit '$rc', not {c.expect}: {shown}' >&2; exit 1; fi")
     return "\n".join(lines)
 
 
@@ -203,18 +224,12 @@ def run_block(block: Block, tmp_path: Path) -> None:
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
 def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     command = front_matter(page)["run_cpu"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print(f"{page.stem}: {wall:.1f} s wall, {cpu:.1f} s CPU: {command}")
+    proc = subprocess.run(["bash", "-c", with_out_flag(command, tmp_path)], cwd=ROOT, env=clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    print(f"{page.stem}: {time.perf_counter() - t0:.1f} s wall: {command}")
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
-    starts_ranks = issubclass(load_lab(int(page.stem[4:6])).Config, dist.Ranks)  # Labs 10, 11: a process per rank
-    budget = CPU_SECONDS * (dist.DEFAULT_RANKS if starts_ranks else 1)
-    assert cpu <= budget, f"{command}: {cpu:.1f} s of CPU, more than {budget:.0f}"
+    assert proc.stdout.strip(), f"{command} printed nothing"
 
 
 @pytest.mark.parametrize("block", collect(cuda=False), ids=lambda b: b.where)
@@ -237,7 +252,9 @@ def test_the_collector_finds_the_commands_and_every_skip_is_used():
     lab02 = [c.text for b in blocks_in(ROOT / "code/lab-02-single-gpu-training/README.md") for c in b.commands]
     assert lab02.index(next(t for t in lab02 if t.endswith("--checkpoint /tmp/c.pt"))) < lab02.index(
         next(t for t in lab02 if t.endswith("--checkpoint /tmp/c.pt --resume")))
-    assert not any("\\" in t or "  " in t for t in texts)  # continuation lines joined
+    assert not any(t.endswith("\\") or " \\ " in t or "  " in t for t in texts)  # continuation lines joined
+    printf = next(c for c in every if c.text.startswith("printf ") and "/tmp/trace.jsonl" in c.text)
+    assert printf.where.startswith("code/lab-14-serving-memory/README.md")  # a block's every line runs
     assert any(c.expect == 2 and "--budget 8MiB" in c.text for c in every)
     for fragment in [*SKIP, *CUDA_ONLY, *OUT_FLAGS]:
         assert any(fragment in t for t in texts), f"entry {fragment!r} matches no command shown"

@@ -113,3 +113,9 @@ def test_a_good_archive_lands_in_results_and_notebooks(tmp_path, monkeypatch):
     archive = _archive(tmp_path, {"results/lab/summary.json": GOOD, "notebooks/lab.ipynb": b"{}"})
     assert unpack.run(unpack.Config(archive=archive)) == ["results/lab/summary.json", "notebooks/lab.ipynb"]
     assert (tmp_path / "checkout" / "results" / "lab" / "summary.json").read_bytes() == GOOD
+
+
+def test_gpu_kit_refuses_arguments_in_one_line_before_any_download():
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_kit"), "--out", "x"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHON="/nonexistent/python"))
+    assert_clean_usage_error(proc, "gpu_kit: error", "'--out'")

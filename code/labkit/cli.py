@@ -151,6 +151,9 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
     try:
         config, as_json = parse(config_cls, argv, name)
         _quiet = as_json
+        device = getattr(config, "device", None)
+        if isinstance(device, str) and device.startswith("cuda"):
+            pick_device(device)  # no GPU here: one line before anything runs (a notebook kernel, a rank)
         result = run(config)
         if as_json or report is None:
             emit_json(result.summary() if hasattr(result, "summary") else result)
