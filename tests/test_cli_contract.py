@@ -32,7 +32,7 @@ def _has_cli(path: Path) -> bool:
 
 
 def command_lines() -> list[Path]:
-    files = sorted(ROOT.glob("code/lab-*/*.py")) + sorted(ROOT.glob("bench/*.py")) + sorted(ROOT.glob("scripts/*.py"))
+    files = sorted(ROOT.glob("code/lab-*/*.py")) + sorted(ROOT.glob("bench/*.py")) + sorted(ROOT.glob("scripts/**/*.py"))
     return [f for f in files if _has_cli(f)]
 
 

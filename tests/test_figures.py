@@ -1,0 +1,48 @@
+"""The handbook's mechanism figures (scripts/figures/): each committed SVG is exactly what its code
+draws today, each is shown on a page with alt text, and no page shows a figure no code draws."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts" / "figures"))
+import make  # noqa: E402
+
+FIGURES = sorted(make.registry())
+SHOWN = re.compile(r"!\[([^\]]*)\]\(([^)\s]*assets/figures/([\w.-]+)\.svg)")
+
+
+def shown() -> dict[str, list[tuple[str, str]]]:
+    """figure name -> [(page, alt text)] for every page that shows it."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for alt, _, name in SHOWN.findall(page.read_text(encoding="utf-8")):
+            out.setdefault(name, []).append((str(page.relative_to(ROOT)), alt))
+    return out
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_the_committed_figure_is_what_its_code_draws(name, tmp_path):
+    committed = make.OUT / f"{name}.svg"
+    assert committed.is_file(), f"run: .venv/bin/python scripts/figures/make.py {name}"
+    drawn = make.draw(name, tmp_path)
+    assert drawn.read_bytes() == committed.read_bytes(), (
+        f"{committed.relative_to(ROOT)} is stale: run .venv/bin/python scripts/figures/make.py {name}")
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_every_figure_is_shown_with_alt_text(name):
+    pages = shown().get(name)
+    assert pages, f"no page shows assets/figures/{name}.svg"
+    for page, alt in pages:
+        assert len(alt.split()) >= 5, f"{page}: the alt text of {name}.svg says too little: {alt!r}"
+
+
+def test_no_page_shows_a_figure_no_code_draws():
+    assert set(shown()) <= set(FIGURES), sorted(set(shown()) - set(FIGURES))
+    on_disk = {p.stem for p in make.OUT.glob("*.svg")}
+    assert on_disk <= set(FIGURES), f"SVGs no code draws: {sorted(on_disk - set(FIGURES))}"
