@@ -26,6 +26,7 @@ from typing import Literal
 from labkit import cli
 from labkit.config import UsageError, check_fields, option
 from labkit.files import atomic, check_writable
+from labkit.provenance import code_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "notebooks" / "src"
@@ -64,6 +65,7 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
         resources={"metadata": {"path": str(out_dir)}},
         allow_errors=False,
     )
+    executed = code_hash(src)  # before the run: what it is about to execute
     # nbclient hands ``env`` to the kernel manager, which starts the kernel with it
     t0 = time.perf_counter()
     client.execute(env=env)
@@ -74,6 +76,8 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
         "executed_by": "scripts/run_notebooks.py",
         "device": device,
         "execution_wall_time_s": round(wall, 2),
+        # what it executed: tests/test_notebooks.py does not execute again a CPU notebook whose hash is today's
+        "code_hash": executed,
     }
     target = out_dir / f"{src.stem}.ipynb"
     with atomic(target, "w") as f:

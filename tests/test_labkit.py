@@ -476,11 +476,11 @@ def _ranks_left(tmp_path) -> list[str]:
 
 
 def test_a_frozen_rank_ends_the_job_instead_of_hanging_for_30_minutes(tmp_path):
-    import time
-
-    t0, proc = time.perf_counter(), _torchrun(tmp_path, FROZEN)
-    proc.wait(timeout=120)  # gloo's default would wait 30 minutes; torchrun then grants 30 s to stop
-    assert proc.returncode != 0 and time.perf_counter() - t0 < 90 and not _ranks_left(tmp_path)
+    proc = _torchrun(tmp_path, FROZEN)
+    # the collective gives up after timeout_s=2, torchrun then grants 30 s to stop; gloo's default would
+    # wait 30 minutes, and the wait below would raise TimeoutExpired
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and not _ranks_left(tmp_path)
 
 
 def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path):
@@ -503,7 +503,7 @@ KILLED = """
 import os, signal, time
 if os.environ["RANK"] == "1":
     os.kill(os.getpid(), signal.SIGKILL)  # a rank the OOM killer took
-time.sleep(60)
+time.sleep(600)  # far past _start_ranks' 60 s: only a job that stops its other ranks ends in time
 """
 
 REFUSED = """
@@ -525,11 +525,8 @@ def _start_ranks(tmp_path, code: str) -> subprocess.CompletedProcess:
 def test_started_ranks_a_killed_rank_ends_the_job_in_one_line(tmp_path):
     """A plain ``python`` run that started its ranks (Labs 10, 11): a rank killed mid-run stops the
     others at once, and the job ends with one line naming it, exit 1, no launcher report."""
-    import time
-
-    t0 = time.perf_counter()
     proc = _start_ranks(tmp_path, KILLED)
-    assert proc.returncode == 1 and time.perf_counter() - t0 < 30
+    assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["job: error: rank 1 was killed by SIGKILL; the other ranks were stopped"]
     assert not _ranks_left(tmp_path)
 
