@@ -14,6 +14,14 @@
   ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
   ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
   fails the build. Every value is escaped: nothing in a results file becomes HTML.
+* A list of records (one dict per size, stage or mode a run covered) is looked up by a field, never
+  by position: ``sets[params=12905472]``, ``stages[stage=3]``, ``modes[mode=layerwise]``. A re-run
+  with other sizes then fails the build with the key it lacks and the keys it has, where a position
+  would have quoted another size's number. A digit indexes only a list of plain numbers, whose
+  positions are their meaning (a band's low and high end, step 0 and 1).
+* A derived number is written as its formula, evaluated here: ``{{ 7e9 * cpu_adam_bench:PATH * 1e-9 |
+  float:1 }}`` or ``{{ lab-06:A - lab-02:B | bytes }}`` (references, numbers, ``+ - * /`` and
+  parentheses; an operator between two references needs spaces around it).
 * ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
   the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
@@ -27,7 +35,9 @@ Replacing mkdocs-jupyter later means changing this file and the plugin entry, no
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import posixpath
 import re
 from functools import cache
@@ -352,24 +362,109 @@ def render_performance(page_src: str) -> str:
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
-VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.-]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+REF = r"[A-Za-z][\w-]*:(?:[\w.-]|\[[^\]\s]+\])+"  # file:path, a path step may select a record: key[field=value]
+VALUE = re.compile(r"\{\{\s*(?P<expr>(?:[-+*/()\s]|\d[\d.eE+-]*)*" + REF + r"(?:[^{}|]*?))\s*"
+                   r"(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+TOKEN = re.compile(r"\s*(?:(?P<ref>" + REF + r")|(?P<num>\d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?)|(?P<op>[-+*/()]))")
+STEP = re.compile(r"^(?P<key>[\w-]+)(?:\[(?P<field>[\w-]+)=(?P<value>[^\]]+)\])?$")
+
+
+def _steps(path: str) -> list[str]:
+    """``a.b[f=1.5].c`` -> ``["a", "b[f=1.5]", "c"]``: a dot inside a selector is the value's."""
+    return re.findall(r"[^.\[]+(?:\[[^\]]*\])?", path)
 
 
 def _lookup(name: str, path: str, page_src: str):
     data = results(name)
     node = data.get("numbers", data) if name.startswith("lab-") else data
-    for key in path.split("."):
+    where: list[str] = []
+
+    def missing(what: str) -> PluginError:
+        return PluginError(f"{page_src}: {name} has no number {path}: {what} (looked in results for {name})")
+
+    for step in _steps(path):
+        m = STEP.match(step)
+        if not m:
+            raise missing(f"{step!r} is not a key or key[field=value]")
+        key, field, want = m.group("key"), m.group("field"), m.group("value")
         if isinstance(node, dict) and key in node:
             node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        elif isinstance(node, list) and key.isdigit() and not field:
+            if any(isinstance(item, (dict, list)) for item in node):
+                raise PluginError(f"{page_src}: {name}:{path} indexes the list {'.'.join(where) or name} by position "
+                                  f"({key}); a list of records is looked up by a field, e.g. [{_fields(node)}]")
+            if int(key) >= len(node):
+                raise missing(f"{'.'.join(where)} has {len(node)} values")
             node = node[int(key)]
         else:
-            raise PluginError(f"{page_src}: {name} has no number {path} (looked in results for {name})")
+            raise missing(f"no {key!r} in {'.'.join(where) or name}")
+        where.append(key)
+        if field:
+            if not isinstance(node, list):
+                raise missing(f"{'.'.join(where)} is not a list of records to select [{field}={want}] from")
+            hits = [item for item in node if isinstance(item, dict) and field in item and str(item[field]) == want]
+            if len(hits) != 1:
+                has = ", ".join(f"{field}={item.get(field)}" for item in node if isinstance(item, dict)) or "nothing"
+                why = "no entry" if not hits else f"{len(hits)} entries"
+                raise PluginError(f"{page_src}: {name} has {why} {'.'.join(where)}[{field}={want}] (it has {has}): "
+                                  f"re-run what writes results for {name} with that {field}, or change the page")
+            node = hits[0]
+            where[-1] += f"[{field}={want}]"
     return node
 
 
+def _fields(records: list) -> str:
+    first = next((r for r in records if isinstance(r, dict)), {})
+    key = next((k for k, v in first.items() if isinstance(v, (str, int)) and not isinstance(v, bool)), "field")
+    return f"{key}={first.get(key, '...')}"
+
+
+def _evaluate(expr: str, page_src: str):
+    """One reference: its value, whatever it is. A formula: references and numbers under + - * /,
+    evaluated to a number (nothing else is allowed: a results file is data, never code)."""
+    tokens, names, pos = [], {}, 0
+    while pos < len(expr.rstrip()):
+        m = TOKEN.match(expr, pos)
+        if not m:
+            raise PluginError(f"{page_src}: cannot read {{{{ {expr} }}}} at {expr[pos:]!r}")
+        if m.group("ref"):
+            file, _, path = m.group("ref").partition(":")
+            value = _lookup(file, path, page_src)
+            names[f"_v{len(names)}"] = value
+            tokens.append(f"_v{len(names) - 1}")
+        else:
+            tokens.append(m.group("num") or m.group("op"))
+        pos = m.end()
+    if tokens == ["_v0"]:
+        return names["_v0"]
+    for value in names.values():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PluginError(f"{page_src}: {{{{ {expr} }}}} computes with a value that is not a number ({value!r})")
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    not_a_formula = PluginError(f"{page_src}: {{{{ {expr} }}}} is not a formula of numbers and + - * /")
+    try:
+        tree = ast.parse(" ".join(tokens), mode="eval").body
+    except SyntaxError:
+        raise not_a_formula from None
+
+    def ev(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        raise not_a_formula
+    try:
+        return ev(tree)
+    except ZeroDivisionError:
+        raise PluginError(f"{page_src}: {{{{ {expr} }}}} divides by zero with the published values") from None
+
+
 def render_value(m: re.Match, page_src: str) -> str:
-    value = _lookup(m.group("file"), m.group("path"), page_src)
+    value = _evaluate(m.group("expr").strip(), page_src)
     if isinstance(value, (dict, list)):
         raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
     kind = m.group("kind") or "text"

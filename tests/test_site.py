@@ -361,7 +361,7 @@ def test_every_number_and_table_placeholder_is_filled_in(built_site):
     left = []
     for page in built_site["dir"].rglob("*.html"):
         text = page.read_text(encoding="utf-8")
-        if re.search(r"\{\{\s*[\w-]+:[\w.]+", text) or "infralab:" in text:
+        if re.search(r"\{\{[^{}]*?[A-Za-z][\w-]*:[\w.\[]", text) or "infralab:" in text:  # a formula's too
             left.append(page.relative_to(built_site["dir"]).as_posix())
     assert not left, left
 
@@ -472,3 +472,124 @@ def test_a_cpu_run_points_at_the_one_cpu_note_and_a_gpu_run_does_not(tmp_path, m
     index = (DOCS / "labs" / "index.md").read_text(encoding="utf-8")
     assert "\n## What a CPU run shows\n" in index
     assert not [p.name for p in DOCS.rglob("*.md") if "gpu-pending" in p.read_text(encoding="utf-8")], "one note, not a banner per page"
+
+
+def _value_references(hooks) -> list[tuple[str, str, str]]:
+    """(page, results name, path) of every results reference on the site's pages, formulas' included."""
+    refs = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for m in hooks.VALUE.finditer(page.read_text(encoding="utf-8")):
+            for ref in re.findall(hooks.REF, m.group("expr")):
+                name, _, path = ref.partition(":")
+                refs.append((page.relative_to(DOCS).as_posix(), name, path))
+    return refs
+
+
+def _node(hooks, name: str):
+    data = hooks.results(name)
+    return data.get("numbers", data) if name.startswith("lab-") else data
+
+
+def test_no_page_reads_a_list_of_results_by_position():
+    """A list of records (one per size, stage or mode a run covered) is read by a field
+    (``sets[params=12905472]``), never by position (``sets.2``): a re-run with other sizes would move
+    every position. A digit may index only a list of plain numbers (a band's ends, step 0 and 1)."""
+    spec = importlib.util.spec_from_file_location("infralab_hooks_positions", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    refs, by_field = _value_references(hooks), 0
+    assert len(refs) > 300
+    for page, name, path in refs:
+        node = _node(hooks, name)
+        for step in hooks._steps(path):
+            m = hooks.STEP.match(step)
+            key, field, value = m.group("key"), m.group("field"), m.group("value")
+            if isinstance(node, list):
+                assert key.isdigit() and all(isinstance(v, (int, float)) for v in node), (page, name, path)
+                node = node[int(key)]
+                continue
+            node = node[key]
+            if field:
+                (node,) = [r for r in node if str(r.get(field)) == value]
+                by_field += 1
+    assert by_field >= 40, "the benchmark, stage and mode lists are read by a field"
+    # the hook refuses a position into records itself, naming the field to use instead
+    with pytest.raises(Exception, match=r"by position \(2\); a list of records is looked up by a field"):
+        hooks._lookup("cpu_adam_bench", "sets.2.impls.fused.ns_per_param", "demo.md")
+
+
+def test_a_rerun_with_other_sizes_is_a_build_error_naming_the_missing_key(monkeypatch):
+    """Re-run a benchmark or notebook with other sizes, stages or modes: every page that names an
+    entry the new results lack stops the build with that entry and the ones there are, instead of
+    quoting another size's number; entries in another order change nothing."""
+    import copy
+
+    spec = importlib.util.spec_from_file_location("infralab_hooks_rerun", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    published = hooks.results
+
+    def rerun(change):
+        def results(name):
+            data = copy.deepcopy(published(name))
+            change(name, data)
+            return data
+        monkeypatch.setattr(hooks, "results", results)
+
+    def each_record_list(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                yield from each_record_list(v)
+        elif isinstance(node, list):
+            if any(isinstance(v, dict) for v in node):
+                yield node
+            for v in node:
+                yield from each_record_list(v)
+
+    pages = {p.relative_to(DOCS).as_posix(): p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md")}
+    render = lambda page: hooks.VALUE.sub(lambda m: hooks.render_value(m, page), pages[page])  # noqa: E731
+    selecting = sorted({page for page, text in pages.items() if re.search(r"\{\{[^}]*\[\w+=[^\]]+\]", text)})
+    assert "handbook/optimizer-offload.md" in selecting and "labs/lab-11-zero-fsdp.md" in selecting
+    before = {page: render(page) for page in selecting}
+
+    rerun(lambda name, data: [records.reverse() for records in each_record_list(data)])
+    assert {page: render(page) for page in selecting} == before
+
+    # the review's case: `bench/cpu_adam_bench.py --sizes 128x2` wrote one set, the smallest
+    def one_small_set(name, data):
+        if name == "cpu_adam_bench":
+            data["sets"] = [s for s in data["sets"] if s["params"] == 470528]
+    rerun(one_small_set)
+    with pytest.raises(Exception, match=r"no entry sets\[params=12905472\] \(it has params=470528\)"):
+        render("handbook/optimizer-offload.md")
+
+    # every selector on every page: its entry gone, a build error that names it
+    monkeypatch.setattr(hooks, "results", published)
+    dropped = 0
+    for page, name, path in _value_references(hooks):
+        if "[" not in path:
+            continue
+        steps = hooks._steps(path)
+        for i, step in enumerate(steps):
+            m = hooks.STEP.match(step)
+            if not m.group("field"):
+                continue
+            keys = [hooks.STEP.match(s).group("key") for s in steps[:i + 1]]
+            selectors = steps[:i]
+            field, value = m.group("field"), m.group("value")
+
+            def drop(n, data, name=name, keys=keys, selectors=selectors, field=field, value=value):
+                if n != name:
+                    return
+                node = data.get("numbers", data) if n.startswith("lab-") else data
+                for key, sel in zip(keys, selectors + [None]):
+                    node = node[key]
+                    s = hooks.STEP.match(sel) if sel else None
+                    if s and s.group("field"):
+                        node = next(r for r in node if str(r.get(s.group("field"))) == s.group("value"))
+                node[:] = [r for r in node if str(r.get(field)) != value]
+            rerun(drop)
+            with pytest.raises(Exception, match=re.escape(f"[{field}={value}]") + r" \(it has "):
+                hooks._evaluate(f"{name}:{path}", page)
+            dropped += 1
+    assert dropped >= 40
