@@ -66,7 +66,9 @@ def article(html: str) -> Tag:
 
 
 def listings(body: Tag) -> list[Tag]:
-    return body.find_all(lambda node: node.name == "div" and "highlight" in (node.get("class") or []))
+    """The code listings: each highlighted block (its file title with it), and any bare ``<pre>``."""
+    found = body.find_all(lambda node: node.name == "div" and "highlight" in (node.get("class") or []))
+    return found + [pre for pre in body.find_all("pre") if not any(pre in f.descendants for f in found)]
 
 
 def count(html: str) -> tuple[int, int]:
@@ -92,13 +94,14 @@ def test_the_count_follows_its_rules():
       <div class="language-python highlight"><pre><code>x = 1  # (1)!
 y = 2</code></pre></div>
       <ol><li>An annotation of four.</li></ol>
+      <pre>bare pre</pre>
       <table><tr><td>a cell</td><td>2</td></tr></table>
       <details class="note"><summary>Collapsed</summary><p>hidden words here</p></details>
       <details class="note" open><summary>Open</summary><p>shown</p></details>
     </article></body></html>"""
     # prose: Lab 99 Title | One sentence with inline_code and 19.16 GiB here. | An annotation of four.
-    #        | a cell 2 | Open shown; code: x = 1 # (1)! y = 2
-    assert count(html) == (3 + 8 + 4 + 3 + 2, 3 + 8 + 4 + 3 + 2 + 5)
+    #        | a cell 2 | Open shown; code: x = 1 # (1)! y = 2 | bare pre
+    assert count(html) == (3 + 8 + 4 + 3 + 2, 3 + 8 + 4 + 3 + 2 + 5 + 2)
 
 
 def test_every_lab_page_is_built_and_counted(built_site):
