@@ -212,6 +212,36 @@ def test_figures_read_on_a_phone_in_dark_mode(browser, server, built_site):
     assert not small, "text under 11 CSS px on a 390-px phone:\n" + "\n".join(small)
 
 
+LEAD_ON_FIRST_SCREEN = """() => {
+  const h1 = document.querySelector('article h1');
+  let p = h1.nextElementSibling;
+  while (p && p.tagName !== 'P') p = p.nextElementSibling;  // past the "measured on" badge
+  const img = document.querySelector('article figure img');
+  return {sentence_bottom: p.getBoundingClientRect().bottom, image_top: img.getBoundingClientRect().top,
+          screen: window.innerHeight};
+}"""
+
+
+def test_lab_pages_show_their_insight_and_figure_on_the_first_screen(browser, server, built_site):
+    """Opened at the top, on a 390-px phone in dark mode and on a 1280 x 800 screen in light mode,
+    every lab page shows its real-scale sentence whole and the top of its figure (200 px of it at
+    least) before any scrolling (tests/test_lab_pages.py checks that they are the page's lead)."""
+    screens = {"phone": PHONE_DARK, "desktop": dict(viewport={"width": 1280, "height": 800}, color_scheme="light")}
+    labs = [p for p in site_pages(built_site["dir"]) if re.match(r"^/labs/lab-\d\d-", p)]
+    assert len(labs) == 14, labs
+    below = []
+    for name, settings in screens.items():
+        context = browser.new_context(**settings)
+        page = context.new_page()
+        for path in labs:
+            page.goto(server + path, wait_until="load")
+            at = page.evaluate(LEAD_ON_FIRST_SCREEN)
+            if at["sentence_bottom"] > at["screen"] or at["image_top"] > at["screen"] - 200:
+                below.append(f"{name} {path}: {at}")
+        context.close()
+    assert not below, "the lead is below the first screen:\n" + "\n".join(below)
+
+
 def test_tables_show_their_total_without_scrolling(browser, server, built_site):
     """At 1280 px every lab table fits its column, or scrolls by 128 px at most, and a table's
     "total" column is on screen before any scrolling (it comes right after the row label)."""

@@ -440,11 +440,13 @@ def test_pytorch_reference_links_are_pinned_to_the_pinned_torch():
 
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
 def test_lab_page_stays_readable_in_one_sitting(page):
-    """A lab page is 250–320 source lines: a longer one repeats what its chapter, another lab or a
+    """A lab page is 250–360 source lines: a longer one repeats what its chapter, another lab or a
     table says (state it once and link), or carries a second lesson (give it an extra page, as Lab
-    11's sharded inference has)."""
+    11's sharded inference has). What a reader sees is measured on the built page by
+    tests/test_lab_pages.py; the source also holds the collapsed blocks (toy tables, provenance,
+    derivations), which this bound keeps from growing without end."""
     lines = len(page.read_text(encoding="utf-8").splitlines())
-    assert 250 <= lines <= 320, f"{page.name}: {lines} lines"
+    assert 250 <= lines <= 360, f"{page.name}: {lines} lines"
 
 
 def test_a_cpu_run_points_at_the_one_cpu_note_and_a_gpu_run_does_not(tmp_path, monkeypatch):
