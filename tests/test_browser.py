@@ -189,14 +189,15 @@ FIGURE_FONTS = """async (img) => {
 
 
 def test_figures_read_on_a_phone_in_dark_mode(browser, server, built_site):
-    """At 390 px, every figure on every lab page shows its smallest text at 11 CSS px or more, fits
-    the screen, and in dark mode is drawn inverted on a transparent background (no white box)."""
+    """At 390 px, every figure on every lab page and handbook chapter shows its smallest text at 11
+    CSS px or more, fits the screen, and in dark mode is drawn inverted on a transparent background
+    (no white box)."""
     context = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme="dark",
                                   device_scale_factor=2, is_mobile=True, has_touch=True)
     page = context.new_page()
     small, checked = [], 0
     for path in site_pages(built_site["dir"]):
-        if not path.startswith("/labs/lab-"):
+        if not path.startswith(("/labs/lab-", "/handbook/")):
             continue
         page.goto(server + path, wait_until="load")
         for img in page.locator("article img[src$='.svg']").all():

@@ -226,6 +226,53 @@ def test_every_notebook_lab_page_and_chapter_is_in_the_nav(built_site):
             assert f'{Path(extra).with_suffix("").as_posix()}/"' in nav_html, extra
 
 
+class FigureParser(HTMLParser):
+    """Every ``<figure>`` of a page: the images in it (src, alt) and its caption's text."""
+
+    def __init__(self):
+        super().__init__()
+        self.figures: list[dict] = []
+        self.depth, self.in_caption = 0, False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "figure":
+            self.depth += 1
+            self.figures.append({"images": [], "caption": ""})
+        elif self.depth and tag == "img":
+            self.figures[-1]["images"].append((attrs.get("src", ""), attrs.get("alt") or ""))
+        elif self.depth and tag == "figcaption":
+            self.in_caption = True
+
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self.depth -= 1
+        elif tag == "figcaption":
+            self.in_caption = False
+
+    def handle_data(self, data):
+        if self.in_caption:
+            self.figures[-1]["caption"] += data
+
+
+CHAPTERS = sorted(p for p in (DOCS / "handbook").glob("*.md") if p.name != "index.md")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_shows_a_mechanism_figure_with_alt_text_and_a_caption(built_site, chapter):
+    """A chapter explains with a picture: at least one figure of ``docs/assets/figures/`` (drawn by
+    ``scripts/figures/``) on the built page, its alt text five words or more, its caption saying what
+    to notice."""
+    parser = FigureParser()
+    parser.feed((built_site["dir"] / "handbook" / chapter.stem / "index.html").read_text(encoding="utf-8"))
+    drawn = [(src, alt, f["caption"]) for f in parser.figures for src, alt in f["images"]
+             if re.search(r"assets/figures/[\w.-]+\.svg$", src)]
+    assert drawn, f"{chapter.name} shows no figure from docs/assets/figures/"
+    for src, alt, caption in drawn:
+        assert len(alt.split()) >= 5, f"{chapter.name}: {src} has too little alt text: {alt!r}"
+        assert "Notice" in caption, f"{chapter.name}: {src}'s caption does not say what to notice: {caption!r}"
+
+
 def test_interview_page_gathers_each_labs_questions(built_site):
     html = (built_site["dir"] / "interview" / "index.html").read_text(encoding="utf-8")
     for page in LAB_PAGES:
