@@ -263,12 +263,12 @@ def reading_order(config) -> list[dict]:
     return parts
 
 
-def _pages(nav) -> list[str]:
+def nav_pages(nav) -> list[str]:
     """Every page a nav (or a section of it) lists, in order."""
     if isinstance(nav, str):
         return [nav]
     items = nav.values() if isinstance(nav, dict) else nav
-    return [page for item in items for page in _pages(item)]
+    return [page for item in items for page in nav_pages(item)]
 
 
 def on_config(config):
@@ -295,7 +295,7 @@ def on_config(config):
         for extra in meta.get("extra_pages", []):
             labs.append({_front_matter(extra).get("title", extra): extra})
         notebooks.append({f"Lab {n} · measured": "notebooks/" + Path(meta["notebook"]).name})
-    pages = _pages(nav)
+    pages = nav_pages(nav)
     twice = sorted({p for p in pages if pages.count(p) > 1})
     if twice:
         raise PluginError(f"the nav lists {', '.join(twice)} more than once (mkdocs.yml's nav, extra.reading_order "
