@@ -22,12 +22,16 @@
 * A derived number is written as its formula, evaluated here: ``{{ 7e9 * cpu_adam_bench:PATH * 1e-9 |
   float:1 }}`` or ``{{ lab-06:A - lab-02:B | bytes }}`` (references, numbers, ``+ - * /`` and
   parentheses; an operator between two references needs spaces around it).
-* ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
-  the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
+* ``on_config`` builds the nav from two orders, each written once: the Handbook's chapters part by
+  part from ``extra.reading_order`` in mkdocs.yml (the order ideas build, which is not the labs'), then
+  every lab's page (and its ``extra_pages``) and notebook in lab order, from the lab pages' front
+  matter: adding a lab never edits the nav. A chapter missing from the reading order, a lab whose
+  chapter is not in it, or a page listed twice fails the build.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
   holding ``<!-- infralab:catalogue -->``, ``<!-- infralab:labs -->``,
-  ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` or ``<!-- infralab:interview -->``
-  gets that table or section built from the lab pages' front matter and ``extra.catalogue``;
+  ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` (the handbook's map: each part's
+  questions, the chapter that answers each, and its labs) or ``<!-- infralab:interview -->`` gets that
+  table or section built from the lab pages' front matter, ``extra.catalogue`` and ``extra.reading_order``;
   ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
@@ -212,14 +216,17 @@ def render_placeholder(name: str, page_src: str, config) -> str:
         rows = [[link(str(m["lab"]), src), link(f"{_title(m)}, measured", notebook(m)), m.get("notebook_shows", ""),
                  _measured_text(m["notebook"])] for src, m in labs]
         return _table(["lab", "notebook", "what it shows", "measured on"], rows)
-    if name == "chapters":
-        rows = []
-        for src, m in labs:
-            if m.get("chapter"):
-                text = (ROOT / "docs" / m["chapter"]).read_text(encoding="utf-8")
-                title = yaml.safe_load(text.split("---\n", 2)[1]).get("title", m["chapter"])
-                rows.append([link(title, m["chapter"]), link(f"Lab {m['lab']} · {_title(m)}", src)])
-        return _table(["chapter", "lab"], rows)
+    if name == "chapters":  # the map: part by part, each question and the chapter (and labs) that answer it
+        out = []
+        for part in reading_order(config):
+            out += [f"**{part['part']}**", ""]
+            for entry in part["chapters"]:
+                page = entry["page"]
+                measured = [link(f"Lab {m['lab']}", src) for src, m in labs if m.get("chapter") == page]
+                out.append(f"- *{escape(entry['question'])}* → {link(_front_matter(page).get('title', page), page)}"
+                           + (f" · {', '.join(measured)}" if measured else ""))
+            out.append("")
+        return "\n".join(out).rstrip("\n")
     if name == "performance":
         return render_performance(page_src)
     if name == "interview":
@@ -251,23 +258,58 @@ def _section(nav: list, title: str) -> list:
     raise PluginError(f"mkdocs.yml nav needs a '{title}' section")
 
 
+def reading_order(config) -> list[dict]:
+    """``extra.reading_order``: the parts, each with its chapters ``{page, question}`` whose page exists
+    (an entry marked ``planned`` waits for its page; any other must exist)."""
+    parts = []
+    for part in config["extra"].get("reading_order") or []:
+        chapters = []
+        for entry in part["chapters"]:
+            if (ROOT / "docs" / entry["page"]).is_file():
+                chapters.append(entry)
+            elif not entry.get("planned"):
+                raise PluginError(f"extra.reading_order in mkdocs.yml lists {entry['page']}, which does not exist")
+        parts.append({"part": part["part"], "chapters": chapters})
+    return parts
+
+
+def nav_pages(nav) -> list[str]:
+    """Every page a nav (or a section of it) lists, in order."""
+    if isinstance(nav, str):
+        return [nav]
+    items = nav.values() if isinstance(nav, dict) else nav
+    return [page for item in items for page in nav_pages(item)]
+
+
 def on_config(config):
-    """Add every lab's chapter, page (and its extra pages) and notebook to the nav, in lab order."""
+    """The nav: the Handbook's chapters in the reading order (``extra.reading_order``), then every lab's
+    page (its extra pages after it) and every notebook in lab order; each page once."""
     results.cache_clear()  # `mkdocs serve` rebuilds after a notebook wrote new results
     nav = config["nav"]
-    chapters, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
-    listed = json.dumps(nav)
+    handbook, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
+    order = reading_order(config)
+    for part in order:
+        handbook.append({part["part"]: [{_front_matter(e["page"]).get("title", e["page"]): e["page"]}
+                                        for e in part["chapters"]]})
+    in_order = {e["page"] for part in order for e in part["chapters"]}
+    for path in sorted((ROOT / "docs" / "handbook").glob("*.md")):
+        page = f"handbook/{path.name}"
+        if path.name != "index.md" and page not in in_order:
+            raise PluginError(f"docs/{page} is in no part of extra.reading_order in mkdocs.yml: add "
+                              f"{{page: {page}, question: ...}} to the part where it belongs")
     for src, meta in lab_pages():
         n, title = meta["lab"], _title(meta)
-        if meta.get("chapter") and meta["chapter"] not in listed:
-            chapters.append({_front_matter(meta["chapter"]).get("title", meta["chapter"]): meta["chapter"]})
-        if src not in listed:
-            labs.append({f"Lab {n} · {title}": src})
-            for extra in meta.get("extra_pages", []):
-                labs.append({_front_matter(extra).get("title", extra): extra})
-        notebook = "notebooks/" + Path(meta["notebook"]).name
-        if notebook not in listed:
-            notebooks.append({f"Lab {n} · measured": notebook})
+        if meta.get("chapter") and meta["chapter"] not in in_order:
+            raise PluginError(f"{src}: its chapter {meta['chapter']} is not in extra.reading_order in mkdocs.yml")
+        labs.append({f"Lab {n} · {title}": src})
+        for extra in meta.get("extra_pages", []):
+            labs.append({_front_matter(extra).get("title", extra): extra})
+        notebooks.append({f"Lab {n} · measured": "notebooks/" + Path(meta["notebook"]).name})
+    pages = nav_pages(nav)
+    twice = sorted({p for p in pages if pages.count(p) > 1})
+    if twice:
+        raise PluginError(f"the nav lists {', '.join(twice)} more than once (mkdocs.yml's nav, extra.reading_order "
+                          "and the lab pages' front matter each add pages)")
     return config
 
 

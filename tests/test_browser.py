@@ -380,6 +380,37 @@ def test_oom_page_is_one_tap_from_the_home_page_on_a_phone(browser, built_site):
     assert not watch.errors and not watch.outside
     context.close()
 
+def test_start_here_and_two_chapters_read_on_a_phone_in_dark_mode(browser, server, tmp_path):
+    """Start here and two chapters at 390 px in dark mode, each screenshotted (under tmp_path): the page
+    does not scroll sideways, and every figure shows its smallest text at 12 CSS px or more (its SVG
+    font size times the rendered width over the viewBox width)."""
+    context = browser.new_context(**PHONE_DARK)
+    page = context.new_page()
+    watch = Watch(page)
+    small, figures = [], {}
+    for path in ("/start/", "/handbook/memory-accounting/", "/handbook/serving-memory/"):
+        page.goto(server + path, wait_until="load")
+        assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") == "slate"
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{path} scrolls sideways by {overflow}px on a phone"
+        images = page.locator("article img[src$='.svg']").all()
+        for img in images:
+            img.scroll_into_view_if_needed()
+            page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=img.element_handle())
+            info = img.evaluate(FIGURE_FONTS)
+            assert info["width"] <= 390, info
+            if info["min_px"] < 12:
+                small.append(f"{path} {info['src']}: {info['min_px']:.1f}px")
+        figures[path] = len(images)
+        shot = tmp_path / f"{path.strip('/').replace('/', '-')}-390-dark.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000, shot
+    context.close()
+    assert figures["/start/"] >= 3, figures
+    assert not small, "figure text under 12 CSS px on a 390-px phone:\n" + "\n".join(small)
+    assert not watch.errors and not watch.outside
+
+
 # ---------------------------------------------------------------- "Will it fit?" (docs/fit.md, docs/assets/fit.js)
 FIT_TABLE = Path(__file__).resolve().parents[1] / "results" / "fit" / "table.json"
 READ_FIT = """() => {

@@ -5,6 +5,7 @@ preemption and rejection, the waste bound at every step, trace files, and the se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import re
@@ -436,3 +437,120 @@ def test_quantized_caches_against_fp32(model):
     assert rows["fp32"][2] == 0 and rows["fp32"][4] == 1
     assert rows["int8"][2] < 0.02 and rows["bf16"][2] < rows["int8"][2] < rows["fp8"][2] < 0.1
     assert rows["int8"][1] == zoo.get("llama-3-8b").kv_bytes_per_token(1) * (128 + 4) // 128
+
+
+# ---------------------------------------------------------------------- how fast decode can be
+speed = labs.load(14, "serving_speed")
+
+
+def plain_attention(q, keys, values, valid):
+    """``paged_kv.attend`` written with matmuls, so that FlopCounterMode counts it on a CPU."""
+    q, k, v = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) / q.size(-1) ** 0.5
+    if valid is None:  # one sequence's whole prompt: causal
+        valid = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril()[None]
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+
+
+def decode_once(model, context: int, batch: int, attention=None, mode=None):
+    """One decode step of ``batch`` sequences of ``context`` tokens (the new one included) on a paged cache."""
+    store = pk.KVStore(layers=SPEC.layers, slots=1024, kv_heads=SPEC.kv_heads, head_dim=SPEC.head_dim, kv_dtype="fp32")
+    cache = pk.PagedKVCache(store, 16)
+    for seq in range(batch):
+        cache.admit(seq, context - 1)
+        cache.grow(seq, 1)
+    serving = sm.ServingLlama(model)
+    if attention is not None:
+        serving.attention = attention
+    with mode or contextlib.nullcontext():
+        return serving.forward(cache, list(range(batch)), torch.arange(batch)[:, None])
+
+
+def test_a_matmuls_flops_and_bytes_are_what_torch_counts_and_moves():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(24, 16, dtype=torch.bfloat16)
+    with FlopCounterMode(display=False) as counter:
+        y = x @ w.T
+    assert speed.matmul(32, 16, 24) == (counter.get_total_flops(), x.nbytes + w.nbytes + y.nbytes)
+
+
+@pytest.mark.parametrize(("context", "batch"), [(1, 1), (37, 1), (37, 3)])
+def test_decode_step_counts_the_flops_torch_counts_in_a_real_decode_step(context, batch):
+    """small-llama's decode step through the lab's serving forward, its attention written with matmuls
+    (equal to the lab's SDPA one): PyTorch's FlopCounterMode counts what ``decode_step`` derives."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = SPEC.build().eval()
+    torch.testing.assert_close(decode_once(model, context, batch, plain_attention), decode_once(model, context, batch))
+    counter = FlopCounterMode(display=False)
+    decode_once(model, context, batch, plain_attention, counter)
+    assert counter.get_total_flops() == speed.decode_step(SPEC, context, batch, element_bytes=4)[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_every_weight_once_and_the_embedding_only_where_it_looks(tied):
+    """Which parameters a real decode step reads (a dispatch mode watching every op's inputs): each matrix
+    once, the embedding table only by the lookup (B rows) unless the head shares it; so the bytes
+    ``decode_step`` counts are the model's own parameters less the rows no token looked up."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spec = dataclasses.replace(SPEC, tied=tied)
+    model = spec.build().eval()
+    params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    reads: dict[str, list[str]] = {}
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):  # a view reads nothing
+                if not func.is_view and isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params:
+                    reads.setdefault(params[t.untyped_storage().data_ptr()], []).append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    batch, context = 3, 37
+    decode_once(model, context, batch, mode=Reads())
+    assert set(reads) == set(params.values()), "every parameter is read"
+    assert all(len(ops) == 1 for name, ops in reads.items() if name != "embed.weight"), reads
+    assert reads["embed.weight"][0] == "embedding.default" and len(reads["embed.weight"]) == (2 if tied else 1)
+    total = sum(p.numel() for p in model.parameters())
+    unread = 0 if tied else (spec.vocab - batch) * spec.width
+    kv = batch * context * spec.kv_bytes_per_token(4)
+    assert speed.decode_step(spec, context, batch, element_bytes=4)[1] == 4 * (total - unread) + kv
+
+
+def test_the_roofline_bends_at_each_cards_ridge_point():
+    for chip in speed.CHIPS.values():
+        peak, bandwidth, ridge = chip.bf16_dense.value, chip.bandwidth.value, chip.ridge
+        assert speed.attainable(chip, ridge) == pytest.approx(peak)
+        assert speed.attainable(chip, ridge / 10) == pytest.approx(bandwidth * ridge / 10)
+        assert speed.attainable(chip, ridge * 10) == peak
+
+
+def test_llama_3_8b_decodes_below_the_ridge_even_with_the_pool_full_and_a_training_matmul_above_it():
+    """The primer's worked example: at 8k tokens, one sequence reads the weights and 1 GiB of keys and
+    values per token at about one FLOP per byte; the 54 sequences the pool holds multiply tokens per second
+    but stay under the ridge (each reads its own keys and values); a training matmul is far above it."""
+    spec, h100 = zoo.get("llama-3-8b"), speed.CHIPS["h100-80gb"]
+    one, full = speed.decode(h100, spec, 8192), speed.decode(h100, spec, 8192, batch=54)
+    assert one["kv_bytes"] == 2**30 and one["weight_bytes"] == 2 * (spec.param_count() - (spec.vocab - 1) * spec.width)
+    assert one["tokens_per_s"] == h100.bandwidth.value / (one["weight_bytes"] + one["kv_bytes"])
+    assert 1 < one["intensity"] < 2 and full["intensity"] < h100.ridge / 10
+    assert full["tokens_per_s"] > 10 * one["tokens_per_s"]
+    flops, moved = speed.matmul(tokens=8192, d_in=4096, d_out=4096)
+    assert flops / moved > 5 * h100.ridge
+
+
+def test_the_cited_cards_are_lab_13s_and_every_number_names_an_nvidia_source():
+    fit_gpus = labs.load(13, "fit_gpus")
+    for chip in speed.CHIPS.values():
+        assert chip.memory.stated == fit_gpus.GPUS[chip.name].stated
+        assert chip.registers_per_sm.value == 65536 * 4  # 64K 32-bit registers
+        facts = [chip.registers_per_sm, chip.l1_shared_per_sm, chip.l2, chip.memory, chip.bandwidth, chip.bf16_dense]
+        for fact in filter(None, facts):
+            assert fact.sources and all(re.match(r"https://[\w.]*nvidia\.com/", s) for s in fact.sources), fact
+    assert speed.CHIPS["h200-141gb"].l2 is None  # NVIDIA's H200 pages state no L2 size: none is shown
+    assert speed.CHIPS["h100-80gb"].bf16_dense.value == speed.CHIPS["h200-141gb"].bf16_dense.value == 1979e12 / 2
+    assert [row[0] for row in speed.sizes_table().rows] == [row[0] for row in speed.speeds_table().rows]

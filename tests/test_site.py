@@ -333,6 +333,95 @@ def hooks_on(tmp_path):
     return hooks
 
 
+# The reading order the handbook promises (mkdocs.yml extra.reading_order): one GPU, moving memory off it,
+# many GPUs, serving, debugging. A chapter listed here that does not exist yet is skipped.
+READING_ORDER = [
+    "handbook/memory-accounting.md", "handbook/training-step.md", "handbook/mixed-precision.md",
+    "handbook/activation-checkpointing.md", "handbook/attention-memory.md", "handbook/gradient-accumulation.md",
+    "handbook/optimizer-offload.md", "handbook/offload.md", "handbook/activation-offload.md",
+    "handbook/data-parallel.md", "handbook/zero-fsdp.md", "handbook/model-parallel.md",
+    "handbook/serving-memory.md",
+    "handbook/memory-debugging.md", "oom.md",
+]
+
+
+def site_nav(tmp_path, edit=None) -> tuple[list, object]:
+    """mkdocs.yml's nav as the hooks' on_config leaves it (after ``edit(config)``), and the hooks."""
+    from mkdocs.config import load_config
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"))
+    if edit:
+        edit(config)
+    hooks = hooks_on(tmp_path)
+    return hooks.on_config(config)["nav"], hooks
+
+
+def test_the_nav_starts_here_lists_each_page_once_and_the_chapters_in_the_reading_order(tmp_path):
+    nav, hooks = site_nav(tmp_path)
+    nav_pages = hooks.nav_pages
+    pages = nav_pages(nav)
+    assert pages[0] == "start.md", "Start here is first"
+    assert len(pages) == len(set(pages)), sorted(p for p in pages if pages.count(p) > 1)
+    handbook = nav_pages(next(item["Handbook"] for item in nav if isinstance(item, dict) and "Handbook" in item))
+    assert handbook == ["handbook/index.md"] + [p for p in READING_ORDER if (DOCS / p).is_file()]
+    assert {f"handbook/{p.name}" for p in (DOCS / "handbook").glob("*.md")} <= set(handbook), "every chapter"
+    labs = nav_pages(next(item["Labs"] for item in nav if isinstance(item, dict) and "Labs" in item))
+    expected = ["labs/index.md"]
+    for page in LAB_PAGES:
+        expected += [f"labs/{page.name}", *front_matter(page).get("extra_pages", [])]
+    assert labs == expected, "the labs in lab order, each extra page after its lab"
+
+
+def test_the_nav_refuses_a_page_twice_and_a_chapter_outside_the_reading_order(tmp_path):
+    from mkdocs.exceptions import PluginError
+
+    def oom_twice(config):
+        config["nav"].append({"I have an OOM": "oom.md"})
+
+    with pytest.raises(PluginError, match="oom.md more than once"):
+        site_nav(tmp_path / "a", oom_twice)
+
+    def forget_offload(config):
+        for part in config["extra"]["reading_order"]:
+            part["chapters"] = [c for c in part["chapters"] if c["page"] != "handbook/offload.md"]
+
+    with pytest.raises(PluginError, match="handbook/offload.md is in no part of extra.reading_order"):
+        site_nav(tmp_path / "b", forget_offload)
+
+    def misspell(config):
+        config["extra"]["reading_order"][0]["chapters"][0]["page"] = "handbook/memory-acounting.md"
+
+    with pytest.raises(PluginError, match="memory-acounting.md, which does not exist"):
+        site_nav(tmp_path / "c", misspell)
+
+
+def test_the_built_sidebar_links_each_page_once_start_here_first(built_site):
+    """What a reader sees: the primary navigation of a built page, the site's title link aside."""
+    html = (built_site["dir"] / "labs" / "index.html").read_text(encoding="utf-8")
+    start = html.rfind("<nav", 0, html.index("md-nav--primary"))
+    depth, end = 0, None
+    for m in re.finditer(r"<(/?)nav\b", html[start:]):
+        depth += -1 if m.group(1) else 1
+        if depth == 0:
+            end = start + m.end()
+            break
+    links = [href for href in re.findall(r'<a href="([^"]+)"', html[start:end]) if href != ".."]
+    assert links[0] == "../start/" and len(links) == len(set(links)), links
+    chapters = [link for link in links if link.startswith("../handbook/") and link != "../handbook/"]
+    assert chapters == [f"../{p[:-3]}/" for p in READING_ORDER if p.startswith("handbook/") and (DOCS / p).is_file()]
+
+
+def test_start_here_cites_every_source_of_its_hardware_numbers():
+    from labkit import labs
+
+    page = (DOCS / "start.md").read_text(encoding="utf-8")
+    for url in labs.load(14, "serving_speed").sources():
+        assert f"({url})" in page, url
+    home = (DOCS / "index.md").read_text(encoding="utf-8")
+    assert home.index("(start.md)") < home.index("(oom.md)") < home.index("(fit.md)"), "Start here is the first button"
+
+
 def test_performance_page_renders_results_files_ratios_first(tmp_path, monkeypatch):
     hooks = hooks_on(tmp_path)
     (tmp_path / "bench" / "demo_bench.py").write_text('BENCH = "demo"\nRESULT_FILE = "results/demo.json"\n')
