@@ -12,8 +12,11 @@
   ``<!-- infralab:table lab-NN NAME -->`` (a table, rendered by ``labkit.table``),
   ``<!-- infralab:provenance lab-NN -->`` (where they were measured) and, inside a sentence,
   ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
-  ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
-  fails the build. Every value is escaped: nothing in a results file becomes HTML.
+  ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A kind ending in ``~``
+  (``bytes~``, ``GB~``, ``int~``, ``pct~``, ``x~``, ``float~``) is the number as a person says it:
+  two significant figures ("about 150 GiB"), for the interview answers said out loud, whose exact
+  figure follows in their collapsible follow-up. A name that is not there fails the build. Every
+  value is escaped: nothing in a results file becomes HTML.
 * ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
   the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
@@ -28,6 +31,7 @@ Replacing mkdocs-jupyter later means changing this file and the plugin entry, no
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import re
 from functools import cache
@@ -352,7 +356,7 @@ def render_performance(page_src: str) -> str:
 
 
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
-VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.-]+)\s*(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+VALUE = re.compile(r"\{\{\s*(?P<file>[\w-]+):(?P<path>[\w.-]+)\s*(?:\|\s*(?P<kind>[\w:+~]+)\s*)?\}\}")
 
 
 def _lookup(name: str, path: str, page_src: str):
@@ -368,11 +372,44 @@ def _lookup(name: str, path: str, page_src: str):
     return node
 
 
+SPOKEN_BYTES = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+SPOKEN = {"GB": (" GB", 10**9), "int": ("", 1), "float": ("", 1), "pct": (" %", 0.01), "x": (" times", 1)}
+
+
+def spoken(value, kind: str) -> str:
+    """A number as a person says it out loud: two significant figures (``bytes~1``: one; a whole
+    number of KiB, MiB, ... below 1,000 as it is), with "about" when rounding changed it. ``bytes~``: the largest binary unit it reaches ("about 150 GiB");
+    ``GB~``: decimal gigabytes; ``int~``, ``float~``: a plain number; ``pct~``: a fraction as a
+    percentage; ``x~``: a ratio ("about 3 times")."""
+    name, _, figures = kind.partition("~")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        raise ValueError(f"a spoken kind ({kind}) needs a number other than 0, got {value!r}")
+    if name == "bytes":
+        unit, size = next(((f" {u}", s) for u, s in SPOKEN_BYTES if abs(value) >= s), (" bytes", 1))
+    elif name in SPOKEN:
+        unit, size = SPOKEN[name]
+    else:
+        raise ValueError(f"unknown spoken kind {kind!r} (bytes~, GB~, int~, float~, pct~, x~)")
+    exact = value / size
+    decimals = int(figures or 2) - 1 - math.floor(math.log10(abs(exact)))
+    if name == "bytes" and exact == int(exact) and abs(exact) < 1000:
+        decimals = 0  # a whole number of its unit is said as it is: "128 KiB", not "about 130 KiB"
+    said = round(exact, decimals)
+    text = f"{said:,.{max(decimals, 0)}f}"
+    text = text.rstrip("0").rstrip(".") if "." in text else text
+    return ("" if math.isclose(said, exact, rel_tol=1e-12) else "about ") + text + unit
+
+
 def render_value(m: re.Match, page_src: str) -> str:
     value = _lookup(m.group("file"), m.group("path"), page_src)
     if isinstance(value, (dict, list)):
         raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
     kind = m.group("kind") or "text"
+    if "~" in kind:
+        try:
+            return spoken(value, kind)
+        except ValueError as err:
+            raise PluginError(f"{page_src}: {m.group(0)}: {err}") from None
     return Table([("", kind)], [[value]]).cell(value, kind)  # a table of one: bytes in the value's own unit
 
 

@@ -310,6 +310,9 @@ def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site
     expected = questions.nth(first).evaluate(
         "d => [...d.children].filter(c => c.tagName !== 'SUMMARY').map(c => c.textContent).join(' ')")
     assert shown and shown.split()[:8] == expected.split()[:8], (shown[:80], expected[:80])
+    follow_up = answer.locator("details")  # the spoken answer first; its exact figures behind a closed follow-up
+    assert follow_up.count() == 1 and follow_up.get_attribute("open") is None, follow_up.count()
+    assert follow_up.locator("summary").inner_text().startswith("Follow-up")
     assert page.get_by_role("button", name="Hide the answer").get_attribute("aria-expanded") == "true"
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the drill scrolls sideways by {overflow}px on a phone"
