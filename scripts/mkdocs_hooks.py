@@ -23,6 +23,7 @@
   holding ``<!-- infralab:catalogue -->``, ``<!-- infralab:labs -->``,
   ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` or ``<!-- infralab:interview -->``
   gets that table or section built from the lab pages' front matter and ``extra.catalogue``;
+  ``<!-- infralab:fit_legend -->`` the legend of the calculator's formula code (``results/fit/calculator.json``);
   ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
@@ -216,6 +217,9 @@ def render_placeholder(name: str, page_src: str, config) -> str:
         return _table(["chapter", "lab"], rows)
     if name == "performance":
         return render_performance(page_src)
+    if name == "fit_legend":  # every name in the formula code fit.md quotes, as scripts/fit_table.py explains it
+        rows = [[r["name"], r["means"], r["value"]] for r in results("fit/calculator")["legend"]]
+        return Table([("name", "code"), ("what it is", "text"), ("value", "text")], rows).markdown()
     if name == "interview":
         parts = []
         for src, m in labs:
