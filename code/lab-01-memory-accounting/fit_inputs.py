@@ -43,7 +43,8 @@ class TrainingRun:
     seq: int = option(4096, "tokens per sequence", min=1)
     accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
     precision: Literal["fp32", "bf16", "mixed"] = option(
-        "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
+        "mixed", "fp32: weights, gradients and AdamW state in fp32; bf16: pure bf16 (no fp32 master): weights, "
+        "gradients and AdamW state in bf16; mixed: fp32 weights and state, bf16 autocast")
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
         "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
     checkpointing: Literal["none", "selective", "full"] = option(

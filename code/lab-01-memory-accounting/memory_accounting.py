@@ -173,7 +173,8 @@ class Config(LabConfig):
     vocab: int | None = option(None, f"model shape: vocabulary (toy default {TOY.vocab})", min=1)
     kv_heads: int | None = option(None, "model shape: KV heads for the KV cache (default: one per head)", min=1)
     precision: Literal["fp32", "mixed", "bf16"] = option(
-        "fp32", "fp32; mixed: 16-bit weights and activations, fp32 master weights and states; bf16: pure bf16")
+        "fp32", "fp32; mixed: 16-bit weights and activations, fp32 master weights and states; "
+        "bf16: pure bf16 (no fp32 master)")
     optimizer: Literal["sgd", "momentum", "adamw"] = option("adamw", "the optimizer whose state is counted")
     zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO stage: 1 shards optimizer state, 2 gradients, 3 weights")
     dp: int = option(1, "data-parallel ranks; figures are per rank", min=1)

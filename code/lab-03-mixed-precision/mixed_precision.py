@@ -150,7 +150,8 @@ class Config(RealScale, TinyGPTShape, LabConfig):
     seq_len: int = option(32, "tokens per sequence", min=1)
     width: int = option(64, "model width", min=1)
     recipe: Literal["fp32", "fp16", "bf16", "pure-bf16", "all"] = option(
-        "all", "the recipe to train, or all three of fp32, fp16 and bf16 (pure-bf16: bf16 weights, no autocast)")
+        "all", "the recipe to train, or all three of fp32, fp16 and bf16 "
+        "(pure-bf16: bf16 weights and state, no fp32 master)")
     steps: int = option(20, "training steps per recipe", min=1)
     ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1)
     batch_size: int = option(8, "sequences per step", min=1)

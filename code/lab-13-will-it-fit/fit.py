@@ -8,7 +8,7 @@ optimizer, with AdamW's state already there), and the memory ledger counts every
 step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so Llama-3-70B
 traces on a laptop in seconds.
 
-    precision       Lab 03's recipes: fp32, bf16 (pure), mixed (fp32 weights + bf16 autocast)
+    precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
