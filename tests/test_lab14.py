@@ -348,6 +348,7 @@ def test_the_command_line_prints_the_issues_json_keys():
     for metrics in out["caches"].values():
         assert {"utilization", "waste_fraction", "max_concurrent", "preemptions"} <= set(metrics)
     assert out["identical_tokens"] is True
+    assert out["model"] == "small-llama" and out["budget_model"] == out["budget"]["model"] == "llama-3-8b"
 
 
 # ---------------------------------------------------------------------- the serving budget at real size
@@ -362,7 +363,7 @@ def test_the_default_run_ends_on_a_real_models_traced_budget_on_an_h100(capsys, 
     b = budget.plan(zoo.get("llama-3-8b"), gpu="h100-80gb", seq_len=8192)
     assert lab.Config().budget_spec().name == "llama-3-8b" and b.max_tokens_in_flight > 400_000
     last = " ".join(line.strip() for line in lines[max(i for i, x in enumerate(lines) if x.startswith("[")) + 1:])
-    assert last == (f"llama-3-8b on one h100-80gb (traced budget): {b.max_tokens_in_flight:,} tokens in flight, "
+    assert last == (f"llama-3-8b on one h100-80gb, traced: {b.max_tokens_in_flight:,} tokens in flight, "
                     f"{b.sequences(8192):,} requests of 8,192 tokens at once") == report.budget_line(b)
     head = next(i for i, x in enumerate(lines) if x.startswith("Serving budget of llama-3-8b"))
     assert "traced at real size on fake tensors" in " ".join(lines[head:head + 3])

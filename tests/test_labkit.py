@@ -385,6 +385,12 @@ def test_a_table_that_fits_prints_as_it_did_and_one_that_does_not_wraps_turns_or
         "------  -------------------------------  ---------------",
         "bytes                  85,520,809,984 B  1,073,741,824 B",
         "source  assumed: NVML's total ([1]); a   cited"]
+    one = Table(["model", "stage", *((f"category {i}", "size") for i in range(8))],
+                [["llama-3-8b", "1 · DDP + ZeroRedundancyOptimizer", *(2**30 * i for i in range(8))]])
+    assert one.text(width=100).splitlines()[:5] == [  # a column no wider than its widest cell
+        "model       llama-3-8b", "----------  ---------------------------------",
+        "stage       1 · DDP + ZeroRedundancyOptimizer", "category 0                                  0",
+        "category 1                           1.00 GiB"]
     many = Table(["mode", *((f"column {i}", "B") for i in range(8))], [[f"m{j}", *range(8)] for j in range(9)])
     assert many.text(width=40).splitlines()[:3] == ["mode      m0", "column 0  0 B", "column 1  1 B"]  # a record a row
     assert many.text(width=40).splitlines()[9:11] == ["", "mode      m1"]

@@ -114,7 +114,7 @@ class Result:
     def summary(self) -> dict:
         b = self.budget
         return {"lab": labs.slug(__file__), "device": str(self.device), "model": self.spec.name, "fake": self.config.fake,
-                "kv_bytes_per_token": b.kv_bytes_per_token, "weights_bytes": b.weights_bytes,
+                "budget_model": b.model, "kv_bytes_per_token": b.kv_bytes_per_token, "weights_bytes": b.weights_bytes,
                 "prefill_peak_bytes": b.prefill_peak_bytes, "kv_pool_bytes": b.kv_pool_bytes,
                 "max_tokens_in_flight": b.max_tokens_in_flight, "budget": b.summary(),
                 "requests": len(self.requests), "pool_tokens": self.pool_tokens, "pool_bytes": self.pool_bytes,
@@ -152,7 +152,7 @@ def budget_table(b) -> Table:
 
 def budget_line(b) -> str:
     """The budget in one sentence: the line a run ends with."""
-    return (f"{b.model} on one {b.gpu}{f' of TP {b.tp}' if b.tp > 1 else ''} (traced budget): "
+    return (f"{b.model} on one {b.gpu}{f' of TP {b.tp}' if b.tp > 1 else ''}, traced: "
             f"{b.max_tokens_in_flight:,} tokens in flight, {b.sequences(b.seq_len):,} requests of "
             f"{b.seq_len:,} tokens at once")
 

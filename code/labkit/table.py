@@ -208,7 +208,7 @@ def _fit(names: list[str], cells: list[list[str]], flags: list[list[bool]], widt
         return None
     while left > 0 and any(w < n for w, n in zip(widths, natural)):
         lacking = sum(n - w for w, n in zip(widths, natural))
-        shares = [(n - w) * left // lacking for w, n in zip(widths, natural)]
+        shares = [(n - w) * min(left, lacking) // lacking for w, n in zip(widths, natural)]
         if not any(shares):  # the last few columns of room: to the column that lacks most
             shares[max(range(len(widths)), key=lambda i: natural[i] - widths[i])] = 1
         widths = [w + s for w, s in zip(widths, shares)]
