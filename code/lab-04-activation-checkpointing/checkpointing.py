@@ -311,8 +311,8 @@ def report(result: Result) -> None:
             print(f"{s}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
                   f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nactivation peak = highest activations + temporaries over forward and backward (ledger; recomputed "
-          "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
-          "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."
+          "tensors are born in backward, so they count as temporaries). reduction and overhead: against 'none'. "
+          "Recompute FLOPs: backward FLOPs minus none's, as a share of the forward's."
           + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" and not c.fake else ""))
     if set(result.results) == set(STRATEGIES) and c.model == TINY and c.dtype == "float32" and not c.fake:
         print("\nFormula against measurement:\n" + checks(result).text())  # TinyGPT's fp32 formulas, exact bytes

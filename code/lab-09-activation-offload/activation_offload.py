@@ -275,9 +275,9 @@ def report(result: Result) -> None:
             print(f"{m}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
                   f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nactivation peak = highest device activations + temporaries over forward and backward (ledger); host "
-          "copies =\nhighest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
-          "against\n'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
-                                      "by label,\nand step times are CPU wall clock (no GPU claim)."
+          "copies = highest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
+          "against 'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
+                                      "by label, and step times are CPU wall clock (no GPU claim)."
                                       if kind == "cpu" and not c.fake else ""))
     if c.snapshot:
         print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")

@@ -8,7 +8,9 @@ A lab ends with::
 :func:`main` builds an argparse parser from the dataclass (one ``--flag`` per field, its help and
 choices from the field, plus ``--json``), makes the ``Config`` (whose ``__post_init__`` holds every
 rule), calls ``run(config)``, and prints ``report(result)`` or, under ``--json``, the one JSON object
-``result.summary()``. Bad input of any kind, a :class:`UsageError` raised anywhere in the run, and
+``result.summary()``. What the report prints is fitted to the terminal (:func:`fitted_stdout`):
+tables fit themselves (:meth:`labkit.table.Table.text`), and every longer line is wrapped at its
+spaces; ``--json`` is printed whole. Bad input of any kind, a :class:`UsageError` raised anywhere in the run, and
 an out-of-memory error (sizes the machine cannot hold) are one line on stderr and exit code 2, never
 a traceback.
 
@@ -20,7 +22,9 @@ Also here: :func:`pick_device` (``auto|cpu|cuda``; it only resolves, it launches
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -30,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from labkit.config import UsageError, choices_of, fields_of, flag, split_optional
+from labkit.table import terminal_width, wrap
 
-__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json"]
+__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json",
+           "fitted_stdout"]
 
 
 class LabArgumentParser(argparse.ArgumentParser):
@@ -154,11 +160,12 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
         device = getattr(config, "device", None)
         if isinstance(device, str) and device.startswith("cuda"):
             pick_device(device)  # no GPU here: one line before anything runs (a notebook kernel, a rank)
-        result = run(config)
         if as_json or report is None:
+            result = run(config)
             emit_json(result.summary() if hasattr(result, "summary") else result)
         else:
-            report(result)
+            with fitted_stdout():  # what the run and its report print, fitted to the terminal
+                report(run(config))
     except UsageError as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -174,6 +181,50 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
     except BrokenPipeError:  # the reader stopped reading (`--json | head`): nothing is wrong with the run
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         raise SystemExit(STOPPED_READING) from None
+
+
+class _FittedLines(io.TextIOBase):
+    """A text stream that passes each whole line written to it through :func:`labkit.table.wrap`."""
+
+    def __init__(self, out, width: int) -> None:
+        self._out, self._width, self._partial = out, width, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._out.write(wrap(line, self._width) + "\n")
+        return len(text)
+
+    def flush(self) -> None:  # a line not ended yet goes out as it is (a prompt, or before a subprocess writes)
+        if self._partial:
+            self._out.write(self._partial)
+            self._partial = ""
+        self._out.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._out.isatty()
+
+    def fileno(self) -> int:
+        return self._out.fileno()
+
+    @property
+    def encoding(self):  # type: ignore[override]
+        return getattr(self._out, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def fitted_stdout(width: int | None = None):
+    """Inside, every line printed to stdout fits ``width`` columns (default: the terminal's,
+    :func:`labkit.table.terminal_width`): a longer one is wrapped at its spaces, words whole."""
+    stream = _FittedLines(sys.stdout, width or terminal_width())
+    try:
+        with contextlib.redirect_stdout(stream):
+            yield stream
+    finally:
+        stream.flush()
 
 
 def _prog(prog: str | None) -> str:
