@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from labkit import cli
-from labkit.config import UsageError, check_fields, option
+from labkit.config import MAX_SECONDS, UsageError, check_fields, option
 from labkit.files import atomic, check_writable
 from labkit.provenance import code_hash
 
@@ -91,9 +91,11 @@ class Config:
 
     names: tuple[str, ...] = option((), "notebook names (default: every notebooks/src/*.py)", positional=True)
     device: Literal["auto", "cpu", "cuda"] = option("auto", "where the notebooks measure")
-    output_dir: Path = option(ROOT / "notebooks", "where the executed notebooks go (default: notebooks/)")
-    results_dir: Path | None = option(None, "where the notebooks publish their results (default: results/)")
-    timeout: int = option(1200, "seconds a cell may run", min=1)
+    output_dir: Path = option(ROOT / "notebooks", "where the executed notebooks go (default: notebooks/)",
+                              path="folder")
+    results_dir: Path | None = option(None, "where the notebooks publish their results (default: results/)",
+                                      path="folder")
+    timeout: int = option(1200, "seconds a cell may run", min=1, max=MAX_SECONDS)
 
     def __post_init__(self) -> None:
         check_fields(self)
