@@ -13,7 +13,8 @@
   ``<!-- infralab:provenance lab-NN -->`` (where they were measured) and, inside a sentence,
   ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
   ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
-  fails the build. Every value is escaped: nothing in a results file becomes HTML.
+  fails the build. Every value is escaped (``labkit.table.escape``): nothing in a results file becomes
+  HTML or Markdown (a link, an image, an attribute list): it shows as the text it is.
 * A list of records (one dict per size, stage or mode a run covered) is looked up by a field, never
   by position: ``sets[params=12905472]``, ``stages[stage=3]``, ``modes[mode=layerwise]``. A re-run
   with other sizes then fails the build with the key it lacks and the keys it has, where a position

@@ -330,9 +330,7 @@ def interrupts_held() -> Iterator[None]:
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    with atomic(path, "w") as f:
-        f.write(text)
-    return Path(path)
+    return write_bytes(path, text.encode("utf-8"))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
