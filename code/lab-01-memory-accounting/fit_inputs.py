@@ -18,14 +18,8 @@ from labkit.config import (
     check_fields, choices_of, fields_of, option, split_optional,
 )
 
-#: A Hugging Face config.json's keys for each dimension, first found wins (as ``zoo.hf_spec`` reads them).
-HF_KEYS = {
-    "layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
-    "heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
-    "head_dim": ("head_dim",), "ffn": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",),
-    "experts": ("num_local_experts", "num_experts"), "top_k": ("num_experts_per_tok",),
-    "tied": ("tie_word_embeddings",),
-}
+#: A Hugging Face config.json's keys for each dimension, first found wins (``zoo.hf_spec`` reads them so).
+HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
 CUSTOM = "custom"
 

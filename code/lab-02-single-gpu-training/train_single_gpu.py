@@ -119,6 +119,8 @@ def run(config: Config) -> Result:
         model = build_model(config, lambda: TinyGPT(model_config), device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, **adamw_options(config.adamw, config.fake))
         settings = asdict(model_config) | {k: getattr(config, k) for k in SETTINGS}
+        if config.checkpoint and not config.fake:  # its weights and AdamW's two moments, at the least
+            files.check_room(config.checkpoint, 3 * sum(p.nbytes for p in model.parameters()), "--checkpoint")
         start = resume(config.checkpoint, load_checkpoint, model, optimizer, settings) if config.resume else 0
         data = token_source(config, model_config)
 
