@@ -82,8 +82,8 @@ def bad_values(config_cls) -> list[tuple[str, str]]:
             out += [(name, "lots"), (name, "nan"), (name, "inf"), (name, "-inf")]
             if lo is not None:
                 out.append((name, str(lo - 1 if meta.get("min") is not None else lo)))
-            if hi is not None:
-                out.append((name, str(hi + 1 if meta.get("max") is not None else hi)))
+            if hi is not None:  # a step that is still a step at float32's largest (hi + 1 == hi there)
+                out.append((name, str(hi + max(1, abs(hi) * 1e-6) if meta.get("max") is not None else hi)))
         elif base is Path:
             out.append((name, ""))
         elif typing.get_origin(base) is tuple:
@@ -136,9 +136,10 @@ def test_the_configs_have_a_help_text_for_every_flag():
 
 
 # A size that fits int64 but no machine: refused from the lab's own floor, before anything is allocated.
-TOO_BIG = {2: ["--width=1000000"], 3: ["--width=1000000"], 4: ["--width=1000000"], 5: ["--seq-lens=4000000"],
-           6: ["--width=1000000"], 7: ["--width=1000000"], 8: ["--width=1000000"], 9: ["--width=1000000"],
-           10: ["--width=1000000"], 11: ["--width=1000000"], 12: ["--width=1000000"]}
+#: (the widest a flag takes, labkit.config.MAX_WIDTH: terabytes for any of the toy models)
+TOO_BIG = {2: ["--width=131072"], 3: ["--width=131072"], 4: ["--width=131072"], 5: ["--seq-lens=4000000"],
+           6: ["--width=131072"], 7: ["--width=131072"], 8: ["--width=131072"], 9: ["--width=131072"],
+           10: ["--width=131072"], 11: ["--width=131072"], 12: ["--width=131072"]}
 
 
 @pytest.mark.parametrize("n", sorted(TOO_BIG))
@@ -235,6 +236,8 @@ HOSTILE_CONFIGS = {
     "nan.json": json.dumps(_LLAMA)[:-1] + ', "rms_norm_eps": NaN}',
     "infinity.json": json.dumps(_LLAMA)[:-1] + ', "rms_norm_eps": 1e999}',
     "tied-text.json": _LLAMA | {"tie_word_embeddings": "yes"},
+    "pad-outside-vocab.json": _LLAMA | {"pad_token_id": 999},  # transformers warns, then its embedding asserts
+    "rope-type-unknown.json": _LLAMA | {"rope_scaling": {"rope_type": "nope"}},  # transformers warns, then fails
     "text-config-bad.json": {"model_type": "llava", "text_config": _LLAMA | {"vocab_size": 0}},
     "encoder.json": {"model_type": "bert", "hidden_size": 64},
     "unknown-type.json": _LLAMA | {"model_type": "no-such-model"},
@@ -267,19 +270,30 @@ def _accept(config):
     raise _Accepted
 
 
-def _refused(config_cls, argv: list[str], prog: str, run=_never) -> str | None:
+def _refused(config_cls, argv: list[str], prog: str, run=_never, caplog=None) -> str | None:
     """None when ``argv`` is refused as the contract says (exit 2, one line, no traceback, the run never
-    started); "accepted" when ``run`` is ``_accept`` and was reached; else what happened instead."""
+    started); "accepted" when ``run`` is ``_accept`` and was reached; else what happened instead.
+    ``caplog``: pytest's log capture, for what a library logged at WARNING or above (transformers'
+    handler prints it on the stderr it was imported with: lines before the refusal's); a Python
+    warning counts too."""
+    import logging
+    import warnings
+
     err = io.StringIO()
+    if caplog is not None:
+        caplog.clear()
     try:
-        with redirect_stderr(err):
+        with redirect_stderr(err), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
             cli.main(config_cls, run, None, argv, prog=prog)
     except _Accepted:
         return "accepted"
     except SystemExit as exc:
-        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        logged = [r.getMessage() for r in (caplog.records if caplog is not None else []) if r.levelno >= logging.WARNING]
+        said = "\n".join([err.getvalue(), *logged, *(str(w.message) for w in warned)])
+        lines = [line for line in said.splitlines() if line.strip()]
         if exc.code != 2 or len(lines) != 1 or "Traceback" in lines[0]:
-            return f"exit {exc.code}, {len(lines)} line(s): {err.getvalue()[-300:]!r}"
+            return f"exit {exc.code}, {len(lines)} line(s): {said[-300:]!r}"
         return None
     except BaseException as exc:  # noqa: BLE001 - any other way out is what the contract forbids
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
@@ -290,7 +304,7 @@ HOSTILE = [pytest.param(path, id=f"{path.parent.name}/{path.stem}") for path in 
 
 
 @pytest.mark.parametrize("path", HOSTILE)
-def test_hostile_values_are_one_line_exit_2_and_nothing_runs(path, tmp_path, monkeypatch):
+def test_hostile_values_are_one_line_exit_2_and_nothing_runs(path, tmp_path, monkeypatch, caplog):
     """Every case of :func:`hostile_values` for this command line, in a loop: refused in one line,
     exit 2, before the run, nothing written (the working folder stays empty, the fixtures as they
     were, the FIFO never opened: a read would block, and this test would hang instead of failing)."""
@@ -302,7 +316,7 @@ def test_hostile_values_are_one_line_exit_2_and_nothing_runs(path, tmp_path, mon
     before = sorted(p.name for p in fixtures.rglob("*"))
     cases = hostile_values(config_cls)
     wrong = [(name, text[:60], why) for name, text in cases
-             if (why := _refused(config_cls, [name, text.replace("{tmp}", str(fixtures))], path.name))]
+             if (why := _refused(config_cls, [name, text.replace("{tmp}", str(fixtures))], path.name, caplog=caplog))]
     assert not wrong, f"{len(wrong)} of {len(cases)} cases not refused: {wrong[:5]}"
     assert not os.listdir(work) and sorted(p.name for p in fixtures.rglob("*")) == before
     print(f"{path.parent.name}/{path.name}: {len(cases)} hostile cases refused")

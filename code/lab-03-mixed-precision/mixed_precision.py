@@ -156,7 +156,7 @@ class Config(RealScale, TinyGPTShape, LabConfig):
     batch_size: int = option(8, "sequences per step", min=1, max=MAX_BATCH)
     lr: float = option(3e-3, "AdamW learning rate", above=0, max=MAX_LR)
     dropout: float = option(0.0, "dropout probability", min=0, below=1)
-    init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0, max=2.0**127)
+    init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0, max=FP32.max)
     growth_interval: int = option(2000, "clean steps before the scale doubles", min=1, max=MAX_STEPS)
     inject_inf_at: int | None = option(None, "fp16: put an inf in a gradient at this step",
                                        min=0, max=MAX_STEPS, metavar="STEP")

@@ -122,11 +122,15 @@ def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int 
     would (PyTorch's elastic launcher, in this process), and return the exit code for the job.
 
     The ranks write to this terminal. Every rank refuses bad input before it joins the group, and
-    rank 0 alone says so (:func:`one_voice`): the job then exits 2 without a word more. A rank that
-    fails otherwise (an error, a signal) stops the others within a fraction of a second; this
-    process then prints one line naming it and returns 1 (a rank's own error is printed above, by
-    that rank). A signal to this process stops the ranks too (exit 128 + its number). The
-    launcher's logging is silenced below CRITICAL.
+    rank 0 alone says so (:func:`one_voice`): the job then exits 2 without a word more. A rank
+    refused mid-run by what it alone met (its ledger on a full disk) leaves its line to this
+    process, which prints it: one line, exit 2. A rank that fails otherwise (an error, a signal)
+    stops the others within a fraction of a second, and a rank that stays stopped (SIGSTOP, a
+    debugger) for ``STOPPED_LIMIT_S`` is killed (:class:`StoppedRankWatch`: its peers would wait for
+    it a minute and more); this process then prints one line naming it and returns 1 (a rank's own
+    error is printed above, by that rank; the ranks that only lost it say nothing). A signal to this
+    process stops the ranks too (exit 128 + its number). The launcher's logging is silenced below
+    CRITICAL.
     """
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -410,8 +414,12 @@ class Voice:
 def one_voice() -> Voice:
     """Rank 0 alone speaks: bad input (exit 2) and a broken promise (exit 1) are one line from
     rank 0, and the other ranks exit with the same code without a word (bad input a moment later
-    than rank 0, ``QUIET_EXIT_DELAY_S``). A real error surfaces on every rank, with what it had
-    printed. Every rank leaves the process group at the end.
+    than rank 0, ``QUIET_EXIT_DELAY_S``). Once the group is joined, a rank may meet alone what its
+    peers do not (a full disk): it says so itself (through :func:`start_ranks` when that started
+    it). A collective that fails because a peer is gone (:func:`peer_lost`) is one line under
+    torchrun and silence under :func:`start_ranks`, which names the rank that went; exit 1. A real
+    error surfaces on every rank, with what it had printed. Every rank leaves the process group at
+    the end.
 
     Every object ``run`` left that holds a process group (a DDP module, an FSDP-sharded model, a
     ``ZeroRedundancyOptimizer``) is collected on the way out, while Python is still alive. Left to

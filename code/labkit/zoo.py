@@ -45,6 +45,7 @@ What the zoo follows, and where it does not:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -594,9 +595,10 @@ HF_MAX_PARAMS, HF_MAX_MLPS = 1 << 44, 1 << 17
 
 def check_hf_fields(data: dict, where: str) -> None:
     """UsageError, before transformers sees the config, for a dimension of the wrong type (a list, a
-    bool, a float), out of its range (``vocab_size: 0``, 10**6 layers or experts), a router that picks
-    more experts than there are, or a model too large to be one (:data:`HF_MAX_PARAMS`). The text
-    model of a multimodal config (``text_config``) is checked too."""
+    bool, a float), out of its range (``vocab_size: 0``, 10**6 layers or experts), a padding token
+    outside the vocabulary (the embedding would refuse it), a router that picks more experts than
+    there are, or a model too large to be one (:data:`HF_MAX_PARAMS`). The text model of a
+    multimodal config (``text_config``) is checked too."""
     for part in (data, data.get("text_config")):
         if not isinstance(part, dict):
             continue
@@ -616,6 +618,9 @@ def check_hf_fields(data: dict, where: str) -> None:
             if not lo <= value <= hi:
                 raise UsageError(f"{where}: {key} must be in [{lo:,}, {hi:,}], got {value:,}")
             dims[dim] = value
+        pad, vocab = part.get("pad_token_id"), dims.get("vocab")
+        if pad is not None and vocab and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
+            raise UsageError(f"{where}: pad_token_id {_short(pad)} is not a token of the {vocab:,}-token vocabulary")
         if dims.get("top_k", 0) > dims.get("experts", 0):
             raise UsageError(f"{where}: num_experts_per_tok {dims['top_k']} is more than the {dims.get('experts', 0)} "
                              f"experts each layer has")
@@ -712,9 +717,21 @@ def hf_spec(path: str) -> ModelSpec:
         check_hf_fields({keys[0]: getattr(spec, f) for keys, f in (
             (HF_KEYS["layers"], "layers"), (HF_KEYS["hidden"], "width"), (HF_KEYS["vocab"], "vocab"),
             (HF_KEYS["experts"], "experts")) if getattr(spec, f)}, f"--model {files.shown(path)}")
-        return spec
     except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type, say
         raise UsageError(f"--model {files.shown(path)}: not a usable model config ({_one_line(exc)[:200]})") from None
+    info = Path(path).stat()
+    _builds(str(path), info.st_mtime_ns, info.st_size)
+    return spec
+
+
+@functools.lru_cache(maxsize=16)
+def _builds(path: str, mtime_ns: int, size: int) -> None:
+    """transformers' model for the config at ``path``, built once on the meta device (nothing is
+    allocated): what transformers refuses only when it builds (an unknown RoPE type, a padding index
+    it asserts on) is a UsageError when the config is read, not a failure in the middle of a run.
+    Cached by the file's modification time and size."""
+    with torch.device("meta"):
+        HFCausalLM(_read_hf_config(path))
 
 
 class HFCausalLM(nn.Module):
@@ -737,8 +754,8 @@ class HFCausalLM(nn.Module):
             with _library_quiet():
                 self.hf = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
         except Exception as exc:
-            raise UsageError(f"transformers cannot build {config.model_type!r} from this config ({_one_line(exc)})") \
-                from exc
+            raise UsageError(f"transformers cannot build {config.model_type!r} from this config "
+                             f"({_one_line(exc)[:200]})") from None
 
     def _stack(self) -> tuple[nn.Module, str]:
         decoder = self.hf.get_decoder()
