@@ -32,7 +32,7 @@ from serving_report import Result, Served, report
 from serving_trace import Request
 
 from labkit import budget, cli, marks, zoo
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_RANKS, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 
 
@@ -114,17 +114,22 @@ class Config(LabConfig):
     """Serve a request trace with a paged, a static and a growing KV cache, and size a real model's KV pool on a GPU."""
 
     cache: Literal["all", "paged", "static", "growing"] = option("all", "the KV cache that serves the trace (all: each in turn)")
-    block_size: int = option(16, "tokens per block of the paged cache", min=1)
-    requests: int = option(32, "requests in the generated trace", min=1)
-    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)", above=0)
+    block_size: int = option(16, "tokens per block of the paged cache", min=1, max=MAX_TOKENS)
+    requests: int = option(32, "requests in the generated trace", min=1, max=MAX_BATCH)
+    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)",
+                                 min=1e-6, max=1e6)
     prompt_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1)
+        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1, max=MAX_TOKENS)
     output_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1)
-    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with", min=0)
-    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)")
-    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; with --fake, the budget's pool)", min=1)
-    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)", min=1)
+        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1, max=MAX_TOKENS)
+    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with",
+                                min=0, max=MAX_TOKENS)
+    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)",
+                                path="read")
+    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; with --fake, the budget's pool)",
+                                     min=1, max=MAX_TOKENS)
+    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)",
+                                 min=1, max=MAX_TOKENS)
     no_prefix_sharing: bool = option(False, "the paged cache keeps a copy of a shared prefix per request")
     model: str = option("small-llama", "a Llama-family zoo model (small-llama, llama-3-8b, llama-3-70b, ...) "
                         "or a Hugging Face config.json", metavar="NAME|PATH")
@@ -135,13 +140,15 @@ class Config(LabConfig):
         f"toy, small-*, whose budget means nothing: {BUDGET_FOR_TOYS}); with --fake, --model's own",
         metavar="NAME|PATH")
     gpu: Literal["h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb"] = option("h100-80gb", "the GPU the serving budget is sized for")
-    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1)
-    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", min=0.1, max=1)
+    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1, max=MAX_RANKS)
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag",
+                                           min=0.1, max=1)
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
         "bf16", "how keys and values are stored (fp8, int8: with a float32 scale per token and head)")
     seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: its model's context)",
-                                 min=1)
-    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)", min=1)
+                                 min=1, max=MAX_TOKENS)
+    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)",
+                                       min=1, max=MAX_TOKENS)
     non_torch_gib: float = option(serving_budget.NON_TORCH_BYTES / serving_budget.GIB,
                                   "GiB per GPU outside PyTorch's allocator (CUDA context, cuBLAS, NCCL); default "
                                   f"{serving_budget.NON_TORCH_HOW}: {serving_budget.NON_TORCH_SOURCE}",
