@@ -185,8 +185,7 @@ class Config(RealScale, LabConfig):
     chunk: int = option(128, "query rows per block (chunked)", min=1, max=MAX_TOKENS)
     batch: int = option(1, "sequences per batch", min=1, max=MAX_BATCH)
     heads: int = option(2, "attention heads (query heads)", min=1, max=MAX_HEADS)
-    kv_heads: int | None = option(None, "key and value heads, dividing --heads (grouped-query attention; "
-                                  "default: --heads)", min=1, max=MAX_HEADS)
+    kv_heads: int | None = option(None, "key/value heads dividing --heads (GQA; default: --heads)", min=1, max=MAX_HEADS)
     head_dim: int = option(32, "dimension of each head", min=1, max=MAX_WIDTH)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "element type of q, k and v")
     causal: bool = option(False, "mask future keys (default: full attention)")
