@@ -14,7 +14,7 @@ import dataclasses
 
 import serving_budget
 import torch
-from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
+from paged_kv import KV_DTYPES, KVStore, PagedKVCache, kv_bytes_per_token
 from serve_memory import CACHES, kv_store, serve
 
 from labkit import marks
@@ -107,7 +107,7 @@ def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llam
     ref_out, ref_logits = decode_run("fp32", None)
     forced = ref_logits.argmax(-1).tolist()
     rows = []
-    for kind in ("fp32", "bf16", "fp8", "int8"):
+    for kind in KV_DTYPES:
         out, logits = decode_run(kind, forced)
         error = max(float((a - b).norm() / b.norm()) for a, b in zip(out, ref_out))
         agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
