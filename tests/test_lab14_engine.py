@@ -194,10 +194,14 @@ def test_the_decode_bound_beside_each_budget_is_bandwidth_over_bytes_read(h100):
     one, full = report.decode_bounds(h100)
     bw = speed.BANDWIDTHS["h100-80gb"].value
     n = h100.sequences(8192)
+    assert h100.read_bytes == h100.weights_bytes  # a dense model reads every weight
     assert one == bw / (h100.weights_bytes + 8192 * h100.kv_bytes_per_token)
     assert full == n * bw / (h100.weights_bytes + n * 8192 * h100.kv_bytes_per_token) > 10 * one
     int4 = budget.plan(L8B, seq_len=8192, weights="int4-awq")
     assert report.decode_bounds(int4)[0] > 1.5 * one  # fewer bytes a step: faster decode
+    mixtral = budget.plan(zoo.get("mixtral-8x7b"), gpu="h200-141gb", seq_len=4096)
+    expert = 3 * 4096 * 14336 * 2  # bf16, one SwiGLU expert
+    assert mixtral.weights_bytes - mixtral.read_bytes == 32 * (8 - 2) * expert  # a token reads 2 of 8 experts
     assert set(speed.BANDWIDTHS) == set(fit_gpus.GPUS)
     assert all(re.match(r"https://[\w.]*nvidia\.com/", c.sources[0]) for c in speed.BANDWIDTHS.values())
 

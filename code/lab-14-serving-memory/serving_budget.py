@@ -166,6 +166,19 @@ def weight_bytes(spec, *, tp: int = 1, weights: str = "bf16", group: int | None 
     return blocks + rest
 
 
+def read_weight_bytes(spec, *, tp: int = 1, weights: str = "bf16", group: int | None = None) -> int:
+    """The weights one decode step must read at least: all of them, but a mixture of experts' unrouted
+    experts (a token reads its top_k of them; tokens that all chose the same ones read no more)."""
+    total = weight_bytes(spec, tp=tp, weights=weights, group=group)
+    if not spec.experts:
+        return total
+    rank = per_gpu_spec(spec, tp)
+    with torch.device("meta"):
+        expert = traced_blocks(rank).build().blocks[-1].mlp.experts[0]
+    unread = (rank.experts - rank.top_k) * quantize.model_bytes(expert, weights, group, block=fake.CUDA_BLOCK)
+    return total - (rank.layers - rank.dense_layers) * unread
+
+
 def capture_sizes(max_num_seqs: int, speculative_tokens: int = 0, max_batched_tokens: int = 8192) -> tuple[list, list]:
     """The token counts vLLM captures CUDA graphs for, by default (FULL_AND_PIECEWISE): piecewise graphs
     at [1, 2, 4] + every 8 below 256 + every 16 up to the largest, min(2 x max_num_seqs x (1 + k), 512,
@@ -215,6 +228,7 @@ class Budget:
     draft: str | None = None
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
+    read_bytes: int = 0  # the weights a decode step must read (a mixture of experts: its routed experts)
 
     @property
     def usable_bytes(self) -> int:
@@ -272,4 +286,6 @@ def plan(spec, *, gpu: str = "h100-80gb", tp: int = 1, utilization: float = 0.9,
                   weight_bytes(spec, tp=tp, weights=weights, group=group), peak["activations"], non_torch_bytes,
                   *graphs, rank.kv_heads, token_bytes(rank, kv_dtype, kv_layout) + draft_kv,
                   draft.name if draft is not None else None,
-                  weight_bytes(draft, tp=tp, weights=weights, group=group) if draft is not None else 0, draft_kv)
+                  weight_bytes(draft, tp=tp, weights=weights, group=group) if draft is not None else 0, draft_kv,
+                  read_weight_bytes(spec, tp=tp, weights=weights, group=group)
+                  + (read_weight_bytes(draft, tp=tp, weights=weights, group=group) if draft is not None else 0))

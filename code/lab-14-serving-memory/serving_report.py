@@ -139,10 +139,10 @@ def caches_table(result: Result) -> Table:
 
 def decode_bounds(b) -> tuple[float, float]:
     """Tokens per second the budget's GPU can decode at most (derived, ``serving_speed.bound``): one sequence
-    of the profiled context, and as many as the pool holds at once, in aggregate."""
-    weights = b.weights_bytes + b.draft_weights_bytes
-    one = serving_speed.bound(b.gpu, weights, b.kv_bytes_per_token, b.seq_len)
-    full = serving_speed.bound(b.gpu, weights, b.kv_bytes_per_token, b.seq_len, max(b.sequences(b.seq_len), 1))
+    of the profiled context, and as many as the pool holds at once, in aggregate. A step reads the weights
+    (a mixture of experts: at least its routed experts; a draft's too) and every sequence's cache."""
+    one = serving_speed.bound(b.gpu, b.read_bytes, b.kv_bytes_per_token, b.seq_len)
+    full = serving_speed.bound(b.gpu, b.read_bytes, b.kv_bytes_per_token, b.seq_len, max(b.sequences(b.seq_len), 1))
     return one, full
 
 

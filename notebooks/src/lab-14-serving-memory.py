@@ -341,7 +341,7 @@ notebook.publish(
           "deepseek": {"weights": deepseek.weights_bytes, "kv_per_token": deepseek.kv_bytes_per_token,
                        "seqs_8k": deepseek.sequences(8192), "heads_kv_per_token": deepseek_heads.kv_bytes_per_token,
                        "heads_seqs_8k": deepseek_heads.sequences(8192), "params": zoo.get("deepseek-v2-lite").param_count()},
-          "cards": {f"{gpu} {weights}": b.sequences(8192) for (gpu, weights), b in cards.items()},
+          "cards": {f"{gpu}-{weights}": b.sequences(8192) for (gpu, weights), b in cards.items()},
           "decode_8b": {"one": bounds_8b[0], "all": bounds_8b[1]},
           "decode_8b_int4": {"one": bounds_int4[0], "all": bounds_int4[1]}},
     logs={"pool_gap": log_gaps, "worst_pool_gap": max(abs(g) for g in log_gaps.values()),
