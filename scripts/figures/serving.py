@@ -29,7 +29,7 @@ def budget_stack():
     budget = labs.load(14, "serving_budget")
     fig, ax = plt.subplots(figsize=(5.2, 4.6), layout="constrained")
     colors = {key: CATEGORY_COLORS[cat] if cat else PHASE_COLORS["zero_grad"] for key, cat, _ in PARTS}
-    for pos, (label, model, gpu, kwargs) in enumerate(BARS):
+    for pos, (_, model, gpu, kwargs) in enumerate(BARS):
         draft = kwargs.get("draft")
         b = budget.plan(zoo.get(model), gpu=gpu, seq_len=CONTEXT,
                         **(kwargs | ({"draft": zoo.get(draft)} if draft else {})))
