@@ -66,7 +66,7 @@ SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM s
 class Config:
     """Write the calculator's data and the configurations its JavaScript is checked against."""
 
-    out_dir: Path = option(ROOT / "results" / "fit", "where calculator.json and table.json go")
+    out_dir: Path = option(ROOT / "results" / "fit", "where calculator.json and table.json go", path="folder")
     count: int = option(600, "configurations in table.json", min=500, max=20000)
     seed: int = option(0, "seed of the sampled configurations", min=0, max=2**32 - 1)
 

@@ -16,8 +16,9 @@
   fails the build. A kind ending in ``~``
   (``bytes~``, ``GB~``, ``int~``, ``pct~``, ``x~``, ``float~``) is the number as a person says it:
   two significant figures ("about 150 GiB"), for the interview answers said out loud, whose exact
-  figure follows in their collapsible follow-up. Every value is escaped: nothing in a results file
-  becomes HTML.
+  figure follows in their collapsible follow-up. Every value is escaped (``labkit.table.escape``):
+  nothing in a results file becomes HTML or Markdown (a link, an image, an attribute list): it shows
+  as the text it is.
 * A list of records (one dict per size, stage or mode a run covered) is looked up by a field, never
   by position: ``sets[params=12905472]``, ``stages[stage=3]``, ``modes[mode=layerwise]``. A re-run
   with other sizes then fails the build with the key it lacks and the keys it has, where a position

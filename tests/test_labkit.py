@@ -21,7 +21,7 @@ from labkit.cli import pick_device, progress
 from labkit.config import LabConfig, UsageError, option
 from labkit.models import gpt_param_count
 from labkit.plot import decimate, plot_timeline, save
-from labkit.table import Table, by_category, format_bytes
+from labkit.table import Table, by_category, escape, format_bytes
 
 
 # ---------------------------------------------------------------- device and CLI
@@ -400,7 +400,7 @@ def test_markdown_and_json_do_not_change_with_the_terminal(monkeypatch):
     """Pages and results keep their exact text: the URL stays in its cell, whatever the width."""
     t = Table(["what", ("bytes", "B"), ("share", "pct:1")], [[f"naïve × 东京 ({URLS[0]}) | pipe", 3149824, 0.614]])
     md = ("| what | bytes | share |\n|---|---:|---:|\n"
-          f"| naïve × 东京 ({URLS[0]}) \\| pipe | 3,149,824 B | 61.4 % |")
+          f"| {escape(f'naïve × 东京 ({URLS[0]}) | pipe')} | 3,149,824 B | 61.4 % |")
     d = {"columns": [["what", "text"], ["bytes", "B"], ["share", "pct:1"]],
          "rows": [[f"naïve × 东京 ({URLS[0]}) | pipe", 3149824, 0.614]], "unit": None, "strong": []}
     for columns in ("40", "100", "300"):

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit import cli, labs, marks, provenance
-from labkit.config import UsageError, option
+from labkit.config import MAX_LAYERS, MAX_STEPS, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.scale import TINY, RealScale
@@ -125,8 +125,8 @@ class Config(RealScale, ModelShape):
     every: int | None = option(
         None, "k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the textbook rule, "
         "kept to show its cost: a block here keeps K_blk, many times its input I_blk, so k = 1 peaks lower "
-        "until --layers passes 2*K_blk/I_blk; see segments.py)", min=1)
-    steps: int = option(5, "timed forward+backward steps per strategy", min=1)
+        "until --layers passes 2*K_blk/I_blk; see segments.py)", min=1, max=MAX_LAYERS)
+    steps: int = option(5, "timed forward+backward steps per strategy", min=1, max=MAX_STEPS)
     dtype: Literal["float32", "bfloat16"] = option(
         "float32", "element type of the weights and activations, no autocast (bfloat16: a pure-bf16 step)")
 

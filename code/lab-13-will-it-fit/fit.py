@@ -96,6 +96,11 @@ def prefill(model, idx, *, recipe: str) -> None:
 # --8<-- [end:step]
 
 
+#: micro-batches the trace runs: the second is the steady state (it runs with the first one's gradients
+#: alive), and every later one allocates and frees the same bytes; so --accumulation 1000000 costs two
+STEADY_MICRO_BATCHES = 2
+
+
 # --8<-- [start:trace]
 def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
@@ -117,7 +122,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
-                           micro_batches=config.accumulation)
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
             else:
                 prefill(model, idx, recipe=recipe)
         timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))

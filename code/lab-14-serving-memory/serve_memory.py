@@ -36,7 +36,7 @@ from serving_report import Result, Served, report
 from serving_trace import Request
 
 from labkit import budget, cli, marks, zoo
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_RANKS, MAX_TOKENS, MAX_WIDTH, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 
 
@@ -120,17 +120,22 @@ class Config(LabConfig):
     """Serve a request trace with a paged, a static and a growing KV cache, and size a real model's KV pool on a GPU."""
 
     cache: Literal["all", "paged", "static", "growing"] = option("all", "the KV cache that serves the trace (all: each in turn)")
-    block_size: int = option(16, "tokens per block of the paged cache", min=1)
-    requests: int = option(32, "requests in the generated trace", min=1)
-    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)", above=0)
+    block_size: int = option(16, "tokens per block of the paged cache", min=1, max=MAX_TOKENS)
+    requests: int = option(32, "requests in the generated trace", min=1, max=MAX_BATCH)
+    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)",
+                                 min=1e-6, max=1e6)
     prompt_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1)
+        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1, max=MAX_TOKENS)
     output_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1)
-    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with", min=0)
-    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)")
-    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; at real size, the budget's pool)", min=1)
-    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)", min=1)
+        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1, max=MAX_TOKENS)
+    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with",
+                                min=0, max=MAX_TOKENS)
+    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)",
+                                path="read")
+    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; at real size, the budget's pool)",
+                                     min=1, max=MAX_TOKENS)
+    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)",
+                                 min=1, max=MAX_TOKENS)
     no_prefix_sharing: bool = option(False, "the paged cache keeps a copy of a shared prefix per request")
     model: str = option("small-llama", "a zoo model (small-llama, llama-3-8b, llama-3-70b, deepseek-v2-lite, ...) "
                         "or a Hugging Face config.json; a real one serves at real size (bookkeeping)", metavar="NAME|PATH")
@@ -141,22 +146,26 @@ class Config(LabConfig):
         f"toy, small-*, whose budget means nothing: {BUDGET_FOR_TOYS}); at real size, --model's own",
         metavar="NAME|PATH")
     gpu: Literal[GPUS] = option("h100-80gb", "the GPU the serving budget is sized for (Lab 13's cards)")
-    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1)
-    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", min=0.1, max=1)
+    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1, max=MAX_RANKS)
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag",
+                                           min=0.1, max=1)
     weights: Literal[tuple(quantize.FORMATS)] = option(
         "bf16", "how the weights are stored (quantize.py): int4 formats in groups of --group-size, with fp16 "
         "scales and 4-bit zeros; int8 and fp8 with fp32 scales; nvfp4 with an fp8 scale per 16")
-    group_size: int | None = option(None, "int4 formats: inputs per scale and zero point (default 128)", min=1)
+    group_size: int | None = option(None, "int4 formats: inputs per scale and zero point (default 128)",
+                                    min=1, max=MAX_WIDTH)
     kv_dtype: Literal[tuple(KV_DTYPES)] = option(
         "bf16", "how keys and values are stored: fp8 with one scale per layer (vLLM's default), fp8-per-head, or "
         "a float32 scale per token and head (fp8-per-token, int8)")
     kv_layout: Literal["auto", "latent", "per-head"] = option(
         "auto", "latent attention (MLA): cache the latent (auto, latent) or each head's K and V (per-head)")
     seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: its model's context)",
-                                 min=1)
-    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)", min=1)
+                                 min=1, max=MAX_TOKENS)
+    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)",
+                                       min=1, max=MAX_TOKENS)
     enforce_eager: bool = option(False, "no CUDA graphs (vLLM's --enforce-eager): their memory goes to the KV pool")
-    max_num_seqs: int = option(256, "sequences a step runs at most (vLLM's --max-num-seqs): the graphs captured", min=1)
+    max_num_seqs: int = option(256, "sequences a step runs at most (vLLM's --max-num-seqs): the graphs captured",
+                               min=1, max=MAX_BATCH)
     draft_model: str | None = option(None, "speculative decoding: a smaller zoo model whose weights and KV join the "
                                      "budget", metavar="NAME|PATH")
     num_speculative_tokens: int = option(3, "speculative decoding: tokens the draft proposes per step", min=1, max=64)

@@ -53,7 +53,7 @@ def _reader(kind, meta):
     if parse is not None:
         def read(text: str):
             try:
-                return parse(text)
+                return parse(_ascii_number(text))
             except ValueError as err:
                 raise argparse.ArgumentTypeError(str(err)) from None
         return read
@@ -65,7 +65,7 @@ def _reader(kind, meta):
 
         def number(text: str):
             try:
-                return kind(text)
+                return kind(_ascii_number(text))
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         return number
@@ -76,6 +76,14 @@ def _reader(kind, meta):
             return Path(text)
         return path
     return str
+
+
+def _ascii_number(text: str) -> str:
+    """``text`` if it is written in ASCII: Python's ``int("١٢")`` is 12 and ``float("１.５")`` 1.5,
+    but a number on a command line is written with the digits 0-9."""
+    if not text.isascii():
+        raise ValueError(f"write numbers with the ASCII digits 0-9, got {text!r}")
+    return text
 
 
 _METAVAR = {int: "N", float: "X", Path: "PATH", str: "TEXT", tuple: "A,B,..."}
@@ -99,7 +107,7 @@ def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
             typing.get_origin(base) or base, "TEXT")}
         if choices is not None:
             kwargs["choices"] = list(choices)
-            kwargs["type"] = type(choices[0])
+            kwargs["type"] = _reader(type(choices[0]), {}) if type(choices[0]) in (int, float) else type(choices[0])
             kwargs.pop("metavar")
         else:
             kwargs["type"] = _reader(base, meta)
@@ -167,7 +175,7 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
             with fitted_stdout():  # what the run and its report print, fitted to the terminal
                 report(run(config))
     except UsageError as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
@@ -227,6 +235,11 @@ def fitted_stdout(width: int | None = None):
         stream.flush()
 
 
+def _one_line(err: BaseException) -> str:
+    """The message on one line, whatever it holds (a file name may hold a newline)."""
+    return str(err).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _prog(prog: str | None) -> str:
     return prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
 
@@ -238,7 +251,11 @@ def _out_of_memory(err: BaseException) -> bool:
     import torch
 
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(err, oom) or "can't allocate memory" in str(err)
+    return isinstance(err, oom) or any(sign in str(err) for sign in TOO_LARGE)
+
+
+#: what torch says when sizes that passed a Config are beyond the allocator (or beyond int64 bytes)
+TOO_LARGE = ("can't allocate memory", "Storage size calculation overflowed", "numel: integer multiplication overflow")
 
 
 def pick_device(name: str):

@@ -68,9 +68,18 @@ def format_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
     return f"{n / size:.{digits}f} {unit}"
 
 
+#: Markdown's punctuation, written as character references: a value shows as the same text and builds
+#: nothing (a link, an image, an attribute list, an emoji, emphasis, a code span); ``==`` and ``++`` are
+#: the mark and keys extensions' markers, harmless alone
+_MARKDOWN = {ord(c): f"&#{ord(c)};" for c in "\\`*_[]{}!:"}
+
+
 def escape(text: str) -> str:
-    """Text safe inside a Markdown table cell: HTML escaped, pipes and line breaks neutralised."""
-    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
+    """Text safe inside Markdown, a table cell included: HTML escaped, Markdown's punctuation written
+    as character references (``[x](javascript:...)`` and ``![p](http://...)`` stay text: no link, no
+    request), pipes and line breaks neutralised."""
+    out = html.escape(str(text), quote=False).translate(_MARKDOWN)
+    return out.replace("==", "&#61;&#61;").replace("++", "&#43;&#43;").replace("|", "\\|").replace("\n", " ")
 
 
 _NUMERIC = ("bytes", "size", "B", "+B", "int", "float", "pct", "x", "sci")
