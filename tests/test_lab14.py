@@ -468,9 +468,9 @@ def test_chunked_prefill_cuts_the_32k_prefill_peak_of_llama_3_8b_below_a_fifth()
 
 def test_each_budget_row_sizes_its_pool_for_its_own_context_and_chunking_is_the_lever_at_32k():
     measure = labs.load(14, "serving_measure")
-    table, plans = measure.budgets([("llama-3-8b", 1, "bf16", "bf16", 8192, None),
-                                    ("llama-3.1-8b", 1, "bf16", "bf16", 32768, None),
-                                    ("llama-3.1-8b", 1, "bf16", "bf16", 32768, 2048)])
+    _, table, plans = measure.budgets([("llama-3-8b", 1, "bf16", "bf16", 8192, None),
+                                       ("llama-3.1-8b", 1, "bf16", "bf16", 32768, None),
+                                       ("llama-3.1-8b", 1, "bf16", "bf16", 32768, 2048)])
     short, whole, chunked = plans
     col = {c[0] if isinstance(c, tuple) else c: i for i, c in enumerate(table.columns)}
     assert [p.seq_len for p in plans] == [row[col["context"]] for row in table.rows] == [8192, 32768, 32768]

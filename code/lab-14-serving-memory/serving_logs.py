@@ -146,22 +146,23 @@ def weights_table(logs=LOGS) -> Table:
                   ("lab, every block", "size"), ("lab, its recipe", "size"), ("gap", "pct:2"), "why"], rows)
 
 
-def compare(logs=LOGS) -> tuple[Table, list]:
+def compare(logs=LOGS) -> tuple[Table, Table, list]:
     """Each log that states its pool beside the lab's budget of its configuration, term by term: activation
-    peak, non-torch memory, KV pool and 16-token blocks. Returns the table and the lab's budgets."""
-    rows, budgets = [], []
+    peak and non-torch memory (the first table), then the KV pool and 16-token blocks (the second; two
+    tables fit a page). Returns the two tables and the lab's budgets."""
+    terms, pools, budgets = [], [], []
     for log in (log for log in logs if log.kv_gib is not None):
         b = lab_budget(log)
         budgets.append(b)
-        rows.append([link(log), log.model, log.card, log.tp, log.tokens, log.activations_gib * GIB,
-                     b.prefill_peak_bytes, log.non_torch_gib * GIB, b.non_torch_bytes, log.kv_gib * GIB, b.kv_pool_bytes,
-                     b.kv_pool_bytes / (log.kv_gib * GIB) - 1, log.blocks,
-                     b.max_tokens_in_flight // b.block_size if log.blocks else None,
-                     ", ".join(m for m in log.mechanisms if m not in WEIGHT_MECHANISMS)])
-    return Table(["log", "model", "card", ("TP", "int"), ("tokens profiled", "int"), ("activations, log", "size"),
-                  ("activations, lab", "size"), ("non-torch, log", "size"), ("non-torch, lab", "size"),
-                  ("KV pool, log", "size"), ("KV pool, lab", "size"), ("pool gap", "pct:1"), ("blocks, log", "int"),
-                  ("blocks, lab", "int"), "why"], rows), budgets
+        terms.append([link(log), log.model, log.card, log.tp, log.tokens, log.activations_gib * GIB,
+                      b.prefill_peak_bytes, log.non_torch_gib * GIB, b.non_torch_bytes])
+        pools.append([link(log), log.model, log.kv_gib * GIB, b.kv_pool_bytes, b.kv_pool_bytes / (log.kv_gib * GIB) - 1,
+                      log.blocks, b.max_tokens_in_flight // b.block_size if log.blocks else None,
+                      ", ".join(m for m in log.mechanisms if m not in WEIGHT_MECHANISMS)])
+    return (Table(["log", "model", "card", ("TP", "int"), ("tokens profiled", "int"), ("activations, log", "size"),
+                   ("activations, lab", "size"), ("non-torch, log", "size"), ("non-torch, lab", "size")], terms),
+            Table(["log", "model", ("KV pool, log", "size"), ("KV pool, lab", "size"), ("pool gap", "pct:1"),
+                   ("blocks, log", "int"), ("blocks, lab", "int"), "why"], pools), budgets)
 
 
 def mechanisms_table() -> Table:

@@ -118,16 +118,17 @@ def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llam
                   ("logits, max difference", "sci:1"), ("greedy tokens agreeing", "pct:0")], rows)
 
 
-def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9, short: int = 2048) -> tuple[Table, list]:
+def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9) -> tuple[Table, Table, list]:
     """The serving budget of each ``(model name, tp, weights, kv_dtype, context, prefill chunk)`` in ``cases``
     on one ``gpu``, as vLLM sizes it: weights (counted per tensor), the peak of a prefill of the whole context
     (in chunks, if one is given) and the CUDA graphs traced, cited non-torch memory, the KV pool and what it
-    holds: sequences of that context (paged, whole blocks; a static cache reserving the context holds as many)
-    and of ``short`` tokens; beside it the decode bound, one sequence and the pool's worth (derived). Each row's
-    pool is sized for its own context. Returns the table and the :class:`serving_budget.Budget` of each case."""
+    holds: sequences of that context (paged, whole blocks; a static cache reserving the context holds as many);
+    beside it the decode bound, one sequence and the pool's worth (derived). Each row's pool is sized for its
+    own context. Two tables with the same rows, to fit a page: the budget, then what its pool holds and how
+    fast it decodes. Returns both and the :class:`serving_budget.Budget` of each case."""
     from serving_report import decode_bounds
 
-    plans, rows = [], []
+    plans, rows, speeds = [], [], []
     for name, tp, weights, kv_dtype, context, chunk in cases:
         b = serving_budget.plan(zoo_spec(name), gpu=gpu, tp=tp, utilization=utilization, kv_dtype=kv_dtype,
                                 seq_len=context, chunk=chunk, weights=weights)
@@ -135,15 +136,14 @@ def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9, short: i
         fits = b.kv_pool_bytes > 0
         one, full = decode_bounds(b) if fits else (None, None)
         rows.append([name, tp, weights, kv_dtype, context, chunk, b.weights_bytes, b.prefill_peak_bytes,
-                     b.cuda_graph_bytes, b.kv_pool_bytes if fits else None, b.kv_bytes_per_token,
-                     b.max_tokens_in_flight if fits else None, b.sequences(context) if fits else None,
-                     b.sequences(short) if fits else None, one, full])
-    return Table(["model", ("TP", "int"), "weights", "KV dtype", ("context", "int"), ("prefill chunk", "int"),
-                  ("weights / GPU", "size"), ("prefill peak", "size"), ("CUDA graphs", "size"),
-                  ("KV pool / GPU", "size"), ("KV / token / GPU", "size"), ("tokens in flight", "int"),
-                  ("sequences of the context", "int"), (f"sequences of {short // 1024}k", "int"),
-                  ("decode tokens/s, one, at most", "float:0"), ("decode tokens/s, all, at most", "float:0")],
-                 rows), plans
+                     b.cuda_graph_bytes, b.kv_pool_bytes if fits else None])
+        speeds.append([name, tp, weights, kv_dtype, context, chunk, b.kv_bytes_per_token,
+                       b.sequences(context) if fits else None, one, full])
+    config = ["model", ("TP", "int"), "weights", "KV dtype", ("context", "int"), ("prefill chunk", "int")]
+    return (Table([*config, ("weights / GPU", "size"), ("prefill peak", "size"), ("CUDA graphs", "size"),
+                   ("KV pool / GPU", "size")], rows),
+            Table([*config, ("KV / token / GPU", "size"), ("sequences of the context", "int"),
+                   ("decode tokens/s, one", "float:0"), ("decode tokens/s, all", "float:0")], speeds), plans)
 
 
 def weight_formats(name: str = "llama-3-8b", gpu: str = "h100-80gb", context: int = 8192) -> tuple[Table, list]:

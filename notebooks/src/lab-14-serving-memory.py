@@ -154,10 +154,10 @@ cases = [("llama-3-8b", 1, "bf16", "bf16", 8192, None), ("llama-3-8b", 1, "bf16"
          ("llama-3-70b", 4, "bf16", "bf16", 8192, None), ("llama-3-70b", 8, "bf16", "bf16", 8192, None),
          ("llama-3-70b", 4, "bf16", "fp8", 8192, None), ("llama-3-70b", 1, "int4-awq", "fp8", 8192, None),
          ("deepseek-v2-lite", 1, "bf16", "bf16", 8192, None)]
-real_scale, plans = measure.budgets(cases)
+real_scale, real_speed, plans = measure.budgets(cases)
 by_case = dict(zip(cases, plans))
 prefill = measure.prefill_peaks()
-display(real_scale, prefill)
+display(real_scale, real_speed, prefill)
 
 # %% [markdown]
 # ## Quantized weights: the lab's int4 and int8, and what every format stores
@@ -242,9 +242,9 @@ display(tenants, small_cards)
 
 # %%
 log_weights = logs.weights_table()
-log_pools, log_plans = logs.compare()
+log_terms, log_pools, log_plans = logs.compare()
 log_mechanisms = logs.mechanisms_table()
-display(log_weights, log_pools, log_mechanisms)
+display(log_weights, log_terms, log_pools, log_mechanisms)
 
 # %% [markdown]
 # ### What paging changes at real size
@@ -296,10 +296,10 @@ log_gaps = {f"{log.model}, {log.card}, TP {log.tp}, {log.tokens} tokens": b.kv_p
             for log, b in zip([log for log in logs.LOGS if log.kv_gib is not None], log_plans)}
 notebook.publish(
     nb, tables={"caches": caches, "cost": cost, "block_sizes": blocks, "prefix": prefix, "layouts": layouts,
-                "kv_dtypes": kv_dtypes, "real_scale": real_scale, "prefill": prefill, "real_serving": real_serving,
+                "kv_dtypes": kv_dtypes, "real_scale": real_scale, "real_speed": real_speed, "prefill": prefill, "real_serving": real_serving,
                 "gpu_sizes": sizes, "gpu_speeds": speeds, "decode_bound": decode_table, "quantizers": quantizers,
                 "weight_formats": formats, "kv_double": kv_double, "tenants": tenants, "small_cards": small_cards,
-                "log_weights": log_weights, "log_pools": log_pools, "log_mechanisms": log_mechanisms,
+                "log_weights": log_weights, "log_terms": log_terms, "log_pools": log_pools, "log_mechanisms": log_mechanisms,
                 "budget_8b": report.budget_table(budget_8b)},
     figures={"records": fig_records, "ledger": fig_ledger},
     summary=result.summary(),
