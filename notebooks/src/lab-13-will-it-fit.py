@@ -69,6 +69,8 @@ phases8b, gap8b, gpu8b = tables.phases_table(llama8b.trace), tables.gap_table(ll
 levers8b = tables.levers_table(llama8b.levers)
 display(phases8b, gpu8b)
 print(tables.verdict(llama8b))
+notebook.show(fig, alt="Stacked memory timeline of one traced Llama-3-8B training step by category, with "
+                       "forward, backward, optimizer and zero_grad bands")
 
 # %% [markdown]
 # ## The trace against Lab 01's formulas
@@ -112,6 +114,8 @@ fig70.set_layout_engine("none")  # no layout engine: on the page the legend goes
 phases70b = tables.phases_table(llama70b.trace)
 display(phases70b)
 print(tables.verdict(llama70b))
+notebook.show(fig70, alt="Stacked memory timeline of one traced Llama-3-70B ZeRO-3 step on rank 0 of 8, by "
+                         "category, with phase bands")
 
 # %% [markdown]
 # ## Which zoo model fits which GPU
