@@ -502,7 +502,8 @@ def _var(name: str) -> str:
 
 def palette_css(names, light_selector: str = ":root", dark_selector: str | None = None, extra: str = "") -> str:
     """The palette's CSS for ``names``: light values on ``light_selector`` (with ``extra``
-    declarations), dark ones on ``dark_selector``, or under ``prefers-color-scheme: dark``."""
+    declarations, which see the values of the same element), dark ones on ``dark_selector``, or
+    under ``prefers-color-scheme: dark`` on the same element."""
     light = ";".join([f"{_var(n)}:{PALETTE[n][0]}" for n in names] + ([extra] if extra else []))
     dark = ";".join(f"{_var(n)}:{PALETTE[n][1]}" for n in names)
     if dark_selector:
@@ -518,9 +519,11 @@ def palette_name(color: str) -> str:
 
 def site_css() -> str:
     """The palette as the site's CSS variables, for the default and the slate palette: ``--il-blue``
-    and so on, and ``--il-cat-parameters`` and so on for the ledger's categories."""
+    and so on, and ``--il-cat-parameters`` and so on for the ledger's categories (declared where the
+    palette's are, so that each takes the value of the palette in force there)."""
     categories = ";".join(f"--il-cat-{c.replace('_', '-')}:var({_var(palette_name(v))})" for c, v in CATEGORY_COLORS.items())
-    return palette_css(PALETTE, ":root,[data-md-color-scheme=default]", "[data-md-color-scheme=slate]", categories)
+    return (palette_css(PALETTE, ":root,[data-md-color-scheme=default]", "[data-md-color-scheme=slate]")
+            + f":root,[data-md-color-scheme]{{{categories}}}")
 
 
 def themed_svg(svg: str) -> str:
