@@ -277,3 +277,18 @@ def test_timeline_draws_in_the_palette_with_phase_strips(tmp_path):
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels[:2] == ["parameters", "activations"] and "phase: forward" in labels and "prediction" in labels
     plt.close(fig)
+
+
+def test_names_along_an_axis_never_run_into_each_other():
+    names = ["none", "full", "every-k", "save-matmuls"]
+    for layout in (plot.WIDE, plot.PHONE):
+        fig, axes = plt.subplots(3, 1, figsize=(6.5, 8.5))
+        for ax in axes:
+            ax.bar(names, [3, 1, 2, 2.5], color=plot.SERIES[:4])
+            ax.tick_params(axis="x", labelsize=8)
+        renderer = laid_out(fig, layout)
+        check_common(fig, layout, renderer)
+        for ax in axes:
+            boxes = sorted((t.get_window_extent(renderer) for t in ax.get_xticklabels()), key=lambda b: b.x0)
+            assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
+        plt.close(fig)

@@ -288,6 +288,19 @@ def _wrap(labels: list[str], width: int) -> list[str]:
     return [textwrap.fill(label, max(12, width), break_on_hyphens=False) for label in labels]
 
 
+def _untangle_ticks(ax, renderer) -> None:
+    """Names along an x axis that run into each other at the page's text size (bars side by side,
+    two plots to a row) turn 30 degrees, each ending under its tick."""
+    labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+    space = 0.25 * labels[0].get_fontsize() * ax.figure.dpi / 72 if labels else 0
+    if any(a.x1 + space > b.x0 for a, b in zip(boxes, boxes[1:])):
+        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+            label.set_rotation_mode("anchor")
+
+
 def _legend_kwargs(layout: Layout) -> dict:
     return dict(frameon=False, fontsize=layout.font_pt, title_fontsize=layout.font_pt, handlelength=1.3,
                 handletextpad=0.5, labelspacing=0.35, borderaxespad=0.0, borderpad=0.0)
@@ -402,6 +415,7 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
                 length = box.height if text is ax.yaxis.label else box.width
                 if length > room:
                     text.set_text(textwrap.fill(flat, max(12, int(len(flat) * room / length))))
+            _untangle_ticks(ax, renderer)
         if fig._suptitle is not None:
             fig._suptitle.set_text(textwrap.fill(fig._suptitle.get_text(), int(fig_w / layout.char_in)))
         if draw_after:
