@@ -288,6 +288,11 @@ def _wrap(labels: list[str], width: int) -> list[str]:
     return [textwrap.fill(label, max(12, width), break_on_hyphens=False) for label in labels]
 
 
+def _plain(value: float, _=None) -> str:
+    """A log axis' number as a phone reads it: 200, 8192, 1e6 (not 10^3 in small type)."""
+    return f"{value:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
 def _untangle_ticks(ax, renderer) -> None:
     """Names along an x axis that run into each other at the page's text size (bars side by side,
     two plots to a row) turn 30 degrees, each ending under its tick."""
@@ -389,7 +394,10 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
             if axis.get_scale() == "log":  # 10^3 sets its exponent small: plain numbers read on a phone
-                axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                low, high = sorted(abs(v) for v in axis.get_view_interval())
+                if isinstance(axis.get_major_locator(), ticker.LogLocator) and 0 < low and high / low < 100:
+                    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # under two decades: 200, 500
+                axis.set_major_formatter(ticker.FuncFormatter(_plain))
                 axis.set_minor_formatter(ticker.NullFormatter())
             # through set_tick_params: ticks made later (a taller plot gets more) take the size too
             size = max([layout.font_pt] + [t.label1.get_fontsize() for t in axis.get_major_ticks()[:1]])
