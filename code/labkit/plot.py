@@ -317,11 +317,12 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
     wrapped to their plot, and every legend beside or directly under the data it describes.
 
     Legends: a single plot's legend drawn beside it stays beside it on the wide page and goes under
-    it on a phone. Of several plots side by side, the legends drawn outside them become one (each
-    entry once), in the grid's empty cell if it has one, else right under the grid; on a phone, a
-    legend shared by several plots (the figure's own, or the only one) goes under the first plot,
-    before the others, and each plot's own under it. A legend on its plot stays there unless it is
-    long. Each plot is ``layout.panel_in`` to ``layout.max_panel_in`` tall, so no panel is taller
+    it on a phone. Of several plots side by side, when there are fewer legends than plots (they
+    speak for several), the legends drawn outside them become one (each entry once), in the grid's
+    empty cell if it has one, else right under the grid; on a phone, a legend shared by several
+    plots (the figure's own, or the only one) goes under the first plot, before the others. Every
+    other legend outside its plot goes under it. A legend on its plot stays there unless it is long
+    or would cover a fifth of it. Each plot is ``layout.panel_in`` to ``layout.max_panel_in`` tall, so no panel is taller
     than a screen. :func:`save` lays out every SVG it writes twice, WIDE and PHONE.
     """
     import matplotlib.gridspec as gridspec
@@ -351,14 +352,16 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
             legend = ax.get_legend()
             if legend is not None:
                 handles, labels, title = _legend_parts(legend)
-                long = legend._ncols > 1 or len(labels) > 6 or any(len(t) > 28 for t in labels)
+                box = legend.get_window_extent()
+                big = box.width * box.height > 0.2 * ax.bbox.width * ax.bbox.height  # it would hide data
+                long = legend._ncols > 1 or len(labels) > 6 or any(len(t) > 28 for t in labels) or big
                 own[k] = (ax, (handles, labels, title), "out" if _outside(legend, ax) or long else "on")
                 if own[k][2] == "out":
                     legend.remove()
     out = [k for k, (_, _, where) in own.items() if where == "out"]
-    if len(panels) > 1 and layout.columns > 1 and out:
-        # Side by side, legends under each plot would leave holes in the grid: the legends outside the
-        # plots become one, in the grid's empty cell or under the grid, each entry once.
+    if len(panels) > 1 and layout.columns > 1 and out and len(own) < len(panels):
+        # Legends that speak for several plots (fewer legends than plots), under one plot each, would
+        # leave holes in the grid: they become one, in the grid's empty cell or under the grid.
         merged: dict[str, object] = {}
         for handles, labels, _ in [*shared, *(own.pop(k)[1] for k in out)]:
             for handle, label in zip(handles, labels):
@@ -551,7 +554,8 @@ def site_css() -> str:
 def themed_svg(svg: str) -> str:
     """A matplotlib SVG whose every colour is a palette variable: ``fill: #3a6fc4`` becomes
     ``fill: var(--il-blue)``, and a style block at the top holds each variable's light value and,
-    under ``prefers-color-scheme: dark``, its dark one. Paths are written to 0.01 pt.
+    under ``prefers-color-scheme: dark``, its dark one. Paths are written to 0.1 pt, without
+    matplotlib's metadata or indentation.
 
     Raises ValueError for a colour outside :data:`PALETTE` (black and white read as ink and paper)
     and for a raster image, whose colours no style can change."""
@@ -585,6 +589,8 @@ def themed_svg(svg: str) -> str:
         raise ValueError(f"the figure draws in {', '.join(sorted(unknown))}, outside labkit.plot's palette: "
                          "colour it with SERIES, CATEGORY_COLORS, PHASE_COLORS, INK or INK_MUTED")
     svg = re.sub(r'\sd="([^"]*)"', lambda m: f' d="{_short_path(m.group(1))}"', svg)
+    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)  # matplotlib's name and version
+    svg = re.sub(r">\n\s*<", ">\n<", svg)  # no indentation (text content is on one line, untouched)
     order = [n for n in PALETTE if n in used]
     css = palette_css(order, extra=f"fill:var({_var('ink')})")  # what draws no fill of its own (black) draws ink
     start = re.search(r"<svg\b[^>]*>", svg).end()
@@ -592,10 +598,12 @@ def themed_svg(svg: str) -> str:
 
 
 def _short_path(d: str) -> str:
-    """Path data at 0.01 pt, without repeated points or a point between its neighbours on one
-    horizontal or vertical line (a step plot's flat runs): the same drawing, a fraction of the bytes."""
+    """Path data at 0.1 pt (a seventh of a CSS pixel), without repeated points or a point between its
+    neighbours on one horizontal or vertical line (a step plot's flat runs): the same drawing, a
+    fraction of the bytes."""
     def num(v: str) -> str:
-        return f"{float(v):.2f}".rstrip("0").rstrip(".").replace("-0", "0") if v != "-0" else "0"
+        text = f"{float(v):.1f}".rstrip("0").rstrip(".")
+        return "0" if text in ("-0", "") else text
 
     tokens = d.split()
     if any(t not in ("M", "L", "z") and not _NUMBER.fullmatch(t) and not t.lstrip("-").isdigit() for t in tokens):

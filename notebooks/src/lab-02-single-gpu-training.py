@@ -54,7 +54,6 @@ print(f"{result.params:,} parameters in {result.tensors} tensors; {len(tl)} ledg
 fig = plot.plot_timeline(
     tl, title=f"Lab 02 · 3 training steps on {nb.device.type} (measured by the ledger)",
     overlay={"derived: params + grads + AdamW state": lab.predicted_model_state(tl, result.params, result.tensors)})
-fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 notebook.show(fig, alt="Stacked memory timeline of three training steps by category, with phase bands and a "
                        "dashed line for the derived model state")
 
@@ -163,7 +162,6 @@ fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes")
 big = traced["llama-3-8b"].ledger.timeline()
 fig3 = plot.plot_timeline(big, title="Llama-3-8B, fp32 AdamW, 4,096 tokens (traced)", show_allocator=False,
                           overlay={"80 GiB: an H100's memory": [CARD] * len(big)})
-fig3.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 display(real_scale, fit)
 notebook.show(fig3, alt="Stacked memory timeline of two fp32 AdamW steps of Llama-3-8B at 4,096 tokens, traced "
                         "on fake tensors, under a dashed 80 GiB line")

@@ -181,7 +181,6 @@ fig_budget = plot.plot_timeline(
     tl, title=(f"Lab 06 · budget {format_bytes(pick.config.budget)}: {pick.accum_steps} micro-batches of "
                f"{pick.micro_batch}, checkpointing {'on' if pick.checkpoint else 'off'} ({nb.device.type}, ledger)"),
     overlay={f"budget {format_bytes(pick.config.budget)}": [pick.config.budget] * len(tl)})
-fig_budget.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 notebook.show(fig_budget, alt="Ledger timeline of a budgeted run: micro-batches under a horizontal budget line, "
                               "by category, with phase bands")
 

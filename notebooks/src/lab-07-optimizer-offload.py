@@ -118,7 +118,7 @@ for y, s in enumerate(modes.values()):
 ax.axvline(0, color=plot.INK, lw=0.8)
 ax.set_yticks(range(3), [accounting.TITLES[m] for m in modes])
 ax.invert_yaxis()
-ax.set_xlim(-22, 22)
+ax.set_xlim(-30, 30)  # room for each bar's total beside it, at the page's text size
 ax.set_xticks(range(-16, 20, 4), [str(abs(v)) for v in range(-16, 20, 4)])
 ax.set_xlabel("bytes per parameter between steps (measured by the ledger): host to the left, device to the right")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
