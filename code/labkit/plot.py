@@ -75,9 +75,9 @@ CATEGORY_COLORS = {
     "other": _HUE["grey"],
 }
 
-PHASE_COLORS = {
-    "encode": _HUE["green"],
-    "denoise": _HUE["pink"],
+PHASE_COLORS = {  # a pipeline's phases take hues its timelines' categories do not (no optimizer state, no KV cache)
+    "encode": _HUE["purple"],
+    "denoise": _HUE["teal"],
     "decode": _HUE["gold"],
     "install": _HUE["grey"],
     "remove": _HUE["grey"],
@@ -318,12 +318,13 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
 
     Legends: a single plot's legend drawn beside it stays beside it on the wide page and goes under
     it on a phone. Of several plots side by side, when there are fewer legends than plots (they
-    speak for several), the legends drawn outside them become one (each entry once), in the grid's
-    empty cell if it has one, else right under the grid; on a phone, a legend shared by several
-    plots (the figure's own, or the only one) goes under the first plot, before the others. Every
+    speak for several) or one legend repeated, the legends drawn outside them become one (each entry
+    once), in the grid's empty cell if it has one, else right under the grid; on a phone, a legend
+    shared by several plots (the figure's own, or the only one) goes under the first plot. Every
     other legend outside its plot goes under it. A legend on its plot stays there unless it is long
-    or would cover a fifth of it. Each plot is ``layout.panel_in`` to ``layout.max_panel_in`` tall, so no panel is taller
-    than a screen. :func:`save` lays out every SVG it writes twice, WIDE and PHONE.
+    or, at the page's text size, would cover an eighth of it. Each plot is ``layout.panel_in`` to
+    ``layout.max_panel_in`` tall, so no panel is taller than a screen. :func:`save` lays out every
+    SVG it writes twice, WIDE and PHONE.
     """
     import matplotlib.gridspec as gridspec
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -352,16 +353,18 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
             legend = ax.get_legend()
             if legend is not None:
                 handles, labels, title = _legend_parts(legend)
-                box = legend.get_window_extent()
-                big = box.width * box.height > 0.2 * ax.bbox.width * ax.bbox.height  # it would hide data
+                box = legend.get_window_extent()  # at the size it was drawn; it grows with its text
+                grow = max(1.0, layout.font_pt / min([t.get_fontsize() for t in legend.get_texts()] or [layout.font_pt]))
+                big = box.width * box.height * grow**2 > 0.12 * ax.bbox.width * ax.bbox.height  # it would hide data
                 long = legend._ncols > 1 or len(labels) > 6 or any(len(t) > 28 for t in labels) or big
                 own[k] = (ax, (handles, labels, title), "out" if _outside(legend, ax) or long else "on")
                 if own[k][2] == "out":
                     legend.remove()
     out = [k for k, (_, _, where) in own.items() if where == "out"]
-    if len(panels) > 1 and layout.columns > 1 and out and len(own) < len(panels):
-        # Legends that speak for several plots (fewer legends than plots), under one plot each, would
-        # leave holes in the grid: they become one, in the grid's empty cell or under the grid.
+    repeated = len(out) > 1 and len({tuple(own[k][1][1]) for k in out}) == 1  # the same legend on each plot
+    if len(panels) > 1 and layout.columns > 1 and out and (len(own) < len(panels) or repeated):
+        # Legends that speak for several plots (fewer legends than plots, or one repeated), under one
+        # plot each, would leave holes in the grid: they become one, in the grid's empty cell or under it.
         merged: dict[str, object] = {}
         for handles, labels, _ in [*shared, *(own.pop(k)[1] for k in out)]:
             for handle, label in zip(handles, labels):
@@ -369,6 +372,9 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
         shared = [(list(merged.values()), list(merged), "")]
     elif len(panels) > 1 and not shared and len(own) == 1 and out:
         shared = [own.popitem()[1][1]]  # one legend outside one of several plots speaks for all of them
+    elif repeated:  # one column: the same legend once, under the first plot that has it
+        for k in out[1:]:
+            own.pop(k)
 
     # The grid.
     n = len(panels)
@@ -422,10 +428,14 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
                 if not flat:
                     continue
                 text.set_text(flat)
-                box = text.get_window_extent(renderer)
-                length = box.height if text is ax.yaxis.label else box.width
-                if length > room:
-                    text.set_text(textwrap.fill(flat, max(12, int(len(flat) * room / length))))
+                chars = len(flat)
+                for _ in range(6):  # narrower until its widest line fits (characters differ in width)
+                    box = text.get_window_extent(renderer)
+                    length = box.height if text is ax.yaxis.label else box.width
+                    if length <= 0.97 * room or chars <= 12:
+                        break
+                    chars = max(12, min(chars - 1, int(chars * room / length)))
+                    text.set_text(textwrap.fill(flat, chars))
             _untangle_ticks(ax, renderer)
         if fig._suptitle is not None:
             fig._suptitle.set_text(textwrap.fill(fig._suptitle.get_text(), int(fig_w / layout.char_in)))
@@ -510,6 +520,9 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
         if abs(short) < 0.05:
             break
         fig.set_size_inches(fig_w, max(1.0, fig.get_figheight() + short))
+    box = fig.get_tightbbox(fig.canvas.get_renderer()).transformed(fig.dpi_scale_trans.inverted())
+    if box.x0 < -0.01 or box.x1 > fig_w + 0.01:  # the heights moved a plot under a title: wrap again
+        wrap_texts(draw_after=True)
 
 
 # ------------------------------------------------------------------------------------ SVG in the palette
