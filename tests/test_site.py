@@ -209,7 +209,8 @@ def test_notebook_pages_are_in_the_site(built_site):
         page = built_site["dir"] / "notebooks" / nb.stem / "index.html"
         assert page.is_file(), page
         html = page.read_text(encoding="utf-8")
-        assert "data:image/png;base64" in html and "data-il-badge=" in html
+        assert 'class="il-figure"' in html and "data:image/svg+xml;base64" in html and "data-il-badge=" in html
+        assert "data:image/png" not in html and "No description has been provided" not in html
 
 
 def test_every_notebook_lab_page_and_chapter_is_in_the_nav(built_site):
