@@ -23,7 +23,7 @@ SOURCES = sorted((ROOT / "notebooks" / "src").glob("*.py"))
 sys.path.insert(0, str(ROOT / "scripts"))
 import run_notebooks  # noqa: E402
 
-from labkit import notebook  # noqa: E402
+from labkit import notebook, plot  # noqa: E402
 
 pytestmark = pytest.mark.notebook
 
@@ -48,11 +48,11 @@ def test_notebook_hygiene(path):
         "a raster figure: every figure goes through labkit.notebook.show (SVG in the site's palette, with alt text)"
     figures = [figure for c in code for o in c.outputs for figure in shown_figures(o)]
     assert figures, "at least one figure"
-    for alt, svgs in figures:
+    for alt, svg in figures:
         assert len(alt.split()) >= notebook.ALT_MIN_WORDS and notebook.NO_ALT not in alt, alt
-        assert len(svgs) == 2, "the wide layout and the phone's"
-        for svg in svgs:
-            assert '<style id="il-palette">' in svg and "prefers-color-scheme:dark" in svg, "follows the page's palette"
+        assert '<style id="il-palette">' in svg and "prefers-color-scheme:dark" in svg, "follows the page's palette"
+        width_pt = float(re.search(r'<svg[^>]*\swidth="([\d.]+)pt"', svg).group(1))
+        assert width_pt <= plot.PHONE.width_in * 72 + 0.5, "one column, legible when a phone scales it"
     h1 = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
           if line.startswith("# ")]
     assert len(h1) == 1, h1
@@ -63,16 +63,14 @@ def test_notebook_hygiene(path):
     assert meta_of(path)["executed_by"] == "scripts/run_notebooks.py"
 
 
-FIGURE = re.compile(r'<figure class="il-figure"><picture><source media="[^"]+" srcset="data:image/svg\+xml;base64,'
-                    r'([A-Za-z0-9+/=]+)"><img alt="([^"]*)" src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"></picture>')
+FIGURE = re.compile(r'<figure class="il-figure"><img alt="([^"]*)" src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)">')
 
 
-def shown_figures(output) -> list[tuple[str, list[str]]]:
-    """The figures an output shows through labkit.notebook.show: (alt text, [wide SVG, phone SVG])."""
+def shown_figures(output) -> list[tuple[str, str]]:
+    """The figures an output shows through labkit.notebook.show: (alt text, SVG)."""
     html = output.get("data", {}).get("text/html", "")
     html = "".join(html) if isinstance(html, list) else html
-    return [(unescape(alt), [base64.b64decode(wide).decode(), base64.b64decode(phone).decode()])
-            for phone, alt, wide in FIGURE.findall(html)]
+    return [(unescape(alt), base64.b64decode(svg).decode()) for alt, svg in FIGURE.findall(html)]
 
 
 def meta_of(path):
@@ -153,8 +151,8 @@ def test_a_figure_is_shown_as_svg_with_alt_text_or_its_cell_fails(tmp_path):
     NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
     shown, unshown, terse = (nb.cells[i].outputs for i in (1, 2, 3))
-    ((alt, svgs),) = [f for o in shown for f in shown_figures(o)]
-    assert alt == "a line rising from two to three over one step" and "var(--il-blue)" in svgs[0]
+    ((alt, svg),) = [f for o in shown for f in shown_figures(o)]
+    assert alt == "a line rising from two to three over one step" and "var(--il-blue)" in svg
     assert "<figcaption>what to notice</figcaption>" in shown[0]["data"]["text/html"]
     errors = [o for o in unshown if o.output_type == "error"]
     assert errors and "without alt text" in errors[0].evalue, unshown

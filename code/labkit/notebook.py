@@ -11,8 +11,8 @@ tables and sentences. ::
     notebook.publish(nb, tables={"peaks": ...}, figures={"timeline": fig}, growth=...)
 
 A figure reaches the page the way the lab pages' figures do (:func:`labkit.plot.page_svgs`): SVG,
-laid out for the content column and for a phone, in the site's palette, with alt text; a cell that
-leaves a figure for pyplot to show fails.
+laid out for the page, in the site's palette, with alt text; a cell that leaves a figure for pyplot
+to show fails.
 
 ``scripts/run_notebooks.py`` executes the notebooks with ``INFRALAB_DEVICE`` and
 ``INFRALAB_RESULTS_DIR`` set; a reader running one by hand gets the defaults (device auto, results
@@ -76,21 +76,25 @@ def setup(lab: int | str) -> Notebook:
 
 
 def show(fig, alt: str, caption: str | None = None) -> None:
-    """Show a figure in the notebook as the pages show it: SVG laid out for the content column and
-    for a phone (:func:`labkit.plot.page_svgs`), every colour in the site's palette, so that it
-    follows the page's light or dark palette, with ``alt`` (what the figure shows, for a reader who
-    cannot see it) and an optional ``caption`` (what to notice) under it.
+    """Show a figure in the notebook as a page shows it on a phone: SVG in one column of plots with
+    their legends under them (:data:`labkit.plot.PHONE`: at its natural width, 499 CSS px, it fits a
+    notebook page's column; scaled to a phone, its text stays legible), every colour in the site's
+    palette, so that it follows the page's light or dark palette, with ``alt`` (what the figure
+    shows, for a reader who cannot see it) and an optional ``caption`` (what to notice) under it.
+    The lab page shows the same figure laid out for the content column as well (:func:`publish`).
 
     Every figure a cell draws must go through here: a cell that leaves a figure unshown fails
     (:func:`setup` makes it so), and ``alt`` must be a sentence of ``ALT_MIN_WORDS`` words or more.
     """
+    import base64
     from html import escape
 
     from labkit import plot
 
     check_alt(alt)
-    wide, phone = plot.page_svgs(fig)
-    html = f'<figure class="il-figure">{plot.picture_html(wide, phone, alt)}'
+    phone = plot.page_svgs(fig)[1]  # laid out once: publish() writes both from the same drawing
+    uri = "data:image/svg+xml;base64," + base64.b64encode(phone.encode("utf-8")).decode("ascii")
+    html = f'<figure class="il-figure"><img alt="{escape(alt)}" src="{uri}">'
     if caption:
         html += f"<figcaption>{escape(caption)}</figcaption>"
     _SHOWN.add(fig)

@@ -10,7 +10,6 @@ follows the site's light and dark palettes.
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 import os
@@ -604,16 +603,40 @@ def themed_svg(svg: str) -> str:
     svg = re.sub(r'\sd="([^"]*)"', lambda m: f' d="{_short_path(m.group(1))}"', svg)
     svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)  # matplotlib's name and version
     svg = re.sub(r">\n\s*<", ">\n<", svg)  # no indentation (text content is on one line, untouched)
+    svg = _fewer_elements(svg)
+    families = set(_FONT.findall(svg))
+    svg = _FONT.sub("", svg)  # one font family for all text, said once in the style block
     order = [n for n in PALETTE if n in used]
     css = palette_css(order, extra=f"fill:var({_var('ink')})")  # what draws no fill of its own (black) draws ink
+    css += "".join(f"text{{font-family:{family}}}" for family in sorted(families)[:1])
     start = re.search(r"<svg\b[^>]*>", svg).end()
     return svg[:start] + f'\n <style id="{PALETTE_STYLE_ID}">{css}</style>' + svg[start:]
 
 
+_FONT = re.compile(r";? font-family: ([^;\"]*)")
+_SINGLE_CHILD = re.compile(r'<g id="[^"]*">\n(<(?:path|use|text)\b[^>]*?(?:/>|>[^<]*</text>))\n</g>')
+_STROKES = re.compile(r'(?:<path d="[^"]*"((?: clip-path="[^"]*")? style="fill: none; stroke: [^"]*")/>\n)'
+                      r'(?:<path d="[^"]*"\1/>\n)+')
+
+
+def _fewer_elements(svg: str) -> str:
+    """The same drawing in fewer elements: a group that only wraps one element goes, and a run of
+    sibling lines drawn alike (a collection's: ticks, whiskers), opaque, becomes one path."""
+    svg = _SINGLE_CHILD.sub(r"\1", svg)
+
+    def merge(m: re.Match) -> str:
+        if "opacity" in m.group(1):  # overlapping translucent strokes would darken: kept apart
+            return m.group(0)
+        paths = re.findall(r'<path d="([^"]*)"', m.group(0))
+        return f'<path d="{" ".join(paths)}"{m.group(1)}/>\n'
+
+    return _STROKES.sub(merge, svg)
+
+
 def _short_path(d: str) -> str:
     """Path data at 0.1 pt (a seventh of a CSS pixel), without repeated points or a point between its
-    neighbours on one horizontal or vertical line (a step plot's flat runs): the same drawing, a
-    fraction of the bytes."""
+    neighbours on one horizontal or vertical line (a step plot's flat runs), a segment along an axis
+    as one number (H, V): the same drawing, a fraction of the bytes."""
     def num(v: str) -> str:
         text = f"{float(v):.1f}".rstrip("0").rstrip(".")
         return "0" if text in ("-0", "") else text
@@ -641,7 +664,20 @@ def _short_path(d: str) -> str:
                     out[-1] = [cmd, x, y]
                     continue
         out.append([cmd, x, y])
-    return " ".join(" ".join(p) for p in out)
+    # A segment along an axis needs one number: H (horizontal) or V (vertical) to it.
+    parts, last = [], None
+    for p in out:
+        if p[0] == "L" and last is not None and p[2] == last[1]:
+            parts.append(f"H{p[1]}")
+        elif p[0] == "L" and last is not None and p[1] == last[0]:
+            parts.append(f"V{p[2]}")
+        elif p[0] == "z":
+            parts.append("z")
+        else:
+            parts.append(f"{p[0]}{p[1]} {p[2]}")
+        if p[0] != "z":
+            last = (p[1], p[2])
+    return "".join(parts)
 
 
 def _svg(fig, layout: Layout) -> str:
@@ -677,17 +713,6 @@ def phone_path(path: str | os.PathLike) -> Path:
     """Where :func:`save` writes the phone layout of ``path``: ``phone/`` beside it."""
     path = Path(path)
     return path.parent / "phone" / path.name
-
-
-def picture_html(wide: str, phone: str, alt: str) -> str:
-    """The two layouts of a figure as one ``<picture>``, both inline (a notebook's output)."""
-    from html import escape
-
-    def uri(svg: str) -> str:
-        return "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
-
-    return (f'<picture><source media="{PHONE_MEDIA}" srcset="{uri(phone)}">'
-            f'<img alt="{escape(alt)}" src="{uri(wide)}"></picture>')
 
 
 def save(fig, path: str | os.PathLike) -> Path:
