@@ -14,6 +14,7 @@ import io
 import math
 import os
 import pickle
+from copy import deepcopy
 import re
 import textwrap
 import weakref
@@ -252,6 +253,10 @@ WIDE = Layout("wide", 688 / 96, 11.0, 2, 2.4, 4.6, True)
 #: A phone: one column of plots, each legend under its plot. 5.2 in (499 CSS px) is shown about 350 px
 #: wide at 390 px, so 13-pt text reads at 12 CSS px.
 PHONE = Layout("phone", 5.2, 13.0, 1, 2.7, 4.6, False)
+#: A diagram drawn for the phone first (scripts/figures/: boxes and words placed in inches) is drawn
+#: at PHONE's width and text size; save widens it for the page as it does any figure.
+PAGE_WIDTH_IN = PHONE.width_in
+MIN_FONT_PT = PHONE.font_pt
 #: Where a page shows PHONE instead of WIDE (a ``<picture>``'s source; scripts/mkdocs_hooks.py).
 PHONE_MEDIA = "(max-width: 37.5em)"
 SAVE_PAD_IN = 0.03  # the margin save() leaves around what a figure draws
@@ -682,7 +687,10 @@ def _short_path(d: str) -> str:
 
 def _svg(fig, layout: Layout) -> str:
     """``fig`` laid out at ``layout``, as an SVG in the palette; ``fig`` itself is left as it was."""
-    copy = pickle.loads(pickle.dumps(fig))
+    try:
+        copy = pickle.loads(pickle.dumps(fig))
+    except (AttributeError, TypeError, pickle.PicklingError):  # a lambda (a tick formatter): shared, not pickled
+        copy = deepcopy(fig)
     try:
         page_layout(copy, layout)
         out = io.BytesIO()
