@@ -17,6 +17,7 @@ import pickle
 from copy import deepcopy
 import re
 import textwrap
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -337,14 +338,16 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
     fig_w = layout.width_in - 2 * SAVE_PAD_IN  # saved with its margin, the figure is width_in wide
     if not hasattr(fig.canvas, "get_renderer"):  # unpickled in a kernel: a canvas that measures text
         FigureCanvasAgg(fig)
+    panels = _panels(fig)
+    if not panels:  # a diagram on axes placed by hand (fig.add_axes): scaled to the width, no grid to lay out
+        fig.set_size_inches(fig_w, fig_w * fig.get_figheight() / fig.get_figwidth())
+        return
     if fig.get_layout_engine() is None or type(fig.get_layout_engine()).__name__ != "ConstrainedLayoutEngine":
         fig.set_layout_engine("constrained")
     fig.get_layout_engine().set(w_pad=0.04, h_pad=0.06, wspace=0.06, hspace=0.06)
-    fig.draw_without_rendering()  # as drawn: each plot's proportions, and where its legend sits
-    panels = _panels(fig)
-    if not panels:
-        fig.set_size_inches(fig_w, fig_w * fig.get_figheight() / fig.get_figwidth())
-        return
+    with warnings.catch_warnings():  # a legend drawn beside a narrow plot may squeeze it to nothing: it moves below
+        warnings.filterwarnings("ignore", "constrained_layout not applied", UserWarning)
+        fig.draw_without_rendering()  # as drawn: each plot's proportions, and where its legend sits
     aspect = [max(ax.bbox.height / max(ax.bbox.width, 1.0) for ax in panel) for panel in panels]
 
     # Legends: taken off now, put back once the plots have their places.
