@@ -339,8 +339,16 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
     if not hasattr(fig.canvas, "get_renderer"):  # unpickled in a kernel: a canvas that measures text
         FigureCanvasAgg(fig)
     panels = _panels(fig)
-    if not panels:  # a diagram on axes placed by hand (fig.add_axes): scaled to the width, no grid to lay out
-        fig.set_size_inches(fig_w, fig_w * fig.get_figheight() / fig.get_figwidth())
+    if not panels:  # a diagram on axes placed by hand (fig.add_axes): no grid to lay out; narrowed to the
+        # width if wider, never widened (its boxes would grow and its words would not), and narrowed again
+        # by what its words reach past its edges (they keep their size as its boxes shrink)
+        width = min(fig_w, fig.get_figwidth())
+        for _ in range(3):
+            fig.set_size_inches(width, width * fig.get_figheight() / fig.get_figwidth())
+            box = fig.get_tightbbox(fig.canvas.get_renderer())
+            if box.width <= fig_w:
+                break
+            width -= box.width - fig_w + 0.02
         return
     if fig.get_layout_engine() is None or type(fig.get_layout_engine()).__name__ != "ConstrainedLayoutEngine":
         fig.set_layout_engine("constrained")
@@ -517,14 +525,16 @@ def page_layout(fig, layout: Layout = WIDE) -> None:
     width_of = [panels[k][0].bbox.width / fig.dpi for k in range(n)]
     target = [layout.panel_in] * rows
     for k in range(n):
-        want = min(layout.max_panel_in, max(layout.panel_in, aspect[k] * width_of[k]))
+        # 0.05 in under the bound: the SVG's text measures a little smaller than Agg's, which lays out
+        # here, so the written plot comes out up to 0.03 in taller than measured
+        want = min(layout.max_panel_in - 0.05, max(layout.panel_in, aspect[k] * width_of[k]))
         target[row_of[k]] = max(target[row_of[k]], want)
     grid.set_height_ratios(target)
-    for _ in range(3):  # the titles, labels and legends keep their size: two rounds or three reach it
+    for _ in range(4):  # the titles, labels and legends keep their size: two rounds or three reach it
         fig.draw_without_rendering()
         actual = [min(panels[k][0].bbox.height for k in range(n) if row_of[k] == r) / fig.dpi for r in range(rows)]
         short = sum(t - a for t, a in zip(target, actual))
-        if abs(short) < 0.05:
+        if -0.01 < short < 0.05:  # a little short is close enough; taller than the layout allows is not
             break
         fig.set_size_inches(fig_w, max(1.0, fig.get_figheight() + short))
     box = fig.get_tightbbox(fig.canvas.get_renderer()).transformed(fig.dpi_scale_trans.inverted())
