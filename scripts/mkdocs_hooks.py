@@ -645,6 +645,21 @@ def phone_pictures(html: str, page_url: str, files: Files) -> str:
     return FIGURE.sub(picture, html)
 
 
+TABLE = re.compile(r"<table\b.*?</table>", re.S)
+MARKUP = re.compile(r"(<[^>]*>)")
+
+
+def table_break_points(html: str) -> str:
+    """In a table's text, a line may break after an underscore (``gradient_as_bucket_view``, written
+    ``_`` or, escaped, ``&#95;``): a browser breaks there only when it breaks inside words, which the
+    site's tables never do, so a long name would otherwise widen its column to its whole length."""
+    def cells(m: re.Match) -> str:
+        parts = MARKUP.split(m.group(0))
+        return "".join(part if k % 2 else re.sub(r"(?<=\w)(_|&#95;)(?=\w)", r"\1<wbr>", part) for k, part in enumerate(parts))
+
+    return TABLE.sub(cells, html)
+
+
 def on_page_content(html: str, page, config, files: Files) -> str:
     """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
     lab page says the same in prose, and its outputs are numbers); on every other page a code
@@ -659,7 +674,7 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         block = html[m.start(): html.find("</pre>", m.start())]
         return m.group(0) + " data-search-exclude" if block.count("\n") > 3 else m.group(0)
 
-    html = phone_pictures(html, page.url, files)
+    html = table_break_points(phone_pictures(html, page.url, files))
     html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
     # A lab's exercises are prompts to try, not answers to find: their section stays out of the index.
     html = html.replace('<h2 id="exercises">', '<h2 id="exercises" data-search-exclude>')
