@@ -647,15 +647,18 @@ def phone_pictures(html: str, page_url: str, files: Files) -> str:
 
 TABLE = re.compile(r"<table\b.*?</table>", re.S)
 MARKUP = re.compile(r"(<[^>]*>)")
+BREAK_POINT = re.compile(r"(?<=\w_)(?=\w)|(?<=\w&#95;)(?=\w)|(?<=\w=)(?=\w)|(?<=[a-z])(?=[A-Z][a-z])")
 
 
 def table_break_points(html: str) -> str:
-    """In a table's text, a line may break after an underscore (``gradient_as_bucket_view``, written
-    ``_`` or, escaped, ``&#95;``): a browser breaks there only when it breaks inside words, which the
-    site's tables never do, so a long name would otherwise widen its column to its whole length."""
+    """In a table's text, a line may break where a long name joins its words: after an underscore
+    (``gradient_as_bucket_view``, written ``_`` or, escaped, ``&#95;``), after an ``=`` between words
+    (``reshard_after_forward=False``) and before a capital that starts a word
+    (``ZeroRedundancyOptimizer``). A browser breaks there only when it breaks inside words, which the
+    site's tables never do, so such a name would widen its column to its length."""
     def cells(m: re.Match) -> str:
         parts = MARKUP.split(m.group(0))
-        return "".join(part if k % 2 else re.sub(r"(?<=\w)(_|&#95;)(?=\w)", r"\1<wbr>", part) for k, part in enumerate(parts))
+        return "".join(part if k % 2 else BREAK_POINT.sub("<wbr>", part) for k, part in enumerate(parts))
 
     return TABLE.sub(cells, html)
 

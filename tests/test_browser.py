@@ -330,13 +330,16 @@ SETTLED = """() => {
 }"""
 
 BROKEN_WORDS = """() => {
-  // Words (runs of letters and digits) that a table cell breaks across two lines.
+  // Words (runs of letters and digits; a CamelCase name's words each on its own) that a table cell
+  // breaks across two lines.
   const out = [];
   for (const cell of document.querySelectorAll("article td, article th")) {
     if (!cell.getClientRects().length) continue;
     const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
     for (let n = walker.nextNode(); n; n = walker.nextNode()) {
-      for (const m of n.textContent.matchAll(/[\\p{L}\\p{N}]{2,}/gu)) {
+      // a word: a run of letters and digits; a name's words joined in CamelCase count one by one
+      for (const m of n.textContent.matchAll(/\\p{Lu}?\\p{Ll}+(?=\\p{Lu}\\p{Ll})|[\\p{L}\\p{N}]+?(?=\\p{Lu}\\p{Ll}|[^\\p{L}\\p{N}]|$)/gu)) {
+        if (m[0].length < 2) continue;
         const r = document.createRange();
         r.setStart(n, m.index);
         r.setEnd(n, m.index + m[0].length);

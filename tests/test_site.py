@@ -751,14 +751,15 @@ def test_a_rerun_with_other_sizes_is_a_build_error_naming_the_missing_key(monkey
     assert dropped >= 40
 
 
-def test_a_table_may_break_a_long_name_after_its_underscores_and_nowhere_else():
+def test_a_table_may_break_a_long_name_where_its_words_join_and_nowhere_else():
     """A table's text gets a break point after each underscore between word characters, escaped or
-    not; tags, attributes and text outside tables are left as they were."""
+    not, and before a capital that starts a word inside a name; tags, attributes, units (GiB) and
+    text outside tables are left as they were."""
     spec = importlib.util.spec_from_file_location("infralab_hooks_breaks", ROOT / "scripts" / "mkdocs_hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
-    page = ('<p>keep_this</p><table><tr><td><a href="#a_b">gradient&#95;as&#95;bucket_view</a></td>'
-            '<td>_lead and trail_</td></tr></table>')
+    page = ('<p>keep_this</p><table><tr><td><a href="#a_b" title="NoBreak">gradient&#95;as&#95;bucket_view</a></td>'
+            '<td>_lead and trail_ DDP + ZeroRedundancyOptimizer, 29.92 GiB, forward=False</td></tr></table>')
     assert hooks.table_break_points(page) == (
-        '<p>keep_this</p><table><tr><td><a href="#a_b">gradient&#95;<wbr>as&#95;<wbr>bucket_<wbr>view</a></td>'
-        '<td>_lead and trail_</td></tr></table>')
+        '<p>keep_this</p><table><tr><td><a href="#a_b" title="NoBreak">gradient&#95;<wbr>as&#95;<wbr>bucket_<wbr>view'
+        '</a></td><td>_lead and trail_ DDP + Zero<wbr>Redundancy<wbr>Optimizer, 29.92 GiB, forward=<wbr>False</td></tr></table>')
