@@ -386,8 +386,6 @@ def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
 def calculator(traced: list[dict]) -> dict:
     from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
-    from labkit.plot import CATEGORY_COLORS
-
     f = lab01_fit
     presets = {}
     for name in lab01_inputs.presets():
@@ -410,7 +408,6 @@ def calculator(traced: list[dict]) -> dict:
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
                       "slot": f.SLOT, "indices": f.INDICES},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(),
-        "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}

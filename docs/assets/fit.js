@@ -861,15 +861,19 @@
     UI.capacity = h("span", { id: "fit-capacity" });
     UI.moment = h("p", { class: "il-fit__line", id: "fit-moment" });
     UI.bar = h("div", { class: "il-fit__bar", role: "img", id: "fit-bar" });
+    UI.capLabel = h("span", { class: "il-fit__cap-label", id: "fit-cap-label", "aria-hidden": "true" });
     UI.status = h("p", { class: "il-fit__status", role: "status" });
+    // What stays in view while the inputs change (sticky, small enough to leave a phone's inputs usable):
+    // the verdict and the bar, its marker labelled; the totals and the moment follow it, and scroll.
     const summary = h("section", { class: "il-fit__summary", id: "fit-result", "aria-live": "polite", "aria-label": "Result" },
-      UI.verdict, h("p", { class: "il-fit__line" }, "Per rank ", UI.total, " · can use ", UI.capacity), UI.moment, UI.bar,
-      UI.status);
+      UI.verdict, UI.bar, h("p", { class: "il-fit__scale" }, UI.capLabel), UI.status);
+    const lines = h("div", { class: "il-fit__lines", "aria-live": "polite" },
+      h("p", { class: "il-fit__line" }, "Per rank ", UI.total, " · can use ", UI.capacity), UI.moment);
     UI.rows = {};
     const body = h("tbody");
     for (const cat of D.categories) {
       const tr = h("tr", { "data-category": cat },
-        h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${D.colors[cat]}` }), cat.replace("_", " ")),
+        h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${color(cat)}` }), cat.replace("_", " ")),
         h("td", { class: "il-fit__num" }), h("td", { class: "il-fit__num" }), h("td", {}));
       UI.rows[cat] = tr;
       body.append(tr);
@@ -883,7 +887,7 @@
     UI.traced = h("div", { id: "fit-traced", class: "il-fit__traced" });
     UI.levers = h("div", { id: "fit-levers" });
     UI.symbols = h("div", { id: "fit-symbols" });
-    el.append(summary, h("div", { class: "il-fit__scroll" }, table), form,
+    el.append(summary, lines, h("div", { class: "il-fit__scroll" }, table), form,
       h("section", { class: "il-fit__details", "aria-label": "How it is computed" },
         h("h3", { text: "Traced beside the formula" }), UI.traced,
         h("h3", { text: "Levers, cheapest first" }), UI.levers,
@@ -938,6 +942,9 @@
   }
 
   // ---------------------------------------------------------------------------- drawing a result
+  /** A category's colour: labkit.plot's, as the site's CSS variable (assets/palette.css), so that it
+   *  follows the light or dark palette as the figures do. */
+  const color = (cat) => `var(--il-cat-${cat.replace(/_/g, "-")})`;
   const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
   function bytes(v) {
     const x = Number(v);
@@ -1006,11 +1013,16 @@
       const b = Number(v.cats[cat].value);
       if (!b) continue;
       UI.bar.append(h("span", { class: "il-fit__seg", "data-category": cat,
-        style: `width:${(100 * b / scale).toFixed(3)}%;--c:${D.colors[cat]}` }));
+        style: `width:${(100 * b / scale).toFixed(3)}%;--c:${color(cat)}` }));
       parts.push(`${cat.replace("_", " ")} ${bytes(b)}`);
     }
-    UI.bar.append(h("span", { class: "il-fit__cap", style: `left:${(100 * Number(v.capacity) / scale).toFixed(3)}%` }));
+    const at = 100 * Number(v.capacity) / scale;
+    UI.bar.append(h("span", { class: "il-fit__cap", style: `left:${at.toFixed(3)}%` }));
     UI.bar.setAttribute("aria-label", `${parts.join(", ")}; the GPU can use ${bytes(v.capacity)}`);
+    // The marker's label, under it: from the marker rightwards, or leftwards when it sits past the middle.
+    UI.capLabel.textContent = `can use ${bytes(v.capacity)}`;
+    UI.capLabel.dataset.side = at > 50 ? "left" : "right";
+    UI.capLabel.style.setProperty("--at", `${at.toFixed(3)}%`);
   }
 
   function drawFormulas(x, v) {

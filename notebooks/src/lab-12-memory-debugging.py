@@ -53,6 +53,8 @@ fig, axes = plt.subplots(len(leaks), 1, figsize=(10, 9), dpi=110, layout="constr
 for i, (ax, (name, leak)) in enumerate(zip(axes, leaks.items())):
     plot.plot_timeline(leak.timeline, ax=ax, ymax_bytes=ymax, legend=(i == 0),
                        title=f"{name}: {config.steps} steps on {nb.device.type} (measured by the ledger)")
+notebook.show(fig, alt="Three stacked memory timelines on one scale: leak-losses climbs every step, leak-"
+                       "activations climbs slightly, fixed stays level")
 
 # %% [markdown]
 # ## Growth per step: measured against derived
@@ -72,16 +74,18 @@ for i, (ax, (name, leak)) in enumerate(zip(axes, leaks.items())):
 growth = tables.growth_table(result)
 display(growth)
 fig2, ax = plt.subplots(figsize=(8, 3.8), dpi=110, layout="constrained")
-colors = {"leak-losses": "#C44E52", "leak-activations": "#DD8452", "fixed": "#4C72B0"}
+colors = {"leak-losses": plot.SERIES[3], "leak-activations": plot.SERIES[1], "fixed": plot.SERIES[0]}
 for name, leak in leaks.items():
     steps = range(len(leak.after_step))
     ax.plot(steps, [b / 2**20 for b in leak.live_after_step], marker="o", color=colors[name], label=f"{name} (measured)")
     if (derived := leak.derived_after_step()) is not None:
-        ax.plot(steps, [b / 2**20 for b in derived], ls="--", lw=1, color="black",
+        ax.plot(steps, [b / 2**20 for b in derived], ls="--", lw=1, color=plot.INK,
                 label="derived" if name == "leak-losses" else None)
 ax.set(xlabel="step", ylabel="live device MiB after the step", title="Live bytes after each step")
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
+notebook.show(fig2, alt="Live device bytes after each step for the three training loops, measured, with the "
+                        "derived growth as dashed lines")
 
 # %% [markdown]
 # ## The tool: what grew, by the line that allocated it
@@ -128,6 +132,8 @@ if nb.on_gpu:
         ax3.set(title=r["alloc_conf"], xlabel="batch size", ylabel="GiB")
         ax3.grid(alpha=0.3)
         ax3.legend(fontsize=8)
+    notebook.show(figures["fragmentation"], alt="Allocated and reserved GiB against batch size under two "
+                                                "allocator settings, measured on a GPU")
 
 # %% [markdown]
 # ## An out-of-memory error, caught and read (GPU only)
@@ -169,6 +175,8 @@ for ax, (name, leak) in zip(axes4, (("fixed", step_8b), ("leak-losses", leak_8b)
     plot.plot_timeline(leak.timeline, ax=ax, ymax_bytes=ymax_8b, unit="GiB", legend=(name == "fixed"),
                        title=f"Llama-3-8B, {name}: 2 steps (traced on fake tensors)")
 figures["real_scale"] = fig4
+notebook.show(fig4, alt="Two memory timelines of Llama-3-8B training, traced, on one scale: the fixed loop, and "
+                        "one that keeps a monitoring loss")
 
 # %%
 notebook.publish(

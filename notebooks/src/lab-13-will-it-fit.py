@@ -64,11 +64,12 @@ display(twin)
 llama8b = lab.run(lab.Config(model="llama-3-8b", seq=4096, gpu="h100-80gb"))
 step = llama8b.trace.timeline.step_window(1)
 fig = plot.plot_timeline(step, title="Llama-3-8B, AMP + AdamW, 4,096 tokens (traced)")
-fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 phases8b, gap8b, gpu8b = tables.phases_table(llama8b.trace), tables.gap_table(llama8b.trace), tables.gpu_table(llama8b)
 levers8b = tables.levers_table(llama8b.levers)
 display(phases8b, gpu8b)
 print(tables.verdict(llama8b))
+notebook.show(fig, alt="Stacked memory timeline of one traced Llama-3-8B training step by category, with "
+                       "forward, backward, optimizer and zero_grad bands")
 
 # %% [markdown]
 # ## The trace against Lab 01's formulas
@@ -108,10 +109,11 @@ print("to fit: " + " ".join(to_fit or ["nothing fits"]))
 # %%
 llama70b = lab.run(lab.Config(model="llama-3-70b", seq=4096, dp=8, zero_stage=3, levers="none"))
 fig70 = plot.plot_timeline(llama70b.trace.timeline.step_window(1), title="Llama-3-70B, ZeRO-3 over 8, rank 0 (traced)")
-fig70.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 phases70b = tables.phases_table(llama70b.trace)
 display(phases70b)
 print(tables.verdict(llama70b))
+notebook.show(fig70, alt="Stacked memory timeline of one traced Llama-3-70B ZeRO-3 step on rank 0 of 8, by "
+                         "category, with phase bands")
 
 # %% [markdown]
 # ## Which zoo model fits which GPU

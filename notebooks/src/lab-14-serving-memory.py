@@ -69,16 +69,18 @@ for ax, (name, served) in zip(axes, result.served.items()):
               "reservation waste": [r.reservation * kib for r in rec],
               "fragmentation": [r.fragmentation * kib for r in rec]}
     ax.stackplot(steps, *layers.values(), labels=layers.keys(),
-                 colors=["#CCB974", "#C44E52", "#8172B3", "#8C8C8C"], alpha=0.9)
+                 colors=[plot.CATEGORY_COLORS["kv_cache"], plot.SERIES[3], plot.SERIES[4], plot.SERIES[7]])
     if name == "paged":
         bound = [(r.stored + r.running * (config.block_size - 1)) * kib for r in rec]
         ax.plot(steps, bound, "k--", lw=1, label="stored + bound on internal waste")
-    ax.axhline(result.pool_tokens * kib, color="black", lw=0.8)
+    ax.axhline(result.pool_tokens * kib, color=plot.INK, lw=0.8)
     ax.set(title=f"{name} (measured)", ylabel="KiB of the pool")
     ax.grid(alpha=0.3)
 axes[-1].set_xlabel("engine step")
 fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
 fig_records = fig
+notebook.show(fig, alt="For each of the paged, static and growing caches, the pool's slots per engine step, "
+                       "stacked: stored keys and values, internal waste, reservation waste and fragmentation")
 
 # %% [markdown]
 # ## The ledger's view of the paged run
@@ -90,6 +92,8 @@ fig_records = fig
 fig_ledger, ax_ledger = plt.subplots(figsize=(10, 5.2), dpi=110, layout="constrained")
 plot.plot_timeline(result.ledgers["paged"].timeline(), ax=ax_ledger, max_points=400,
                    title=f"Lab 14 · paged cache serving {len(result.requests)} requests (measured by the ledger)")
+notebook.show(fig_ledger, alt="The memory ledger's timeline of the paged run: the parameters, the KV pool "
+                              "allocated once, and each step's temporaries")
 
 # %% [markdown]
 # ## Block size: waste against table size
