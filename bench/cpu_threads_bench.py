@@ -9,7 +9,8 @@ thread, while ``--busy`` other processes keep the cores busy (a test suite, a br
 lab). Each run reports the median of its warm denoising steps and their range; the benchmark keeps
 every run and reports the worst median of each setting. With more threads than free cores, an op's
 threads wait at their barrier for a thread the scheduler has put aside, and a few-millisecond step
-can take about a second. A CPU figure by nature; what it shows is why the lab times on one thread.
+can take about a second. A CPU figure by nature; what it shows is why a CPU run of any lab uses one
+thread (``labkit.cli.cpu_threads``, the rule every lab follows).
 """
 
 from __future__ import annotations
