@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,13 +30,13 @@ from pathlib import Path
 import yaml
 
 from labkit import cli, files, labs, provenance
+from labkit.busy import cores as busy_cores
 from labkit.config import LabConfig, UsageError, option
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "lab runs"
 RESULT_FILE = "results/lab_runs_bench.json"
 CPU_ONLY = True  # the pages' CPU commands, on this machine's cores: no GPU run is pending for it
-SPIN = "while True:\n    pass"
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 #: setting -> the slowest run's target, seconds (issue: a new user's first hour)
 TARGET_S = {"idle": 10.0, "busy": 20.0}
@@ -121,13 +120,8 @@ def run(config: Config) -> dict:
     t0 = time.perf_counter()
     settings = {"idle": timed_rounds(commands, config.rounds, config.timeout)}
     if busy:
-        spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
-        try:
+        with busy_cores(busy):
             settings["busy"] = timed_rounds(commands, config.rounds, config.timeout)
-        finally:
-            for spinner in spinners:
-                spinner.kill()
-                spinner.wait()
     rows, slowest = [], {}
     for setting, runs in settings.items():
         spinning = f"{busy} busy process(es)" if setting == "busy" else "no busy process of ours"
