@@ -75,6 +75,14 @@ def test_a_cpu_run_chooses_one_thread_once_unless_the_reader_asked(env):
         cli.cpu_threads(-1)
 
 
+def test_every_test_process_runs_on_the_labs_rule():
+    """The suite's own processes (each pytest-xdist worker) are CPU runs of the labs: one thread
+    each, unless OMP_NUM_THREADS says more, so two workers on two cores do not oversubscribe them."""
+    if any(os.environ.get(name) for name in cli.THREAD_VARIABLES):
+        pytest.skip("the environment sets the thread count")
+    assert torch.get_num_threads() == 1
+
+
 LAB07_SMALL = ["--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "64",
                "--batch-size", "4", "--steps", "2", "--json"]
 
