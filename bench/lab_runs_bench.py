@@ -54,7 +54,8 @@ class Config(LabConfig):
                               "core; 0: time the idle setting only)", min=0, max=256)
     timeout: int = option(600, "seconds a command may take before the benchmark stops it and fails", min=1,
                           max=3600)
-    out: Path | None = option(None, "where to write the results (default: results/lab_runs_bench.json)")
+    out: Path | None = option(None, "where to write the results (default: results/lab_runs_bench.json)",
+                               path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

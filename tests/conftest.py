@@ -20,9 +20,15 @@ def pytest_configure(config):
     """This process runs the labs on the CPU, so it resolves the CPU as every lab run does, before
     the first test: the labs' own rule (``labkit.cli.cpu_threads``) then sets its thread count, one
     thread unless ``OMP_NUM_THREADS`` says more. Each pytest-xdist worker is such a process, so two
-    workers on two cores take one core each, however a test reaches its tensors."""
-    from labkit import cli
+    workers on two cores take one core each, however a test reaches its tensors.
 
+    Reports are read as a 100-column terminal shows them (labkit.table.FALLBACK_WIDTH), whatever
+    terminal, or none, runs the suite: ``$COLUMNS`` is what :func:`labkit.table.terminal_width`
+    reads first, and every lab the tests start inherits it. Tests of other widths set their own."""
+    from labkit import cli
+    from labkit.table import FALLBACK_WIDTH
+
+    os.environ["COLUMNS"] = str(FALLBACK_WIDTH)
     cli.pick_device("cpu")
 
 

@@ -38,6 +38,16 @@ def labkit_hash() -> str:
     return _hash(sorted(f for f in LABKIT_DIR.rglob("*.py") if "__pycache__" not in f.parts), LABKIT_DIR)
 
 
+def code_hash(*extra: str | os.PathLike) -> str:
+    """The same hash over everything a notebook executes: every file under ``code/`` (labkit and all
+    the labs, whichever it loads), ``requirements.txt`` (the pinned packages) and ``extra`` files of
+    the repository (the notebook's own source). Two executions on equal hashes run the same code."""
+    files = sorted(f for f in CODE_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts
+                   and f.suffix != ".pyc")
+    files += [REPO_ROOT / "requirements.txt", *(Path(e).resolve() for e in extra)]
+    return _hash(files, REPO_ROOT)
+
+
 def _hash(files: list[Path], base: Path) -> str:
     h = hashlib.sha256()
     for f in files:
