@@ -47,7 +47,8 @@ FLOOR = ".venv/bin/python -c 'import torch'"
 class Config(LabConfig):
     """Time every lab page's CPU command in a fresh shell, with the cores free and kept busy."""
 
-    labs: tuple[int, ...] | None = option(None, "lab numbers to time, comma separated (default: every lab page)")
+    labs: tuple[int, ...] | None = option(None, "lab numbers to time, comma separated (default: every lab page)",
+                                           min=1, max=99)
     rounds: int = option(2, "fresh runs of each command per setting, interleaved; the slowest is reported",
                          min=1, max=20)
     busy: int | None = option(None, "processes that keep the cores busy in the busy setting (default: one per "
@@ -150,7 +151,8 @@ def run(config: Config) -> dict:
 
 def report(result: dict) -> None:
     print(f"Lab page commands on {result['provenance']['cpu']} ({result['cores']} cores; busy setting: "
-          f"{result['busy']} busy process(es)) -> {result['out']}")
+          f"{result['busy']} busy process(es)), {result['provenance']['wall_time_s'] / 60:.1f} min in all "
+          f"-> {result['out']}")
     for setting, runs in result["runs"].items():
         target = result["targets_s"][setting]
         for name, rs in runs.items():
