@@ -55,8 +55,6 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
     env["INFRALAB_DEVICE"] = device
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "code"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")  # tiny CPU configurations: one thread is fastest
     if results_dir is not None:
         env["INFRALAB_RESULTS_DIR"] = str(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,13 +38,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
-
+from conftest import ROOT, load_bench
 from labkit.table import FALLBACK_WIDTH, width_of
 
+LAB_RUNS = load_bench("lab_runs_bench")
 
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
-CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 SHOWN_IN = ["docs/**/*.md", "README.md", "code/*/README.md", "bench/README.md"]
 COMMAND = re.compile(r"^(?:\$ )?(?:\.venv/bin/(?:python|torchrun)|\./scripts/|scripts/gpu_campaign)\b")
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}  # a block in one of these that shows a command runs whole
@@ -191,11 +190,9 @@ def collect(cuda: bool) -> list[Block]:
 
 
 def clean_env(tmp_path: Path) -> dict:
-    """A fresh shell: no virtual environment active. PYTHONPATH names this checkout's code/, which a
-    reader's venv already imports (editable install); it matters only in a git worktree sharing
-    another checkout's venv, whose editable labkit would otherwise be that checkout's."""
-    return {"PATH": CLEAN_PATH, "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT / "code")}
+    """A fresh shell, the one ``bench/lab_runs_bench.py`` times the pages' commands in: no virtual
+    environment active, no ``OMP_NUM_THREADS`` (each lab chooses its own thread count)."""
+    return LAB_RUNS.fresh_shell(tmp_path)
 
 
 def with_out_flag(text: str, tmp_path: Path) -> str:

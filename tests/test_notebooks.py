@@ -129,7 +129,7 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
     for cell in fresh.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    env = dict(os.environ, INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1", INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
+    env = dict(os.environ, INFRALAB_DEVICE="cpu", INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
     (tmp_path / path.name).write_text(json.dumps(fresh))
     client = NotebookClient(fresh, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}, allow_errors=False)
