@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli
+from labkit import cli, marks
 from labkit.config import LabConfig, UsageError, option
 from labkit.table import Table
 from oom_reader import CLAUSES, next_levers, read_oom
@@ -81,10 +81,11 @@ def changing_batch(iters: int = 12, first: int = 8, layers: int = 8, unit_mb: in
     for i in range(iters):
         n = first + i
         kept = []
-        for _ in range(layers):
-            kept.append(torch.empty(n * unit, device=device))  # (1)!
-            kept.append(torch.empty(n * unit * wide, device=device))
-        rows.append({"batch": n, "live": sum(t.nbytes for t in kept), **allocator_now(device)})  # (2)!
+        with marks.phase("batch", i):  # a ledger (Lab 16's trace on a CPU) sees each iteration
+            for _ in range(layers):
+                kept.append(torch.empty(n * unit, device=device))  # (1)!
+                kept.append(torch.empty(n * unit * wide, device=device))
+            rows.append({"batch": n, "live": sum(t.nbytes for t in kept), **allocator_now(device)})  # (2)!
         del kept  # (3)!
     out = {"rows": rows, "after": allocator_now(device)}
     if device.type == "cuda":
@@ -112,21 +113,26 @@ def out_of_memory(pattern: str = "pressure", cap_mb: int = 1024, chunk_mb: int =
     torch.cuda.set_per_process_memory_fraction(cap_mb * MiB / total, device)  # (1)!
     held: list[torch.Tensor] = []
     try:
-        if pattern == "pressure":
-            for _ in range(cap_mb // chunk_mb + 2):  # (2)!
-                held.append(torch.empty(chunk_mb * MiB, dtype=torch.uint8, device=device))
-        else:
-            pieces = cap_mb // 20
-            torch.empty(pieces * 20 * MiB, dtype=torch.uint8, device=device)  # (3)!
-            held = [torch.empty(20 * MiB, dtype=torch.uint8, device=device) for _ in range(pieces)]
-            del held[::2]  # (4)!
-            held.append(torch.empty(40 * MiB, dtype=torch.uint8, device=device))
+        allocate(pattern, cap_mb, chunk_mb, device, held)
         return {"pattern": pattern, "oom": False, "message": None, **allocator_now(device)}
-    except torch.OutOfMemoryError as err:  # (5)!
+    except torch.OutOfMemoryError as err:  # (2)!
         return {"pattern": pattern, "oom": True, "message": str(err), **allocator_now(device)}
     finally:
         held.clear()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def allocate(pattern: str, cap_mb: int, chunk_mb: int, device, held: list) -> None:
+    """The pattern's buffers, kept in ``held`` (on any device: Lab 16 traces them on a CPU)."""
+    if pattern == "pressure":
+        for _ in range(cap_mb // chunk_mb + 2):  # (3)!
+            held.append(torch.empty(chunk_mb * MiB, dtype=torch.uint8, device=device))
+        return
+    pieces = cap_mb // 20
+    torch.empty(pieces * 20 * MiB, dtype=torch.uint8, device=device)  # (4)!
+    held.extend(torch.empty(20 * MiB, dtype=torch.uint8, device=device) for _ in range(pieces))
+    del held[::2]  # (5)!
+    held.append(torch.empty(40 * MiB, dtype=torch.uint8, device=device))
 # --8<-- [end:oom]
 
 

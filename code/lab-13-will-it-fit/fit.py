@@ -97,11 +97,12 @@ def prefill(model, idx, *, recipe: str) -> None:
 
 
 # --8<-- [start:trace]
-def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: str | None = None) -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
 
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
-    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where;
+    ``strategy``: Lab 04's, instead of ``--checkpointing``'s (Lab 16 traces torchtitan's policy)."""
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
@@ -116,7 +117,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
+                train_step(model, optimizer, idx, recipe=recipe,
+                           strategy=strategy or CHECKPOINTING[config.checkpointing],
                            micro_batches=config.accumulation)
             else:
                 prefill(model, idx, recipe=recipe)
