@@ -3,7 +3,8 @@
 The string is ``key:value`` pairs separated by commas, a list in brackets
 (``roundup_power2_divisions:[256:1,512:2,>:8]``), white space ignored (``c10/core/AllocatorConfig.h``
 L35-53, the 2.13.0 header installed here). Each key's rule is ``c10/core/AllocatorConfig.cpp``'s,
-cited by line (``CONFIG_SOURCE``: the copy at pytorch commit 09384c1f); the CUDA-only keys are
+cited by line in the copy at pytorch commit 09384c1fb1d689794fa5bc256f268591c32a8e1e (``CONFIG_SOURCE``
+is the file at v2.13.0); the CUDA-only keys are
 ``c10/cuda/CUDAAllocatorConfig.h``'s (2.13.0). PyTorch refuses what it refuses with an error; this
 reader refuses the same, and also what PyTorch would accept but that contradicts itself or that the
 model does not hold (a key given twice with two values; a garbage-collection threshold without a
@@ -17,8 +18,7 @@ import re
 from labkit.config import UsageError
 from allocator_model import MiB, Options
 
-CONFIG_SOURCE = ("https://github.com/pytorch/pytorch/blob/09384c1fb1d689794fa5bc256f268591c32a8e1e/"
-                 "c10/core/AllocatorConfig.cpp")
+CONFIG_SOURCE = "https://github.com/pytorch/pytorch/blob/v2.13.0/c10/core/AllocatorConfig.cpp"
 #: Keys PyTorch knows that this model has nothing to say about (host memory, threads, IPC).
 INERT = {"pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
          "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",

@@ -1,9 +1,11 @@
 """Lab 16 - PyTorch's CUDA caching allocator, rule by rule, as plain Python that runs on a CPU.
 
-Every rule below is a rule of ``c10/cuda/CUDACachingAllocator.cpp``, cited by its line (``L1599``)
-in the copy this lab was written from: pytorch commit 0919d01f (``SOURCE``), whose interface is the
-one the installed 2.13.0 headers declare; the sizes come from those headers
-(``c10/core/AllocatorConfig.h`` L16-25). What is left out is said at the end of this docstring.
+Every rule below is a rule of ``c10/cuda/CUDACachingAllocator.cpp`` (``SOURCE``), cited by its line
+(``L1599``) in the copy this lab was written from, pytorch commit
+0919d01f216cbda88a9488b30075c674df16ff49, whose interface is the one the installed 2.13.0 headers
+declare (the v2.13.0 tag itself could not be fetched here: its line numbers may differ by a few);
+the sizes come from those headers (``c10/core/AllocatorConfig.h`` L16-25). What is left out is said
+at the end of this docstring.
 
     malloc(size, stream)   round the size (L2823), pick the pool (L3379), best fit in this stream's
                            free blocks (L3443), else cudaMalloc a segment (L3576); when that fails:
@@ -28,7 +30,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-SOURCE = "https://github.com/pytorch/pytorch/blob/0919d01f216cbda88a9488b30075c674df16ff49/c10/cuda/CUDACachingAllocator.cpp"
+SOURCE = "https://github.com/pytorch/pytorch/blob/v2.13.0/c10/cuda/CUDACachingAllocator.cpp"
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 # --8<-- [start:sizes]
@@ -77,7 +79,8 @@ def segment_size(size: int, o: Options = Options()) -> int:
 
 
 class OutOfMemory(RuntimeError):
-    """What ``torch.OutOfMemoryError`` says (L1797-1822), with its numbers as attributes."""
+    """What ``torch.OutOfMemoryError`` says (L1797-1822), with its numbers as attributes (its last
+    sentence, a link to PyTorch's documentation, is left out)."""
 
     def __init__(self, message: str, numbers: dict) -> None:
         super().__init__(message)
@@ -155,27 +158,29 @@ class CachingAllocator:
     # ------------------------------------------------------------------ malloc
     # --8<-- [start:malloc]
     def malloc(self, orig_size: int, stream: str = "default") -> Block:
-        self.process_events()  # L1592: blocks whose other-stream uses are over become free
+        """L1571-1828: events (L1592), size (L1599), pool (L3398), best fit (L1619), garbage collection
+        (L1626), cudaMalloc (L1638), the two retries (L1653, L1659), the error (L1797), the split (L1824)."""
+        self.process_events()  # (1)!
         size = round_size(orig_size, self.o)  # L1599
         small = size <= SMALL_SIZE  # L3398: get_pool
         alloc_size = segment_size(size, self.o)  # L1601
-        block = self.free_block_for(size, stream, small)  # L1619
+        block = self.free_block_for(size, stream, small)  # (2)!
         if block is None:
             if self.allowed is not None and self.o.garbage_collection_threshold > 0:
-                self.garbage_collect()  # L1626-1631: only under a memory fraction
+                self.garbage_collect()  # (3)!
             block = (self.alloc_block(size, alloc_size, stream, small)  # L1638: cudaMalloc
                      or self.release_available_cached_blocks(size, stream, small)  # L1653
                      and self.alloc_block(size, alloc_size, stream, small)
-                     or self.release_cached_blocks()  # L1659: every cached segment goes back ...
+                     or self.release_cached_blocks()  # (4)!
                      and self.alloc_block(size, alloc_size, stream, small, retry=True))  # ... and once more
         if block is None:
-            raise self.out_of_memory(alloc_size)  # L1797
+            raise self.out_of_memory(alloc_size)  # (5)!
         remaining = block.size - size
         if small or self.o.expandable_segments:  # L3413-3431: should_split
             split = remaining >= MIN_BLOCK
         else:
             split = size < (self.o.max_split_size or 2**63) and remaining > SMALL_SIZE
-        if split:  # L1879-1895: the front becomes a new block; the rest stays cached
+        if split:  # (6)!
             front = Block(size, block.addr, stream, small, block.segment, prev=block.prev, next=block)
             if block.prev:
                 block.prev.next = front

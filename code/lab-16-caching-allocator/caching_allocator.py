@@ -30,7 +30,7 @@ from typing import Literal
 
 import alloc_conf
 import replay
-from allocator_model import GiB, MiB, Options, format_size
+from allocator_model import GiB, KiB, MiB, Options, format_size, round_size, segment_size
 from labkit import cli, fake, labs, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.ledger import Ledger
@@ -221,6 +221,37 @@ def run_summary(r: Run) -> dict:
 
 
 # ----------------------------------------------------------------------------- what it prints
+REQUESTS = (1, 4 * KiB, MiB, MiB + 1, 9 * MiB, 10 * MiB, 12 * MiB + 1, 100 * MiB + 1)
+
+
+def sizes_table(divisions: int = 4) -> Table:
+    """What a request becomes (allocator_model's rules): its block, its pool, the segment a cudaMalloc
+    makes when no cached block fits, and its block under ``roundup_power2_divisions:<divisions>``."""
+    rounded = alloc_conf.parse(f"roundup_power2_divisions:{divisions}")
+    return Table([("request", "size"), ("block", "size"), "pool", ("new segment", "size"),
+                  (f"block, {divisions} divisions", "size")],
+                 [[n, round_size(n), "small" if round_size(n) <= MiB else "large", segment_size(round_size(n)),
+                   round_size(n, rounded)] for n in REQUESTS])
+
+
+def as_lab12(result: Result) -> list[dict]:
+    """The runs in the form of Lab 12's GPU experiments, so that its tables show the simulation."""
+    out = []
+    for r in result.runs:
+        rp = r.replay
+        row = {"alloc_conf": r.setting, "segments": len(rp.allocator.blocks()), "num_alloc_retries": rp.retries,
+               "after": {"reserved": rp.reserved[-1] if rp.reserved else 0},
+               "rows": [{"allocated": it[r.setting]["allocated"], "reserved": it[r.setting]["reserved"]}
+                        for it in result.iterations if r.setting in it] or
+                       [{"allocated": rp.peak_allocated, "reserved": rp.peak_reserved}],
+               "pattern": result.config.workload, "oom": rp.oom is not None, "message": str(rp.oom) if rp.oom else None,
+               "allocated": rp.oom.numbers["allocated"] if rp.oom else rp.allocator.allocated}
+        if r.oom_reading:
+            row["reading"], row["levers"] = r.oom_reading, oom_reader.next_levers(r.oom_reading["values"])
+        out.append(row)
+    return out
+
+
 def runs_table(result: Result) -> Table:
     """Each allocator setting: the traced peak, the simulated allocated and reserved peaks, the cache."""
     return Table(["allocator", ("traced peak", "bytes"), ("allocated peak", "bytes"), ("reserved peak", "bytes"),

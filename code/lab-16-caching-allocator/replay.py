@@ -104,7 +104,7 @@ def replay(ev: Events, options: Options = Options(), capacity: int | None = None
     def alloc(key, sid, nbytes):
         s = ev.storages[sid]
         if sync == "malloc":
-            a.complete_events()  # the GPU has finished what was queued: events are complete
+            a.complete_events()  # (1)!
         live[key] = (a.malloc(nbytes, s.stream), nbytes)
         now[0] += nbytes
 
@@ -115,16 +115,17 @@ def replay(ev: Events, options: Options = Options(), capacity: int | None = None
         now[0] -= nbytes
 
     def step(events, start: int, rep: int) -> None:
+        """The events in order; a step's own storages get keys of their own in every repeat."""
         for i, e in enumerate(events):
             if until is not None and len(allocated) >= until:
                 return
             if sync == "phase" and start + i in ev.boundaries:
                 a.complete_events()
             kind, sid = e[0], e[1]
-            key = (sid, rep if born.get(sid, -1) >= ev.first_phase else 0)  # the step's own: new each time
+            key = (sid, rep if born.get(sid, -1) >= ev.first_phase else 0)  # (2)!
             if kind == "alloc":
                 alloc(key, sid, e[2])
-            elif kind == "resize" and e[3] > 0:  # resize_: a block of the new size, then the old one goes
+            elif kind == "resize" and e[3] > 0:  # (3)!
                 old = live.pop(key, None)
                 alloc(key, sid, e[3])
                 if old is not None:
