@@ -225,7 +225,7 @@ def test_a_replay_of_real_tensors_equals_the_replay_of_fake_ones(rp, conf):
 
 def test_the_simulation_is_deterministic(rp, conf):
     lab16 = load_lab(16)
-    ev = lab16.fragmented(lab16.Config(device="cpu", workload="fragmented"))
+    ev = lab16.capped(lab16.Config(device="cpu", workload="fragmented"))
     runs = [rp.replay(ev, conf.parse(c), capacity=80 * GiB) for c in ("", "", "expandable_segments:True") * 2]
     assert runs[0].reserved == runs[1].reserved and runs[0].segments() == runs[1].segments()
     assert runs[2].segments() == runs[5].segments()

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from labkit import cli, marks
+from labkit import cli, labs, marks
 from labkit.config import LabConfig, UsageError, option
 from labkit.table import Table
 from oom_reader import CLAUSES, next_levers, read_oom
@@ -146,6 +146,16 @@ def fragmentation(iters: int, layers: int) -> list[dict]:
     return [in_fresh_process("changing_batch", conf, iters=iters, layers=layers) for conf in FRAGMENTATION_RUNS]
 
 
+def simulated(iters: int, layers: int, cap_mb: int) -> tuple[list[dict], list[dict]]:
+    """On a CPU: :func:`fragmentation` and :func:`oom_experiments` through Lab 16's model of the caching
+    allocator (simulated): each workload traced on fake tensors, replayed with each setting."""
+    lab16 = labs.load(16)
+    batch = lab16.as_lab12(lab16.run(lab16.Config(device="cpu", iters=iters, layers=layers)))
+    runs = [r for pattern in ("pressure", "fragmented")
+            for r in lab16.as_lab12(lab16.run(lab16.Config(device="cpu", workload=pattern, cap_mb=cap_mb)))]
+    return batch, [next(r for r in runs if (r["pattern"], r["alloc_conf"]) == (p, c or "default")) for p, c in OOM_RUNS]
+
+
 def oom_experiments(cap_mb: int) -> list[dict]:
     """Real pressure, fragmentation, and the same fragmentation with expandable segments."""
     runs = [in_fresh_process("out_of_memory", conf, pattern=pattern, cap_mb=cap_mb) for pattern, conf in OOM_RUNS]
@@ -235,13 +245,15 @@ def oom_numbers_table(runs: list[dict] | None) -> Table:
     return table
 
 
-def print_results(fragmentation_runs: list[dict] | None, oom_runs: list[dict] | None) -> None:
+def print_results(fragmentation_runs: list[dict] | None, oom_runs: list[dict] | None, simulated: bool = False) -> None:
     """The allocator experiments for a terminal (Lab 12's report): the tables, then each lever."""
+    how = "simulated on this CPU by Lab 16's model of the allocator" if simulated else \
+        "each allocator setting in a fresh process"
     if fragmentation_runs:
-        print("\nFragmentation: allocated against reserved, each allocator setting in a fresh process")
+        print(f"\nFragmentation: allocated against reserved, {how}")
         print(fragmentation_table(fragmentation_runs).text())
     if oom_runs:
-        print("\nOut of memory on purpose, under a memory cap")
+        print(f"\nOut of memory on purpose, under a memory cap ({how.split(',')[0]})")
         print(oom_table(oom_runs).text())
         print("\nEvery number of each message, read by read_oom:")
         print(oom_numbers_table(oom_runs).text())

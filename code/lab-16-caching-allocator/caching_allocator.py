@@ -8,7 +8,8 @@ segments, per-stream pools and the out-of-memory message come out of a CPU run:
     changing-batch  Lab 12's batches that grow by one sample, traced on fake tensors: reserved
                     against allocated, with the default allocator and with expandable segments
     fragmented      Lab 12's fragmented cache under a 1 GiB cap: the OOM error a GPU raises, read by
-                    Lab 12's reader; then the same pattern with expandable segments
+                    Lab 12's reader; then the same pattern with expandable segments (``pressure``: its
+                    other pattern, buffers past the cap)
     step            Lab 13's step of a real model at real size (FSDP2's streams included), replayed:
                     the reserved peak a GPU would report, and Lab 13's verdict in reserved bytes
 
@@ -73,13 +74,13 @@ def traced(workload) -> Events:
 
 def changing_batch(config: Config) -> Events:
     """Lab 12's growing batch (``scenarios.changing_batch``), as a GPU would allocate it."""
-    return traced(lambda: scenarios.changing_batch(config.iters, device="cpu"))
+    return traced(lambda: scenarios.changing_batch(config.iters, layers=config.layers, device="cpu"))
 
 
-def fragmented(config: Config) -> Events:
-    """Lab 12's fragmented cache (``scenarios.allocate``): 20 MiB pieces of one big block, every other
-    one freed, then 40 MiB asked for."""
-    return traced(lambda: scenarios.allocate("fragmented", config.cap_mb, 64, "cpu", []))
+def capped(config: Config) -> Events:
+    """Lab 12's out-of-memory patterns (``scenarios.allocate``): ``fragmented``, 20 MiB pieces of one big
+    block, every other one freed, then 40 MiB asked for; ``pressure``, 64 MiB buffers past the cap."""
+    return traced(lambda: scenarios.allocate(config.workload, config.cap_mb, 64, "cpu", []))
 
 
 def step(config: Config):
@@ -99,18 +100,22 @@ def simulate(ev: Events, options: Options, capacity: int | None, workspaces: boo
 
 
 # ----------------------------------------------------------------------------- the configuration
+CAPPED = ("fragmented", "pressure")  # Lab 12's capped patterns: a memory fraction of cap_mb
+
+
 @dataclass
 class Config(TrainingRun, Step, LabConfig):
     """The caching allocator, simulated: a workload's reserved bytes, segments and OOM, on a CPU."""
 
-    workload: Literal["changing-batch", "fragmented", "step"] = option("changing-batch", "what to replay")
+    workload: Literal["changing-batch", "fragmented", "pressure", "step"] = option("changing-batch", "what to replay")
     alloc_conf: str = option("", "PYTORCH_ALLOC_CONF for the model, e.g. max_split_size_mb:64 (the run also adds "
                                  "expandable_segments:True)", metavar="TEXT")
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU whose memory the allocator has (its driver's total)")
     capacity: int | None = option(None, "the GPU's bytes instead of --gpu's, e.g. 24GiB", parse=parse_bytes,
                                   metavar="BYTES", min=1)
     iters: int = option(12, "changing-batch: batch sizes, one sample more each (Lab 12's default)", min=1, max=64)
-    cap_mb: int = option(1024, "fragmented: the memory cap, set_per_process_memory_fraction's, in MiB", min=128)
+    layers: int = option(8, "changing-batch: buffer pairs kept alive per batch (Lab 12's default)", min=1, max=64)
+    cap_mb: int = option(1024, "fragmented, pressure: the memory cap (set_per_process_memory_fraction), MiB", min=128)
     ledger: Path | None = option(None, "replay this ledger file (written by --export) instead of a workload")
     export: Path | None = option(None, "write the workload's ledger file here")
 
@@ -121,7 +126,7 @@ class Config(TrainingRun, Step, LabConfig):
         if total < CUDA_CONTEXT + 2 * MiB:  # the smallest segment is 2 MiB (allocator_model.SMALL_BUFFER)
             raise UsageError(f"--capacity {total} B holds not one 2 MiB segment beside the {format_size(CUDA_CONTEXT)} "
                              "CUDA context")
-        if self.workload == "fragmented" and self.cap_mb * MiB > total - CUDA_CONTEXT:
+        if self.workload in CAPPED and self.cap_mb * MiB > total - CUDA_CONTEXT:
             raise UsageError(f"--cap-mb {self.cap_mb} is more than the GPU leaves ({format_size(total - CUDA_CONTEXT)})")
         if self.workload == "step":
             self.check_sharding()
@@ -162,14 +167,14 @@ def run(config: Config) -> Result:
     t0 = time.perf_counter()
     device = cli.pick_device(config.device)
     ev = replay.load(config.ledger) if config.ledger else {
-        "changing-batch": changing_batch, "fragmented": fragmented, "step": lambda c: replay.events_of(step(c).ledger),
-    }[config.workload](config)
+        "changing-batch": changing_batch, "fragmented": capped, "pressure": capped,
+        "step": lambda c: replay.events_of(step(c).ledger)}[config.workload](config)
     if config.export:
         config.export.write_text(json.dumps(replay.export_events(ev)), encoding="utf-8")
     runs = []
     for name, options in settings(config):
         capacity = config.total_bytes
-        if config.workload == "fragmented" and not config.ledger:
+        if config.workload in CAPPED and not config.ledger:
             options = replace(options, memory_fraction=config.cap_mb * MiB / capacity)
         r = simulate(ev, options, capacity, workspaces=config.workload == "step")
         runs.append(Run(name, r, oom_reader.read_oom(str(r.oom)) if r.oom else None))
@@ -199,12 +204,12 @@ def per_iteration(ev: Events, runs: list[Run]) -> list[dict]:
 def measure_on_gpu(config: Config) -> dict:
     """The same workload on a real GPU, each allocator setting in a fresh process (Lab 12's, Lab 13's)."""
     if config.workload == "changing-batch":
-        runs = [scenarios.in_fresh_process("changing_batch", None if name == "default" else name, iters=config.iters)
-                for name, _ in settings(config)]
+        runs = [scenarios.in_fresh_process("changing_batch", None if name == "default" else name, iters=config.iters,
+                                           layers=config.layers) for name, _ in settings(config)]
         return {"runs": runs}
-    if config.workload == "fragmented":
+    if config.workload in CAPPED:
         return {"runs": [scenarios.in_fresh_process("out_of_memory", None if name == "default" else name,
-                                                    pattern="fragmented", cap_mb=config.cap_mb)
+                                                    pattern=config.workload, cap_mb=config.cap_mb)
                          for name, _ in settings(config)]}
     lab13 = labs.load(13)
     traced_step = step(config)
@@ -245,11 +250,17 @@ def as_lab12(result: Result) -> list[dict]:
                         for it in result.iterations if r.setting in it] or
                        [{"allocated": rp.peak_allocated, "reserved": rp.peak_reserved}],
                "pattern": result.config.workload, "oom": rp.oom is not None, "message": str(rp.oom) if rp.oom else None,
-               "allocated": rp.oom.numbers["allocated"] if rp.oom else rp.allocator.allocated}
+               "allocated": rp.oom.numbers["allocated"] if rp.oom else last_allocated(rp)}
         if r.oom_reading:
             row["reading"], row["levers"] = r.oom_reading, oom_reader.next_levers(r.oom_reading["values"])
         out.append(row)
     return out
+
+
+def last_allocated(rp: Replay) -> int:
+    """What was allocated after the workload's last allocation (before it let go of everything)."""
+    grew = [i for i in range(1, len(rp.allocated)) if rp.allocated[i] > rp.allocated[i - 1]]
+    return rp.allocated[grew[-1]] if grew else 0
 
 
 def runs_table(result: Result) -> Table:
