@@ -49,7 +49,7 @@ def run(config: Config) -> dict:
         seconds, r = [], None
         for _ in range(config.repeats):
             t = time.perf_counter()
-            r = lab16.simulate(ev, conf.parse(setting), capacity=None, workspaces=True)
+            r = lab16.simulate(ev, conf.parse(setting), capacity=None, workspaces=2, repeat=2)
             seconds.append(time.perf_counter() - t)
         name = setting or "default"
         cases[name] = {"seconds": sorted(seconds)[len(seconds) // 2], "runs": seconds, "events": len(ev.events),

@@ -259,9 +259,14 @@ class Trace:
     def per_rank_peak_bytes(self) -> int:
         return self.derived["peak"]["total"]
 
+    @cached_property
+    def reserved(self) -> dict:
+        """The step in reserved bytes, the CUDA context added (Lab 16's model of the caching allocator)."""
+        return labs.load(16).reserved(self)
+
     @property
     def fits(self) -> bool:
-        return self.per_rank_peak_bytes <= GPUS[self.config.gpu].capacity_bytes
+        return self.reserved["need_bytes"] <= GPUS[self.config.gpu].total_bytes
 
 
 @dataclass

@@ -54,7 +54,10 @@ class Options:
     memory_fraction: float = 1.0  # set_per_process_memory_fraction: the allocator's own cap
 
 
-def round_size(size: int, o: Options = Options()) -> int:
+DEFAULTS = Options()  # what PyTorch does when PYTORCH_ALLOC_CONF is not set
+
+
+def round_size(size: int, o: Options = DEFAULTS) -> int:
     """L2823-2834: at least 512 B; a multiple of 512 B, or of a power-of-two division (L2803)."""
     if size < MIN_BLOCK:
         return MIN_BLOCK
@@ -68,7 +71,7 @@ def round_size(size: int, o: Options = Options()) -> int:
     return -(-size // MIN_BLOCK) * MIN_BLOCK
 
 
-def segment_size(size: int, o: Options = Options()) -> int:
+def segment_size(size: int, o: Options = DEFAULTS) -> int:
     """L3433-3441: the cudaMalloc a rounded request needs when no cached block fits it."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
@@ -142,7 +145,7 @@ class FreeBlocks:
 class CachingAllocator:
     """The caching allocator of one GPU. ``malloc``/``free``/``record_stream``/``empty_cache``."""
 
-    def __init__(self, options: Options = Options(), capacity: int | None = None, outside: int = 0) -> None:
+    def __init__(self, options: Options = DEFAULTS, capacity: int | None = None, outside: int = 0) -> None:
         self.o, self.capacity, self.outside = options, capacity, outside
         self.pools = {True: FreeBlocks(), False: FreeBlocks()}  # small, large
         self.unmapped: dict[tuple[bool, str], list] = {}  # expandable: unmapped ranges by address

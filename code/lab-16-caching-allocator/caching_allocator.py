@@ -31,7 +31,7 @@ from typing import Literal
 
 import alloc_conf
 import replay
-from allocator_model import GiB, KiB, MiB, Options, format_size, round_size, segment_size
+from allocator_model import DEFAULTS, GiB, KiB, MiB, Options, format_size, round_size, segment_size
 from labkit import cli, fake, labs, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.ledger import Ledger
@@ -90,13 +90,26 @@ def step(config: Config):
     return lab13.trace(lab13.Config(**fields, gpu=config.gpu, levers="none"))
 
 
-def simulate(ev: Events, options: Options, capacity: int | None, workspaces: bool = False) -> Replay:
-    """The events through the model: the GPU's ``capacity`` less the CUDA context; before a step,
-    cuBLAS's two workspaces, as its first matmuls take them."""
-    first = [CUBLAS_WORKSPACE, CUBLAS_WORKSPACE] if workspaces else []
-    return replay.replay(ev, options, capacity, outside=CUDA_CONTEXT if capacity else 0, repeat=2 if workspaces else 1,
-                         extra=first)
+def simulate(ev: Events, options: Options, capacity: int | None, workspaces: int = 0, repeat: int = 1) -> Replay:
+    """The events through the model: the GPU's ``capacity`` less the CUDA context; first, cuBLAS's
+    ``workspaces`` (one per handle: a training step has two), as its first matmuls take them."""
+    return replay.replay(ev, options, capacity, outside=CUDA_CONTEXT if capacity else 0, repeat=repeat,
+                         extra=[CUBLAS_WORKSPACE] * workspaces)
 # --8<-- [end:workloads]
+
+
+# --8<-- [start:verdict]
+def reserved(trace, options: Options = DEFAULTS) -> dict:
+    """A Lab 13 trace in reserved bytes, for its verdict: the step replayed twice (the second meets the
+    cache the first left) with PyTorch's default allocator, plus what Lab 13 derives beside the trace
+    (a KV cache, DDP's buckets), plus the CUDA context: what the GPU's total must hold."""
+    train = trace.config.task == "train"
+    r = simulate(replay.events_of(trace.ledger), options, None, workspaces=2 if train else 1, repeat=2 if train else 1)
+    derived = trace.per_rank_peak_bytes - r.peak_traced  # Lab 13's derived additions (or removals, offload)
+    return {"traced_bytes": r.peak_traced, "allocated_bytes": r.peak_allocated, "reserved_bytes": r.peak_reserved,
+            "derived_bytes": derived, "cuda_context_bytes": CUDA_CONTEXT, "by_stream": r.by_stream,
+            "need_bytes": r.peak_reserved + derived + CUDA_CONTEXT}
+# --8<-- [end:verdict]
 
 
 # ----------------------------------------------------------------------------- the configuration
@@ -176,7 +189,8 @@ def run(config: Config) -> Result:
         capacity = config.total_bytes
         if config.workload in CAPPED and not config.ledger:
             options = replace(options, memory_fraction=config.cap_mb * MiB / capacity)
-        r = simulate(ev, options, capacity, workspaces=config.workload == "step")
+        step_ = config.workload == "step"
+        r = simulate(ev, options, capacity, workspaces=2 if step_ else 0, repeat=2 if step_ else 1)
         runs.append(Run(name, r, oom_reader.read_oom(str(r.oom)) if r.oom else None))
     result = Result(config, max(runs[0].replay.traced, default=0), runs, time.perf_counter() - t0,
                     iterations=per_iteration(ev, runs) if config.workload == "changing-batch" else [])

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.config import UsageError
-from allocator_model import CachingAllocator, Options, OutOfMemory
+from allocator_model import DEFAULTS, CachingAllocator, Options, OutOfMemory
 
 FORMAT = "infralab-ledger/1"
 DEFAULT = "default"  # the stream a storage without a stream mark was allocated on
@@ -92,7 +92,7 @@ class Replay:
                  for b in run] for run in self.allocator.blocks()]
 
 
-def replay(ev: Events, options: Options = Options(), capacity: int | None = None, outside: int = 0,
+def replay(ev: Events, options: Options = DEFAULTS, capacity: int | None = None, outside: int = 0,
            repeat: int = 1, sync: str = "malloc", until: int | None = None, extra: list[int] = ()) -> Replay:
     """Replay ``ev`` through a fresh allocator; ``repeat`` runs the step (from the first phase on)
     that many times, its storages new each time; ``until``: stop after that many events; ``extra``:

@@ -111,7 +111,7 @@ def check(p: Published, keep: bool = False) -> dict:
     lab13, lab16 = labs.load(13), labs.load(16)
     trace = lab13.trace(lab13.Config(**p.step, levers="none"), strategy=p.strategy)
     ev = labs.load(16, "replay").events_of(trace.ledger)
-    r = lab16.simulate(ev, alloc_conf.parse(p.alloc_conf), capacity=None, workspaces=True)
+    r = lab16.simulate(ev, alloc_conf.parse(p.alloc_conf), capacity=None, workspaces=2, repeat=2)
     predicted = {"reserved": r.peak_reserved, "allocated": r.peak_allocated, "active": r.peak_allocated,
                  "nvidia-smi": r.peak_reserved + lab16.CUDA_CONTEXT}[p.measures]
     published = p.gib * GiB

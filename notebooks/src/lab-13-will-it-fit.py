@@ -11,7 +11,8 @@
 # CUDA caching allocator's 512-byte blocks. Nothing is allocated, so a 70B step traces on this
 # laptop. The trace takes CPU dispatch (CPU autocast, CPU flash attention; `labkit/fake.py` says
 # where that differs from CUDA) and does not see the CUDA context, cuBLAS workspaces, NCCL buffers
-# or fragmentation: `fit_gpus.py` deducts an assumed allowance for those from each GPU.
+# or fragmentation: Lab 16 replays the trace through its model of the caching allocator, and the
+# verdict holds the reserved bytes (simulated) plus the CUDA context against the GPU's total.
 #
 # What to look for:
 #
@@ -164,6 +165,7 @@ notebook.publish(
     activations_less_casts_8b=d8["category_max"]["activations"] - d8["weight_casts"]["at_activations_max"],
     activations_formula_8b=summary8b["predicted"]["activations"],
     activations_fp32_8b=fp32_8b.derived["category_max"]["activations"], zoo_rows=len(traced),
-    capacity_h100=summary8b["capacity_bytes"],
+    capacity_h100=summary8b["capacity_bytes"], reserved_8b=summary8b["reserved"]["reserved_bytes"],
+    total_h100=summary8b["gpu_detail"]["total_bytes"],
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
