@@ -34,6 +34,8 @@ from labkit.config import LabConfig, UsageError, option
 from labkit.table import Table
 from oom_reader import CLAUSES, next_levers, read_oom
 
+lab16 = labs.load(16)  # on a CPU: the same experiments, simulated by Lab 16's model of the allocator
+
 MiB = 2**20
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
@@ -149,7 +151,6 @@ def fragmentation(iters: int, layers: int) -> list[dict]:
 def simulated(iters: int, layers: int, cap_mb: int) -> tuple[list[dict], list[dict]]:
     """On a CPU: :func:`fragmentation` and :func:`oom_experiments` through Lab 16's model of the caching
     allocator (simulated): each workload traced on fake tensors, replayed with each setting."""
-    lab16 = labs.load(16)
     batch = lab16.as_lab12(lab16.run(lab16.Config(device="cpu", iters=iters, layers=layers)))
     runs = [r for pattern in ("pressure", "fragmented")
             for r in lab16.as_lab12(lab16.run(lab16.Config(device="cpu", workload=pattern, cap_mb=cap_mb)))]

@@ -55,6 +55,7 @@ lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
+lab16 = labs.load(16, "reserved_bytes")  # reserved: the step in reserved bytes, simulated
 TrainingRun = labs.load(1, "fit_inputs").TrainingRun  # --batch ... --offload, shared with the calculator
 
 
@@ -262,7 +263,7 @@ class Trace:
     @cached_property
     def reserved(self) -> dict:
         """The step in reserved bytes, the CUDA context added (Lab 16's model of the caching allocator)."""
-        return labs.load(16).reserved(self)
+        return lab16.reserved(self)
 
     @property
     def fits(self) -> bool:

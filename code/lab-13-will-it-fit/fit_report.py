@@ -14,6 +14,8 @@ from fit_gap import DEVICE_CATEGORIES, WEIGHT_CASTS, predicted, reasons
 from fit_gpus import ALLOCATOR_HEADROOM, CUDA_CONTEXT_BYTES, CUDA_CONTEXT_SOURCE, GPUS, HEADROOM_SOURCE
 from labkit import labs
 
+lab16 = labs.load(16, "reserved_bytes")  # the CUDA context, and where its size comes from
+
 TRACED_ON = ("traced on fake tensors (labkit.fake): every storage of the step counted and rounded to the CUDA "
              "allocator's 512-byte blocks, nothing allocated; CPU dispatch (CPU autocast, CPU flash attention); not "
              "in the trace: CUDA context, cuBLAS workspaces, NCCL buffers, allocator fragmentation (the verdict adds "
@@ -87,7 +89,7 @@ def gpu_table(result) -> Table:
     rows = [[f"{g.name}: stated {g.stated}", None, "cited", g.datasheet],
             ["total the driver reports (NVML)", g.total_bytes, "assumed", g.total_source],
             ["the CUDA context, outside the allocator", r["cuda_context_bytes"], "cited",
-             labs.load(16).CUDA_CONTEXT_SOURCE],
+             lab16.CUDA_CONTEXT_SOURCE],
             ["the step's reserved peak (Lab 16's model of the caching allocator)", r["reserved_bytes"], "simulated",
              "the trace replayed, two steps, cuBLAS's workspaces first"],
             ["of which live tensors at the peak", t.per_rank_peak_bytes, "traced", "this trace"]]

@@ -105,7 +105,7 @@ ax.plot(x, [v / 2**30 for v in r.reserved], label="simulated: reserved (allocato
         color=plot.CATEGORY_COLORS["parameters"])
 ax.axhline(titan["published_bytes"] / 2**30, ls="--", color=plot.CATEGORY_COLORS["temporaries"],
            label="published: torchtitan's max reserved")
-ax.set(xlabel="allocator events (two steps)", ylabel="GiB")
+ax.set(xlabel="allocator events (two steps)", ylabel="GiB", ylim=(0, titan["published_bytes"] / 2**30 * 1.15))
 ax.legend(loc="lower right", fontsize=8)
 pools = Table(["pool (stream)", ("reserved", "bytes")], [[k, v] for k, v in sorted(r.by_stream.items())], unit="GiB")
 display(pools)
