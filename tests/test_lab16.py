@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
 from labkit import fake, marks
 from labkit.ledger import Ledger
@@ -277,29 +277,38 @@ def test_the_default_run_prints_both_allocators():
     assert [row["iteration"] for row in out["iterations"]] == [0, 1, 2, 3]
 
 
+@pytest.fixture(scope="module")
+def lab16():
+    return load_lab(16)
+
+
 @pytest.mark.parametrize(("args", "says"), [
-    (["--alloc-conf", "garbage_collection_threshold:0.5"], "contradicts itself"),
     (["--alloc-conf", "max_split_size_mb:8"], "max_split_size_mb too small"),
     (["--alloc-conf", "expandable_segments:True,expandable_segments:False"], "given twice"),
     (["--alloc-conf", "no_such_key:1"], "unrecognized key"),
     (["--capacity", "1MiB"], "not one 2 MiB segment"),
     (["--workload", "fragmented", "--capacity", "1GiB"], "--cap-mb 1024 is more than"),
 ])
-def test_bad_allocator_options_are_one_line(args, says):
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", *args), says)
+def test_bad_allocator_options_are_one_line(lab16, capsys, args, says):
+    assert_usage_error_in_process(lab16, ["--device", "cpu", *args], capsys, says)
 
 
-def test_a_file_that_is_not_a_ledger_is_one_line(tmp_path):
+def test_a_contradictory_setting_is_one_line_from_the_shell():
+    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--alloc-conf", "garbage_collection_threshold:0.5"),
+                             "contradicts itself")
+
+
+def test_a_file_that_is_not_a_ledger_is_one_line(lab16, capsys, tmp_path):
     bad = tmp_path / "not-a-ledger.json"
     bad.write_text(json.dumps({"events": []}), encoding="utf-8")
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--ledger", str(bad)), "not a ledger file")
+    assert_usage_error_in_process(lab16, ["--device", "cpu", "--ledger", str(bad)], capsys, "not a ledger file")
     worse = tmp_path / "binary.json"
     worse.write_bytes(b"\x80\x81not json")
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--ledger", str(worse)), "not a ledger file")
+    assert_usage_error_in_process(lab16, ["--device", "cpu", "--ledger", str(worse)], capsys, "not a ledger file")
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"format": "infralab-ledger/1", "storages": {}, "events": [["alloc", 3, 10]],
                                   "first_phase": 0, "boundaries": [], "initial": []}), encoding="utf-8")
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--ledger", str(broken)), "not a valid one")
+    assert_usage_error_in_process(lab16, ["--device", "cpu", "--ledger", str(broken)], capsys, "not a valid one")
 
 
 @pytest.mark.cuda
