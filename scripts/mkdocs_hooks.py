@@ -13,7 +13,12 @@
   ``<!-- infralab:provenance lab-NN -->`` (where they were measured) and, inside a sentence,
   ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
   ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
-  fails the build. Every value is escaped: nothing in a results file becomes HTML.
+  fails the build. A kind ending in ``~``
+  (``bytes~``, ``GB~``, ``int~``, ``pct~``, ``x~``, ``float~``) is the number as a person says it:
+  two significant figures ("about 150 GiB"), for the interview answers said out loud, whose exact
+  figure follows in their collapsible follow-up. Every value is escaped (``labkit.table.escape``):
+  nothing in a results file becomes HTML or Markdown (a link, an image, an attribute list): it shows
+  as the text it is.
 * A list of records (one dict per size, stage or mode a run covered) is looked up by a field, never
   by position: ``sets[params=12905472]``, ``stages[stage=3]``, ``modes[mode=layerwise]``. A re-run
   with other sizes then fails the build with the key it lacks and the keys it has, where a position
@@ -32,6 +37,7 @@
   ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` (the handbook's map: each part's
   questions, the chapter that answers each, and its labs) or ``<!-- infralab:interview -->`` gets that
   table or section built from the lab pages' front matter, ``extra.catalogue`` and ``extra.reading_order``;
+  ``<!-- infralab:fit_legend -->`` the legend of the calculator's formula code (``results/fit/calculator.json``);
   ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import posixpath
 import re
@@ -229,6 +236,9 @@ def render_placeholder(name: str, page_src: str, config) -> str:
         return "\n".join(out).rstrip("\n")
     if name == "performance":
         return render_performance(page_src)
+    if name == "fit_legend":  # every name in the formula code fit.md quotes, as scripts/fit_table.py explains it
+        rows = [[r["name"], r["means"], r["value"]] for r in results("fit/calculator")["legend"]]
+        return Table([("name", "code"), ("what it is", "text"), ("value", "text")], rows).markdown()
     if name == "interview":
         parts = []
         for src, m in labs:
@@ -406,7 +416,7 @@ def render_performance(page_src: str) -> str:
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
 REF = r"[A-Za-z][\w-]*:(?:[\w.-]|\[[^\]\s]+\])+"  # file:path, a path step may select a record: key[field=value]
 VALUE = re.compile(r"\{\{\s*(?P<expr>(?:[-+*/()\s]|\d[\d.eE+-]*)*" + REF + r"(?:[^{}|]*?))\s*"
-                   r"(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+                   r"(?:\|\s*(?P<kind>[\w:+~]+)\s*)?\}\}")
 TOKEN = re.compile(r"\s*(?:(?P<ref>" + REF + r")|(?P<num>\d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?)|(?P<op>[-+*/()]))")
 STEP = re.compile(r"^(?P<key>[\w-]+)(?:\[(?P<field>[\w-]+)=(?P<value>[^\]]+)\])?$")
 
@@ -505,11 +515,44 @@ def _evaluate(expr: str, page_src: str):
         raise PluginError(f"{page_src}: {{{{ {expr} }}}} divides by zero with the published values") from None
 
 
+SPOKEN_BYTES = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+SPOKEN = {"GB": (" GB", 10**9), "int": ("", 1), "float": ("", 1), "pct": (" %", 0.01), "x": (" times", 1)}
+
+
+def spoken(value, kind: str) -> str:
+    """A number as a person says it out loud: two significant figures (``bytes~1``: one; a whole
+    number of KiB, MiB, ... below 1,000 as it is), with "about" when rounding changed it. ``bytes~``: the largest binary unit it reaches ("about 150 GiB");
+    ``GB~``: decimal gigabytes; ``int~``, ``float~``: a plain number; ``pct~``: a fraction as a
+    percentage; ``x~``: a ratio ("about 3 times")."""
+    name, _, figures = kind.partition("~")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        raise ValueError(f"a spoken kind ({kind}) needs a number other than 0, got {value!r}")
+    if name == "bytes":
+        unit, size = next(((f" {u}", s) for u, s in SPOKEN_BYTES if abs(value) >= s), (" bytes", 1))
+    elif name in SPOKEN:
+        unit, size = SPOKEN[name]
+    else:
+        raise ValueError(f"unknown spoken kind {kind!r} (bytes~, GB~, int~, float~, pct~, x~)")
+    exact = value / size
+    decimals = int(figures or 2) - 1 - math.floor(math.log10(abs(exact)))
+    if name == "bytes" and exact == int(exact) and abs(exact) < 1000:
+        decimals = 0  # a whole number of its unit is said as it is: "128 KiB", not "about 130 KiB"
+    said = round(exact, decimals)
+    text = f"{said:,.{max(decimals, 0)}f}"
+    text = text.rstrip("0").rstrip(".") if "." in text else text
+    return ("" if math.isclose(said, exact, rel_tol=1e-12) else "about ") + text + unit
+
+
 def render_value(m: re.Match, page_src: str) -> str:
     value = _evaluate(m.group("expr").strip(), page_src)
     if isinstance(value, (dict, list)):
         raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
     kind = m.group("kind") or "text"
+    if "~" in kind:
+        try:
+            return spoken(value, kind)
+        except ValueError as err:
+            raise PluginError(f"{page_src}: {m.group(0)}: {err}") from None
     return Table([("", kind)], [[value]]).cell(value, kind)  # a table of one: bytes in the value's own unit
 
 

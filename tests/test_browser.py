@@ -335,7 +335,7 @@ def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site
     assert reveal.get_attribute("aria-expanded") == "false"
 
     first = int(panel.get_attribute("data-il-drill-index"))
-    summary = questions.nth(first).locator("summary").inner_text().strip()
+    summary = questions.nth(first).locator(":scope > summary").inner_text().strip()
     assert page.locator(".il-drill__question").inner_text().strip() == summary
     assert "Question 1 of" in page.locator(".il-drill__status").inner_text()
     page.keyboard.press(" ")
@@ -343,6 +343,9 @@ def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site
     expected = questions.nth(first).evaluate(
         "d => [...d.children].filter(c => c.tagName !== 'SUMMARY').map(c => c.textContent).join(' ')")
     assert shown and shown.split()[:8] == expected.split()[:8], (shown[:80], expected[:80])
+    follow_up = answer.locator("details")  # the spoken answer first; its exact figures behind a closed follow-up
+    assert follow_up.count() == 1 and follow_up.get_attribute("open") is None, follow_up.count()
+    assert follow_up.locator("summary").inner_text().startswith("Follow-up")
     assert page.get_by_role("button", name="Hide the answer").get_attribute("aria-expanded") == "true"
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the drill scrolls sideways by {overflow}px on a phone"
@@ -593,6 +596,35 @@ def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
     page.evaluate("q => InfraLabFit.load(q)", "")
     assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
     assert not watch.errors
+    ctx.close()
+
+
+def test_fit_page_puts_the_calculator_first_and_its_code_behind_a_legend(browser, server):
+    """The inputs and the verdict come before any prose section; the formula code is in one collapsed block,
+    closed on load, whose legend names every name that code uses (S.c, x.seq, ROW, ceil_div: the names
+    scripts/fit_table.py finds in the code as the page shows it); the precision choice "bf16" says it is
+    pure bf16, with no fp32 master."""
+    from test_fit_formula import table_script
+
+    ctx, page, watch = open_fit(browser, server)
+    first = page.evaluate("""() => { const fit = document.getElementById('fit'), h2 = document.querySelector('article h2');
+        return !!(fit.compareDocumentPosition(h2) & Node.DOCUMENT_POSITION_FOLLOWING); }""")
+    assert first, "the calculator comes before the page's first section"
+    block = page.locator("article details", has=page.locator("summary", has_text="How the formulas are written"))
+    assert block.count() == 1 and block.evaluate("d => d.open") is False
+    assert not block.locator("pre").first.is_visible() and not block.locator("table").is_visible()
+    codes = block.locator("pre code").evaluate_all("els => els.map(e => e.textContent)")
+    assert len(codes) == 4, len(codes)
+    used = set(table_script().names_used("\n".join(codes)))
+    named = set(block.locator("table tbody tr td:first-child").evaluate_all("tds => tds.map(t => t.textContent.trim())"))
+    assert {"S.c", "S.Pt", "ROW", "SLOT", "LSE", "ceil_div", "x.zero_stage"} <= used, used
+    assert used <= named, sorted(used - named)
+    block.locator("summary").click()
+    assert block.locator("table").is_visible()
+    option = page.locator("#fit-precision option[value=bf16]")
+    assert option.inner_text() == "pure bf16 (no fp32 master)"
+    assert "pure bf16 (no fp32 master)" in page.inner_text("#fit-hint-precision")
+    assert not watch.errors and not watch.outside
     ctx.close()
 
 

@@ -16,6 +16,7 @@ import torch
 from conftest import assert_usage_error_in_process, run_cli
 
 from labkit import fake, labs, zoo
+from labkit.table import format_bytes
 
 lab = labs.load(14)
 pk = labs.load(14, "paged_kv")
@@ -317,9 +318,10 @@ def test_a_pool_smaller_than_a_prompt_and_a_model_that_leaves_no_pool_are_refuse
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--pool-tokens", "100"], "smaller than one static region of --max-len 128"),
     (["--pool-tokens", "100", "--cache", "paged", "--block-size", "128"], "smaller than one block (--block-size 128)"),
-    (["--fake", "--model", "llama-3-8b", "--cache", "paged", "--pool-tokens", "100000000000"], "keeps the books of"),
-    (["--fake", "--seq-len", "1000000000"], "more than small-llama's context of 128 tokens"),
-    (["--non-torch-gib", "1e308"], "--non-torch-gib must be in [0, 1024]")])
+    (["--fake", "--cache", "paged"], "keeps the books of"),  # a toy model's pool on an 80 GB card
+    (["--fake", "--seq-len", "1000"], "more than small-llama's context of 128 tokens"),
+    (["--pool-tokens", "100000000000"], "--pool-tokens must be in [1, 16,777,216]"),
+    (["--non-torch-gib", "1e308"], "--non-torch-gib must be in [0, 1,024]")])
 def test_a_pool_no_cache_can_use_and_sizes_past_any_gpu_are_one_line(capsys, argv, fragment):
     for cache in ("all", "static") if "static" in fragment else (None,):
         extra = ["--cache", cache] if cache else []
@@ -329,7 +331,10 @@ def test_a_pool_no_cache_can_use_and_sizes_past_any_gpu_are_one_line(capsys, arg
 @pytest.mark.parametrize(("kwargs", "fragment"), [
     (dict(prompt_lens=(9, 3)), "MIN <= MAX"), (dict(output_lens=(1, 2, 3)), "MIN,MAX"),
     (dict(model="small-gpt"), "Llama-family"), (dict(model="llama-3-8b", tp=3), "--tp 3"),
-    (dict(model="nope"), "unknown model"), (dict(system_prompt=4, trace="t.jsonl"), "--system-prompt")])
+    (dict(model="nope"), "unknown model"), (dict(system_prompt=4, trace=__file__), "--system-prompt"),
+    (dict(budget_model="small-gpt"), "--budget-model small-gpt"), (dict(budget_model="nope"), "unknown model"),
+    (dict(model="llama-3-8b", fake=True, budget_model="llama-3-70b"), "leave --budget-model out"),
+    (dict(seq_len=8193), "more than llama-3-8b's context of 8,192")])
 def test_config_rules(kwargs, fragment):
     with pytest.raises(lab.UsageError, match=fragment):
         lab.Config(**kwargs)
@@ -345,9 +350,31 @@ def test_the_command_line_prints_the_issues_json_keys():
     for metrics in out["caches"].values():
         assert {"utilization", "waste_fraction", "max_concurrent", "preemptions"} <= set(metrics)
     assert out["identical_tokens"] is True
+    assert out["model"] == "small-llama" and out["budget_model"] == out["budget"]["model"] == "llama-3-8b"
 
 
 # ---------------------------------------------------------------------- the serving budget at real size
+def test_the_default_run_ends_on_a_real_models_traced_budget_on_an_h100(capsys, monkeypatch):
+    """The default command serves the toy, then ends on Llama-3-8B's serving budget on one H100 (traced
+    on fake tensors, not the toy's), with the numbers serving_budget.plan computes, in 100 columns."""
+    from labkit import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    cli.main(lab.Config, lab.run, report.report, ["--device", "cpu"], prog="serve_memory.py")
+    lines = capsys.readouterr().out.splitlines()
+    b = budget.plan(zoo.get("llama-3-8b"), gpu="h100-80gb", seq_len=8192)
+    assert lab.Config().budget_spec().name == "llama-3-8b" and b.max_tokens_in_flight > 400_000
+    last = " ".join(line.strip() for line in lines[max(i for i, x in enumerate(lines) if x.startswith("[")) + 1:])
+    assert last == (f"llama-3-8b on one h100-80gb, traced: {b.max_tokens_in_flight:,} tokens in flight, "
+                    f"{b.sequences(8192):,} requests of 8,192 tokens at once") == report.budget_line(b)
+    head = next(i for i, x in enumerate(lines) if x.startswith("Serving budget of llama-3-8b"))
+    assert "traced at real size on fake tensors" in " ".join(lines[head:head + 3])
+    table = "\n".join(lines[head:])
+    for n in (b.usable_bytes, b.weights_bytes, b.prefill_peak_bytes, b.kv_pool_bytes):
+        assert format_bytes(n, "GiB") in table, n
+    assert max(len(line) for line in lines) <= 100
+
+
 def test_bytes_per_token_come_from_the_config():
     for name in ("llama-3-8b", "llama-3-70b"):
         spec = zoo.get(name)

@@ -574,15 +574,32 @@ def test_pytorch_reference_links_are_pinned_to_the_pinned_torch():
     assert not loose, loose
 
 
+FOLLOW_UP = '??? info "Follow-up'
+
+
+def lines_read(text: str) -> int:
+    """Source lines a reader reads in one sitting: all but those of the collapsed follow-ups under the
+    interview answers (the exact figures behind a spoken answer, opened when asked "how do you know?")."""
+    count, inside = 0, None
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if inside is not None and (not line.strip() or indent > inside):
+            continue
+        inside = indent if line.lstrip().startswith(FOLLOW_UP) else None
+        count += inside is None
+    return count
+
+
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
 def test_lab_page_stays_readable_in_one_sitting(page):
-    """A lab page is 250–360 source lines: a longer one repeats what its chapter, another lab or a
-    table says (state it once and link), or carries a second lesson (give it an extra page, as Lab
-    11's sharded inference has). What a reader sees is measured on the built page by
-    tests/test_lab_pages.py; the source also holds the collapsed blocks (toy tables, provenance,
-    derivations), which this bound keeps from growing without end."""
-    lines = len(page.read_text(encoding="utf-8").splitlines())
+    """A lab page is 250–360 source lines, its interview answers' collapsed follow-ups aside: a longer
+    one repeats what its chapter, another lab or a table says (state it once and link), or carries a
+    second lesson (give it an extra page, as Lab 11's sharded inference has). What a reader sees is
+    measured on the built page by tests/test_lab_pages.py; the source also holds the collapsed blocks
+    (toy tables, provenance, derivations), which this bound keeps from growing without end."""
+    lines = lines_read(page.read_text(encoding="utf-8"))
     assert 250 <= lines <= 360, f"{page.name}: {lines} lines"
+    assert lines_read('a\n??? info "Follow-up: x"\n    b\n\n    c\nd\n') == 2
 
 
 def test_a_cpu_run_points_at_the_one_cpu_note_and_a_gpu_run_does_not(tmp_path, monkeypatch):
