@@ -30,9 +30,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-#: the copy the line numbers (``L1599``) were read in; the rules are the v2.13.0 tag's, its lines may differ by a few
-SOURCE = ("https://github.com/pytorch/pytorch/blob/0919d01f216cbda88a9488b30075c674df16ff49/"
-          "c10/cuda/CUDACachingAllocator.cpp")
+SOURCE = "https://github.com/pytorch/pytorch/blob/v2.13.0/c10/cuda/CUDACachingAllocator.cpp"
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 # --8<-- [start:sizes]
