@@ -38,6 +38,8 @@ SERVE = ("serve",)
 SERVING_LEVERS = (
     Lever("fp8 KV cache", "kv", "numerics: keys and values as scaled 8-bit floats (Lab 14 measures the error)", SERVE,
           None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None),
+    Lever("int4 weights", "weights", "numerics: 4-bit weights in groups of 128 (AWQ); their accuracy is the model's "
+          "to check", SERVE, None, lambda c: {"weights": "int4-awq"} if c.weights in ("bf16", "fp8", "int8") else None),
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
@@ -56,7 +58,8 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
-             "chunked prefill": 14, "tensor parallelism x2": 14}
+             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
+SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
 @dataclass
@@ -75,13 +78,14 @@ class Config:
 def verdict(x: Inputs, gpu: str) -> dict:
     """Fit or not on ``gpu``: a step against Lab 13's usable bytes (NVML total less the CUDA context,
     less the allocator's headroom); a server's weights, prefill peak and KV blocks against
-    ``gpu_memory_utilization`` of the total less the CUDA context, and the KV pool that is left."""
+    ``gpu_memory_utilization`` of the total less Lab 14's non-torch growth (vLLM's budget: the CUDA
+    context stays outside it; CUDA graphs are Lab 14's, not the formula's), and the KV pool that is left."""
     g, (moment, cats) = lab13_gpus.GPUS[gpu], lab01_fit.peak(x)
     total = sum(e.value for e in cats.values())
     out = {"moment": moment, "total": total}
     if x.task != "serve":
         return out | {"capacity": g.capacity_bytes, "fits": total <= g.capacity_bytes}
-    usable = int(x.gpu_memory_utilization * g.total_bytes) - lab13_gpus.CUDA_CONTEXT_BYTES
+    usable = int(x.gpu_memory_utilization * g.total_bytes) - SERVE_NON_TORCH
     pool = usable - cats["parameters"].value - cats["activations"].value
     S = lab01_fit.symbols(x, lab01_fit.sizes(x))
     per_block = x.block_size * lab01_fit.kv_per_token(S, lab01_fit.KV_DTYPES[x.kv_dtype][1]).value
@@ -143,7 +147,8 @@ def clis() -> dict:
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
     train = {f.name for f in fields(lab13)} - {"device", "seed", "levers"}
-    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "kv_dtype", "seq_len", "prefill_chunk", "block_size"}
+    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
+             "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
             "serve": {"script": "code/lab-14-serving-memory/serve_memory.py", "fixed": ["--fake"],
                       "flags": flags(lab14, serve), "gpus": _choices(lab14, "gpu")}}
@@ -172,7 +177,8 @@ def command(x: Inputs, gpu: str) -> list:
         if x.context > zoo.get(x.model).context:  # serve_memory.py refuses it, as vLLM refuses a max_model_len past it
             return [None, f"{script} serves at most {x.model}'s context of {zoo.get(x.model).context} tokens"]
         values = {"model": x.model, "gpu": gpu, "tp": x.tp, "gpu_memory_utilization": x.gpu_memory_utilization,
-                  "kv_dtype": x.kv_dtype, "block_size": x.block_size, "prefill_chunk": x.prefill_chunk,
+                  "weights": x.weights, "kv_dtype": x.kv_dtype, "block_size": x.block_size,
+                  "prefill_chunk": x.prefill_chunk,
                   "seq_len": None if x.context == zoo.get(x.model).context else x.context}
     else:
         if x.tp > 1:
@@ -241,8 +247,10 @@ def lab14_traced() -> list[dict]:
     out = []
     for row in table["rows"]:
         r = dict(zip(cols, row))
+        if r["model"] not in lab01_inputs.presets():  # latent attention (MLA): Lab 14 traces it, no formula does
+            continue
         x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"], context=r["context"],
-                   prefill_chunk=r["prefill chunk"])  # each row's prefill, whole or chunked, bf16
+                   prefill_chunk=r["prefill chunk"], weights=r["weights"])  # each row's prefill, whole or chunked
         out.append({"inputs": _fields(x), "bytes": r["weights / GPU"] + r["prefill peak"], "phase": "prefill",
                     "by_category": {"parameters": r["weights / GPU"], "activations": r["prefill peak"]},
                     "compared": ["parameters", "activations"],  # the KV pool is the budget's remainder
@@ -399,6 +407,7 @@ def calculator(traced: list[dict]) -> dict:
         "gpus": {n: {"stated": g.stated, "datasheet": g.datasheet, "total_bytes": g.total_bytes,
                      "capacity_bytes": g.capacity_bytes} for n, g in lab13_gpus.GPUS.items()},
         "cuda_context_bytes": lab13_gpus.CUDA_CONTEXT_BYTES, "allocator_headroom": lab13_gpus.ALLOCATOR_HEADROOM,
+        "serve_non_torch_bytes": SERVE_NON_TORCH,
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,

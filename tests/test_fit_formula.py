@@ -198,7 +198,7 @@ def test_peak_is_the_largest_moment_and_fused_adamw_drops_the_step_copy():
 
 
 @pytest.mark.parametrize(("model", "tp"), [("llama-3-8b", 1), ("llama-3-70b", 8), ("llama-3-70b", 16), ("mixtral-8x7b", 2)])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8", "fp32"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp8-per-token", "int8", "fp32"])
 def test_serving_rank_and_kv_per_token_are_lab14s(model, tp, kv_dtype):
     budget, paged = labs.load(14, "serving_budget"), labs.load(14, "paged_kv")
     rank = budget.per_gpu_spec(zoo.get(model), tp)
@@ -213,13 +213,16 @@ def test_serving_rank_and_kv_per_token_are_lab14s(model, tp, kv_dtype):
     ("llama-3-8b", 1, 8192, "bf16", 16), ("llama-3-8b", 1, 32768, "fp8", 32), ("llama-3-70b", 4, 8192, "bf16", 16)])
 def test_serving_pool_is_lab14s_budget(model, tp, context, kv_dtype, block_size):
     """The KV pool, its tokens and the requests it holds: Lab 14's ``Budget`` arithmetic (vLLM's), given
-    the same weights and prefill peak, on Lab 13's GPU table."""
+    the same weights and prefill peak and no CUDA graphs, on Lab 13's GPU table."""
     budget = labs.load(14, "serving_budget")
     x = Inputs(model=model, task="serve", tp=tp, context=context, kv_dtype=kv_dtype, block_size=block_size)
     cats, S = fit.estimate(x), fit.symbols(x, fit.sizes(x))
-    lab14 = budget.Budget(model, "h100-80gb", tp, 0.9, kv_dtype, context, None, block_size, budget.GPUS["h100-80gb"],
-                          cats["parameters"], cats["activations"], labs.load(13, "fit_gpus").CUDA_CONTEXT_BYTES,
-                          S.k.value, fit.kv_per_token(S, fit.KV_DTYPES[kv_dtype][1]).value)
+    lab14 = budget.Budget(
+        model=model, gpu="h100-80gb", tp=tp, utilization=0.9, weights="bf16", kv_dtype=kv_dtype, kv_layout="",
+        seq_len=context, chunk=None, block_size=block_size, gpu_bytes=budget.GPUS["h100-80gb"],
+        weights_bytes=cats["parameters"], prefill_peak_bytes=cats["activations"], non_torch_bytes=budget.NON_TORCH_BYTES,
+        cuda_graph_bytes=0, cuda_graphs=0, largest_graph=0, kv_heads_per_gpu=S.k.value,
+        kv_bytes_per_token=fit.kv_per_token(S, fit.KV_DTYPES[kv_dtype][1]).value)
     verdict = table_script().verdict(x, "h100-80gb")
     assert (verdict["pool"], verdict["pool_tokens"]) == (lab14.kv_pool_bytes, lab14.max_tokens_in_flight)
     assert verdict["pool_requests"] == lab14.sequences(context)
@@ -228,10 +231,23 @@ def test_serving_pool_is_lab14s_budget(model, tp, context, kv_dtype, block_size)
 def test_serving_budget_holds_the_requests_in_whole_blocks():
     x = Inputs(model="llama-3-8b", task="serve", context=1000, requests=3, block_size=16)
     assert fit.estimate(x)["kv_cache"] == 3 * 63 * 16 * (2 * 32 * 8 * 128 * 2)  # 1000 tokens -> 63 blocks
-    fp8 = dataclasses.replace(x, kv_dtype="fp8")  # a byte per element and an fp32 scale per KV head
-    assert fit.estimate(fp8)["kv_cache"] == 3 * 63 * 16 * 2 * 32 * 8 * (128 + 4)
+    fp8 = dataclasses.replace(x, kv_dtype="fp8")  # a byte per element (vLLM's scales: one per layer)
+    assert fit.estimate(fp8)["kv_cache"] == 3 * 63 * 16 * 2 * 32 * 8 * 128
+    per_token = dataclasses.replace(x, kv_dtype="fp8-per-token")  # and an fp32 scale per token and KV head
+    assert fit.estimate(per_token)["kv_cache"] == 3 * 63 * 16 * 2 * 32 * 8 * (128 + 4)
     verdict = table_script().verdict(x, "h100-80gb")
     assert verdict["fits"] and verdict["pool_requests"] == verdict["pool_tokens"] // (63 * 16)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int8", "int4-awq", "int4-gptq", "nvfp4"])
+@pytest.mark.parametrize(("model", "tp"), [("llama-3-8b", 1), ("llama-3-70b", 4), ("mixtral-8x7b", 2)])
+def test_served_weights_are_lab14s_count_of_each_formats_tensors(model, tp, weights):
+    """The formula's weights in each --weights format: Lab 14's count of the tensors the format stores for
+    every matrix (quantize.FORMATS), less the 512-byte rounding of the scales Lab 14 adds."""
+    budget = labs.load(14, "serving_budget")
+    x = Inputs(model=model, task="serve", tp=tp, weights=weights)
+    lab14 = budget.weight_bytes(zoo.get(model), tp=tp, weights=weights)
+    assert abs(fit.estimate(x)["parameters"] - lab14) < 1e-4 * lab14
 
 
 # ---------------------------------------------------------------- the results the page is checked against

@@ -32,7 +32,8 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
-KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
+KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 0),  # element, fp32 scale per
+             "fp8-per-token": (1, 4), "int8": (1, 4)}  # token and KV head (fp8's per-layer scales: a few bytes)
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
 INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
 # --8<-- [end:recipes]
@@ -46,7 +47,8 @@ SYMBOLS = {
     "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
-    "p": "prefill tokens at once",
+    "p": "prefill tokens at once", "Pq": "quantized matmul weights of one block (all but a router's)",
+    "nq": "quantized matrices of one block", "so": "their outputs, added up", "si": "their inputs, added up",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
 #: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
@@ -66,7 +68,9 @@ LEGEND = {
     "STEP_COUNTER": "bytes of AdamW's fp32 step count, per trainable tensor (Lab 01)",
     "ZERO_SHARDS": "the ZeRO stage from which each category is sharded (Lab 01)",
     "OPTIMIZERS": "each --optimizer choice's kind, as Lab 01 counts its state",
-    "KV_DTYPES": "each --kv-dtype: bytes of a cached element, and of its fp32 scale per KV head",
+    "KV_DTYPES": "each --kv-dtype: bytes of a cached element, and of its fp32 scale per token and KV head",
+    "weights": "the served weights: the blocks' matrices in --weights (Lab 14's quantize.FORMATS), the rest in w",
+    "x.weights": "--weights",
     "x.spec": "the model: the preset's dimensions, or the typed ones (a labkit.zoo ModelSpec)",
     "fsdp_mixed": "mixed precision under FSDP2 (ZeRO-2 and 3): bf16 gathers, fp32 reduction, no autocast",
     "sizes": "the counts a formula reads off the model and the step, for one rank",
@@ -123,11 +127,14 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
     new = min(x.prefill_chunk or x.context, x.context)
     r = c if fsdp_mixed(x) else r  # the bf16 weights make a bf16 residual stream
+    q, g, E = s.heads * s.head_dim, s.kv_heads * s.head_dim, max(s.experts, 1)  # the matrices --weights stores
+    quantized = dict(Pq=2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq=4 + 3 * E,
+                     so=q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si=3 * s.width + q + (2 * s.width + s.ffn) * E)
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new)
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, **quantized)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -312,12 +319,30 @@ def prefill(S) -> Expr:
     return alive + larger(8 * S.p * S.h, mlp) + read
 
 
+def weights(x: Inputs, S) -> Expr:
+    """Lab 14's ``--weights``: each block's matrices as their format stores them (``quantize.FORMATS``),
+    the embedding, head, norms and a router's weights in w bytes."""
+    if x.weights == "bf16":
+        return S.w * S.P
+    Q = S.L * S.Pq
+    rest = S.w * (S.P - Q)
+    if x.weights == "fp8":  # a byte a weight, an fp32 scale a matrix
+        return rest + Q + 4 * S.L * S.nq
+    if x.weights == "int8":  # a byte a weight, an fp32 scale an output
+        return rest + Q + 4 * S.L * S.so
+    if x.weights == "nvfp4":  # half a byte a weight, an fp8 scale per 16, two fp32 scales a matrix
+        return rest + ceil_div(Q, 2) + ceil_div(Q, 16) + 8 * S.L * S.nq
+    groups = ceil_div(Q, 128)  # int4: half a byte a weight; per group of 128 an fp16 scale and a 4-bit zero
+    int4 = rest + ceil_div(Q, 2) + 2 * groups + ceil_div(groups, 2)
+    return int4 + 4 * S.L * S.si if x.weights == "int4-gptq" else int4  # GPTQ: an int32 g_idx per input
+
+
 def inference(x: Inputs, S) -> dict[str, Expr]:
     """``infer``: Lab 13's prefill of batch x seq (every position's logits, the K and V of those
     tokens); ``serve``: Lab 14's budget (weights, a prefill's peak, the requests' KV blocks)."""
     if x.task == "serve":
         kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
-        return {"parameters": S.w * S.P, "activations": prefill(S), "kv_cache": kv}
+        return {"parameters": weights(x, S), "activations": prefill(S), "kv_cache": kv}
     work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
     if x.precision == "mixed" and not fsdp_mixed(x):  # autocast's cache of every weight's bf16 cast, until the forward ends
         work = S.c * (S.Pm + S.V * S.h) + work

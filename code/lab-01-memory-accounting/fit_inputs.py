@@ -25,8 +25,9 @@ CUSTOM = "custom"
 
 
 def presets() -> list[str]:
-    """The zoo's causal language models (the diffusion transformers take no tokens)."""
-    return [n for n in zoo.names() if zoo.get(n).family != "flux"]
+    """The zoo's causal language models (the diffusion transformers take no tokens; latent attention, MLA,
+    has no formula here: Lab 14 traces it)."""
+    return [n for n in zoo.names() if zoo.get(n).family not in ("flux", "deepseek")]
 
 
 @dataclass
@@ -93,8 +94,12 @@ class Inputs(TrainingRun, Subject):
                             min=0, max=MAX_WIDTH)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
     requests: int = option(32, "serve: requests in flight at once", min=1, max=MAX_BATCH)
-    kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
-        "bf16", "serve: how keys and values are stored (fp8, int8: with an fp32 scale per token and head)")
+    weights: Literal["bf16", "fp8", "int8", "int4-awq", "int4-gptq", "nvfp4"] = option(
+        "bf16", "serve: how the blocks' matrices are stored (Lab 14's quantize.py): int4 in groups of 128 with "
+        "fp16 scales and 4-bit zeros; int8 and fp8 with fp32 scales; nvfp4 with an fp8 scale per 16")
+    kv_dtype: Literal["bf16", "fp8", "fp8-per-head", "fp8-per-token", "int8", "fp32"] = option(
+        "bf16", "serve: how keys and values are stored (fp8: one scale per layer, vLLM's default; fp8-per-token, "
+        "int8: an fp32 scale per token and head)")
     block_size: int = option(16, "serve: tokens per KV block", min=1, max=MAX_TOKENS)
     gpu_memory_utilization: float = option(
         0.9, "serve: fraction of the GPU the engine may use (0.1 or more: less leaves a 24 GB card no more than its "
@@ -127,6 +132,8 @@ class Inputs(TrainingRun, Subject):
             self.spec().param_count()
         except ValueError as err:  # a GPT preset whose dimensions are no longer a GPT block's
             raise UsageError(f"--model {self.model}: {err}") from None
+        if family == "gpt" and self.weights != "bf16" and self.task == "serve":
+            raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":

@@ -154,6 +154,9 @@
     if (s.family === "gpt" && (d.ffn !== 4 * d.hidden || d.kv_heads !== d.heads)) {
       say("ffn", `--model ${x.model}: a GPT block has ffn = 4 * width and one KV head per head`);
     }
+    if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
+      say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
+    }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
@@ -185,7 +188,8 @@
       if (x.precision === "fp32") return [null, `${script} serves bf16 weights: it has no --precision fp32`];
       if (!c.gpus.includes(gpu)) return [null, `${script} sizes a budget for ${c.gpus.join(", ")}: not ${gpu}`];
       if (x.context > p.context) return [null, `${script} serves at most ${x.model}'s context of ${p.context} tokens`];
-      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, kv_dtype: x.kv_dtype,
+      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, weights: x.weights,
+        kv_dtype: x.kv_dtype,
         block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
     } else {
       if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
@@ -235,11 +239,14 @@
     const r = fsdpMixed(x) ? c0 : r0;  // the bf16 weights make a bf16 residual stream
     const w = x.task !== "serve" ? D.constants.recipes[recipe].param : (x.precision === "fp32" ? 4 : 2);
     const p = Math.min(x.prefill_chunk || x.context, x.context);
+    const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
       P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
-      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p };
+      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
+      Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
+      so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -415,10 +422,22 @@
     return alive.add(larger(n(8).mul(S.p).mul(S.h), mlp)).add(read);
   }
 
+  // Python: fit_formula.weights. The blocks' matrices as --weights stores them, the rest in w bytes.
+  function weights(x, S) {
+    if (x.weights === "bf16") return S.w.mul(S.P);
+    const Q = S.L.mul(S.Pq), rest = S.w.mul(S.P.sub(Q));
+    if (x.weights === "fp8") return rest.add(Q).add(n(4).mul(S.L).mul(S.nq));
+    if (x.weights === "int8") return rest.add(Q).add(n(4).mul(S.L).mul(S.so));
+    if (x.weights === "nvfp4") return rest.add(ceilDiv(Q, n(2))).add(ceilDiv(Q, n(16))).add(n(8).mul(S.L).mul(S.nq));
+    const groups = ceilDiv(Q, n(128));
+    const int4 = rest.add(ceilDiv(Q, n(2))).add(n(2).mul(groups)).add(ceilDiv(groups, n(2)));
+    return x.weights === "int4-gptq" ? int4.add(n(4).mul(S.L).mul(S.si)) : int4;
+  }
+
   function inference(x, S) {
     if (x.task === "serve") {
       const kv = S.N.mul(ceilDiv(S.C, S.B)).mul(S.B).mul(kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]));
-      return { parameters: S.w.mul(S.P), activations: prefill(S), kv_cache: kv };
+      return { parameters: weights(x, S), activations: prefill(S), kv_cache: kv };
     }
     let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
     if (x.precision === "mixed" && !fsdpMixed(x)) work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
@@ -436,7 +455,7 @@
     const g = D.gpus[gpu], all = moments(x), [moment, cats, total] = peakOf(all);
     const out = { moment, cats, total, all };
     if (x.task !== "serve") return Object.assign(out, { capacity: BigInt(g.capacity_bytes), fits: total <= BigInt(g.capacity_bytes) });
-    const usable = BigInt(Math.trunc(x.gpu_memory_utilization * g.total_bytes)) - BigInt(D.cuda_context_bytes);
+    const usable = BigInt(Math.trunc(x.gpu_memory_utilization * g.total_bytes)) - BigInt(D.serve_non_torch_bytes);
     const pool = usable - cats.parameters.value - cats.activations.value;
     const S = symbols(x, sizes(x));
     const perBlock = BigInt(x.block_size) * kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]).value;
@@ -460,6 +479,7 @@
     "optimizer offload": (c) => (c.offload === "none" ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
     "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 ? { offload: "params", zero_stage: 3 } : null),
     "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
+    "int4 weights": (c) => (["bf16", "fp8", "int8"].includes(c.weights) ? { weights: "int4-awq" } : null),
     "chunked prefill": (c) => (c.context > 2048 && !c.prefill_chunk ? { prefill_chunk: 2048 } : null),
     "tensor parallelism x2": (c) => (c.tp < 64 ? { tp: c.tp * 2 } : null),
   };
@@ -738,7 +758,7 @@
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
     optimizer: "Optimizer", checkpointing: "Checkpointing", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
-    requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
+    requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
   // A choice's words where its value alone misleads: "bf16" here is pure bf16, with no fp32 master copy.
@@ -752,7 +772,8 @@
     ["", "train", ["accumulation", "checkpointing", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
-    ["Serving", "serve", ["context", "requests", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"]],
+    ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
+      "prefill_chunk"]],
   ];
   const MOMENTS = {
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
@@ -946,7 +967,8 @@
     UI.verdict.className = `il-fit__verdict il-fit__verdict--${v.fits ? "yes" : "no"}`;
     UI.total.textContent = bytes(total);
     UI.total.dataset.bytes = total.toString();
-    UI.capacity.textContent = bytes(v.capacity) + (x.task === "serve" ? ` (${x.gpu_memory_utilization} × ${bytes(g.total_bytes)} less the CUDA context)` : "");
+    UI.capacity.textContent = bytes(v.capacity) + (x.task === "serve"
+      ? ` (${x.gpu_memory_utilization} × ${bytes(g.total_bytes)} less ${bytes(BigInt(D.serve_non_torch_bytes))} outside PyTorch; Lab 14 adds CUDA graphs)` : "");
     UI.capacity.dataset.bytes = v.capacity.toString();
     if (x.task === "serve") {
       UI.moment.textContent = v.pool > 0n
