@@ -225,11 +225,14 @@ def lab13_traced() -> list[dict]:
         s = data["numbers"][key]
         out.append({"inputs": _train_fields(s["config"]), "bytes": s["per_rank_peak_bytes"], "phase": s["peak_phase"],
                     "by_category": s["by_category"], "compared": None, "free": [],
+                    "reserved": (s.get("reserved") or {}).get("reserved_bytes"),  # Lab 16's simulation, when published
                     "source": f"results/{labs.slug(13)}/summary.json: numbers.{key}"})
+    columns = [c[0] for c in data["tables"]["zoo"]["columns"]]
     for row in data["tables"]["zoo"]["rows"]:
         fields_ = {"model": row[0], "seq": seq} | configs[row[1]]
+        r = dict(zip(columns, row))
         out.append({"inputs": _train_fields(fields_), "bytes": row[2], "phase": row[3], "by_category": None,
-                    "compared": None, "free": [],
+                    "compared": None, "free": [], "reserved": r.get("reserved (simulated)"),
                     "source": f"results/{labs.slug(13)}/summary.json: table zoo, {row[0]}, {row[1]}"})
     return out
 

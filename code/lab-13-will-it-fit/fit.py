@@ -55,6 +55,7 @@ lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
+lab16 = labs.load(16, "reserved_bytes")  # reserved: the step in reserved bytes, simulated
 TrainingRun = labs.load(1, "fit_inputs").TrainingRun  # --batch ... --offload, shared with the calculator
 
 
@@ -102,11 +103,12 @@ STEADY_MICRO_BATCHES = 2
 
 
 # --8<-- [start:trace]
-def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: str | None = None) -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
 
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
-    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where;
+    ``strategy``: Lab 04's, instead of ``--checkpointing``'s (Lab 16 traces torchtitan's policy)."""
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
@@ -121,7 +123,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
+                train_step(model, optimizer, idx, recipe=recipe,
+                           strategy=strategy or CHECKPOINTING[config.checkpointing],
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
             else:
                 prefill(model, idx, recipe=recipe)
@@ -262,9 +265,14 @@ class Trace:
     def per_rank_peak_bytes(self) -> int:
         return self.derived["peak"]["total"]
 
+    @cached_property
+    def reserved(self) -> dict:
+        """The step in reserved bytes, the CUDA context added (Lab 16's model of the caching allocator)."""
+        return lab16.reserved(self)
+
     @property
     def fits(self) -> bool:
-        return self.per_rank_peak_bytes <= GPUS[self.config.gpu].capacity_bytes
+        return self.reserved["need_bytes"] <= GPUS[self.config.gpu].total_bytes
 
 
 @dataclass

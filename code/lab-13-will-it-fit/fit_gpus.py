@@ -9,7 +9,9 @@ reserves (fragmentation). So the bytes a step may peak at, here ``capacity_bytes
 
 Both deductions are **assumptions until measured**: the GPU issue measures them on a lent card
 (``torch.cuda.mem_get_info`` on an idle card before and after the context exists, and reserved
-against allocated over a training loop). They live here, once.
+against allocated over a training loop). They live here, once, for the calculator's formulas. A
+trace needs neither: Lab 13's verdict holds the step's reserved bytes, simulated by Lab 16's model of
+the caching allocator, plus Lab 16's cited CUDA context, against ``total_bytes``.
 """
 
 from __future__ import annotations

@@ -790,3 +790,58 @@ def plot_gantt(bars, ax=None, title: str | None = None, unit_colors: Mapping[str
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return fig
+
+
+def plot_segments(segments: Sequence[Sequence[tuple[int, str | None]]], ax=None, title: str | None = None,
+                  rows: int = 8, unit: str | None = None, row_bytes: int | None = None):
+    """The CUDA caching allocator's segments, as memory_viz's segment view draws them.
+
+    ``segments``: one list per segment (a cudaMalloc, or a mapped range of an expandable segment),
+    in address order, of its blocks as ``(bytes, label)``: a category (a live tensor, coloured as
+    in :func:`plot_timeline`), ``None`` (a cached free block: hatched) or ``"waiting"`` (freed, but
+    another stream may still use it). The segments are laid end to end and wrapped into ``rows``
+    rows, like a text, each outlined: a row's length is the reserved bytes over ``rows`` (or
+    ``row_bytes``, to draw several allocators to one scale), and whatever is not coloured is
+    reserved and unused. Returns the figure.
+    """
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.35 * rows + 1.2), dpi=110, layout="constrained")
+    else:
+        fig = ax.figure
+    total = sum(n for seg in segments for n, _ in seg) or 1
+    name, scale = next(((u, s) for u, s in UNITS if u == unit), pick_unit(total))
+    width = row_bytes or total / rows
+    rows = max(rows if row_bytes else 1, -(-int(total) // max(int(width), 1)))  # rows drawn
+    edge, handles, at = CATEGORY_COLORS["other"], {}, 0.0
+
+    def pieces(start: float, size: float):  # (row, x, length) of a range wrapped at the row length
+        while size > 1e-9 * total:
+            row, x = int(start // width + 1e-12), start % width
+            length = min(size, width - x)
+            yield min(row, rows - 1), x, length
+            start, size = start + length, size - length
+
+    for seg in segments:
+        start = at
+        for nbytes, label in seg:
+            free = label is None
+            color = "none" if free else CATEGORY_COLORS.get(label, edge)
+            for row, x, length in pieces(at, nbytes):
+                ax.broken_barh([(x / scale, length / scale)], (row - 0.4, 0.8), facecolors=color, edgecolor=edge,
+                               linewidth=0.3 if free else 0, hatch="////" if free else None,
+                               alpha=0.5 if label == "waiting" else 1.0)
+            key = "cached, free" if free else label
+            handles.setdefault(key, Patch(facecolor=color, edgecolor=edge, hatch="////" if free else None,
+                                          label=key.replace("_", " ")))
+            at += nbytes
+        for row, x, length in pieces(start, at - start):
+            ax.broken_barh([(x / scale, length / scale)], (row - 0.45, 0.9), facecolors="none", edgecolor=edge,
+                           linewidth=0.8)
+    ax.set_yticks([])
+    ax.set_xlim(0, width / scale)
+    ax.set_ylim(rows - 0.4, -0.6)
+    ax.set_xlabel(f"{name}: {len(segments)} segments end to end, {width / scale:.3g} {name} a row")
+    ax.legend(handles=list(handles.values()), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return fig

@@ -559,13 +559,15 @@
       const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${keyOf(field(k))}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
-        h("td", { class: "il-fit__num", text: percent(t.gap) })));
+        h("td", { class: "il-fit__num", text: percent(t.gap) }),
+        h("td", { class: "il-fit__num", text: t.reserved ? bytes(t.reserved) : "-" })));
     }
     el.textContent = "";
     el.append(h("table", { class: "il-fit__table" },
       h("thead", {}, h("tr", {}, h("th", { text: "model" }), h("th", { text: "configuration" }),
         h("th", {}, "traced ", h("span", { class: "il-tag il-tag--traced", text: "traced" })),
-        h("th", {}, "formula ", h("span", { class: "il-tag il-tag--derived", text: "derived" })), h("th", { text: "gap" }))),
+        h("th", {}, "formula ", h("span", { class: "il-tag il-tag--derived", text: "derived" })), h("th", { text: "gap" }),
+        h("th", {}, "reserved ", h("span", { class: "il-tag il-tag--simulated", text: "simulated" })))),
       body));
   }
 
@@ -1089,6 +1091,9 @@
     UI.traced.append(h("p", {}, "Traced on fake tensors ", h("span", { class: "il-tag il-tag--traced", text: "traced" }), ": ",
       h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
       h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${percent(hit.gap)}.`),
+    hit.reserved ? h("p", { id: "fit-reserved" }, "Reserved by the caching allocator for that step ",
+      h("span", { class: "il-tag il-tag--simulated", text: "simulated" }), ": ", h("strong", { text: bytes(hit.reserved) }),
+      " (Lab 16 replays the trace through its model of the allocator; a GPU runs out at reserved bytes).") : "",
     h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
       hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."),
     how);

@@ -13,8 +13,9 @@
 #    shapes. On CPU they are equal to the byte.
 # 3. The live-tensor table: what grew in the last step, by the line of code that allocated it
 #    (inside the model) and by the line of the lab that called the model.
-# 4. On a GPU only: allocated against reserved with and without `expandable_segments`, and real
-#    `torch.OutOfMemoryError` messages read number by number. On a CPU their cells read `-`.
+# 4. Allocated against reserved with and without `expandable_segments`, and
+#    `torch.OutOfMemoryError` messages read number by number: measured on a GPU; on a CPU,
+#    simulated by Lab 16's model of the caching allocator.
 
 # %%
 import matplotlib.pyplot as plt
@@ -111,12 +112,13 @@ alive_fixed = tables.origin_table(leaks["fixed"].after_step[-1], config.top)
 display(alive_losses, alive_fixed)
 
 # %% [markdown]
-# ## Fragmentation: allocated against reserved (GPU only)
+# ## Fragmentation: allocated against reserved
 #
 # `cuda_scenarios.changing_batch` grows the batch by one sample per iteration, once with the default
 # caching allocator and once with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, each in a
-# fresh process (the allocator reads the setting when CUDA starts). A CPU has no caching
-# allocator: the table's cells read `-`, and there is no figure.
+# fresh process (the allocator reads the setting when CUDA starts). A CPU has no caching allocator:
+# there, `cuda_scenarios.simulated` traces the same function on fake tensors and replays it through
+# Lab 16's model of the allocator (`result.simulated` says so).
 
 # %%
 fragmentation = scenarios.fragmentation_table(result.fragmentation)
@@ -136,14 +138,14 @@ if nb.on_gpu:
                                                 "allocator settings, measured on a GPU")
 
 # %% [markdown]
-# ## An out-of-memory error, caught and read (GPU only)
+# ## An out-of-memory error, caught and read
 #
 # `cuda_scenarios.oom_experiments` caps the allocator with `set_per_process_memory_fraction` (so
 # the error is cheap on a big GPU) and, in fresh processes: fills it with live buffers; fragments
 # it so that half is free but not in one piece; and repeats the fragmented pattern with
 # expandable segments. Every `torch.OutOfMemoryError` message is read by `oom_reader.read_oom`,
-# and `oom_reader.next_levers` names the pattern. On CPU there is no such error to catch, and
-# none is invented here: the cells read `-`.
+# and `oom_reader.next_levers` names the pattern. On a CPU the messages are the ones Lab 16's model
+# of the allocator gives for the same allocations (simulated).
 
 # %%
 oom = scenarios.oom_table(result.oom)

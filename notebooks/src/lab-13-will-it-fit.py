@@ -11,7 +11,8 @@
 # CUDA caching allocator's 512-byte blocks. Nothing is allocated, so a 70B step traces on this
 # laptop. The trace takes CPU dispatch (CPU autocast, CPU flash attention; `labkit/fake.py` says
 # where that differs from CUDA) and does not see the CUDA context, cuBLAS workspaces, NCCL buffers
-# or fragmentation: `fit_gpus.py` deducts an assumed allowance for those from each GPU.
+# or fragmentation: Lab 16 replays the trace through its model of the caching allocator, and the
+# verdict holds the reserved bytes (simulated) plus the CUDA context against the GPU's total.
 #
 # What to look for:
 #
@@ -164,7 +165,9 @@ display(zoo)
 # %%
 two_gpus = lab.trace(lab.Config(model="llama-3-8b", seq=4096, dp=2, zero_stage=3, optimizer="adamw-fused",
                                 checkpointing="full", levers="none"))
-print(f"two GPUs: {tables.format_bytes(two_gpus.per_rank_peak_bytes)} per rank, peak in {two_gpus.derived['peak_phase']}")
+print(f"two GPUs: {tables.format_bytes(two_gpus.per_rank_peak_bytes)} per rank, peak in {two_gpus.derived['peak_phase']}; "
+      f"{tables.format_bytes(two_gpus.reserved['need_bytes'])} with the reserved bytes and the CUDA context, fits: {two_gpus.fits}")
+assert two_gpus.fits, "the page says ZeRO-3 over two H100s fits in reserved bytes"
 zoo_peaks = {(model, label): t.per_rank_peak_bytes
              for (model, label), (_, t) in zip([(m, x) for m, xs in ROWS.items() for x in xs], traced)}
 bf16_fused_full_8b = zoo_peaks["llama-3-8b", FUSED]
@@ -185,7 +188,9 @@ notebook.publish(
     activations_less_casts_8b=d8["category_max"]["activations"] - d8["weight_casts"]["at_activations_max"],
     activations_formula_8b=summary8b["predicted"]["activations"],
     activations_fp32_8b=fp32_8b.derived["category_max"]["activations"], zoo_rows=len(traced),
-    capacity_h100=summary8b["capacity_bytes"], two_gpus_8b=two_gpus.per_rank_peak_bytes,
+    capacity_h100=summary8b["capacity_bytes"], reserved_8b=summary8b["reserved"]["reserved_bytes"],
+    total_h100=summary8b["gpu_detail"]["total_bytes"], two_gpus_8b=two_gpus.per_rank_peak_bytes,
+    two_gpus_need_8b=two_gpus.reserved["need_bytes"], two_gpus_fits_8b=two_gpus.fits,
     two_gpus_phase_8b=two_gpus.derived["peak_phase"], bf16_fused_full_8b=bf16_fused_full_8b, adam8bit_8b=adam8bit_8b,
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
