@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from labkit.config import UsageError
-from allocator_model import MiB, Options
+from allocator_blocks import MiB, Options
 
 CONFIG_SOURCE = "https://github.com/pytorch/pytorch/blob/v2.13.0/c10/core/AllocatorConfig.cpp"
 #: Keys PyTorch knows that this model has nothing to say about (host memory, threads, IPC).

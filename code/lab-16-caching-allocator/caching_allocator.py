@@ -31,7 +31,7 @@ from typing import Literal
 
 import alloc_conf
 import replay
-from allocator_model import GiB, KiB, MiB, Options, format_size, round_size, segment_size
+from allocator_blocks import GiB, KiB, MiB, Options, format_size, round_size, segment_size
 from labkit import cli, fake, labs, provenance
 from labkit.config import LabConfig, UsageError, option, summary_of
 from labkit.ledger import Ledger

@@ -9,7 +9,7 @@ into what a GPU must hold for it, the number Lab 13's verdict holds against the 
 from __future__ import annotations
 
 import replay
-from allocator_model import DEFAULTS, MiB, Options
+from allocator_blocks import DEFAULTS, MiB, Options
 from replay import Events, Replay
 
 # --8<-- [start:constants]

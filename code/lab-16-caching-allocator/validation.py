@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 
 import alloc_conf
-from allocator_model import GiB
+from allocator_blocks import GiB
 from labkit import labs
 
 TITAN = ("https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/benchmarks/"
