@@ -53,7 +53,7 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
-LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "chunked loss": 13, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "chunked prefill": 14, "tensor parallelism x2": 14}
@@ -180,7 +180,7 @@ def command(x: Inputs, gpu: str) -> list:
         if x.lora_rank and x.task == "train":
             return [None, "no lab traces LoRA: --lora-rank is derived only"]
         if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none",
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -299,6 +299,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
+                  "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
                   "lora_rank": rng.choice((0, 0, 0, 8, 64))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
@@ -399,7 +400,7 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES},
+                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(),
         "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,

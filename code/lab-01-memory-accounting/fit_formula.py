@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from fit_expr import ZERO, Expr, ceil_div, larger, sym
+from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
@@ -33,6 +33,7 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
+LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
 INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
 # --8<-- [end:recipes]
@@ -46,7 +47,7 @@ SYMBOLS = {
     "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
-    "p": "prefill tokens at once",
+    "p": "prefill tokens at once", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
 #: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
@@ -72,6 +73,8 @@ LEGEND = {
     "sizes": "the counts a formula reads off the model and the step, for one rank",
     "symbols": "each count as a symbol with this configuration's value: the S above",
     "_full": "a moment's categories, 0 where it holds none",
+    "total": "the sum of its terms, leaving out those that are 0",
+    "LOSS_CHUNKS": "chunks of tokens of --loss chunked and fused-linear (torchtune's default)",
 }
 
 
@@ -127,7 +130,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new)
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS))
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -177,11 +180,47 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
-    kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
-    kept = kept + head if mixed else kept
+    if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
+        kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
+    else:
+        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
-            "loss": 4 * S.T * S.V + head if mixed else 4 * S.T * S.V}
+            "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
+
+
+def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
+    """--loss chunked and fused-linear (Lab 13's fit_loss.py): the moments of the loss, u tokens at a time.
+    fused-linear: inside forward, a chunk's weight gradient (c × V × h) made while the head's gradient
+    (held from forward to backward), the hidden states and their gradient are alive. chunked: in forward, a
+    chunk's logits, their fp32 copy and log-softmax; in backward (the last chunk to come back), the
+    log-softmax, its gradient and the logits' gradient, or the head's gradient of that chunk, beside the
+    other chunks' input gradients (T − u tokens) and, under autocast, the head's bf16 cast (recomputed)
+    and the gradient of it the chunks add up."""
+    cast = S.c * S.V * S.h if act["autocast"] else ZERO  # the head weight's bf16 cast (autocast)
+    wide = S.c * S.u * S.h if act["autocast"] else ZERO  # a chunk's bf16 cast of its hidden states
+    pending = (S.T - S.u) * S.r * S.h  # the other chunks' gradients of their hidden states
+    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO  # the blocks' output, still held by forward (the norm copied it)
+    if x.loss == "fused-linear":
+        logits = 4 * S.u * S.V + S.c * S.u * S.V if S.c.value < 4 else 4 * S.u * S.V
+        step = total(act["cache"], cast, S.T * S.r * S.h, logits, S.c * S.V * S.h, wide, frame)
+        head = (S.c if fsdp_mixed(x) else S.w) * S.V * S.h  # the head's gradient, in the weight's dtype
+        return {"forward_end": held | {"gradients": total(held["gradients"], head), "activations": act["kept"],
+                                       "temporaries": step}}
+    logits = (S.c + 8) * S.u * S.V if S.c.value < 4 else 8 * S.u * S.V
+    several = S.T.value > S.u.value
+    buffer = S.c * S.V * S.h if several else ZERO  # the chunks' weight gradients, summed by autograd as they come
+    if act["autocast"]:  # a chunk's head gradient made beside the recomputed cast and the sum so far
+        head_gradient = total(pending, S.c * S.u * S.V, cast, buffer, 2 * wide, S.c * S.V * S.h)
+    elif several:  # the sum so far, this chunk's gradient and their sum
+        head_gradient = total(pending, 3 * S.c * S.V * S.h)
+    else:  # one chunk: its matmul's backward
+        head_gradient = S.c * S.u * S.V + S.c * S.u * S.h + S.c * S.V * S.h
+    return {"forward_end": held | {"activations": act["kept"], "temporaries": total(act["cache"], cast, logits, frame)},
+            "backward_start": held | {"activations": act["kept"],
+                                      "temporaries": total(pending, 12 * S.u * S.V, cast, buffer, wide)},
+            "head_gradient": held | {"activations": act["kept"], "temporaries": head_gradient}}
 # --8<-- [end:activations]
 
 
@@ -252,7 +291,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    if x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
+    if x.loss != "full":
+        del out["backward_start"]
+        out |= chunked_loss(x, S, held, act)
+    elif x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],

@@ -47,6 +47,11 @@ class TrainingRun:
         "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
     checkpointing: Literal["none", "selective", "full"] = option(
         "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    loss: Literal["full", "chunked", "fused-linear"] = option(
+        "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
+        "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
+        "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
+        "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -127,6 +132,9 @@ class Inputs(TrainingRun, Subject):
             self.spec().param_count()
         except ValueError as err:  # a GPT preset whose dimensions are no longer a GPT block's
             raise UsageError(f"--model {self.model}: {err}") from None
+        if self.loss != "full" and self.lora_rank:
+            raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
+                             "use --loss full")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":

@@ -11,6 +11,7 @@ traces on a laptop in seconds.
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
+    --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
@@ -48,6 +49,7 @@ from labkit.traffic import Traffic
 from fit_gap import derive
 from fit_gpus import GPUS
 from fit_levers import search
+from fit_loss import LOSSES
 from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
@@ -75,12 +77,13 @@ CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  #
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1, head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``."""
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``,
+    the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy))[1]  # (1)!
+            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy), head_loss=head_loss)[1]  # (1)!
         with marks.phase("backward", 1):
             (loss / micro_batches).backward()  # (2)!
     with marks.phase("optimizer", 1):
@@ -122,7 +125,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
-                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             else:
                 prefill(model, idx, recipe=recipe)
         timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))
@@ -192,8 +195,12 @@ class Config(TrainingRun, Step, LabConfig):
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
                              "(rank 0's bytes past that are the same shares, smaller)")
+        if self.loss != "full" and spec.family == "hf":
+            raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
+                             "not a Hugging Face config's")
         if self.task == "infer":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
+                              ("--loss chunked or fused-linear", self.loss != "full"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
                     raise UsageError(f"{flag} needs a backward or an optimizer: --task infer has neither")

@@ -45,6 +45,12 @@ def _adam(c) -> bool:
     return c.optimizer in ("adamw", "adamw-foreach")
 
 
+def _full_loss(c) -> bool:
+    """The loss is the model's own (every logit at once), on a zoo model (a Hugging Face config's model has its
+    own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's)."""
+    return c.loss == "full" and getattr(c.spec, "family", None) != "hf" and not getattr(c, "lora_rank", 0)
+
+
 # --8<-- [start:levers]
 LEVERS = (
     Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
@@ -53,6 +59,8 @@ LEVERS = (
           INFER, None, lambda c: {"precision": "mixed"} if c.precision == "fp32" else None),
     Lever("selective checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
           TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "selective"} if c.checkpointing == "none" else None),
+    Lever("chunked loss", "loss", "exact (the same loss and gradients): one more head matmul per token, in backward",
+          TRAIN, ("forward", "backward"), lambda c: {"loss": "chunked"} if _full_loss(c) else None),
     Lever("ZeRO-1", "zero", "no more communication than DDP: each rank updates its share of the state", TRAIN, None,
           lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" else None),
     Lever("ZeRO-2", "zero", "DDP's communication volume, as reduce-scatter and all-gather", TRAIN, None,

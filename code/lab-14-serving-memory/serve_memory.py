@@ -139,7 +139,7 @@ class Config(LabConfig):
         None, f"the model whose serving budget on --gpu is sized, traced on fake tensors (default: --model; for a "
         f"toy, small-*, whose budget means nothing: {BUDGET_FOR_TOYS}); with --fake, --model's own",
         metavar="NAME|PATH")
-    gpu: Literal["h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb"] = option("h100-80gb", "the GPU the serving budget is sized for")
+    gpu: Literal[tuple(serving_budget.GPUS)] = option("h100-80gb", "the GPU the serving budget is sized for")
     tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1, max=MAX_RANKS)
     gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag",
                                            min=0.1, max=1)

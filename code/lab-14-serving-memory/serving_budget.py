@@ -33,8 +33,7 @@ GIB = 1 << 30
 FIT_GPUS = labs.load(13, "fit_gpus")
 #: Memory per GPU: the total the CUDA driver reports, from Lab 13's GPU table (one place for it; the
 #: datasheets' "80 GB" is a little more than an 80 GB card's driver total).
-GPUS = {name: gpu.total_bytes for name, gpu in FIT_GPUS.GPUS.items()
-        if name in ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb")}
+GPUS = {name: gpu.total_bytes for name, gpu in FIT_GPUS.GPUS.items()}
 #: Memory per GPU outside PyTorch's allocator (CUDA context, cuBLAS workspaces): Lab 13's allowance,
 #: with its source; one wording for the report, ``--help`` and the page.
 NON_TORCH_BYTES = FIT_GPUS.CUDA_CONTEXT_BYTES

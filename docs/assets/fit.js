@@ -49,6 +49,8 @@
       a.value > b.value ? a.value : b.value, false);
   };
   const ZERO = new Expr("0", "0", 0n, false);
+  /** Python: fit_expr.total: the sum of the terms that are not ZERO. */
+  const total = (...terms) => terms.filter((t) => t !== ZERO).reduce((a, t) => (a === null ? t : a.add(t)), null) || ZERO;
   const n = (x) => lift(x);  // a literal
 
   // ---------------------------------------------------------------------------- the model (labkit.zoo's closed forms)
@@ -154,6 +156,9 @@
     if (s.family === "gpt" && (d.ffn !== 4 * d.hidden || d.kv_heads !== d.heads)) {
       say("ffn", `--model ${x.model}: a GPT block has ffn = 4 * width and one KV head per head`);
     }
+    if (x.loss !== "full" && x.lora_rank) {
+      say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
+    }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
@@ -192,7 +197,7 @@
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x;
       if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none",
+        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -239,7 +244,7 @@
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
       P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
-      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p };
+      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p, u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks) };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -288,10 +293,40 @@
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
     let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
-    if (mixed) kept = kept.add(head);
+    if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
+    if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none") kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO, loss: mixed ? loss.add(head) : loss };
+    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO,
+      loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
+  }
+
+  /** Python: fit_formula.chunked_loss (--loss chunked and fused-linear, Lab 13's fit_loss.py). */
+  function chunkedLoss(x, S, held, act) {
+    const cast = act.autocast ? S.c.mul(S.V).mul(S.h) : ZERO;
+    const wide = act.autocast ? S.c.mul(S.u).mul(S.h) : ZERO;
+    const pending = S.T.sub(S.u).mul(S.r).mul(S.h);
+    const frame = S.r.value < 4n ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.loss === "fused-linear") {
+      const logits = S.c.value < 4n ? n(4).mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.V)) : n(4).mul(S.u).mul(S.V);
+      const step = total(act.cache, cast, S.T.mul(S.r).mul(S.h), logits, S.c.mul(S.V).mul(S.h), wide, frame);
+      const head = (fsdpMixed(x) ? S.c : S.w).mul(S.V).mul(S.h);
+      return { forward_end: Object.assign({}, held, { gradients: total(held.gradients, head), activations: act.kept,
+        temporaries: step }) };
+    }
+    const logits = S.c.value < 4n ? S.c.add(8).mul(S.u).mul(S.V) : n(8).mul(S.u).mul(S.V);
+    const several = S.T.value > S.u.value;
+    const buffer = several ? S.c.mul(S.V).mul(S.h) : ZERO;
+    let headGradient;
+    if (act.autocast) headGradient = total(pending, S.c.mul(S.u).mul(S.V), cast, buffer, n(2).mul(wide), S.c.mul(S.V).mul(S.h));
+    else if (several) headGradient = total(pending, n(3).mul(S.c).mul(S.V).mul(S.h));
+    else headGradient = S.c.mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.h)).add(S.c.mul(S.V).mul(S.h));
+    return {
+      forward_end: Object.assign({}, held, { activations: act.kept, temporaries: total(act.cache, cast, logits, frame) }),
+      backward_start: Object.assign({}, held, { activations: act.kept,
+        temporaries: total(pending, n(12).mul(S.u).mul(S.V), cast, buffer, wide) }),
+      head_gradient: Object.assign({}, held, { activations: act.kept, temporaries: headGradient }),
+    };
   }
 
   function modelState(x, S) {
@@ -367,7 +402,10 @@
     if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
-    if (x.zero_stage <= 1 && !x.lora_rank) {
+    if (x.loss !== "full") {
+      delete out.backward_start;
+      Object.assign(out, chunkedLoss(x, S, held, act));
+    } else if (x.zero_stage <= 1 && !x.lora_rank) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
         activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
@@ -451,6 +489,7 @@
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
     "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
     "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
     "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
     "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
@@ -734,7 +773,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -747,7 +786,7 @@
     ["The model", null, ["model"]],
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer", ["batch", "seq"]],
-    ["", "train", ["accumulation", "checkpointing", "optimizer", "lora_rank"]],
+    ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
     ["Serving", "serve", ["context", "requests", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"]],
