@@ -34,10 +34,12 @@ lab13_levers = labs.load(13, "fit_levers")
 Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
-#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
+#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs. Unlike
+#: training's ladder, fp8 keys and values (labelled numerics-changing) come first: serving's exact levers cost the
+#: first token's latency (chunked prefill) or twice the GPUs (tensor parallelism).
 SERVING_LEVERS = (
     Lever("fp8 KV cache", "kv", "numerics: keys and values as scaled 8-bit floats (Lab 14 measures the error)", SERVE,
-          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None),
+          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None, exact=False),
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
@@ -49,6 +51,7 @@ LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
               "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
+               "decode": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
@@ -179,7 +182,9 @@ def command(x: Inputs, gpu: str) -> list:
             return [None, f"{script} traces data parallelism only: it has no --tp"]
         if x.lora_rank and x.task == "train":
             return [None, "no lab traces LoRA: --lora-rank is derived only"]
-        if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
+        if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
+            x = replace(x, kv_len=None, new_tokens=1)
+        if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
             x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
@@ -285,7 +290,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                 f |= {"experts": rng.choice((4, 8, 16)), "top_k": rng.choice((1, 2))}
             if rng.random() < 0.1:
                 f["head_dim"] = rng.choice(DIM_CHOICES["head_dim"])
-        task = f["task"] = rng.choices(("train", "infer", "serve"), (6, 1.5, 2.5))[0]
+        task = f["task"] = rng.choices(("train", "infer", "decode", "serve"), (6, 1.5, 1, 2.5))[0]
         f["precision"] = rng.choice(("fp32", "bf16", "mixed"))
         f["tp"] = rng.choice((1, 1, 2, 4, 8))
         if task == "serve":
@@ -296,6 +301,9 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
         else:
             f |= {"batch": rng.choice((1, 1, 2, 4, 8)), "seq": rng.choice((256, 1024, 2048, 4096, 8192))}
             f["dp"] = rng.choice((1, 1, 2, 8, 64))
+            if task == "decode":
+                f |= {"dp": 1, "precision": rng.choice(("bf16", "fp32")), "batch": rng.choice((1, 8, 32, 128)),
+                      "kv_len": rng.choice((None, 2048, 8192, 131072)), "new_tokens": rng.choice((1, 1, 4))}
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
@@ -404,6 +412,7 @@ def calculator(traced: list[dict]) -> dict:
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(),
         "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
+                    "numerics": lv.numerics,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
                    for lv in LEVERS],

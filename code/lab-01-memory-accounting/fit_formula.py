@@ -47,7 +47,8 @@ SYMBOLS = {
     "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
-    "p": "prefill tokens at once", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
+    "p": "prefill tokens at once", "b": "sequences in the batch (decode)",
+    "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
 #: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
@@ -130,7 +131,8 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS))
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -360,6 +362,9 @@ def inference(x: Inputs, S) -> dict[str, Expr]:
     if x.task == "serve":
         kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
         return {"parameters": S.w * S.P, "activations": prefill(S), "kv_cache": kv}
+    if x.task == "decode":  # Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+        step = larger((S.c * S.V + 4 * S.h) * S.b * S.j, S.b * S.j * (3 * S.c * S.f + 3 * S.c * S.h))
+        return {"parameters": S.w * S.P, "kv_cache": 2 * S.L * S.b * S.D * S.g * S.c, "temporaries": step}
     work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
     if x.precision == "mixed" and not fsdp_mixed(x):  # autocast's cache of every weight's bf16 cast, until the forward ends
         work = S.c * (S.Pm + S.V * S.h) + work

@@ -85,14 +85,19 @@ class Subject:
     experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0, max=MAX_EXPERTS)
     top_k: int | None = option(None, "experts each token is routed to", min=0, max=MAX_EXPERTS)
     tied: bool | None = option(None, "the head shares the embedding's weight")
-    task: Literal["train", "infer", "serve"] = option(
-        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
+    task: Literal["train", "infer", "decode", "serve"] = option(
+        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); decode: one decode step against a KV "
+        "cache preallocated to --kv-len (Lab 13); serve: a KV pool (Lab 14)")
 
 
 @dataclass
 class Inputs(TrainingRun, Subject):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
+    kv_len: int | None = option(None, "decode: tokens the KV cache is preallocated to, per sequence (default: --seq)",
+                                min=1, max=MAX_TOKENS)
+    new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
+                             "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)",
                             min=0, max=MAX_WIDTH)
@@ -139,6 +144,14 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
             self.check_sharding()
+        if self.task == "decode":
+            if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
+                    or self.offload != "none":
+                raise UsageError("--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their "
+                                 "own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload")
+            if self.new_tokens > (self.kv_len or self.seq):
+                raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
+                                 f"{self.kv_len or self.seq}")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

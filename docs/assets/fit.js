@@ -164,6 +164,13 @@
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
     }
+    if (x.task === "decode") {
+      if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
+        say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
+      } else if (x.new_tokens > (x.kv_len || x.seq)) {
+        say("new_tokens", `--new-tokens ${x.new_tokens} is more than the cache holds, --kv-len ${x.kv_len || x.seq}`);
+      }
+    }
     return err;
   }
 
@@ -195,9 +202,9 @@
     } else {
       if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
-      let y = x;
-      if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full",
+      let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
+      if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -244,7 +251,8 @@
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
       P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
-      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p, u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks) };
+      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p, u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks),
+      b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -457,6 +465,11 @@
     if (x.task === "serve") {
       const kv = S.N.mul(ceilDiv(S.C, S.B)).mul(S.B).mul(kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]));
       return { parameters: S.w.mul(S.P), activations: prefill(S), kv_cache: kv };
+    }
+    if (x.task === "decode") {  // Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+      const step = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.b).mul(S.j),
+        S.b.mul(S.j).mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
+      return { parameters: S.w.mul(S.P), kv_cache: n(2).mul(S.L).mul(S.b).mul(S.D).mul(S.g).mul(S.c), temporaries: step };
     }
     let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
     if (x.precision === "mixed" && !fsdpMixed(x)) work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
@@ -773,7 +786,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -785,7 +798,8 @@
   const GROUPS = [
     ["The model", null, ["model"]],
     ["The task", null, ["task", "precision"]],
-    ["The step", "train infer", ["batch", "seq"]],
+    ["The step", "train infer decode", ["batch", "seq"]],
+    ["", "decode", ["kv_len", "new_tokens"]],
     ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
@@ -795,7 +809,7 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
-    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", serve: "the serving budget",
+    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
   function h(tag, attrs, ...kids) {
@@ -1118,7 +1132,7 @@
         "data-pulls": String(s.pulls) },
         h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
-        h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
+        h("br"), h("small", {}, `${s.lever.numerics}; cost: ${s.lever.cost[x.task]}`,
           s.lever.lab[x.task] ? h("span", {}, " · ", labLink(s.lever.lab[x.task])) : null)));
     }
     UI.levers.append(list);

@@ -20,7 +20,8 @@
 # 2. Lab 01's formulas against the trace, category by category, and why each differs (Megatron's
 #    mixed precision is not torch AMP's; a Llama block is not a GPT block). Under torch AMP a third of
 #    the "activations" are bf16 casts of the weights that autocast saves for backward: their own line.
-# 3. Levers are pulled cheapest first; the first rung that fits is the cheapest way found.
+# 3. Levers are pulled exact ones first (the same loss and gradients), each cheapest first, then those that
+#    change the numerics; the first rung that fits is the cheapest way found.
 
 # %%
 import contextlib
@@ -85,7 +86,7 @@ fp32_8b = lab.trace(lab.Config(model="llama-3-8b", seq=4096, precision="fp32", l
 print("activations, fp32:", tables.format_bytes(fp32_8b.derived["category_max"]["activations"]))
 
 # %% [markdown]
-# ## The levers, cheapest first
+# ## The levers, exact ones first, each cheapest first
 #
 # Each lever is one change of configuration. The ladder pulls them in order of what they cost
 # (`fit_levers.LEVERS` states each cost), keeps a lever when it lowers the peak, re-traces after each,
