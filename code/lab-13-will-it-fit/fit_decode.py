@@ -27,7 +27,7 @@ class StaticCache:
 
     def __init__(self, spec, batch: int, length: int, dtype: torch.dtype, device) -> None:
         shape = (batch, spec.kv_heads, length, spec.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.layers)]  # (1)!
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.layers)]
 
 
@@ -46,11 +46,11 @@ def decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor
         h = block.attn_norm(x)
         q, k, v = (proj(h).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        cache.keys[layer][:, :, start:] = k.transpose(1, 2)  # (2)!
+        cache.keys[layer][:, :, start:] = k.transpose(1, 2)
         cache.values[layer][:, :, start:] = v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), cache.keys[layer], cache.values[layer], attn_mask=mask,
-                                           enable_gqa=attn.q_proj.out_features != attn.k_proj.out_features)  # (3)!
+                                           enable_gqa=attn.q_proj.out_features != attn.k_proj.out_features)
         x = x + attn.o_proj(y.transpose(1, 2).flatten(2))
         x = x + block.mlp(block.mlp_norm(x))
-    return model.head(model.norm(x))  # (4)!
+    return model.head(model.norm(x))
 # --8<-- [end:decode]

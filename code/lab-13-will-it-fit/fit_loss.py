@@ -43,7 +43,7 @@ def chunked_loss(hidden, head, targets, chunks: int = LOSS_CHUNKS):
 
 
 def _chunk_sum(h, weight, t):
-    logits = F.linear(h, weight)  # (1)!
+    logits = F.linear(h, weight)
     return F.cross_entropy(logits.float(), t, reduction="sum", ignore_index=IGNORE)
 # --8<-- [end:chunked]
 
@@ -69,7 +69,7 @@ class FusedLinearCE(torch.autograd.Function):
             for start in range(0, t.numel(), size):
                 rows = slice(start, start + size)
                 loss += _chunk_grads(h[rows].to(dtype), w, t[rows], valid[rows] / count, grad_h[rows], grad_w)
-        ctx.save_for_backward(grad_h.view_as(hidden), grad_w)  # (1)!
+        ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
         return loss  # each token weighted by 1 / count: the mean
 
     @staticmethod
@@ -81,14 +81,14 @@ class FusedLinearCE(torch.autograd.Function):
 def _chunk_grads(h, w, t, weight, grad_h, grad_w):
     """One chunk: its summed loss; its gradients written into ``grad_h`` and added to ``grad_w``
     (``weight``: each token's share of the mean, 0 for an ignored one). Its tensors die on return."""
-    logits = (h @ w.t()).float()  # (2)!
+    logits = (h @ w.t()).float()
     lse = logits.logsumexp(-1)
     picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
     g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
     g.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -torch.ones_like(picked).unsqueeze(1))  # minus the one-hot
     g = g.mul_(weight.unsqueeze(1)).to(h.dtype)  # d loss / d logits, in the matmuls' dtype
-    grad_h.copy_(g @ w)  # (3)!
-    grad_w += g.t() @ h  # (4)! into the weight's dtype, in place
+    grad_h.copy_(g @ w)
+    grad_w += g.t() @ h  # into the weight's dtype, in place
     return ((lse - picked) * weight).sum()
 # --8<-- [end:fused]
 

@@ -773,7 +773,9 @@ class HFCausalLM(nn.Module):
         owner, name = self._stack()
         return getattr(owner, name)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None, head_loss=None):
+        if head_loss is not None:  # transformers' model applies its own head and loss
+            raise ValueError("a Hugging Face model computes its own loss: head_loss must be None")
         with _one_sequence_per_row(idx):
             if run_blocks is None:
                 logits = self.hf(input_ids=idx, use_cache=False).logits
