@@ -34,12 +34,15 @@ lab13_levers = labs.load(13, "fit_levers")
 Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
-#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
+#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs. Unlike
+#: training's ladder, fp8 keys and values (labelled numerics-changing) come first: serving's exact levers cost the
+#: first token's latency (chunked prefill) or twice the GPUs (tensor parallelism).
 SERVING_LEVERS = (
     Lever("fp8 KV cache", "kv", "numerics: keys and values as scaled 8-bit floats (Lab 14 measures the error)", SERVE,
-          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None),
+          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None, exact=False),
     Lever("int4 weights", "weights", "numerics: 4-bit weights in groups of 128 (AWQ); their accuracy is the model's "
-          "to check", SERVE, None, lambda c: {"weights": "int4-awq"} if c.weights in ("bf16", "fp8", "int8") else None),
+          "to check", SERVE, None, lambda c: {"weights": "int4-awq"} if c.weights in ("bf16", "fp8", "int8") else None,
+          exact=False),
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
@@ -51,11 +54,12 @@ LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
               "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
+               "decode": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
-LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "chunked loss": 13, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
@@ -185,8 +189,10 @@ def command(x: Inputs, gpu: str) -> list:
             return [None, f"{script} traces data parallelism only: it has no --tp"]
         if x.lora_rank and x.task == "train":
             return [None, "no lab traces LoRA: --lora-rank is derived only"]
-        if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none",
+        if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
+            x = replace(x, kv_len=None, new_tokens=1)
+        if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -296,7 +302,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                 f |= {"experts": rng.choice((4, 8, 16)), "top_k": rng.choice((1, 2))}
             if rng.random() < 0.1:
                 f["head_dim"] = rng.choice(DIM_CHOICES["head_dim"])
-        task = f["task"] = rng.choices(("train", "infer", "serve"), (6, 1.5, 2.5))[0]
+        task = f["task"] = rng.choices(("train", "infer", "decode", "serve"), (6, 1.5, 1, 2.5))[0]
         f["precision"] = rng.choice(("fp32", "bf16", "mixed"))
         f["tp"] = rng.choice((1, 1, 2, 4, 8))
         if task == "serve":
@@ -307,9 +313,13 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
         else:
             f |= {"batch": rng.choice((1, 1, 2, 4, 8)), "seq": rng.choice((256, 1024, 2048, 4096, 8192))}
             f["dp"] = rng.choice((1, 1, 2, 8, 64))
+            if task == "decode":
+                f |= {"dp": 1, "precision": rng.choice(("bf16", "fp32")), "batch": rng.choice((1, 8, 32, 128)),
+                      "kv_len": rng.choice((None, 2048, 8192, 131072)), "new_tokens": rng.choice((1, 1, 4))}
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
+                  "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
                   "lora_rank": rng.choice((0, 0, 0, 8, 64))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
@@ -409,9 +419,10 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES},
+                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(),
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
+                    "numerics": lv.numerics,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
                    for lv in LEVERS],
@@ -425,8 +436,9 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py a page may quote (between snippet markers), by name."""
-    text = (ROOT / "code" / "lab-01-memory-accounting" / "fit_formula.py").read_text(encoding="utf-8")
+    """The sections of fit_formula.py and fit_serve.py a page may quote (between snippet markers), by name."""
+    text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
+                   for name in ("fit_formula.py", "fit_serve.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

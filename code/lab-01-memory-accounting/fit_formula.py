@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from fit_expr import ZERO, Expr, ceil_div, larger, sym
+from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
+from fit_serve import kv_per_token, prefill, weights
+from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
 # --8<-- [start:recipes]
@@ -34,49 +36,9 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 0),  # element, fp32 scale per
              "fp8-per-token": (1, 4), "int8": (1, 4)}  # token and KV head (fp8's per-layer scales: a few bytes)
-ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
-INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
+LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 # --8<-- [end:recipes]
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "kv_cache")
-SYMBOLS = {
-    "L": "layers", "h": "hidden size", "a": "attention heads (per rank)", "k": "KV heads (per rank)",
-    "d": "head size", "q": "a × d", "g": "k × d", "f": "MLP hidden size (per rank)", "V": "vocabulary (per rank)",
-    "E": "experts", "K": "experts per token", "s": "tokens per sequence", "T": "tokens per micro-batch",
-    "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
-    "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
-    "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
-    "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
-    "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
-    "p": "prefill tokens at once", "Pq": "quantized matmul weights of one block (all but a router's)",
-    "nq": "quantized matrices of one block", "so": "their outputs, added up", "si": "their inputs, added up",
-}
-#: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
-#: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
-LEGEND = {
-    "S": "the symbols of this configuration (symbols()): S.h is h, with its value",
-    "x": "the calculator's inputs (Inputs): x.seq is --seq",
-    "Expr": "a formula: its text in symbols, the same text filled in, and its value (fit_expr.py)",
-    "Inputs": "the inputs, one field per flag of Lab 13's fit.py and Lab 14's serve_memory.py (fit_inputs.py)",
-    "ZERO": "the formula 0",
-    "ceil_div": "⌈a / b⌉: a share rounded up",
-    "larger": "max(a, b): the larger of two moments",
-    "ROW": "bytes of an RMSNorm's fp32 1/rms, per token",
-    "LSE": "bytes of flash attention's fp32 log-sum-exp, per head and token",
-    "SLOT": "bytes a routed token keeps: its expert's index and weight",
-    "INDICES": "bytes per new token of a serving forward's int64 positions, pool rows and gather index",
-    "MOMENTS": "optimizer moments per parameter, by optimizer kind (Lab 01)",
-    "STEP_COUNTER": "bytes of AdamW's fp32 step count, per trainable tensor (Lab 01)",
-    "ZERO_SHARDS": "the ZeRO stage from which each category is sharded (Lab 01)",
-    "OPTIMIZERS": "each --optimizer choice's kind, as Lab 01 counts its state",
-    "KV_DTYPES": "each --kv-dtype: bytes of a cached element, and of its fp32 scale per token and KV head",
-    "weights": "the served weights: the blocks' matrices in --weights (Lab 14's quantize.FORMATS), the rest in w",
-    "x.weights": "--weights",
-    "x.spec": "the model: the preset's dimensions, or the typed ones (a labkit.zoo ModelSpec)",
-    "fsdp_mixed": "mixed precision under FSDP2 (ZeRO-2 and 3): bf16 gathers, fp32 reduction, no autocast",
-    "sizes": "the counts a formula reads off the model and the step, for one rank",
-    "symbols": "each count as a symbol with this configuration's value: the S above",
-    "_full": "a moment's categories, 0 where it holds none",
-}
 
 
 @dataclass(frozen=True)
@@ -134,7 +96,8 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, **quantized)
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, **quantized)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -184,11 +147,47 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
-    kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
-    kept = kept + head if mixed else kept
+    if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
+        kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
+    else:
+        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
-            "loss": 4 * S.T * S.V + head if mixed else 4 * S.T * S.V}
+            "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
+
+
+def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
+    """--loss chunked and fused-linear (Lab 13's fit_loss.py): the moments of the loss, u tokens at a time.
+    fused-linear: inside forward, a chunk's weight gradient (c × V × h) made while the head's gradient
+    (held from forward to backward), the hidden states and their gradient are alive. chunked: in forward, a
+    chunk's logits, their fp32 copy and log-softmax; in backward (the last chunk to come back), the
+    log-softmax, its gradient and the logits' gradient, or the head's gradient of that chunk, beside the
+    other chunks' input gradients (T − u tokens) and, under autocast, the head's bf16 cast (recomputed)
+    and the gradient of it the chunks add up."""
+    cast = S.c * S.V * S.h if act["autocast"] else ZERO  # the head weight's bf16 cast (autocast)
+    wide = S.c * S.u * S.h if act["autocast"] else ZERO  # a chunk's bf16 cast of its hidden states
+    pending = (S.T - S.u) * S.r * S.h  # the other chunks' gradients of their hidden states
+    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO  # the blocks' output, still held by forward (the norm copied it)
+    if x.loss == "fused-linear":
+        logits = 4 * S.u * S.V + S.c * S.u * S.V if S.c.value < 4 else 4 * S.u * S.V
+        step = total(act["cache"], cast, S.T * S.r * S.h, logits, S.c * S.V * S.h, wide, frame)
+        head = (S.c if fsdp_mixed(x) else S.w) * S.V * S.h  # the head's gradient, in the weight's dtype
+        return {"forward_end": held | {"gradients": total(held["gradients"], head), "activations": act["kept"],
+                                       "temporaries": step}}
+    logits = (S.c + 8) * S.u * S.V if S.c.value < 4 else 8 * S.u * S.V
+    several = S.T.value > S.u.value
+    buffer = S.c * S.V * S.h if several else ZERO  # the chunks' weight gradients, summed by autograd as they come
+    if act["autocast"]:  # a chunk's head gradient made beside the recomputed cast and the sum so far
+        head_gradient = total(pending, S.c * S.u * S.V, cast, buffer, 2 * wide, S.c * S.V * S.h)
+    elif several:  # the sum so far, this chunk's gradient and their sum
+        head_gradient = total(pending, 3 * S.c * S.V * S.h)
+    else:  # one chunk: its matmul's backward
+        head_gradient = S.c * S.u * S.V + S.c * S.u * S.h + S.c * S.V * S.h
+    return {"forward_end": held | {"activations": act["kept"], "temporaries": total(act["cache"], cast, logits, frame)},
+            "backward_start": held | {"activations": act["kept"],
+                                      "temporaries": total(pending, 12 * S.u * S.V, cast, buffer, wide)},
+            "head_gradient": held | {"activations": act["kept"], "temporaries": head_gradient}}
 # --8<-- [end:activations]
 
 
@@ -259,7 +258,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    if x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
+    if x.loss != "full":
+        del out["backward_start"]
+        out |= chunked_loss(x, S, held, act)
+    elif x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
@@ -299,50 +301,15 @@ def estimate(x: Inputs) -> dict[str, int]:
 
 
 # --8<-- [start:serve]
-def kv_per_token(S, scale: int) -> Expr:
-    """A key and a value per layer and KV head, and an fp32 scale per head when quantized (Lab 14)."""
-    return 2 * S.L * S.k * (S.d * S.e + scale) if scale else 2 * S.L * S.k * S.d * S.e
-
-
-def prefill(S) -> Expr:
-    """The peak of a serving prefill beyond weights and KV pool (Lab 14's forward: the last token's
-    logits only): p new tokens attending to C; the larger of an RMSNorm's and the MLP's moment."""
-    alive = S.p * (S.c * (2 * S.h + S.q + 2 * S.g) + 2 * S.d * S.c + INDICES)  # stream, normed, q, k, v, cos, sin
-    if S.E.value:  # Mixtral: the router's fp32 probabilities and the output, then one expert's tokens
-        mlp = (S.p * (2 * S.c * S.h + 4 * S.E + SLOT * S.K)
-               + ceil_div(S.p * S.K, S.E) * (2 * S.c * S.h + 3 * S.c * S.f + 4 * S.h))
-    else:
-        mlp = S.p * (S.c * S.h + 3 * S.c * S.f)  # the normed input, SiLU(gate), up, their product
-    read = 2 * S.c * S.g * S.C  # the keys and values read from the pool
-    if S.p.value < S.C.value:
-        read = read + S.p * S.C  # a chunk's attention mask
-    return alive + larger(8 * S.p * S.h, mlp) + read
-
-
-def weights(x: Inputs, S) -> Expr:
-    """Lab 14's ``--weights``: each block's matrices as their format stores them (``quantize.FORMATS``),
-    the embedding, head, norms and a router's weights in w bytes."""
-    if x.weights == "bf16":
-        return S.w * S.P
-    Q = S.L * S.Pq
-    rest = S.w * (S.P - Q)
-    if x.weights == "fp8":  # a byte a weight, an fp32 scale a matrix
-        return rest + Q + 4 * S.L * S.nq
-    if x.weights == "int8":  # a byte a weight, an fp32 scale an output
-        return rest + Q + 4 * S.L * S.so
-    if x.weights == "nvfp4":  # half a byte a weight, an fp8 scale per 16, two fp32 scales a matrix
-        return rest + ceil_div(Q, 2) + ceil_div(Q, 16) + 8 * S.L * S.nq
-    groups = ceil_div(Q, 128)  # int4: half a byte a weight; per group of 128 an fp16 scale and a 4-bit zero
-    int4 = rest + ceil_div(Q, 2) + 2 * groups + ceil_div(groups, 2)
-    return int4 + 4 * S.L * S.si if x.weights == "int4-gptq" else int4  # GPTQ: an int32 g_idx per input
-
-
 def inference(x: Inputs, S) -> dict[str, Expr]:
     """``infer``: Lab 13's prefill of batch x seq (every position's logits, the K and V of those
     tokens); ``serve``: Lab 14's budget (weights, a prefill's peak, the requests' KV blocks)."""
     if x.task == "serve":
         kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
         return {"parameters": weights(x, S), "activations": prefill(S), "kv_cache": kv}
+    if x.task == "decode":  # Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+        step = larger((S.c * S.V + 4 * S.h) * S.b * S.j, S.b * S.j * (3 * S.c * S.f + 3 * S.c * S.h))
+        return {"parameters": S.w * S.P, "kv_cache": 2 * S.L * S.b * S.D * S.g * S.c, "temporaries": step}
     work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
     if x.precision == "mixed" and not fsdp_mixed(x):  # autocast's cache of every weight's bf16 cast, until the forward ends
         work = S.c * (S.Pm + S.V * S.h) + work

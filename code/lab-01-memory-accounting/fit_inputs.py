@@ -48,6 +48,11 @@ class TrainingRun:
         "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
     checkpointing: Literal["none", "selective", "full"] = option(
         "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    loss: Literal["full", "chunked", "fused-linear"] = option(
+        "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
+        "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
+        "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
+        "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -81,14 +86,19 @@ class Subject:
     experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0, max=MAX_EXPERTS)
     top_k: int | None = option(None, "experts each token is routed to", min=0, max=MAX_EXPERTS)
     tied: bool | None = option(None, "the head shares the embedding's weight")
-    task: Literal["train", "infer", "serve"] = option(
-        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
+    task: Literal["train", "infer", "decode", "serve"] = option(
+        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); decode: one decode step against a KV "
+        "cache preallocated to --kv-len (Lab 13); serve: a KV pool (Lab 14)")
 
 
 @dataclass
 class Inputs(TrainingRun, Subject):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
+    kv_len: int | None = option(None, "decode: tokens the KV cache is preallocated to, per sequence (default: --seq)",
+                                min=1, max=MAX_TOKENS)
+    new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
+                             "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)",
                             min=0, max=MAX_WIDTH)
@@ -134,10 +144,21 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--model {self.model}: {err}") from None
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
+        if self.loss != "full" and self.lora_rank:
+            raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
+                             "use --loss full")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
             self.check_sharding()
+        if self.task == "decode":
+            if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
+                    or self.offload != "none":
+                raise UsageError("--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their "
+                                 "own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload")
+            if self.new_tokens > (self.kv_len or self.seq):
+                raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
+                                 f"{self.kv_len or self.seq}")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

@@ -213,8 +213,7 @@ def activation_memory(tl: Timeline) -> dict:
     return {
         "kept_bytes": act[fwd.end - 1],  # (1)!
         "activation_peak_bytes": max(a + t for a, t in zip(act, tmp)),  # (2)!
-        "peak_bytes": tl.peak()["total"],
-    }
+        "peak_bytes": tl.peak()["total"]}
 
 
 def measure_memory(model, x, y, strategy: str, every: int, seed: int = 0) -> Ledger:

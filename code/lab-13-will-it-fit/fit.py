@@ -1,4 +1,4 @@
-"""Lab 13 - will it fit? A real model's training step (or prefill), traced at real size, per rank.
+"""Lab 13 - will it fit? A real model's training step (or prefill, or decode step), traced at real size, per rank.
 
 The other labs each teach one technique on a toy. This one composes them on a real architecture
 (``labkit.zoo``: Llama 3 8B/70B/405B, Mixtral, any Hugging Face causal-LM config.json) and asks the
@@ -11,6 +11,8 @@ traces on a laptop in seconds.
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
+    --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
+    --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
@@ -41,13 +43,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import cli, fake, labs, marks, provenance, zoo
 from labkit import cuda as cuda_kit
-from labkit.config import INT64_MAX, LabConfig, UsageError, option
+from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_gap import derive
+from fit_decode import StaticCache, decode_step
 from fit_gpus import GPUS
 from fit_levers import search
+from fit_loss import LOSSES
 from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
@@ -76,12 +80,13 @@ CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  #
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1, head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``."""
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``,
+    the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy))[1]  # (1)!
+            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy), head_loss=head_loss)[1]  # (1)!
         with marks.phase("backward", 1):
             (loss / micro_batches).backward()  # (2)!
     with marks.phase("optimizer", 1):
@@ -115,7 +120,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
         optimizer = shard(model, config, mesh)  # (2)!
-        idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
+        idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
@@ -125,7 +130,9 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe,
                            strategy=strategy or CHECKPOINTING[config.checkpointing],
-                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
+            elif config.task == "decode":
+                decode(model, ledger, config, weights, device)
             else:
                 prefill(model, idx, recipe=recipe)
         timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))
@@ -144,7 +151,7 @@ def shard(model, config: Config, mesh):
             fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
     elif config.zero_stage >= 2:
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
-    if config.task == "infer":
+    if config.task != "train":
         return None
     if config.zero_stage >= 2:
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
@@ -155,6 +162,15 @@ def shard(model, config: Config, mesh):
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make(model.parameters(), **kwargs)
+
+
+def decode(model, ledger: Ledger, config: Config, dtype: torch.dtype, device: str) -> None:
+    """``--task decode`` (``fit_decode.py``): the cache allocated for ``--kv-len`` tokens per sequence and
+    labelled, then one step of ``--new-tokens`` per sequence."""
+    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
+    ledger.track(cache.keys + cache.values, "kv_cache")
+    with marks.phase("decode", 0):
+        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -174,7 +190,9 @@ class Step:
 
     model: str = option("llama-3-8b", "a zoo model (llama-3-8b, llama-3-70b, mixtral-8x7b, ...) or the path of a "
                         "Hugging Face config.json of a causal LM", metavar="NAME|PATH")
-    task: Literal["train", "infer"] = option("train", "train: one training step; infer: one prefill forward")
+    task: Literal["train", "infer", "decode"] = option(
+        "train", "train: one training step; infer: one prefill forward of --batch x --seq tokens; decode: one decode "
+        "step of --new-tokens per sequence against a KV cache preallocated to --kv-len tokens per sequence")
 
 
 @dataclass
@@ -182,6 +200,10 @@ class Config(TrainingRun, Step, LabConfig):
     """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
 
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
+    kv_len: int | None = option(None, "decode: tokens the KV cache is preallocated to, per sequence (default: --seq)",
+                                min=1, max=MAX_TOKENS)
+    new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
+                             "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
 
@@ -195,15 +217,34 @@ class Config(TrainingRun, Step, LabConfig):
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
                              "(rank 0's bytes past that are the same shares, smaller)")
-        if self.task == "infer":
+        if self.loss != "full" and spec.family == "hf":
+            raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
+                             "not a Hugging Face config's")
+        if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
+            raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        if self.task == "decode":
+            self.check_decode()
+        if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
+                              ("--loss chunked or fused-linear", self.loss != "full"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
-                    raise UsageError(f"{flag} needs a backward or an optimizer: --task infer has neither")
+                    raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")
         logits = self.batch * self.seq * max(spec.vocab, 1) * 4
         if logits > INT64_MAX:
             raise UsageError(f"--batch {self.batch} x --seq {self.seq} x {spec.vocab:,} logits x 4 bytes is {logits:.3g} "
                              "bytes: more than a 64-bit integer counts")
+
+    def check_decode(self) -> None:
+        if self.spec.family not in ("llama", "mixtral"):
+            raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {self.model}'s")
+        if self.precision == "mixed":
+            raise UsageError("--task decode runs the weights' own dtype, as a server does: --precision bf16 or fp32")
+        if self.dp > 1:
+            raise UsageError("--task decode traces one GPU: Lab 14 sizes a server split over GPUs")
+        if self.new_tokens > (self.kv_len or self.seq):
+            raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
+                             f"{self.kv_len or self.seq}")
 
     @cached_property
     def spec(self):

@@ -107,9 +107,10 @@ def levers_table(levers: list[dict]) -> Table:
         kept = None if not up else f"replaced by {up['replaced_by']}" if up.get("replaced_by") else \
             "yes" if up["kept"] else "no: saves nothing there"
         rows.append([r["name"], kept, up.get("saves_bytes"), up.get("per_rank_peak_bytes"), up.get("fits"),
-                     alone.get("saves_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0], r["cost"]])
+                     alone.get("saves_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0],
+                     r["numerics"], r["cost"]])
     return Table(["lever", "on the ladder: kept", ("saves there", "bytes"), ("peak with those kept", "bytes"),
-                  ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "costs"], rows,
+                  ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "numerics", "costs"], rows,
                  unit="GiB")
 
 
@@ -142,7 +143,9 @@ def verdict(result) -> str:
 def report(result) -> None:
     c, t = result.config, result.trace
     d = t.derived
-    print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, batch {c.batch} x {c.seq} tokens"
+    size = (f"batch {c.batch}, {c.new_tokens} new token(s) each against a KV cache of {c.kv_len or c.seq:,}"
+            if c.task == "decode" else f"batch {c.batch} x {c.seq} tokens")
+    print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, {size}"
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
           + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}")
@@ -154,8 +157,9 @@ def report(result) -> None:
     print("\n" + gpu_table(result).text())
     print(f"\n{verdict(result)}")
     if result.levers:
-        print("\nLevers, cheapest first, pulled one after another (kept when they save bytes) until it fits; alone "
-              "where that needs no other trace (--levers all traces each):")
+        print("\nLevers, exact ones first (the same numbers), cheapest first, then those that change the numerics, "
+              "pulled one after another (kept when they save bytes) until it fits; alone where that needs no other "
+              "trace (--levers all traces each):")
         print(levers_table(result.levers).text())
         flags = to_fit(result.levers)
         print("\nTo fit: " + (" ".join(flags) if flags else "no combination of these levers fits; more ranks (--dp) "

@@ -169,8 +169,12 @@ class CausalLM(nn.Module):
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed(idx)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None, head_loss=None):
+        """``head_loss(hidden, head, targets) -> loss``, with targets: a loss that applies the head itself
+        (chunked, fused with it) and returns no logits; the default is the head, then the loss."""
         x = (run_blocks or run_in_order)(self.blocks, self.embed_tokens(idx))
+        if head_loss is not None and targets is not None:
+            return None, head_loss(self.norm(x), self.head, targets)
         logits = self.head(self.norm(x))
         return logits, causal_lm_loss(logits, targets)
 
@@ -878,7 +882,9 @@ class HFCausalLM(nn.Module):
         owner, name = self._stack()
         return getattr(owner, name)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None, head_loss=None):
+        if head_loss is not None:  # transformers' model applies its own head and loss
+            raise ValueError("a Hugging Face model computes its own loss: head_loss must be None")
         with _one_sequence_per_row(idx):
             if run_blocks is None:
                 logits = self.hf(input_ids=idx, use_cache=False).logits

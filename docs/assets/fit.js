@@ -49,6 +49,8 @@
       a.value > b.value ? a.value : b.value, false);
   };
   const ZERO = new Expr("0", "0", 0n, false);
+  /** Python: fit_expr.total: the sum of the terms that are not ZERO. */
+  const total = (...terms) => terms.filter((t) => t !== ZERO).reduce((a, t) => (a === null ? t : a.add(t)), null) || ZERO;
   const n = (x) => lift(x);  // a literal
 
   // ---------------------------------------------------------------------------- the model (labkit.zoo's closed forms)
@@ -156,11 +158,20 @@
     }
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
+    if (x.loss !== "full" && x.lora_rank) {
+      say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
+    }
+    if (x.task === "decode") {
+      if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
+        say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
+      } else if (x.new_tokens > (x.kv_len || x.seq)) {
+        say("new_tokens", `--new-tokens ${x.new_tokens} is more than the cache holds, --kv-len ${x.kv_len || x.seq}`);
+      }
     }
     return err;
   }
@@ -194,9 +205,9 @@
     } else {
       if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
-      let y = x;
-      if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none",
+      let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
+      if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -246,7 +257,8 @@
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
-      so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E };
+      so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
+      u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -295,10 +307,40 @@
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
     let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
-    if (mixed) kept = kept.add(head);
+    if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
+    if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none") kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO, loss: mixed ? loss.add(head) : loss };
+    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO,
+      loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
+  }
+
+  /** Python: fit_formula.chunked_loss (--loss chunked and fused-linear, Lab 13's fit_loss.py). */
+  function chunkedLoss(x, S, held, act) {
+    const cast = act.autocast ? S.c.mul(S.V).mul(S.h) : ZERO;
+    const wide = act.autocast ? S.c.mul(S.u).mul(S.h) : ZERO;
+    const pending = S.T.sub(S.u).mul(S.r).mul(S.h);
+    const frame = S.r.value < 4n ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.loss === "fused-linear") {
+      const logits = S.c.value < 4n ? n(4).mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.V)) : n(4).mul(S.u).mul(S.V);
+      const step = total(act.cache, cast, S.T.mul(S.r).mul(S.h), logits, S.c.mul(S.V).mul(S.h), wide, frame);
+      const head = (fsdpMixed(x) ? S.c : S.w).mul(S.V).mul(S.h);
+      return { forward_end: Object.assign({}, held, { gradients: total(held.gradients, head), activations: act.kept,
+        temporaries: step }) };
+    }
+    const logits = S.c.value < 4n ? S.c.add(8).mul(S.u).mul(S.V) : n(8).mul(S.u).mul(S.V);
+    const several = S.T.value > S.u.value;
+    const buffer = several ? S.c.mul(S.V).mul(S.h) : ZERO;
+    let headGradient;
+    if (act.autocast) headGradient = total(pending, S.c.mul(S.u).mul(S.V), cast, buffer, n(2).mul(wide), S.c.mul(S.V).mul(S.h));
+    else if (several) headGradient = total(pending, n(3).mul(S.c).mul(S.V).mul(S.h));
+    else headGradient = S.c.mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.h)).add(S.c.mul(S.V).mul(S.h));
+    return {
+      forward_end: Object.assign({}, held, { activations: act.kept, temporaries: total(act.cache, cast, logits, frame) }),
+      backward_start: Object.assign({}, held, { activations: act.kept,
+        temporaries: total(pending, n(12).mul(S.u).mul(S.V), cast, buffer, wide) }),
+      head_gradient: Object.assign({}, held, { activations: act.kept, temporaries: headGradient }),
+    };
   }
 
   function modelState(x, S) {
@@ -374,7 +416,10 @@
     if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
-    if (x.zero_stage <= 1 && !x.lora_rank) {
+    if (x.loss !== "full") {
+      delete out.backward_start;
+      Object.assign(out, chunkedLoss(x, S, held, act));
+    } else if (x.zero_stage <= 1 && !x.lora_rank) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
         activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
@@ -422,7 +467,7 @@
     return alive.add(larger(n(8).mul(S.p).mul(S.h), mlp)).add(read);
   }
 
-  // Python: fit_formula.weights. The blocks' matrices as --weights stores them, the rest in w bytes.
+  // Python: fit_serve.weights. The blocks' matrices as --weights stores them, the rest in w bytes.
   function weights(x, S) {
     if (x.weights === "bf16") return S.w.mul(S.P);
     const Q = S.L.mul(S.Pq), rest = S.w.mul(S.P.sub(Q));
@@ -438,6 +483,11 @@
     if (x.task === "serve") {
       const kv = S.N.mul(ceilDiv(S.C, S.B)).mul(S.B).mul(kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]));
       return { parameters: weights(x, S), activations: prefill(S), kv_cache: kv };
+    }
+    if (x.task === "decode") {  // Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+      const step = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.b).mul(S.j),
+        S.b.mul(S.j).mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
+      return { parameters: S.w.mul(S.P), kv_cache: n(2).mul(S.L).mul(S.b).mul(S.D).mul(S.g).mul(S.c), temporaries: step };
     }
     let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
     if (x.precision === "mixed" && !fsdpMixed(x)) work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
@@ -470,6 +520,7 @@
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
     "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
     "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
     "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
     "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
@@ -756,7 +807,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -768,8 +819,9 @@
   const GROUPS = [
     ["The model", null, ["model"]],
     ["The task", null, ["task", "precision"]],
-    ["The step", "train infer", ["batch", "seq"]],
-    ["", "train", ["accumulation", "checkpointing", "optimizer", "lora_rank"]],
+    ["The step", "train infer decode", ["batch", "seq"]],
+    ["", "decode", ["kv_len", "new_tokens"]],
+    ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
@@ -779,7 +831,7 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
-    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", serve: "the serving budget",
+    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
   function h(tag, attrs, ...kids) {
@@ -1118,7 +1170,7 @@
         "data-pulls": String(s.pulls) },
         h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
-        h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
+        h("br"), h("small", {}, `${s.lever.numerics}; cost: ${s.lever.cost[x.task]}`,
           s.lever.lab[x.task] ? h("span", {}, " · ", labLink(s.lever.lab[x.task])) : null)));
     }
     UI.levers.append(list);

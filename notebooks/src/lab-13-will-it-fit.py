@@ -21,7 +21,8 @@
 # 2. Lab 01's formulas against the trace, category by category, and why each differs (Megatron's
 #    mixed precision is not torch AMP's; a Llama block is not a GPT block). Under torch AMP a third of
 #    the "activations" are bf16 casts of the weights that autocast saves for backward: their own line.
-# 3. Levers are pulled cheapest first; the first rung that fits is the cheapest way found.
+# 3. Levers are pulled exact ones first (the same loss and gradients), each cheapest first, then those that
+#    change the numerics; the first rung that fits is the cheapest way found.
 
 # %%
 import contextlib
@@ -87,7 +88,7 @@ fp32_8b = lab.trace(lab.Config(model="llama-3-8b", seq=4096, precision="fp32", l
 print("activations, fp32:", tables.format_bytes(fp32_8b.derived["category_max"]["activations"]))
 
 # %% [markdown]
-# ## The levers, cheapest first
+# ## The levers, exact ones first, each cheapest first
 #
 # Each lever is one change of configuration. The ladder pulls them in order of what they cost
 # (`fit_levers.LEVERS` states each cost), keeps a lever when it lowers the peak, re-traces after each,
@@ -174,11 +175,28 @@ bf16_fused_full_8b = zoo_peaks["llama-3-8b", FUSED]
 adam8bit_8b = bf16_fused_full_8b - 2 * llama8b.trace.derived["params"]  # two moments: 2 B -> 1 B per parameter each
 print(f"8-bit Adam on bf16 weights, full checkpointing (derived): {tables.format_bytes(adam8bit_8b)}")
 
+# %% [markdown]
+# ## The loss at 32k tokens: full, chunked, fused with the head
+#
+# Llama-3-8B at 32,768 tokens, AMP, fused AdamW, full checkpointing, traced three times with `--loss`
+# (`fit_loss.py`): the model's own loss (every token's logits, their float32 copy and their gradient
+# at once), the chunked loss (8 chunks, each recomputed in backward) and the fused linear +
+# cross-entropy (gradients taken chunk by chunk in forward). `tests/test_lab13.py` holds both to the
+# full loss's value and gradients.
+
+# %%
+LOSSES = ("full", "chunked", "fused-linear")
+loss_traces = {loss: lab.trace(lab.Config(model="llama-3-8b", seq=32768, optimizer="adamw-fused", checkpointing="full",
+                                          loss=loss, levers="none")) for loss in LOSSES}
+loss_32k = tables.fits_table([(f"--loss {loss}", t) for loss, t in loss_traces.items()], ["h100-80gb", "h200-141gb",
+                                                                                       "b200-180gb", "mi300x-192gb"])
+display(loss_32k)
+
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo},
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
@@ -193,4 +211,6 @@ notebook.publish(
     two_gpus_need_8b=two_gpus.reserved["need_bytes"], two_gpus_fits_8b=two_gpus.fits,
     two_gpus_phase_8b=two_gpus.derived["peak_phase"], bf16_fused_full_8b=bf16_fused_full_8b, adam8bit_8b=adam8bit_8b,
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
+    **{f"loss_{loss.replace('-', '_')}_32k": t.per_rank_peak_bytes for loss, t in loss_traces.items()},
+    loss_peak_phase_full_32k=loss_traces["full"].derived["peak_phase"],
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
