@@ -33,7 +33,8 @@ class Config(LabConfig):
     """Time the replay of a Llama-3-8B step through Lab 16's allocator model."""
 
     repeats: int = option(3, "replays of each setting (the median is reported)", min=1, max=20)
-    out: Path | None = option(None, "where to write the results (default: results/allocator_bench.json)")
+    out: Path | None = option(None, "where to write the results (default: results/allocator_bench.json)",
+                               path="write")
 
 
 def run(config: Config) -> dict:

@@ -64,6 +64,7 @@ QUICK = {
     "memory_debugging": ["--steps", "2", "--batch-size", "1", "--seq-len", "16", "--scenario", "fixed"],
     "fit": ["--seq", "16", "--batch", "1"],
     "serve_memory": ["--requests", "2"],
+    "caching_allocator": ["--workload", "step", "--seq", "16", "--batch", "1"],
 }
 
 

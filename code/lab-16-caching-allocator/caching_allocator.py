@@ -32,8 +32,8 @@ from typing import Literal
 import alloc_conf
 import replay
 from allocator_blocks import GiB, KiB, MiB, Options, format_size, round_size, segment_size
-from labkit import cli, fake, labs, provenance
-from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit import cli, fake, labs, provenance, zoo
+from labkit.config import MAX_BYTES, LabConfig, UsageError, option, summary_of
 from labkit.ledger import Ledger
 from labkit.table import Table
 from replay import Events, Replay
@@ -92,15 +92,18 @@ class Config(TrainingRun, Step, LabConfig):
                                  "expandable_segments:True)", metavar="TEXT")
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU whose memory the allocator has (its driver's total)")
     capacity: int | None = option(None, "the GPU's bytes instead of --gpu's, e.g. 24GiB", parse=parse_bytes,
-                                  metavar="BYTES", min=1)
+                                  metavar="BYTES", min=1, max=MAX_BYTES)
     iters: int = option(12, "changing-batch: batch sizes, one sample more each (Lab 12's default)", min=1, max=64)
     layers: int = option(8, "changing-batch: buffer pairs kept alive per batch (Lab 12's default)", min=1, max=64)
-    cap_mb: int = option(1024, "fragmented, pressure: the memory cap (set_per_process_memory_fraction), MiB", min=128)
-    ledger: Path | None = option(None, "replay this ledger file (written by --export) instead of a workload")
-    export: Path | None = option(None, "write the workload's ledger file here")
+    cap_mb: int = option(1024, "fragmented, pressure: the memory cap (set_per_process_memory_fraction), MiB", min=128,
+                        max=MAX_BYTES >> 20)
+    ledger: Path | None = option(None, "replay this ledger file (written by --export) instead of a workload",
+                                 path="read")
+    export: Path | None = option(None, "write the workload's ledger file here", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        zoo.get(self.model)  # --model is read with the flags: a bad name or config.json is refused before any run
         self.options = alloc_conf.parse(self.alloc_conf)
         total = self.total_bytes
         if total < CUDA_CONTEXT + 2 * MiB:  # the smallest segment is 2 MiB (allocator_model.SMALL_BUFFER)

@@ -71,6 +71,10 @@ fig_segments, axes = plt.subplots(2, 1, figsize=(10, 6), layout="constrained")
 for ax, (name, picture) in zip(axes, pictures):
     plot.plot_segments(picture.segments(), ax=ax, row_bytes=row_bytes, rows=8,
                        title=f"{name}: reserved {picture.peak_reserved / 2**30:.2f} GiB (simulated)")
+notebook.show(fig_segments, alt="The cached segments of Lab 12's changing batch at its peak, simulated, one row of "
+              "blocks per segment: with the default settings many segments hold cached blocks no request fits; "
+              "with expandable segments one segment grows and holds the live tensors",
+              caption="Notice the hatched blocks of the default setting: reserved bytes no tensor uses.")
 
 # %% [markdown]
 # ## Lab 12's fragmented cache, and the message a GPU prints
@@ -107,6 +111,10 @@ ax.axhline(titan["published_bytes"] / 2**30, ls="--", color=plot.CATEGORY_COLORS
            label="published: torchtitan's max reserved")
 ax.set(xlabel="allocator events (two steps)", ylabel="GiB", ylim=(0, titan["published_bytes"] / 2**30 * 1.15))
 ax.legend(loc="lower right", fontsize=8)
+notebook.show(fig_lead, alt="Two steps of Llama-3.1-8B under FSDP2 on 8 GPUs as torchtitan ran it: the traced live "
+              "bytes, the simulated reserved bytes above them, and torchtitan's published maximum reserved as a "
+              "dashed line", caption="Notice the simulated reserved line ends near the published figure, well above "
+              "the live tensors.")
 pools = Table(["pool (stream)", ("reserved", "bytes")], [[k, v] for k, v in sorted(r.by_stream.items())], unit="GiB")
 display(pools)
 
