@@ -158,6 +158,7 @@
     }
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
+    }
     if (x.loss !== "full" && x.lora_rank) {
       say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }

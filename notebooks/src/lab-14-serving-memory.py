@@ -91,7 +91,7 @@ notebook.show(fig, alt="For each of the paged, static and growing caches, the po
 # %%
 fig_ledger, ax_ledger = plt.subplots(figsize=(10, 5.2), dpi=110, layout="constrained")
 plot.plot_timeline(result.ledgers["paged"].timeline(), ax=ax_ledger, max_points=400,
-                   title=f"Lab 14 · paged cache serving {len(result.requests)} requests (measured by the ledger)")
+                   title=f"Paged cache, {len(result.requests)} requests (ledger)")
 notebook.show(fig_ledger, alt="The memory ledger's timeline of the paged run: the parameters, the KV pool "
                               "allocated once, and each step's temporaries")
 
