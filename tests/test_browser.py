@@ -316,6 +316,7 @@ READABLE = """(root) => {
     if (o < 0.05) return;
     const bg = behind(el), fg = rgba(s.color), ink = over([fg[0], fg[1], fg[2], fg[3] * o], bg);
     const a = lum(ink), b = lum(bg), px = parseFloat(s.fontSize), text = (el.innerText || el.value || "").trim();
+    if (!control && !text) return;  // no rendered text (innerText empty, as a link being redrawn): nothing to read
     const large = px >= 24 || (px >= 18.66 && Number(s.fontWeight) >= 700);
     out.push({tag: el.tagName.toLowerCase(), cls: String(el.className).slice(0, 50), text: text.slice(0, 40), px,
               contrast: (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05), need: large || (control && !text) ? 3 : 4.5,
