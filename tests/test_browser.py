@@ -30,8 +30,7 @@ from test_bench import load_bench
 pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARGS = load_bench("fit_ui_bench").ARGS  # Chromium's flags, one list for the tests and the benchmark
 
 
 def _missing(reason: str):
