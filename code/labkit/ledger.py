@@ -67,6 +67,7 @@ buffers), and tensors created before the ledger was entered unless you register 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -226,7 +227,7 @@ class Ledger(TorchDispatchMode):
 
     def _records_of(self, tensors) -> list[StorageRecord]:
         flat, _ = tree_flatten(tensors)
-        sids = {self.storage_id(t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t)
+        sids = {self.storage_id(t._local_tensor if _is_dtensor(t) else t)
                 for t in flat if isinstance(t, torch.Tensor)}
         return [self.records[sid] for sid in sorted(s for s in sids if s is not None)]
 
@@ -289,7 +290,8 @@ class Ledger(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTensor is not None and any(t is _DTensor for t in types):
+        dtensor = dtensor_type()
+        if dtensor is not None and any(t is dtensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops, then count those
         out = func(*args, **(kwargs or {}))
         if func is _LIFT_FRESH:
@@ -383,7 +385,7 @@ class Ledger(TorchDispatchMode):
         return freed
 
     def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
-        if _DTensor is not None and isinstance(t, _DTensor):
+        if _is_dtensor(t):
             t = t._local_tensor  # this rank's shard is what occupies its memory
         if t.device.type == "meta" or t.untyped_storage().device.type == "meta" and not self._counts_fake(t):
             return
@@ -568,10 +570,17 @@ _AUTO_RANK = {
 }
 
 
-try:  # DTensor is public from torch 2.5; a build without it has none to look through
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
+def dtensor_type():
+    """DTensor's class once ``torch.distributed.tensor`` is imported (public from torch 2.5), else None:
+    no DTensor exists before that import, and a command line that needs none skips its cost (about
+    half a second: sympy and DTensor's op tables)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(t) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
