@@ -9,9 +9,9 @@ what it saves.
 
 The backend here is that pipeline with one change: the compilers return the two FX graphs as they are,
 with no code generated. They run as Python, op by op, so on fake tensors and under the ledger like any
-eager step. Every block is compiled as torchtitan compiles it (``torch.compile(block, fullgraph=True)``
-per block, ``torchtitan/models/llama3/infra/parallelize.py: apply_compile``); the embedding, the head and
-the loss stay eager. ``tests/test_lab13.py`` holds the compiled step's loss and gradients to eager's and
+eager step. Every block is compiled as torchtitan compiles it, ``torch.compile(block, fullgraph=True)`` per
+block (``apply_compile`` in https://github.com/pytorch/torchtitan/blob/81c1243395b46ce693a0681cfe1bb20e9b9433fb/torchtitan/models/llama3/infra/parallelize.py);
+the embedding, the head and the loss stay eager. ``tests/test_lab13.py`` holds the compiled step's loss and gradients to eager's and
 its trace to the real ledger.
 
 What inductor's generated code changes, which no graph run as Python can show:
