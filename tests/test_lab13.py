@@ -136,6 +136,17 @@ def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
         lab13.Config(**{"model": "small-llama", "compile": True, **fields})
 
 
+def test_the_ladder_under_compile_offers_only_levers_it_can_trace(lab13):
+    """Checkpointing is refused with --compile, so the ladder leaves it out rather than stop at it."""
+    levers = load_lab(13, "fit_levers")
+    config = small(lab13, compile=True)
+    assert not levers._traceable(config, {"checkpointing": "full"})
+    assert levers._traceable(config, {"optimizer": "adamw-fused"})
+    names = {lever.name for lever, changes in ((lv, lv.pull(config)) for lv in levers.LEVERS) if changes
+             and levers._traceable(config, changes)}
+    assert names and not any("checkpointing" in name for name in names)
+
+
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
     """ZeRO-2/3 step the local shards (ShardOptimizer): the same allocations in the optimizer step as
     AdamW over FSDP2's DTensors, once DTensor's sharding propagation has warmed up."""

@@ -48,7 +48,7 @@ class Partitioned:
 
     def partition(self, joint, inputs, **kwargs):
         self.user_outputs = kwargs["num_fwd_outputs"]  # the block's own outputs; the rest are saved
-        return partition_fn(joint, inputs, **kwargs)  # (1)!
+        return partition_fn(joint, inputs, **kwargs)  # inductor's joint-graph passes, then its min-cut
 
     def forward(self, graph, example_inputs):
         self.graphs += 1
@@ -56,7 +56,7 @@ class Partitioned:
 
         def run(args):
             inputs = {t.untyped_storage()._cdata for t in args if isinstance(t, torch.Tensor)}
-            outputs = graph(*args)  # (2)!
+            outputs = graph(*args)  # the forward graph as Python: the ledger sees each op
             self.calls += 1
             self.saved.append(storage_bytes(outputs[keep:], inputs))
             return outputs
