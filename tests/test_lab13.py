@@ -49,7 +49,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
     {"compile": True},
-    {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2},
+    {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
+     "loss": "chunked"},
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
