@@ -24,6 +24,11 @@ What inductor's generated code changes, which no graph run as Python can show:
   pool that outlives the step. The default mode uses none.
 
 So the saved tensors are the compiled step's, to the byte. Its temporaries are an upper bound.
+
+Not traced: checkpointing with ``--compile``. torchtitan wraps each block in its checkpoint before compiling
+it; the compiled forward then calls the higher-order op ``run_and_save_rng_state``
+(``torch/_prims/rng_prims.py``), and a dispatch mode without a rule for it (the ledger) gets
+``NotImplementedError`` from ``torch/_ops.py``. Nor FSDP2 (its hooks inside the compiled block) or a MoE.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ def compiled(model, config, steady: int):
     yield backend
     expected = len(model.blocks) * min(config.accumulation, steady)
     if backend.calls != expected:
-        raise RuntimeError(f"--compile: {backend.calls} compiled block forwards ran, not {expected}: a block ran eager")
+        raise RuntimeError(f"--compile: {backend.calls} compiled block forwards ran, not {expected} (one per block and "
+                           "micro-batch): a block ran eager, or ran again")
 # --8<-- [end:compile]
 
 
@@ -103,8 +109,9 @@ def check_compile(config) -> None:
     for bad, why in ((config.task != "train", f"--task {config.task} has no backward to partition: --task train"),
                      (config.spec.family != "llama" or config.spec.experts, f"{config.model} is not a dense zoo Llama "
                       "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
-                     (config.checkpointing != "none", "--checkpointing is applied around each block from outside; "
-                      "a compiled step checkpoints inside the graph, which is not traced: --checkpointing none"),
+                     (config.checkpointing != "none", "torchtitan checkpoints inside each compiled block, and there "
+                      "the compiled forward calls the higher-order op run_and_save_rng_state, which the ledger has no "
+                      "rule for (NotImplementedError in torch/_ops.py): not traced; give --checkpointing none"),
                      (config.zero_stage >= 2 or config.offload == "params", "FSDP2's hooks would run inside each "
                       "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params")):
         if bad:
