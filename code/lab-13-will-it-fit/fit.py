@@ -13,6 +13,7 @@ traces on a laptop in seconds.
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
+    --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
@@ -47,6 +48,7 @@ from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
+from fit_compile import check_compile, compiled
 from fit_gap import derive
 from fit_decode import StaticCache, decode_step
 from fit_gpus import GPUS
@@ -125,7 +127,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe,
@@ -204,6 +206,9 @@ class Config(TrainingRun, Step, LabConfig):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
+    compile: bool = option(False, "train: every block torch.compile'd, AOTAutograd's graphs run as Python (fit_compile.py): "
+                           "what its partitioner saves is traced; inductor's fused kernels and buffer reuse are not, "
+                           "so temporaries are an upper bound; not with a MoE, checkpointing or FSDP2")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
 
@@ -224,6 +229,7 @@ class Config(TrainingRun, Step, LabConfig):
             raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
         if self.task == "decode":
             self.check_decode()
+        check_compile(self)
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--loss chunked or fused-linear", self.loss != "full"),

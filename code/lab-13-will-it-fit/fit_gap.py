@@ -158,6 +158,8 @@ def reasons(trace) -> dict[str, str]:
                         f"{s.family} block keeps a {s.ffn:,}-wide SwiGLU, fp32 RMSNorm inputs, RoPE'd q and k and "
                         f"SDPA's output and log-sum-exp, no scores; plus the loss's fp32 log-softmax, "
                         f"{format_bytes(logits)}" + ("; plus autocast's bf16 weight casts (next line)" if amp else "")
+                        + ("; --compile: what AOTAutograd's partitioner saves, cheap pointwise ops recomputed in backward"
+                           if getattr(c, "compile", False) else "")
                         if c.checkpointing != "full" else
                         "full checkpointing keeps each block's input in the residual stream's dtype "
                         f"({'fp32 under autocast' if amp else c.precision}); plus the loss's fp32 log-softmax, "

@@ -89,6 +89,10 @@ class WeightCasts(TorchDispatchMode):
         super().__init__()
         self.ledger, self.sids = ledger, set()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # under torch.compile: off while it compiles, on for the compiled code (as Ledger)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(getattr(t, "__name__", "") == "DTensor" for t in types):
             return NotImplemented  # DTensor's local ops come back here

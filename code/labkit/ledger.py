@@ -254,6 +254,13 @@ class Ledger(TorchDispatchMode):
                 self._phase = outer
 
     # ------------------------------------------------------------------ mode plumbing
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Under ``torch.compile`` the ledger is off while Dynamo and AOTAutograd trace and compile, and on
+        again for the compiled code (``torch.utils._python_dispatch``): it counts what the compiled step
+        runs, not the compiler's own tensors. Without this, Dynamo runs every frame eager under a mode."""
+        return True
+
     def __enter__(self):
         if self._depth == 0:
             from labkit.cuda import warm_up

@@ -96,6 +96,10 @@ class Traffic(TorchDispatchMode):
     def summary(self) -> dict:
         return {"collectives": {k: dict(v) for k, v in sorted(self.ops.items())}, "h2d_bytes": self.h2d_bytes}
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # under torch.compile: off while it compiles, on for the compiled code (as Ledger)
+
 
 def label(tensors) -> None:
     """``tensors`` are communication buffers, for every ledger that is watching."""
