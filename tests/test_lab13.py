@@ -46,6 +46,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "chunked", "checkpointing": "full"},
     {"loss": "fused-linear", "precision": "bf16", "accumulation": 2},
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
+    {"float8": "tensorwise"},
+    {"float8": "tensorwise", "precision": "bf16", "checkpointing": "full", "accumulation": 2},
+    {"float8": "tensorwise", "dp": 2, "zero_stage": 3},
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")

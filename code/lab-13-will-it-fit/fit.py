@@ -12,6 +12,7 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
+    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
@@ -49,6 +50,7 @@ from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_gap import derive
 from fit_decode import StaticCache, decode_step
+import fit_float8 as float8
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -119,6 +121,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
+        if config.float8 != "none":
+            float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
         optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
@@ -222,11 +226,13 @@ class Config(TrainingRun, Step, LabConfig):
                              "not a Hugging Face config's")
         if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
             raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        if self.float8 != "none" and spec.family != "llama":
+            raise UsageError(f"--float8 converts a dense zoo Llama's block linears (--model llama-3-8b, ...), not {self.model}'s")
         if self.task == "decode":
             self.check_decode()
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
-                              ("--loss chunked or fused-linear", self.loss != "full"),
+                              ("--loss chunked or fused-linear", self.loss != "full"), ("--float8", self.float8 != "none"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
                     raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")
