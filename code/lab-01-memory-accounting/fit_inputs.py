@@ -156,6 +156,11 @@ class Inputs(TrainingRun, Subject):
         if self.loss != "full" and self.lora_rank:
             raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
                              "use --loss full")
+        head = d["head_dim"] or d["hidden"] // d["heads"]
+        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or self.lora_rank or any(
+                v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):
+            raise UsageError(f"--float8 {self.float8} converts a dense Llama's block linears, each dimension a multiple of "
+                             "16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
