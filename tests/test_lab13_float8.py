@@ -4,8 +4,8 @@ what it keeps for backward, and its bad input."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -90,17 +90,24 @@ def test_a_small_llama_in_float8_trains_like_the_bf16_one_within_a_stated_tolera
     assert any(not torch.equal(got_grads[n], g) for n, g in want_grads.items())
 
 
-def test_under_autocast_a_float8_linear_keeps_no_bf16_copy_of_its_weight():
-    """torch AMP: autocast saves a bf16 cast of every linear's weight for backward; the float8 linear saves
-    the fp32 weight itself (torchao's default: the high-precision operands) and the same bf16 input, so the
-    traced weight casts at the turn to backward are only the head's."""
+def test_a_float8_linear_keeps_what_a_bf16_linear_keeps_and_under_autocast_no_weight_cast():
+    """torchao's default saves the high-precision operands. In pure bf16 that is what a plain linear saves: the
+    same activations and the same peak. Under torch AMP autocast saves a bf16 cast of every linear's weight for
+    backward; the float8 linear saves the fp32 weight itself and the same bf16 input, so the traced weight casts
+    at the turn to backward are only the head's."""
     lab13 = load_lab(13)
-    config = lab13.Config(model="small-llama", seq=32, batch=2, levers="none")
-    plain, float8 = lab13.trace(config), lab13.trace(replace(config, float8="tensorwise"))
-    spec = config.spec
-    head = 2 * spec.vocab * spec.width
-    assert plain.derived["weight_casts"]["at_activations_max"] > head
-    assert float8.derived["weight_casts"]["at_activations_max"] == head
+    for precision in ("bf16", "mixed"):
+        config = lab13.Config(model="small-llama", seq=32, batch=2, levers="none", precision=precision,
+                              optimizer="adamw-fused")
+        plain, float8 = lab13.trace(config), lab13.trace(dataclasses.replace(config, float8="tensorwise"))
+        if precision == "bf16":
+            assert float8.per_rank_peak_bytes == plain.per_rank_peak_bytes
+            assert float8.derived["category_max"] == plain.derived["category_max"]
+        else:
+            head = 2 * config.spec.vocab * config.spec.width
+            assert plain.derived["weight_casts"]["at_activations_max"] > head
+            assert float8.derived["weight_casts"]["at_activations_max"] == head
+            assert float8.per_rank_peak_bytes < plain.per_rank_peak_bytes
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -121,3 +128,16 @@ def test_float8_refuses_what_it_does_not_trace(fields, fragment):
     lab13 = load_lab(13)
     with pytest.raises(UsageError, match=re.escape(fragment)):
         lab13.Config(**{"model": "small-llama", "float8": "tensorwise", **fields})
+
+
+def test_fsdp_float8_all_gather_halves_the_gathered_linears_derived(f8):
+    """The derived figure the page gives for torchao's enable_fsdp_float8_all_gather: a block's gathered bytes
+    are its linears at 1 B (plus one fp32 scale each) and its two norms at 2 B, against 2 B for all of it;
+    counted off the zoo's block, which the zoo's closed-form parameter count confirms."""
+    spec = zoo.get("llama-3-8b")
+    out = f8.fsdp_float8_all_gather(spec, dp=8)
+    per_block = (spec.param_count() - dataclasses.replace(spec, layers=1).param_count()) // (spec.layers - 1)
+    assert out["block"] == per_block and out["linears"] == per_block - 2 * spec.width and out["scales"] == 7
+    assert out["block_bf16"] == 2 * per_block
+    assert out["block_float8"] == out["linears"] + 4 * spec.width + 4 * 7
+    assert out["received_float8"] == 2 * spec.layers * out["block_float8"] * 7 // 8

@@ -103,3 +103,26 @@ def convert(model: nn.Module) -> int:
                 setattr(parent, name, new)
                 swapped += 1
     return swapped
+
+
+# --8<-- [start:all-gather]
+def fsdp_float8_all_gather(spec, dp: int) -> dict:
+    """Derived, not traced: what torchao's ``enable_fsdp_float8_all_gather`` changes on each of ``dp`` FSDP2 ranks
+    that gather bf16 weights (MixedPrecisionPolicy(param_dtype=bf16)). Each rank casts its shard of a float8
+    linear's weight to e4m3 before the all-gather (one scale per weight, its largest magnitude all-reduced over
+    the ranks), so the gathered weight is 1 byte per element instead of 2, with one fp32 scale; the norms are
+    gathered in bf16 as before. A float8 linear then uses that weight as it is: no cast in forward or backward.
+
+    Returns, for one block of ``spec``: its gathered bytes both ways, and the bytes each rank receives in a step
+    in which every block is gathered twice (forward, and again in backward after resharding)."""
+    with torch.device("meta"):
+        block = spec.build().blocks[0]
+    linears = [m.weight.numel() for m in block.modules() if convertible(m)]
+    everything = sum(p.numel() for p in block.parameters())
+    bf16 = 2 * everything
+    float8 = 1 * sum(linears) + 2 * (everything - sum(linears)) + 4 * len(linears)  # bits, norms in bf16, scales
+    gathers = 2 * spec.layers  # per step; each rank receives all but its own shard
+    return {"linears": sum(linears), "block": everything, "scales": len(linears), "block_bf16": bf16,
+            "block_float8": float8, "received_bf16": gathers * bf16 * (dp - 1) // dp,
+            "received_float8": gathers * float8 * (dp - 1) // dp}
+# --8<-- [end:all-gather]
