@@ -55,8 +55,9 @@ class TrainingRun:
         "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
     float8: Literal["none", "tensorwise"] = option(
         "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
-        "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor); the weights, optimizer and the "
-        "rest of the step keep --precision (mixed or bf16)")
+        "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
+        "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
+        "(mixed or bf16)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")

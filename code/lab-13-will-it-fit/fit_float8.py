@@ -15,8 +15,9 @@ What backward keeps: torchao's default saves the **high-precision** input and we
 (``ctx.save_for_backward(input_hp, weight_hp_t)``) and casts them again in backward, so a float8
 linear keeps the same bf16 input a plain one keeps. Under torch AMP it keeps no bf16 copy of the
 weight: autocast does not cast it (the weight goes to float8 from fp32), so the copies autocast
-caches for every linear are gone. Each cast here makes one fp32 copy of its tensor for an instant
-(eager mode; under torch.compile the cast is one fused kernel). ``torch._scaled_mm`` multiplies
+caches for every linear are gone. Each cast here makes, for an instant, its tensor's magnitudes (for the
+scale) and one fp32 copy (eager mode, as torchao's eager casts do; under torch.compile the cast is one
+fused kernel and neither exists). ``torch._scaled_mm`` multiplies
 the float8 operands (it runs on a CPU in torch 2.13, and has a fake-tensor kernel) with a row-major
 first operand and a column-major second, so backward copies the float8 operands it needs
 transposed, as torchao's ``preprocess_addmm`` does. The layers converted are the blocks' linears
