@@ -193,7 +193,7 @@ loss_32k = tables.fits_table([(f"--loss {loss}", t) for loss, t in loss_traces.i
 display(loss_32k)
 
 # %% [markdown]
-# ## float8 linears (`--float8 tensorwise`)
+# ## float8 linears, torchao's tensorwise recipe
 #
 # torchao's `Float8Linear` with dynamic tensorwise scaling, in plain PyTorch (`fit_float8.py`): Llama-3-8B
 # at 4,096 tokens with fused AdamW, under AMP and in pure bf16, each with and without float8 linears
