@@ -192,7 +192,7 @@ def command(x: Inputs, gpu: str) -> list:
         if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
             x = replace(x, kv_len=None, new_tokens=1)
         if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full",
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full", float8="none",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -323,6 +323,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
                   "lora_rank": rng.choice((0, 0, 0, 8, 64))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
+            f["float8"] = rng.choice(("none", "none", "none", "tensorwise"))
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -344,6 +345,7 @@ BAD = [
     # a choice no control offers: marked beside the control, computed with its default
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
+    ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '

@@ -124,6 +124,8 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "selective", "accumulation": 2},
     {"precision": "mixed", "offload": "optimizer"},
     {"precision": "mixed", "task": "infer", "batch": 2},
+    {"precision": "mixed", "optimizer": "adamw-fused", "float8": "tensorwise"},  # no weight casts kept
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks at 1,024 tokens traced by Lab 13 (fake tensors, one steady-state step): the
@@ -186,6 +188,18 @@ def test_the_loss_formulas_follow_a_real_scale_trace_within_0_1_percent(loss):
     traced = lab13.trace(lab13.Config(model="llama-3-8b", seq=8192, optimizer="adamw-fused", loss=loss, levers="none"))
     mine = sum(fit.estimate(Inputs(model="llama-3-8b", seq=8192, optimizer="adamw-fused", loss=loss)).values())
     assert mine == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
+
+
+def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
+    """Llama-3-8B at 4,096 tokens (AMP, fused AdamW) with --float8 tensorwise: the peak, traced, and the formula's,
+    which leaves out the bf16 weight casts autocast keeps for a plain linear."""
+    lab13 = labs.load(13)
+    fields = {"seq": 4096, "optimizer": "adamw-fused", "float8": "tensorwise"}
+    traced = lab13.trace(lab13.Config(model="llama-3-8b", levers="none", **fields))
+    x = Inputs(model="llama-3-8b", **fields)
+    assert sum(fit.estimate(x).values()) == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
+    plain = fit.estimate(dataclasses.replace(x, float8="none"))
+    assert plain["activations"] - fit.estimate(x)["activations"] == 2 * fit.sizes(x).matmuls
 
 
 def test_committed_real_scale_traces_agree():
@@ -324,6 +338,8 @@ def test_results_table_is_what_the_python_computes_now():
     # a fraction that leaves a 24 GB card less than its CUDA context: a negative capacity, refused
     ({"task": "serve", "gpu_memory_utilization": 0.001}, "--gpu-memory-utilization must be in [0.1, 1]"),
     ({"task": "infer", "lora_rank": -8}, "--lora-rank"), ({"task": "serve", "seq": -1}, "--seq"),
+    ({"float8": "tensorwise", "precision": "fp32"}, "--float8 tensorwise casts bf16"),
+    ({"float8": "tensorwise", "model": "mixtral-8x7b"}, "--float8 tensorwise converts a dense Llama"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

@@ -146,7 +146,8 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
-    casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
+    casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's: kept without checkpointing, else
+    # cached; a float8 linear casts its fp32 weight to float8 itself, and saves the weight, not a cast
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
         kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:

@@ -53,6 +53,11 @@ class TrainingRun:
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
         "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
         "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
+    float8: Literal["none", "tensorwise"] = option(
+        "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
+        "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
+        "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
+        "(mixed or bf16)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -67,6 +72,11 @@ class TrainingRun:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+        if self.float8 != "none" and self.precision == "fp32":
+            raise UsageError(f"--float8 {self.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+        if self.float8 != "none" and self.checkpointing == "selective":
+            raise UsageError(f"--float8 {self.float8}: selective checkpointing saves aten.mm outputs, not float8's "
+                             "_scaled_mm: --checkpointing none or full")
 
 
 @dataclass
@@ -147,6 +157,11 @@ class Inputs(TrainingRun, Subject):
         if self.loss != "full" and self.lora_rank:
             raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
                              "use --loss full")
+        head = d["head_dim"] or d["hidden"] // d["heads"]
+        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or self.lora_rank or any(
+                v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):
+            raise UsageError(f"--float8 {self.float8} converts a dense Llama's block linears, each dimension a multiple of "
+                             "16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":

@@ -12,6 +12,7 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
+    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
@@ -50,7 +51,8 @@ from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_compile import check_compile, compiled
 from fit_gap import derive
-from fit_decode import StaticCache, decode_step
+from fit_decode import StaticCache, check_decode, decode_step
+import fit_float8 as float8
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -121,6 +123,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
+        if config.float8 != "none":
+            float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
         optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
@@ -227,12 +231,13 @@ class Config(TrainingRun, Step, LabConfig):
                              "not a Hugging Face config's")
         if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
             raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        float8.check(self)
         if self.task == "decode":
-            self.check_decode()
+            check_decode(self)
         check_compile(self)
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
-                              ("--loss chunked or fused-linear", self.loss != "full"),
+                              ("--loss chunked or fused-linear", self.loss != "full"), ("--float8", self.float8 != "none"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
                     raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")
@@ -240,17 +245,6 @@ class Config(TrainingRun, Step, LabConfig):
         if logits > INT64_MAX:
             raise UsageError(f"--batch {self.batch} x --seq {self.seq} x {spec.vocab:,} logits x 4 bytes is {logits:.3g} "
                              "bytes: more than a 64-bit integer counts")
-
-    def check_decode(self) -> None:
-        if self.spec.family not in ("llama", "mixtral"):
-            raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {self.model}'s")
-        if self.precision == "mixed":
-            raise UsageError("--task decode runs the weights' own dtype, as a server does: --precision bf16 or fp32")
-        if self.dp > 1:
-            raise UsageError("--task decode traces one GPU: Lab 14 sizes a server split over GPUs")
-        if self.new_tokens > (self.kv_len or self.seq):
-            raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
-                             f"{self.kv_len or self.seq}")
 
     @cached_property
     def spec(self):

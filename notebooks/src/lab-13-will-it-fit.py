@@ -206,6 +206,25 @@ compile_traces = {c: lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimize
 for c, t in compile_traces.items():
     print("--compile" if c else "eager    ", "activations", tables.format_bytes(t.derived["category_max"]["activations"]),
           "peak", tables.format_bytes(t.per_rank_peak_bytes), "at", t.derived["peak_phase"])
+# ## float8 linears, torchao's tensorwise recipe
+#
+# torchao's `Float8Linear` with dynamic tensorwise scaling, in plain PyTorch (`fit_float8.py`): Llama-3-8B
+# at 4,096 tokens with fused AdamW, under AMP and in pure bf16, each with and without float8 linears
+# (traced). torchao saves the high-precision operands for backward, so a float8 linear keeps what a bf16
+# one keeps; under AMP it keeps no bf16 cast of its weight. Then FSDP2's float8 all-gather, derived: one
+# block's gathered weights on 8 ranks, and what each rank receives per step.
+
+# %%
+fit_float8 = labs.load(13, "fit_float8")
+float8_8b = {(precision, f8): lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimizer="adamw-fused", precision=precision,
+                                                   float8=f8, levers="none")).per_rank_peak_bytes
+             for precision in ("mixed", "bf16") for f8 in ("none", "tensorwise")}
+gather_8b = fit_float8.fsdp_float8_all_gather(llama8b.config.spec, dp=8)
+for (precision, f8), peak in float8_8b.items():
+    print(f"{precision:5} --float8 {f8:10} peak {tables.format_bytes(peak)} (traced)")
+print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16, {tables.format_bytes(gather_8b['block_float8'])} "
+      f"with float8 all-gather; received per step per rank: {tables.format_bytes(gather_8b['received_bf16'])} -> "
+      f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
 
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
@@ -230,4 +249,6 @@ notebook.publish(
     loss_peak_phase_full_32k=loss_traces["full"].derived["peak_phase"],
     **{f"{'compiled' if c else 'eager'}_{what}_8b": t.derived["category_max"]["activations"] if what == "activations"
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
+    **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
+    float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
