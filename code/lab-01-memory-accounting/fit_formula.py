@@ -97,7 +97,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
-                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, **quantized)
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, t=x.tp, **quantized)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -105,32 +105,42 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
 
 
 # --8<-- [start:activations]
-def norm(S, readers: int) -> Expr:
+def norm(S, readers: int, sp: bool = False) -> Expr:
     """Bytes per token an RMSNorm keeps: its float32 input, 1/rms, the normalised stream, and what the
-    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast)."""
+    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast). ``sp`` (sequence
+    parallelism): the readers' part alone, of the gathered tokens; the norm's own is on T / t tokens (:func:`own`)."""
     kept = S.c * S.h if S.c.value == S.r.value else readers * S.c * S.h
-    return 4 * S.h + ROW + S.r * S.h + kept
+    return kept if sp else own(S) + kept
 
 
-def layer(S, checkpointing: str, lora: bool) -> Expr:
-    """Bytes one Llama (or Mixtral) block keeps for backward."""
+def own(S) -> Expr:
+    """An RMSNorm's own tensors per token: its float32 input, 1/rms, the normalised stream."""
+    return 4 * S.h + ROW + S.r * S.h
+
+
+def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
+    """Bytes one Llama (or Mixtral) block keeps for backward (``sp``: its norms and stream on T / t tokens,
+    the gathered inputs of its matmuls whole, as PyTorch's SequenceParallel saves them)."""
     moe = S.E.value > 0
     if checkpointing == "full":
-        return S.T * S.r * S.h  # the block's input; the rest is recomputed in backward
+        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h  # the block's input; the rest is recomputed
     if checkpointing == "selective":  # Lab 04's save-matmuls: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
         kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
     else:
-        attention = norm(S, 3) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
+        attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
             rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
             mlp = norm(S, 1) + (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
         else:
-            mlp = norm(S, 2) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
+            mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
     if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
         kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
-    return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    if checkpointing == "selective":
+        return S.T * kept
+    kept = S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp else kept
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
@@ -144,13 +154,14 @@ def gpt_layer(S, checkpointing: str) -> Expr:
 def activations(x: Inputs, S) -> dict[str, Expr]:
     """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
-    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
+    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0, x.sp)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
         kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
-        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = S.L * per + S.T * (norm(S, 1, x.sp) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = kept + ceil_div(S.T, S.t) * own(S) if x.sp else kept
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
@@ -233,7 +244,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         shards = 2 * S.w * ceil_div(ceil_div(S.P, S.L), S.dp)
         fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
-           "backward_end": end}
+           "backward_end": end, "embedding_gradient": opt}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
     return out
@@ -253,11 +264,14 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     out = {
         "forward_end": held | {"activations": act["kept"],
                                "temporaries": logits if act["cache"] is ZERO else act["cache"] + logits},
-        "backward_start": held | {"activations": act["kept"], "temporaries": 8 * S.T * S.V},  # fp32 gradients
+        "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
+    if x.tp > 1 and x.zero_stage == 0:  # DTensor has no vocabulary-split rule for the embedding's backward: its
+        whole = S.w * S.t * S.V * S.h  # whole gradient, then this rank's rows copied out of it (fit_parallel.py)
+        out["embedding_gradient"] = dict(state) | {"gradients": state["gradients"] + whole}
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)

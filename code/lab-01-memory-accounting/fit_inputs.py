@@ -22,6 +22,7 @@ from labkit.config import (
 HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
 CUSTOM = "custom"
+MAX_RANKS = 2**20  # GPUs in one run, all parallel degrees multiplied (the largest runs have about 10**5)
 
 
 def presets() -> list[str]:
@@ -58,6 +59,10 @@ class TrainingRun:
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
     offload: Literal["none", "optimizer", "params"] = option(
         "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+    tp: int = option(1, "tensor-parallel ranks: heads, KV heads, MLP and vocabulary split the Megatron way (training: "
+                     "DTensor's plan, Lab 13; serving: Lab 14); with --dp, a --dp x --tp mesh", min=1, max=1024)
+    sp: bool = option(False, "sequence parallelism over the --tp ranks: the norms and the residual stream between "
+                      "sublayers split along the sequence, each sublayer's input gathered once")
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -65,6 +70,10 @@ class TrainingRun:
             raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
         if self.offload == "params" and self.zero_stage != 3:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+        if self.sp and self.tp == 1:
+            raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
+        if self.tp * self.dp > MAX_RANKS:
+            raise UsageError(f"--tp {self.tp} x --dp {self.dp} is {self.tp * self.dp:,} GPUs: more than {MAX_RANKS:,}")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
 
@@ -99,7 +108,6 @@ class Inputs(TrainingRun, Subject):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
-    tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)",
                             min=0, max=MAX_WIDTH)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)

@@ -49,6 +49,7 @@ from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_gap import derive
 from fit_decode import StaticCache, decode_step
+import fit_parallel
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -117,15 +118,17 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
-    with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
+    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
-        optimizer = shard(model, config, mesh)  # (2)!
+        mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
+        with fit_parallel.real_meshes():
+            optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts, split:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe,
@@ -153,7 +156,7 @@ def shard(model, config: Config, mesh):
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task != "train":
         return None
-    if config.zero_stage >= 2:
+    if config.zero_stage >= 2 or config.tp > 1:
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
     if config.zero_stage == 1:  # (7)!
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
@@ -213,6 +216,8 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
+        if (broken := fit_parallel.check(self)) is not None:
+            raise UsageError(broken)
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "

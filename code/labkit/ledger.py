@@ -291,6 +291,10 @@ class Ledger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _DTensor is not None and any(t is _DTensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops, then count those
+        if _PROPAGATING.depth:  # DTensor learning an output's shape on fake tensors: no storage of the step
+            return func(*args, **(kwargs or {}))
+        if func is _WAIT_TENSOR and self._counts_fake(args[0]):
+            return args[0]  # a collective's wait returns its input (the fake kernel would make a new tensor)
         out = func(*args, **(kwargs or {}))
         if func is _LIFT_FRESH:
             # torch.tensor(data) builds its storage outside the dispatcher and hands it over through
@@ -577,6 +581,36 @@ except ImportError:  # pragma: no cover
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
+class _Propagation:
+    """DTensor's sharding propagation runs an op on fake tensors of the fake mode in force to learn its
+    output's shape (``ShardingPropagator._propagate_tensor_meta_non_cached``, under its ``_fake_mode_lock``).
+    Under a fake trace those would be the trace's own storages: while it runs, a ledger counts nothing."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.depth = lock, 0
+
+    def __enter__(self):
+        self.lock.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self.lock.__exit__(*exc)
+
+
+try:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator as _Propagator
+    _PROPAGATING = _Propagator._fake_mode_lock = _Propagation(_Propagator._fake_mode_lock)
+except (ImportError, AttributeError):  # pragma: no cover - a build without DTensor
+    _PROPAGATING = _Propagation(contextlib.nullcontext())
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+try:
+    import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional's ops)
+    _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+except (ImportError, AttributeError):  # pragma: no cover - a build without distributed
+    _WAIT_TENSOR = None
+
+
 def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
     """Where a storage's bytes are: its address for a real one; a fake one has none, so its identity."""
     if st.device.type == "meta":
@@ -590,7 +624,11 @@ def _tensors(tree, out: list | None = None) -> list:
     ``tree_flatten``'s answer for them at a fraction of its cost, paid on every op the ledger sees."""
     out = [] if out is None else out
     if isinstance(tree, torch.Tensor):
-        out.append(tree)
+        if type(tree) not in _PLAIN and hasattr(type(tree), "__tensor_flatten__"):  # a wrapper (a functional
+            for name in tree.__tensor_flatten__()[0]:  # collective's AsyncCollectiveTensor): its inner tensors
+                _tensors(getattr(tree, name), out)
+        else:
+            out.append(tree)
     elif isinstance(tree, (tuple, list)):
         for leaf in tree:
             _tensors(leaf, out)
