@@ -48,6 +48,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
+    {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
+    {"tp": 2, "sp": True, "checkpointing": "selective"},
+    {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -340,6 +343,14 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
+    (["--model", "small-llama", "--sp"], "give --tp N"),
+    (["--model", "small-llama", "--tp", "3"], "does not split 4 heads"),
+    (["--model", "small-llama", "--tp", "4"], "does not split 4 heads, 2 KV heads"),
+    (["--model", "small-llama", "--tp", "2", "--loss", "chunked"], "with --tp is not traced"),
+    (["--model", "small-llama", "--tp", "2", "--dp", "2", "--zero-stage", "1"], "with --tp is not traced"),
+    (["--model", "small-llama", "--tp", "1024", "--dp", "2048"], "GPUs: more than"),
+    (["--model", "small-llama", "--tp", "2", "--task", "infer"], "traced for training"),
+    (["--model", "small-mixtral", "--tp", "2"], "a zoo Llama's modules"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)

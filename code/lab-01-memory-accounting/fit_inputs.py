@@ -72,8 +72,15 @@ class TrainingRun:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
         if self.sp and self.tp == 1:
             raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
+        if self.sp and self.seq % self.tp:
+            raise UsageError(f"--sp splits --seq {self.seq} over --tp {self.tp} ranks: give a multiple of {self.tp}")
         if self.tp * self.dp > MAX_RANKS:
             raise UsageError(f"--tp {self.tp} x --dp {self.dp} is {self.tp * self.dp:,} GPUs: more than {MAX_RANKS:,}")
+        for flag, bad in (("--zero-stage 1", self.zero_stage == 1), ("--offload", self.offload != "none"),
+                          ("--loss chunked or fused-linear", self.loss != "full")):
+            if bad and self.tp > 1:
+                raise UsageError(f"{flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the "
+                                 "split weights")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
 
@@ -159,6 +166,8 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
             self.check_sharding()
+            if t > 1 and kv % t:
+                raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
         if self.task == "decode":
             if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
                     or self.offload != "none":

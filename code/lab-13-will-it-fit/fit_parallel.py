@@ -87,22 +87,15 @@ def real_meshes():
 
 
 def check(config) -> str | None:
-    """What ``--tp``/``--sp`` cannot trace, in one line (None: it can)."""
+    """What ``--tp`` cannot trace, in one line (None: it can); TrainingRun.check_sharding holds the rules it
+    shares with the calculator (--sp needs --tp and a sequence it divides)."""
     s, t = config.spec, config.tp
-    if config.sp and t == 1:
-        return "--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)"
     if t == 1:
         return None
     if s.family not in ("llama",):
         return f"--tp {t} splits a zoo Llama's modules (torchtitan's plan), not {config.model}'s"
     if s.heads % t or s.kv_heads % t or s.ffn % t:
         return f"--tp {t} does not split {s.heads} heads, {s.kv_heads} KV heads and an MLP of {s.ffn} evenly"
-    if config.sp and config.seq % t:
-        return f"--sp splits --seq {config.seq} over --tp {t} ranks: give a multiple of {t}"
     if config.task != "train":
         return f"--tp {t} is traced for training: --task {config.task} splits over GPUs in Lab 14"
-    for flag, bad in (("--loss chunked or fused-linear", config.loss != "full"), ("--zero-stage 1", config.zero_stage == 1),
-                      ("--offload", config.offload != "none")):
-        if bad:
-            return f"{flag} with --tp is not traced: it bypasses the split head or shards plain tensors only"
     return None
