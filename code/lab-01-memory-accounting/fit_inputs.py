@@ -63,6 +63,9 @@ class TrainingRun:
                      "DTensor's plan, Lab 13; serving: Lab 14); with --dp, a --dp x --tp mesh", min=1, max=1024)
     sp: bool = option(False, "sequence parallelism over the --tp ranks: the norms and the residual stream between "
                       "sublayers split along the sequence, each sublayer's input gathered once")
+    pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
+                     "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
+                     "(needs --accumulation ≥ --pp)", min=1, max=1024)
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -74,8 +77,16 @@ class TrainingRun:
             raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
         if self.sp and self.seq % self.tp:
             raise UsageError(f"--sp splits --seq {self.seq} over --tp {self.tp} ranks: give a multiple of {self.tp}")
-        if self.tp * self.dp > MAX_RANKS:
-            raise UsageError(f"--tp {self.tp} x --dp {self.dp} is {self.tp * self.dp:,} GPUs: more than {MAX_RANKS:,}")
+        if self.tp * self.pp * self.dp > MAX_RANKS:
+            raise UsageError(f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} is {self.tp * self.pp * self.dp:,} GPUs: "
+                             f"more than {MAX_RANKS:,}")
+        if self.pp > self.accumulation:
+            raise UsageError(f"--pp {self.pp} needs --accumulation {self.pp} or more: 1F1B keeps a micro-batch in flight "
+                             "per stage (PyTorch's Schedule1F1B refuses fewer)")
+        for flag, bad in (("--loss chunked or fused-linear", self.loss != "full"), ("--offload", self.offload != "none")):
+            if bad and self.pp > 1:
+                raise UsageError(f"{flag} with --pp is not traced: the trace is the first stage's (no loss; its own "
+                                 "optimizer on the device)")
         for flag, bad in (("--zero-stage 1", self.zero_stage == 1), ("--offload", self.offload != "none"),
                           ("--loss chunked or fused-linear", self.loss != "full")):
             if bad and self.tp > 1:

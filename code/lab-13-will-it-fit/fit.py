@@ -50,6 +50,7 @@ from labkit.traffic import Traffic
 from fit_gap import derive
 from fit_decode import StaticCache, decode_step
 import fit_parallel
+import fit_pipeline
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -119,7 +120,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device, config.tp) as mesh, tensors():
-        model = build(config.spec, weights, device)  # (1)!
+        model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():
             optimizer = shard(model, config, mesh)  # (2)!
@@ -131,7 +132,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
         with ledger, Traffic(), WeightCasts(ledger) as casts, split:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe,
+                fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
                            strategy=strategy or CHECKPOINTING[config.checkpointing],
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             elif config.task == "decode":

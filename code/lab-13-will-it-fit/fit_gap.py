@@ -41,7 +41,7 @@ def derive(trace) -> dict:
     lives on the host, and where each category's figure comes from (traced or derived)."""
     c, tl = trace.config, trace.timeline
     params = c.spec.param_count()
-    local = rank_params(trace) if c.tp > 1 else params  # --tp: the rank's slices of the weights
+    local = rank_params(trace) if c.tp > 1 or c.pp > 1 else params  # --tp, --pp: what the rank holds
     columns = {k: list(tl.device[k]) for k in tl.device if k != HOST_COPIES}
     host = list(tl.host_total())
     sources = {k: "traced" for k in columns}

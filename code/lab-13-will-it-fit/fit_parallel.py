@@ -26,6 +26,7 @@ import contextlib
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+import fit_pipeline
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
@@ -52,6 +53,7 @@ def tensor_parallel(model, mesh, sp: bool):
     """``model`` split over the 1-D ``mesh`` of its tensor-parallel ranks; returns the context the step
     runs in (``loss_parallel``: the cross-entropy of logits split over the vocabulary)."""
     root, block = plan(sp)
+    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}  # --pp: a stage
     for b in model.blocks:
         parallelize_module(b, mesh, block)
     parallelize_module(model, mesh, root)
@@ -62,6 +64,8 @@ def tensor_parallel(model, mesh, sp: bool):
 def apply(model, config, mesh):
     """Split ``model`` as ``config`` says (nothing without ``--tp``); returns (the mesh ZeRO shards over,
     the context the step runs in)."""
+    if config.pp > 1:
+        fit_pipeline.first_stage(model)
     if config.tp == 1:
         return mesh, contextlib.nullcontext()
     step = tensor_parallel(model, mesh["tp"], config.sp)
@@ -90,6 +94,8 @@ def check(config) -> str | None:
     """What ``--tp`` cannot trace, in one line (None: it can); TrainingRun.check_sharding holds the rules it
     shares with the calculator (--sp needs --tp and a sequence it divides)."""
     s, t = config.spec, config.tp
+    if (broken := fit_pipeline.check(config)) is not None:
+        return broken
     if t == 1:
         return None
     if s.family not in ("llama",):
