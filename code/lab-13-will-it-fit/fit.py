@@ -216,9 +216,9 @@ class Config(TrainingRun, Step, LabConfig):
         spec, z = self.spec, self.zero_stage
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
-        self.check_sharding()
         if (broken := fit_parallel.check(self)) is not None:
             raise UsageError(broken)
+        self.check_sharding()
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "

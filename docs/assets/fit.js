@@ -167,7 +167,10 @@
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
       if (t > 1 && kv % t) say("tp", `--tp ${t} does not split ${kv} KV heads: training splits whole KV heads (Lab 13)`);
+      const [pname, ptext] = pipelineRule(x, s.family, d.layers) || [];
+      if (pname) say(pname, ptext);
     }
+    if (x.task !== "train" && x.pp > 1) say("pp", `--pp ${x.pp} is traced for training (Lab 13): --task ${x.task} has no pipeline here`);
     if (x.task === "decode") {
       if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
         say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
@@ -178,14 +181,30 @@
     return err;
   }
 
+  /** Inputs.check_pipeline: [the field, the message], or null. */
+  function pipelineRule(x, family, layers) {
+    if (x.pp === 1) return null;
+    if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
+    if (family === "gpt" || x.lora_rank) return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside`];
+    for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
+      ["checkpointing", "--checkpointing selective", x.checkpointing === "selective"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
+    }
+    return null;
+  }
+
   /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
   function sharding(x) {
     if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
     if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
     if (x.sp && x.tp === 1) return ["sp", "--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)"];
     if (x.sp && x.seq % x.tp) return ["sp", `--sp splits --seq ${x.seq} over --tp ${x.tp} ranks: give a multiple of ${x.tp}`];
-    if (x.tp * x.dp > D.constants.max_ranks) {
-      return ["tp", `--tp ${x.tp} x --dp ${x.dp} is ${(x.tp * x.dp).toLocaleString("en-US")} GPUs: more than ${D.constants.max_ranks.toLocaleString("en-US")}`];
+    if (x.tp * x.pp * x.dp > D.constants.max_ranks) {
+      return ["tp", `--tp ${x.tp} x --pp ${x.pp} x --dp ${x.dp} is ${(x.tp * x.pp * x.dp).toLocaleString("en-US")} GPUs: more than ${D.constants.max_ranks.toLocaleString("en-US")}`];
+    }
+    if (x.pp > x.accumulation) return ["pp", `--pp ${x.pp} needs --accumulation ${x.pp} or more: 1F1B keeps a micro-batch in flight per stage (PyTorch's Schedule1F1B refuses fewer)`];
+    for (const [name, flag, bad] of [["loss", "--loss chunked or fused-linear", x.loss !== "full"], ["offload", "--offload", x.offload !== "none"]]) {
+      if (bad && x.pp > 1) return [name, `${flag} with --pp is not traced: the trace is the first stage's (no loss; its own optimizer on the device)`];
     }
     for (const [name, flag, bad] of [["zero_stage", "--zero-stage 1", x.zero_stage === 1], ["offload", "--offload", x.offload !== "none"],
       ["loss", "--loss chunked or fused-linear", x.loss !== "full"]]) {
@@ -238,12 +257,17 @@
 
   // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
   function sizes(x) {
-    const s = rankSpec(spec(x), x.tp);
-    const P = paramCount(s);
+    let s = rankSpec(spec(x), x.tp);
+    if (x.pp > 1) s = Object.assign({}, s, { layers: Math.ceil(s.layers / x.pp) });  // 1F1B's first stage
+    let P = paramCount(s);
     const block = paramCount(Object.assign({}, s, { layers: 2 })) - paramCount(Object.assign({}, s, { layers: 1 }));
     const gpt = s.family === "gpt";
     const L = BigInt(s.layers), E = BigInt(s.experts);
     let nt = gpt ? 12n * L + 4n : L * (9n + (s.experts ? 3n * E - 2n : 0n)) + 2n + (s.tied ? 0n : 1n);
+    if (x.pp > 1) {  // no final norm, no head
+      P -= BigInt(s.width) + (s.tied ? 0n : BigInt(s.vocab) * BigInt(s.width));
+      nt -= 1n + (s.tied ? 0n : 1n);
+    }
     let Pt = P;
     if (x.lora_rank) {
       const h = BigInt(s.width), q = BigInt(s.heads * s.head_dim), g = BigInt(s.kv_heads * s.head_dim);
@@ -271,7 +295,7 @@
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
       u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
-      t: x.tp };
+      t: x.tp, pp: x.pp };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -397,9 +421,36 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end, embedding_gradient: opt };
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
+      pipeline_forward: fwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    return out;
+  }
+
+  /** Python: fit_formula.pipeline (--pp, Lab 13's fit_pipeline.py): 1F1B's first stage. */
+  function pipeline(x, S, state) {
+    const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
+    const mixed = x.precision === "mixed" && !fsdpMixed(x);
+    let micro = S.L.mul(layer(S, x.checkpointing, false, x.sp)).add(tokens.mul(S.r).mul(S.h));
+    if (mixed && x.checkpointing === "none") micro = micro.add(S.c.mul(S.Pm));
+    const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
+    const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
+    const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
+    const out = {
+      pipeline_backward: Object.assign({}, held, { activations: S.pp.mul(micro), temporaries }),
+      embedding_backward: Object.assign({}, held, { activations: S.pp.sub(1).mul(micro).add(tokens.mul(S.r).mul(S.h)),
+        temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
+      optimizer: Object.assign({}, state),
+    };
+    const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.sp) {  // a steady forward's last reduce-scatter
+      out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
+        temporaries: total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h)) });
+    }
+    if (x.optimizer === "adamw" || x.optimizer === "adamw-foreach") {
+      out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
+    }
     return out;
   }
 
@@ -423,7 +474,13 @@
     const z = sizes(x), S = symbols(x, z);
     if (x.task !== "train") return { [x.task]: full(inference(x, S)) };
     const state = modelState(x, S), comm = communication(x, S), act = activations(x, S, z.spec.family);
-    const carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.pp > 1) {
+      const res = {}, all = pipeline(x, S, state);
+      for (const k of Object.keys(all)) res[k] = full(Object.assign(all[k], { communication: total(comm[k], all[k].communication || ZERO) }));
+      return res;
+    }
+    let carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
     const held = { parameters: state.parameters, optimizer_state: state.optimizer_state, gradients: carried };
     const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
     const out = {
@@ -435,7 +492,9 @@
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
-      out.embedding_gradient = Object.assign({}, state, { gradients: state.gradients.add(S.w.mul(S.t).mul(S.V).mul(S.h)) });
+      const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
+      out.embedding_gradient = Object.assign({}, state, { gradients: state.gradients.add(whole) });
+      if (x.accumulation > 1) out.embedding_backward = Object.assign({}, held, { temporaries: whole.add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.loss !== "full") {
       delete out.backward_start;
@@ -829,7 +888,7 @@
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
     optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
@@ -845,7 +904,7 @@
     ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
-    ["", "train", ["sp"]],
+    ["", "train", ["sp", "pp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
   ];
@@ -853,6 +912,9 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
+    embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
+    pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
+    pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
