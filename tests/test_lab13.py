@@ -350,7 +350,7 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--tp", "4"], "does not split 4 heads, 2 KV heads"),
     (["--model", "small-llama", "--tp", "2", "--loss", "chunked"], "with --tp is not traced"),
     (["--model", "small-llama", "--tp", "2", "--dp", "2", "--zero-stage", "1"], "with --tp is not traced"),
-    (["--model", "small-llama", "--tp", "1024", "--dp", "2048"], "GPUs: more than"),
+    (["--model", "llama-3.1-405b", "--tp", "8", "--dp", "1048576"], "GPUs: more than"),
     (["--model", "small-llama", "--tp", "2", "--task", "infer"], "traced for training"),
     (["--model", "small-mixtral", "--tp", "2"], "a zoo Llama's modules"),
     (["--model", "small-llama", "--pp", "2"], "needs --accumulation 2 or more"),
