@@ -327,6 +327,8 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
             f["sp"] = f["tp"] > 1 and rng.random() < 0.5
             f["pp"] = rng.choice((1, 1, 1, 2, 4))
+            if f["zero_stage"] >= 2 and f["dp"] > 2:
+                f["replicate"] = rng.choice((1, 2))
             if f["pp"] > 1:
                 f["accumulation"] = f["pp"] * rng.choice((2, 4))
         try:
@@ -339,7 +341,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
 BAD = [
     ({"layers": "-4"}, "layers"), ({"heads": "32.5"}, "heads"), ({"kv_heads": "5"}, "kv_heads"),
     ({"kv_heads": "0"}, "kv_heads"), ({"seq": "-1"}, "seq"), ({"batch": "1e3"}, "batch"), ({"dp": "two"}, "dp"),
-    ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"sp": "true"}, "sp"), ({"pp": "4"}, "pp"), ({"zero_stage": "2"}, "zero_stage"),
+    ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"sp": "true"}, "sp"), ({"pp": "4"}, "pp"), ({"replicate": "2"}, "replicate"), ({"zero_stage": "2"}, "zero_stage"),
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
     ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),

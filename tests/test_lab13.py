@@ -52,6 +52,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"tp": 2, "sp": True, "checkpointing": "selective"},
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
+    {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
@@ -354,6 +355,7 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--tp", "2", "--task", "infer"], "traced for training"),
     (["--model", "small-mixtral", "--tp", "2"], "a zoo Llama's modules"),
     (["--model", "small-llama", "--pp", "2"], "needs --accumulation 2 or more"),
+    (["--model", "small-llama", "--dp", "4", "--replicate", "2"], "is HSDP: it needs --zero-stage 2 or 3"),
     (["--model", "small-llama", "--pp", "3", "--accumulation", "3"], "more pipeline stages than"),
     (["--model", "small-llama", "--pp", "2", "--task", "infer"], "traced for training"),
     (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),

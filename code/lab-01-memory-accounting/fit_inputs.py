@@ -63,6 +63,9 @@ class TrainingRun:
                      "DTensor's plan, Lab 13; serving: Lab 14); with --dp, a --dp x --tp mesh", min=1, max=1024)
     sp: bool = option(False, "sequence parallelism over the --tp ranks: the norms and the residual stream between "
                       "sublayers split along the sequence, each sublayer's input gathered once")
+    replicate: int = option(1, "HSDP: FSDP2 over a --replicate x (--dp / --replicate) mesh, each parameter sharded over "
+                            "the dp / replicate ranks of its group and replicated across the groups (ZeRO-2/3)",
+                            min=1, max=2**20)
     pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
                      "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)
@@ -80,6 +83,9 @@ class TrainingRun:
         if self.tp * self.pp * self.dp > MAX_RANKS:
             raise UsageError(f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} is {self.tp * self.pp * self.dp:,} GPUs: "
                              f"more than {MAX_RANKS:,}")
+        if self.replicate > 1 and (self.zero_stage < 2 or self.dp % self.replicate or self.dp == self.replicate):
+            raise UsageError(f"--replicate {self.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides "
+                             f"into groups of two or more, got --dp {self.dp}")
         if self.pp > self.accumulation:
             raise UsageError(f"--pp {self.pp} needs --accumulation {self.pp} or more: 1F1B keeps a micro-batch in flight "
                              "per stage (PyTorch's Schedule1F1B refuses fewer)")

@@ -11,7 +11,7 @@ SYMBOLS = {
     "E": "experts", "K": "experts per token", "s": "tokens per sequence", "T": "tokens per micro-batch",
     "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
     "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
-    "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
+    "R": "LoRA rank", "dp": "data-parallel ranks a parameter is sharded over (--dp; under HSDP, --dp / --replicate)", "w": "bytes of a weight and its gradient",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
     "p": "prefill tokens at once", "Pq": "quantized matmul weights of one block (all but a router's)",

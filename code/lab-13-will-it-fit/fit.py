@@ -119,7 +119,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
-    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp) as mesh, tensors():
+    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp, config.replicate) as mesh, \
+            tensors():
         model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():

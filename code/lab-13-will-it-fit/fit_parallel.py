@@ -62,14 +62,16 @@ def tensor_parallel(model, mesh, sp: bool):
 
 
 def apply(model, config, mesh):
-    """Split ``model`` as ``config`` says (nothing without ``--tp``); returns (the mesh ZeRO shards over,
-    the context the step runs in)."""
+    """Split ``model`` as ``config`` says (nothing without ``--tp`` or ``--pp``); returns (the mesh ZeRO shards
+    over: under ``--replicate`` R, HSDP's R x dp / R mesh, FSDP2 sharding over dp / R ranks and replicating
+    across R; the context the step runs in)."""
     if config.pp > 1:
         fit_pipeline.first_stage(model)
-    if config.tp == 1:
+    if mesh is None or mesh.ndim == 1:
         return mesh, contextlib.nullcontext()
-    step = tensor_parallel(model, mesh["tp"], config.sp)
-    return (mesh["dp"] if config.dp > 1 else None), step
+    data = mesh["replicate", "shard"] if config.replicate > 1 else mesh["shard"]  # HSDP: replicate x shard
+    step = tensor_parallel(model, mesh["tp"], config.sp) if config.tp > 1 else contextlib.nullcontext()
+    return (data if config.dp > 1 else None), step
 
 
 @contextlib.contextmanager

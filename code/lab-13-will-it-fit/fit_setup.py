@@ -67,16 +67,17 @@ class ShardOptimizer:
 
 
 @contextlib.contextmanager
-def fake_process_group(world: int | None, device: str, tp: int = 1):
+def fake_process_group(world: int | None, device: str, tp: int = 1, replicate: int = 1):
     """``world`` ranks that exchange nothing (labkit.dist.fake_group: collectives return at once),
-    and their device mesh; no group at all for ``None``. With ``tp`` > 1: ``world`` x ``tp`` ranks, as a
-    2-D mesh whose dimensions are named ``dp`` and ``tp`` (``world`` None: one data-parallel rank)."""
+    and their device mesh; no group at all for ``None``. With ``tp`` > 1 or ``replicate`` > 1: ``world`` x
+    ``tp`` ranks, as a 3-D mesh whose dimensions are named ``replicate``, ``shard`` (``world`` / ``replicate``
+    ranks each) and ``tp`` (``world`` None: one data-parallel rank)."""
     if world is None and tp == 1:
         yield None
         return
     with dist_kit.fake_group((world or 1) * tp, device=device) as mesh:
-        yield mesh if tp == 1 else init_device_mesh(torch.device(device).type, (world or 1, tp),
-                                                    mesh_dim_names=("dp", "tp"))
+        yield mesh if tp == replicate == 1 else init_device_mesh(
+            torch.device(device).type, (replicate, (world or 1) // replicate, tp), mesh_dim_names=("replicate", "shard", "tp"))
 
 
 def build(spec, dtype: torch.dtype, device: str):

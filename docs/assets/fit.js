@@ -202,6 +202,9 @@
     if (x.tp * x.pp * x.dp > D.constants.max_ranks) {
       return ["tp", `--tp ${x.tp} x --pp ${x.pp} x --dp ${x.dp} is ${(x.tp * x.pp * x.dp).toLocaleString("en-US")} GPUs: more than ${D.constants.max_ranks.toLocaleString("en-US")}`];
     }
+    if (x.replicate > 1 && (x.zero_stage < 2 || x.dp % x.replicate || x.dp === x.replicate)) {
+      return ["replicate", `--replicate ${x.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides into groups of two or more, got --dp ${x.dp}`];
+    }
     if (x.pp > x.accumulation) return ["pp", `--pp ${x.pp} needs --accumulation ${x.pp} or more: 1F1B keeps a micro-batch in flight per stage (PyTorch's Schedule1F1B refuses fewer)`];
     for (const [name, flag, bad] of [["loss", "--loss chunked or fused-linear", x.loss !== "full"], ["offload", "--offload", x.offload !== "none"]]) {
       if (bad && x.pp > 1) return [name, `${flag} with --pp is not traced: the trace is the first stage's (no loss; its own optimizer on the device)`];
@@ -289,7 +292,7 @@
     const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
-      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
+      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp / x.replicate, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
@@ -888,7 +891,7 @@
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
     optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
@@ -904,7 +907,7 @@
     ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
-    ["", "train", ["sp", "pp"]],
+    ["", "train", ["sp", "pp", "replicate"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
   ];
