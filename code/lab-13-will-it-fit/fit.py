@@ -17,6 +17,7 @@ traces on a laptop in seconds.
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
+    --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
