@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_serve import kv_per_token, prefill, weights
@@ -72,13 +73,11 @@ def rank_spec(spec, tp: int):
 def sizes(x: Inputs) -> Sizes:
     """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
     s = rank_spec(x.spec(), x.tp)
-    if x.pp > 1:  # the first stage of 1F1B: the embedding and ⌈L / pp⌉ blocks; no final norm, no head
-        s = replace(s, layers=-(-s.layers // x.pp))
+    s = replace(s, layers=-(-s.layers // x.pp))  # --pp: the first stage of 1F1B (fit_split.first_stage)
     P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
-    if x.pp > 1:
-        P, n = P - s.width - (0 if s.tied else s.vocab * s.width), n - 1 - (not s.tied)
+    P, n = (P - s.width - (0 if s.tied else s.vocab * s.width), n - 1 - (not s.tied)) if x.pp > 1 else (P, n)
     Pt = P
     if x.lora_rank:  # adapters A (in x R) and B (R x out) on every matmul of every block
         h, q, g = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -111,14 +110,12 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
 # --8<-- [start:activations]
 def norm(S, readers: int, sp: bool = False) -> Expr:
     """Bytes per token an RMSNorm keeps: its float32 input, 1/rms, the normalised stream, and what the
-    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast). ``sp`` (sequence
-    parallelism): the readers' part alone, of the gathered tokens; the norm's own is on T / t tokens (:func:`own`)."""
+    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast); ``sp``: the readers' alone."""
     kept = S.c * S.h if S.c.value == S.r.value else readers * S.c * S.h
     return kept if sp else own(S) + kept
 
 
-def own(S) -> Expr:
-    """An RMSNorm's own tensors per token: its float32 input, 1/rms, the normalised stream."""
+def own(S) -> Expr:  # an RMSNorm's own tensors per token: its float32 input, 1/rms, the normalised stream
     return 4 * S.h + ROW + S.r * S.h
 
 
@@ -141,10 +138,8 @@ def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
         kept = attention + mlp
     if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
         kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
-    if checkpointing == "selective":
-        return S.T * kept
-    kept = S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
-    return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp else kept
+    kept = S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
@@ -248,8 +243,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         shards = 2 * S.w * ceil_div(ceil_div(S.P, S.L), S.dp)
         fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
-           "backward_end": end, "embedding_gradient": opt, "pipeline_backward": bwd, "embedding_backward": bwd,
-           "pipeline_forward": fwd}
+           "backward_end": end}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
     return out
@@ -264,11 +258,8 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         return {x.task: _full(inference(x, S))}
     state, comm, act = model_state(x, S), communication(x, S), activations(x, S)
     if x.pp > 1:
-        return {k: _full(v | {"communication": total(comm[k], v.get("communication", ZERO))})
-                for k, v in pipeline(x, S, state).items()}
-    carried = state["gradients"] if x.accumulation > 1 else ZERO  # earlier micro-batches' gradients
-    if x.tp > 1 and x.zero_stage == 0 and x.accumulation > 1:  # the embedding's, whole (DTensor: see pipeline)
-        carried = carried + S.w * (S.t - 1) * S.V * S.h
+        return fit_split.first_stage(x, S, state, comm)
+    carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
     held = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"], "gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
     out = {
@@ -279,11 +270,8 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    if x.tp > 1 and x.zero_stage == 0:  # DTensor has no vocabulary-split rule for the embedding's backward: its
-        whole = S.w * S.t * S.V * S.h  # whole gradient, then this rank's rows copied out of it (fit_parallel.py)
-        out["embedding_gradient"] = dict(state) | {"gradients": state["gradients"] + whole}
-        if x.accumulation > 1:  # the embedding's backward: a whole new gradient beside the one accumulated
-            out["embedding_backward"] = held | {"temporaries": whole + S.T * S.r * S.h}
+    if x.tp > 1 and x.zero_stage == 0:
+        out |= fit_split.embedding(x, S, state, held)
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)
@@ -300,37 +288,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
-    return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
-
-
-def pipeline(x: Inputs, S, state: dict) -> dict[str, dict[str, Expr]]:
-    """--pp (Lab 13's fit_pipeline.py): the first stage of 1F1B (L here is its ⌈L / pp⌉ blocks). At the start of a
-    steady backward it holds pp micro-batches in flight (each its blocks' activations, its output, sent on and kept
-    for its backward, and under autocast its own casts of the weights), every gradient, the buffer the gradient from
-    the next stage is received into, and the last block's first backward matmuls: the gradients of the MLP's
-    down-projection input (c × T × f) and weight (c × f × h), beside the received gradient's cast (autocast). Or at
-    the end of that backward, the embedding's: its whole new gradient made beside the one accumulated, and the
-    gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
-    steady forward (output, its copy for the collective, the rank's share)."""
-    tokens = ceil_div(S.T, S.t) if x.sp else S.T
-    mixed = x.precision == "mixed" and not fsdp_mixed(x)
-    micro = S.L * layer(S, x.checkpointing, False, x.sp) + tokens * S.r * S.h
-    micro = micro + S.c * S.Pm if mixed and x.checkpointing == "none" else micro
-    temporaries = total(S.c * tokens * S.h if mixed else ZERO, S.c * S.T * S.f, S.c * S.f * S.h)
-    grads = state["gradients"] + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 else state["gradients"]  # DTensor's whole
-    held = dict(state) | {"gradients": grads, "communication": tokens * S.r * S.h}  # embedding gradient (moments)
-    out = {"pipeline_backward": held | {"activations": S.pp * micro, "temporaries": temporaries},
-           "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
-                                         "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
-           "optimizer": dict(state)}
-    gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
-    if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
-        out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
-                                                 "temporaries": total(gathered, tokens * S.r * S.h,
-                                                                      (2 * S.T + tokens) * S.c * S.h)}
-    if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment
-        out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    return out
+    return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:

@@ -47,4 +47,6 @@ LEGEND = {
     "_full": "a moment's categories, 0 where it holds none",
     "total": "the sum of its terms, leaving out those that are 0",
     "LOSS_CHUNKS": "chunks of tokens of --loss chunked and fused-linear (torchtune's default)",
+    "fit_split": "the moments a split model adds: --tp's whole embedding gradient, --pp's first stage (fit_split.py)",
+    "own": "an RMSNorm's own tensors per token (fp32 input, 1/rms, the normalised stream); on T / t tokens under --sp",
 }
