@@ -67,6 +67,7 @@ buffers), and tensors created before the ledger was entered unless you register 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -258,6 +259,7 @@ class Ledger(TorchDispatchMode):
             from labkit.cuda import warm_up
 
             self._fake = self._fake or fake.active()
+            _watch_propagation()  # DTensor's shape propagation, if DTensor is in use: not the step's
             if self._fake is None:
                 warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
             self._patch_resize()
@@ -586,8 +588,8 @@ class _Propagation:
     output's shape (``ShardingPropagator._propagate_tensor_meta_non_cached``, under its ``_fake_mode_lock``).
     Under a fake trace those would be the trace's own storages: while it runs, a ledger counts nothing."""
 
-    def __init__(self, lock) -> None:
-        self.lock, self.depth = lock, 0
+    def __init__(self) -> None:
+        self.lock, self.depth = contextlib.nullcontext(), 0
 
     def __enter__(self):
         self.lock.__enter__()
@@ -598,17 +600,18 @@ class _Propagation:
         return self.lock.__exit__(*exc)
 
 
-try:
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator as _Propagator
-    _PROPAGATING = _Propagator._fake_mode_lock = _Propagation(_Propagator._fake_mode_lock)
-except (ImportError, AttributeError):  # pragma: no cover - a build without DTensor
-    _PROPAGATING = _Propagation(contextlib.nullcontext())
+_PROPAGATING = _Propagation()
+
+
+def _watch_propagation() -> None:
+    """Once DTensor is imported (a ledger never imports it): its sharding propagation enters ``_PROPAGATING``."""
+    propagator = getattr(sys.modules.get("torch.distributed.tensor._sharding_prop"), "ShardingPropagator", None)
+    if propagator is not None and propagator._fake_mode_lock is not _PROPAGATING:
+        _PROPAGATING.lock, propagator._fake_mode_lock = propagator._fake_mode_lock, _PROPAGATING
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-try:
-    import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional's ops)
-    _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-except (ImportError, AttributeError):  # pragma: no cover - a build without distributed
-    _WAIT_TENSOR = None
+_WAIT_TENSOR = getattr(getattr(torch.ops._c10d_functional, "wait_tensor", None), "default", None)  # (C++ op)
 
 
 def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
