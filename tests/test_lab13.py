@@ -54,6 +54,12 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"compile": True},
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
      "loss": "chunked"},
+    {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
+    {"tp": 2, "sp": True, "checkpointing": "selective"},
+    {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
+    {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
+    {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
+    {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -403,6 +409,19 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
+    (["--model", "small-llama", "--sp"], "give --tp N"),
+    (["--model", "small-llama", "--tp", "3"], "does not split 4 heads"),
+    (["--model", "small-llama", "--tp", "4"], "does not split 4 heads, 2 KV heads"),
+    (["--model", "small-llama", "--tp", "2", "--loss", "chunked"], "with --tp is not traced"),
+    (["--model", "small-llama", "--tp", "2", "--dp", "2", "--zero-stage", "1"], "with --tp is not traced"),
+    (["--model", "llama-3.1-405b", "--tp", "8", "--dp", "1048576"], "GPUs: more than"),
+    (["--model", "small-llama", "--tp", "2", "--task", "infer"], "traced for training"),
+    (["--model", "small-mixtral", "--tp", "2"], "a zoo Llama's modules"),
+    (["--model", "small-llama", "--pp", "2"], "needs --accumulation 2 or more"),
+    (["--model", "small-llama", "--dp", "4", "--replicate", "2"], "is HSDP: it needs --zero-stage 2 or 3"),
+    (["--model", "small-llama", "--pp", "3", "--accumulation", "3"], "more pipeline stages than"),
+    (["--model", "small-llama", "--pp", "2", "--task", "infer"], "traced for training"),
+    (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)

@@ -19,6 +19,7 @@ traces on a laptop in seconds.
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
+    --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
@@ -53,6 +54,8 @@ from fit_compile import check_compile, compiled
 from fit_gap import derive
 from fit_decode import StaticCache, check_decode, decode_step
 import fit_float8 as float8
+import fit_parallel
+import fit_pipeline
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -121,20 +124,23 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
-    with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
-        model = build(config.spec, weights, device)  # (1)!
+    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp, config.replicate) as mesh, \
+            tensors():
+        model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         if config.float8 != "none":
             float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
-        optimizer = shard(model, config, mesh)  # (2)!
+        mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
+        with fit_parallel.real_meshes():
+            optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic(), WeightCasts(ledger) as casts, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts, split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe,
+                fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
                            strategy=strategy or CHECKPOINTING[config.checkpointing],
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             elif config.task == "decode":
@@ -159,7 +165,7 @@ def shard(model, config: Config, mesh):
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task != "train":
         return None
-    if config.zero_stage >= 2:
+    if config.zero_stage >= 2 or config.tp > 1:
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
     if config.zero_stage == 1:  # (7)!
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
@@ -221,6 +227,8 @@ class Config(TrainingRun, Step, LabConfig):
         spec, z = self.spec, self.zero_stage
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
+        if (broken := fit_parallel.check(self)) is not None:
+            raise UsageError(broken)
         self.check_sharding()
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "

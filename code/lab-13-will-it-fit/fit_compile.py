@@ -113,6 +113,8 @@ def check_compile(config) -> None:
                       "the compiled forward calls the higher-order op run_and_save_rng_state, which the ledger has no "
                       "rule for (NotImplementedError in torch/_ops.py): not traced; give --checkpointing none"),
                      (config.zero_stage >= 2 or config.offload == "params", "FSDP2's hooks would run inside each "
-                      "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params")):
+                      "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params"),
+                     (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
+                      "compiled: --tp 1 --pp 1")):
         if bad:
             raise UsageError(f"--compile: {why}")

@@ -41,6 +41,7 @@ def derive(trace) -> dict:
     lives on the host, and where each category's figure comes from (traced or derived)."""
     c, tl = trace.config, trace.timeline
     params = c.spec.param_count()
+    local = rank_params(trace) if c.tp > 1 or c.pp > 1 else params  # --tp, --pp: what the rank holds
     columns = {k: list(tl.device[k]) for k in tl.device if k != HOST_COPIES}
     host = list(tl.host_total())
     sources = {k: "traced" for k in columns}
@@ -51,7 +52,7 @@ def derive(trace) -> dict:
         columns[KV_CACHE] = [kv_cache_bytes(c)] * n
         sources[KV_CACHE] = "derived: 2 x layers x batch x seq x kv_heads x head_dim x element (no cache is returned)"
     if c.dp > 1 and c.zero_stage <= 1:
-        buckets = params * WEIGHT[c.precision]
+        buckets = local * WEIGHT[c.precision]
         columns["communication"] = [v + buckets for v in columns["communication"]]
         sources["communication"] = "derived: DDP's gradient buckets, one copy of every gradient (Lab 10)"
     if c.offload == "params":
@@ -78,7 +79,12 @@ def derive(trace) -> dict:
                              if n else 0},
             "category_max": {k: max(v, default=0) for k, v in view.device.items()},
             "host_peak_bytes": max(host, default=0), "sources": {k: sources.get(k, "traced") for k in DEVICE_CATEGORIES},
-            "params": params}
+            "params": params, "rank_params": local}
+
+
+def rank_params(trace) -> int:
+    """Parameters of the rank's slices (a DTensor's local shard; a whole norm weight), of the traced model."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in trace.keep[0].parameters()) if trace.keep else 0
 
 
 def weight_casts(trace, n: int) -> list[int]:

@@ -266,6 +266,7 @@ class Ledger(TorchDispatchMode):
             from labkit.cuda import warm_up
 
             self._fake = self._fake or fake.active()
+            _watch_propagation()  # DTensor's shape propagation, if DTensor is in use: not the step's
             if self._fake is None:
                 warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
             self._patch_resize()
@@ -300,6 +301,10 @@ class Ledger(TorchDispatchMode):
         dtensor = dtensor_type()
         if dtensor is not None and any(t is dtensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops, then count those
+        if _PROPAGATING.depth:  # DTensor learning an output's shape on fake tensors: no storage of the step
+            return func(*args, **(kwargs or {}))
+        if func is _WAIT_TENSOR and self._counts_fake(args[0]):
+            return args[0]  # a collective's wait returns its input (the fake kernel would make a new tensor)
         out = func(*args, **(kwargs or {}))
         if func is _LIFT_FRESH:
             # torch.tensor(data) builds its storage outside the dispatcher and hands it over through
@@ -593,6 +598,37 @@ def _is_dtensor(t) -> bool:
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
+class _Propagation:
+    """DTensor's sharding propagation runs an op on fake tensors of the fake mode in force to learn its
+    output's shape (``ShardingPropagator._propagate_tensor_meta_non_cached``, under its ``_fake_mode_lock``).
+    Under a fake trace those would be the trace's own storages: while it runs, a ledger counts nothing."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth = contextlib.nullcontext(), 0
+
+    def __enter__(self):
+        self.lock.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self.lock.__exit__(*exc)
+
+
+_PROPAGATING = _Propagation()
+
+
+def _watch_propagation() -> None:
+    """Once DTensor is imported (a ledger never imports it): its sharding propagation enters ``_PROPAGATING``."""
+    propagator = getattr(sys.modules.get("torch.distributed.tensor._sharding_prop"), "ShardingPropagator", None)
+    if propagator is not None and propagator._fake_mode_lock is not _PROPAGATING:
+        _PROPAGATING.lock, propagator._fake_mode_lock = propagator._fake_mode_lock, _PROPAGATING
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WAIT_TENSOR = getattr(getattr(torch.ops._c10d_functional, "wait_tensor", None), "default", None)  # (C++ op)
+
+
 def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
     """Where a storage's bytes are: its address for a real one; a fake one has none, so its identity."""
     if st.device.type == "meta":
@@ -606,7 +642,11 @@ def _tensors(tree, out: list | None = None) -> list:
     ``tree_flatten``'s answer for them at a fraction of its cost, paid on every op the ledger sees."""
     out = [] if out is None else out
     if isinstance(tree, torch.Tensor):
-        out.append(tree)
+        if type(tree) not in _PLAIN and hasattr(type(tree), "__tensor_flatten__"):  # a wrapper (a functional
+            for name in tree.__tensor_flatten__()[0]:  # collective's AsyncCollectiveTensor): its inner tensors
+                _tensors(getattr(tree, name), out)
+        else:
+            out.append(tree)
     elif isinstance(tree, (tuple, list)):
         for leaf in tree:
             _tensors(leaf, out)

@@ -225,12 +225,28 @@ for (precision, f8), peak in float8_8b.items():
 print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16, {tables.format_bytes(gather_8b['block_float8'])} "
       f"with float8 all-gather; received per step per rank: {tables.format_bytes(gather_8b['received_bf16'])} -> "
       f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
+# ## One rank of a split model: tensor, sequence and pipeline parallelism
+#
+# `--tp` splits every block the Megatron way through DTensor's plan (`fit_parallel.py`), on a `--dp` x
+# `--tp` mesh of the fake process group; `--sp` also splits the norms and the stream between sublayers
+# along the sequence. `--pp` traces 1F1B's first stage (`fit_pipeline.py`): its blocks, and `--pp`
+# micro-batches in flight. Llama-3-8B at 4,096 tokens, AMP; then one rank of Llama-3.1-405B as
+# torchtitan would lay it out on 512 GPUs: TP 8 with SP, PP 16, ZeRO-3 over 8 data-parallel ranks.
+
+# %%
+SPLITS = {"--tp 8 --sp": dict(model="llama-3-8b", tp=8, sp=True),
+          "--pp 4 (8 micro-batches)": dict(model="llama-3-8b", pp=4, accumulation=8),
+          "405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3": dict(model="llama-3.1-405b", tp=8, sp=True, pp=16,
+                                                                  accumulation=16, dp=8, zero_stage=3)}
+split_traces = {label: lab.trace(lab.Config(seq=4096, levers="none", **f)) for label, f in SPLITS.items()}
+parallel = tables.fits_table(list(split_traces.items()), ["h100-80gb", "h200-141gb"])
+display(parallel)
 
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k},
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
@@ -251,4 +267,6 @@ notebook.publish(
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
     **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
+    tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
+    rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
