@@ -139,14 +139,15 @@ def test_trace_bench_times_each_case_in_a_fresh_process(tmp_path, monkeypatch):
 
 
 def test_cpu_threads_bench_times_both_settings_and_stops_its_busy_processes(tmp_path):
-    """Each round runs Lab 08's command line once per thread setting, in a fresh process, while the
-    busy processes spin; the file holds every run, the worst medians and their ratio, and no busy
-    process outlives the benchmark."""
+    """A round runs Lab 08's command line once per thread setting, in a fresh process, while the
+    busy process spins; the file holds every run, the worst medians and their ratio, and no busy
+    process outlives the benchmark. One round: on a suite's busy cores the default-thread run is the
+    slow one the benchmark exists to show, and a second round would only repeat it."""
 
     bench = load_bench("cpu_threads_bench")
-    result = bench.run(bench.Config(rounds=2, busy=1, repeats=2, out=tmp_path / "threads.json"))
+    result = bench.run(bench.Config(rounds=1, busy=1, repeats=2, out=tmp_path / "threads.json"))
     assert set(result["runs"]) == {label for _, label in bench.SETTINGS.values()}
-    assert all(len(r) == 2 for r in result["runs"].values())
+    assert all(len(r) == 1 for r in result["runs"].values())
     for runs in result["runs"].values():
         assert all(0 < r["step_ms_range"][0] <= r["step_ms"] <= r["step_ms_range"][1] for r in runs)
     data = json.loads((tmp_path / "threads.json").read_text())
