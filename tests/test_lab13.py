@@ -35,7 +35,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
 
 @pytest.mark.parametrize("fields", [
     {},  # mixed, AdamW as CUDA runs it (foreach)
-    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
+    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "save-matmuls"},
+    {"checkpointing": "save-alternate-matmuls"},  # torchtitan's op-level policy, under autocast
+    {"precision": "fp32", "checkpointing": "every-k", "checkpoint_every": 2, "accumulation": 2},
     {"precision": "fp32", "optimizer": "sgd", "checkpointing": "full", "accumulation": 2},
     {"dp": 2, "zero_stage": 1},
     {"dp": 2, "zero_stage": 2},
@@ -87,6 +89,27 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", ["every-k", "save-alternate-matmuls"])
+def test_checkpointed_blocks_give_the_gradients_of_none(lab13, checkpointing):
+    """--checkpointing every-k (one segment of small-llama's two blocks) and torchtitan's op-level policy run
+    Lab 04's run_blocks on a zoo Llama: the same loss and the same gradient on every parameter as keeping
+    everything, bit for bit (the recompute runs the same ops on the same inputs)."""
+    torch.manual_seed(0)
+    model = zoo.get("small-llama").build()
+    idx = torch.randint(0, model.spec.vocab, (2, 16))
+
+    def loss_and_grads(strategy):
+        model.zero_grad(set_to_none=True)
+        value = model(idx, idx, run_blocks=functools.partial(lab13.lab04.run_blocks, strategy=strategy, every=2))[1]
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads("none")
+    got, got_grads = loss_and_grads(checkpointing)
+    assert torch.equal(got, want)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
 
 
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
@@ -339,6 +362,11 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
+    (["--model", "small-llama", "--checkpointing", "every-k", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+    (["--model", "small-llama", "--checkpointing", "every-k", "--checkpoint-every", "3"], "more than the model's 2 blocks"),
+    (["--model", "small-llama", "--checkpoint-every", "2"], "sizes the segments of --checkpointing every-k"),
+    (["--model", "small-llama", "--checkpointing", "every-k"], "needs --checkpoint-every K"),
+    (["--model", "small-llama", "--checkpointing", "selective"], "invalid choice: 'selective'"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):

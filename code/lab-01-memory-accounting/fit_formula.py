@@ -97,7 +97,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
-                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, **quantized)
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, **quantized)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -115,11 +115,15 @@ def norm(S, readers: int) -> Expr:
 def layer(S, checkpointing: str, lora: bool) -> Expr:
     """Bytes one Llama (or Mixtral) block keeps for backward."""
     moe = S.E.value > 0
-    if checkpointing == "full":
-        return S.T * S.r * S.h  # the block's input; the rest is recomputed in backward
-    if checkpointing == "selective":  # Lab 04's save-matmuls: matmul and attention outputs, the input
+    if checkpointing in ("full", "every-k"):
+        return S.T * S.r * S.h  # the block's input (every-k: a segment's); the rest is recomputed in backward
+    if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
         kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
+    elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (q, v, router, then alternately
+        # up, or gate and down, by expert), attention's output, the input
+        mlp = S.c * S.E + S.K * S.c * S.f + ceil_div(S.K * S.c * S.h, 2) if moe else S.c * (S.f + S.h)
+        kept = S.c * (2 * S.q + S.g) + LSE * S.a + S.r * S.h + mlp
     else:
         attention = norm(S, 3) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
@@ -130,15 +134,15 @@ def layer(S, checkpointing: str, lora: bool) -> Expr:
         kept = attention + mlp
     if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
         kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
-    return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    return S.T * kept if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
     """Lab 01's GPT layer (Korthikanti et al. 2022), without dropout: ``activation_bytes_per_layer``."""
-    if checkpointing == "full":
+    if checkpointing in ("full", "every-k"):
         return S.c * S.T * S.h
-    kept = 16 * S.c * S.T * S.h
-    return kept if checkpointing == "selective" else kept + S.c * S.a * S.s * S.T
+    kept = 16 * S.c * S.T * S.h  # save-matmuls: the paper's selective recomputation (no scores kept)
+    return kept if checkpointing == "save-matmuls" else kept + S.c * S.a * S.s * S.T
 
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
@@ -147,10 +151,11 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
+    blocks = ceil_div(S.L, S.G) * per if x.checkpointing == "every-k" else S.L * per  # every-k: a segment's input
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
-        kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
+        kept = blocks + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
-        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = blocks + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
@@ -271,10 +276,36 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
+    if x.checkpointing == "every-k" and x.zero_stage == 0 and x.dp == 1 and x.offload == "none" and not x.lora_rank \
+            and not S.E.value and x.spec().family != "gpt":
+        out["segment_backward"] = segment_backward(x, S, held, carried)
     if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
-    return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
+    return {k: _full(v | {"communication": comm.get(k, ZERO)}) for k, v in out.items()}
+
+
+def segment_backward(x: Inputs, S, held: dict, carried: Expr) -> dict[str, Expr]:
+    """--checkpointing every-k on one rank (Lab 13's trace): the backward of the last segment to come back, the
+    first G blocks, recomputed whole (each block's activations and, under autocast, its weights' bf16 casts), at
+    its last MLP's gate × up product's backward: the down projection's gradient is made, its input freed. Every
+    gradient but the embedding's and the segment's is alive (with accumulation: all of them, carried, and the
+    segment that comes back first, the last: every segment's input kept, L − G × (⌈L / G⌉ − 1) blocks)."""
+    n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"
+    blocks = S.L - S.G * (n - 1) if carried is not ZERO else S.G
+    others = S.Pt - S.G * S.Pb if x.spec().tied else S.Pt - S.V * S.h - S.G * S.Pb  # not the embedding's
+    grads = carried if carried is not ZERO else S.w * (others + S.f * S.h)
+    kept = n * S.T * S.r * S.h if carried is not ZERO else S.T * S.r * S.h
+    recomputed = blocks * (layer(S, "none", False) + ceil_div(S.c * S.Pm, S.L) if mixed else layer(S, "none", False))
+    # beside them, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
+    # freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward
+    # freed, and less the down projection's bf16 weight cast, which the recompute stops before remaking
+    tail = 2 * S.T * S.c * S.f
+    if x.precision == "mixed":
+        tail = tail + 2 * S.T * S.c * S.h - 4 * S.T * S.h - S.c * S.f * S.h
+    elif x.precision == "bf16":
+        tail = tail + S.T * S.c * S.h
+    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:

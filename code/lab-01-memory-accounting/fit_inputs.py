@@ -46,8 +46,13 @@ class TrainingRun:
         "gradients and AdamW state in bf16; mixed: fp32 weights and state, bf16 autocast")
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
         "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
-    checkpointing: Literal["none", "selective", "full"] = option(
-        "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    checkpointing: Literal["none", "full", "every-k", "save-matmuls", "save-alternate-matmuls"] = option(
+        "none", "activation checkpointing (Lab 04), by what each block keeps for backward. none: everything; full: "
+        "its input only; every-k: the input of each segment of --checkpoint-every blocks (a segment recomputed "
+        "whole in backward); save-matmuls: its input, every matmul's output and attention's; "
+        "save-alternate-matmuls (torchtitan's op policy): its input, attention's output and every other matmul's "
+        "(q, v, gate, down in a Llama block); the rest is recomputed in backward")
+    checkpoint_every: int | None = option(None, "every-k: blocks per checkpointed segment", min=1, max=MAX_LAYERS)
     loss: Literal["full", "chunked", "fused-linear"] = option(
         "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
@@ -58,6 +63,17 @@ class TrainingRun:
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
     offload: Literal["none", "optimizer", "params"] = option(
         "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+
+    def check_checkpointing(self, layers: int) -> None:
+        """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
+        k = self.checkpoint_every
+        if self.checkpointing == "every-k" and k is None:
+            raise UsageError("--checkpointing every-k needs --checkpoint-every K: the blocks per segment")
+        if self.checkpointing != "every-k" and k is not None:
+            raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k; "
+                             f"--checkpointing is {self.checkpointing}")
+        if k is not None and k > layers:
+            raise UsageError(f"--checkpoint-every {k} is more than the model's {layers} blocks")
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -149,6 +165,11 @@ class Inputs(TrainingRun, Subject):
                              "use --loss full")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
+        if family == "gpt" and self.checkpointing == "save-alternate-matmuls" or \
+                self.lora_rank and self.checkpointing == "save-alternate-matmuls":
+            raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, "
+                             "no --lora-rank (its adapters' matmuls shift the count)")
+        self.check_checkpointing(d["layers"])
         if self.task == "train":
             self.check_sharding()
         if self.task == "decode":

@@ -9,7 +9,8 @@ step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so 
 traces on a laptop in seconds.
 
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
-    checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
+    checkpointing   Lab 04's run_blocks: full, every-k, or an op-level policy (save-matmuls, torchtitan's
+                    save-alternate-matmuls)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
@@ -56,7 +57,7 @@ from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
-lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
+lab04 = labs.load(4)  # run_blocks: full, every-k, save-matmuls and save-alternate-matmuls checkpointing
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
 lab16 = labs.load(16, "reserved_bytes")  # reserved: the step in reserved bytes, simulated
@@ -75,18 +76,19 @@ OPTIMIZERS = {  # (3)!
     "adamw-fused": (torch.optim.AdamW, {"fused": True}),
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
 }
-CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  # (4)!
 # --8<-- [end:recipes]
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1, head_loss=None) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, strategy: str, every: int | None = None, micro_batches: int = 1,
+               head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``,
-    the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``
+    (``every``: its k), the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
+    blocks = partial(lab04.run_blocks, strategy=strategy, every=every or 1)
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy), head_loss=head_loss)[1]  # (1)!
+            loss = model(idx, idx, run_blocks=blocks, head_loss=head_loss)[1]  # (1)!
         with marks.phase("backward", 1):
             (loss / micro_batches).backward()  # (2)!
     with marks.phase("optimizer", 1):
@@ -108,12 +110,11 @@ STEADY_MICRO_BATCHES = 2
 
 
 # --8<-- [start:trace]
-def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: str | None = None) -> Trace:
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
 
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
-    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where;
-    ``strategy``: Lab 04's, instead of ``--checkpointing``'s (Lab 16 traces torchtitan's policy)."""
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
@@ -128,9 +129,9 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe,
-                           strategy=strategy or CHECKPOINTING[config.checkpointing],
-                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
+                train_step(model, optimizer, idx, recipe=recipe, strategy=config.checkpointing,
+                           every=config.checkpoint_every, micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES),
+                           head_loss=LOSSES[config.loss])
             elif config.task == "decode":
                 decode(model, ledger, config, weights, device)
             else:
@@ -213,6 +214,7 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
+        self.check_checkpointing(spec.layers)
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "

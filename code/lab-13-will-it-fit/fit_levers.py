@@ -63,8 +63,8 @@ def _full_loss(c) -> bool:
 LEVERS = (  # exact first, cheapest first; then those that change the numerics
     Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
           ("optimizer",), lambda c: {"optimizer": "adamw-fused"} if _adam(c) and c.offload == "none" else None),
-    Lever("selective checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
-          TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "selective"} if c.checkpointing == "none" else None),
+    Lever("save-matmuls checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
+          TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "save-matmuls"} if c.checkpointing == "none" else None),
     Lever("chunked loss", "loss", "one more head matmul per token, in backward (each chunk recomputed)",
           TRAIN, ("forward", "backward"), lambda c: {"loss": "chunked"} if _full_loss(c) else None),
     Lever("ZeRO-1", "zero", "no more communication than DDP: each rank updates its share of the state", TRAIN, None,
@@ -130,7 +130,7 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
 
 def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
     """The ladder: pull the levers one after another, cheapest first, keeping each that saves bytes
-    (one of a kind: full checkpointing replaces selective), until the step fits; a lever that
+    (one of a kind: full checkpointing replaces save-matmuls), until the step fits; a lever that
     ``repeats`` is pulled again while it applies and saves. Per lever: what it saved on top of those
     kept before it (every pull of it together), the times it was pulled, and the peak with every lever
     kept so far. ``fit_table.ladder`` and the page's ``climb`` (docs/assets/fit.js) do the same on the

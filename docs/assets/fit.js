@@ -163,6 +163,11 @@
       say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
+    if ((s.family === "gpt" || x.lora_rank) && x.checkpointing === "save-alternate-matmuls") {
+      say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, no --lora-rank (its adapters' matmuls shift the count)");
+    }
+    const [segName, segText] = segments(x, d.layers) || [];
+    if (segName) say(segName, segText);
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
@@ -175,6 +180,15 @@
       }
     }
     return err;
+  }
+
+  /** TrainingRun.check_checkpointing: [the field, the message] of the first rule broken, or null. */
+  function segments(x, layers) {
+    const k = x.checkpoint_every;
+    if (x.checkpointing === "every-k" && (k === null || k === undefined)) return ["checkpoint_every", "--checkpointing every-k needs --checkpoint-every K: the blocks per segment"];
+    if (x.checkpointing !== "every-k" && k !== null && k !== undefined) return ["checkpoint_every", `--checkpoint-every ${k} sizes the segments of --checkpointing every-k; --checkpointing is ${x.checkpointing}`];
+    if (k !== null && k !== undefined && k > layers) return ["checkpoint_every", `--checkpoint-every ${k} is more than the model's ${layers} blocks`];
+    return null;
   }
 
   /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
@@ -208,7 +222,7 @@
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
-        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full",
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, loss: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -259,7 +273,8 @@
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
-      u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens };
+      u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
+      G: x.checkpoint_every || 1 };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -275,11 +290,15 @@
 
   function layer(S, checkpointing, lora) {
     const moe = S.E.value > 0n;
-    if (checkpointing === "full") return S.T.mul(S.r).mul(S.h);
+    if (checkpointing === "full" || checkpointing === "every-k") return S.T.mul(S.r).mul(S.h);
     let kept;
-    if (checkpointing === "selective") {
+    if (checkpointing === "save-matmuls") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
       kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+    } else if (checkpointing === "save-alternate-matmuls") {
+      const mlp = moe ? S.c.mul(S.E).add(S.K.mul(S.c).mul(S.f)).add(ceilDiv(S.K.mul(S.c).mul(S.h), n(2)))
+        : S.c.mul(S.f.add(S.h));
+      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
     } else {
       const attention = norm(S, 3).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
@@ -293,13 +312,13 @@
       kept = attention.add(mlp);
     }
     if (lora) kept = kept.add(S.c.mul(S.R).mul(moe ? n(4).add(n(3).mul(S.K)) : n(7)));
-    return checkpointing === "selective" ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+    return checkpointing.startsWith("save") ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
   }
 
   function gptLayer(S, checkpointing) {
-    if (checkpointing === "full") return S.c.mul(S.T).mul(S.h);
+    if (checkpointing === "full" || checkpointing === "every-k") return S.c.mul(S.T).mul(S.h);
     const kept = n(16).mul(S.c).mul(S.T).mul(S.h);
-    return checkpointing === "selective" ? kept : kept.add(S.c.mul(S.a).mul(S.s).mul(S.T));
+    return checkpointing === "save-matmuls" ? kept : kept.add(S.c.mul(S.a).mul(S.s).mul(S.T));
   }
 
   function activations(x, S, family) {
@@ -307,8 +326,9 @@
     const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
-    let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
-    if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
+    const blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
+    let kept = blocks.add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
+    if (x.loss !== "full") kept = blocks.add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
     if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none") kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
@@ -386,6 +406,20 @@
     return out;
   }
 
+  // --checkpointing every-k on one rank: the last segment's backward, recomputed whole (fit_formula.segment_backward).
+  function segmentBackward(x, S, held, carried, spec) {
+    const segments = ceilDiv(S.L, S.G), mixed = x.precision === "mixed";
+    const blocks = carried !== ZERO ? S.L.sub(S.G.mul(segments.sub(n(1)))) : S.G;
+    const others = spec.tied ? S.Pt.sub(S.G.mul(S.Pb)) : S.Pt.sub(S.V.mul(S.h)).sub(S.G.mul(S.Pb));  // not the embedding's
+    const grads = carried !== ZERO ? carried : S.w.mul(others.add(S.f.mul(S.h)));
+    const kept = carried !== ZERO ? segments.mul(S.T).mul(S.r).mul(S.h) : S.T.mul(S.r).mul(S.h);
+    const recomputed = blocks.mul(mixed ? layer(S, "none", false).add(ceilDiv(S.c.mul(S.Pm), S.L)) : layer(S, "none", false));
+    let tail = n(2).mul(S.T).mul(S.c).mul(S.f);
+    if (mixed) tail = tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
+    else if (x.precision === "bf16") tail = tail.add(S.T.mul(S.c).mul(S.h));
+    return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(tail) });
+  }
+
   // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_formula.block_backward).
   function blockBackward(x, S, held, act) {
     const done = S.T.mul(norm(S, 1)).add(layer(S, "none", false))
@@ -428,12 +462,14 @@
     if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm.block_backward && x.checkpointing === "none" && !x.lora_rank && !S.E.value && z.spec.family !== "gpt"
         && x.offload === "none") out.block_backward = blockBackward(x, S, held, act);
+    if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !x.lora_rank
+        && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !x.lora_rank) {  // the root's backward done: its bf16 gradients, about to be reduced
       const blocks = x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
       out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried, temporaries: S.c.mul(S.Pr) });
     }
     const res = {};
-    for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] }));
+    for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] || ZERO }));
     return res;
   }
 
@@ -520,7 +556,7 @@
   const PULLS = {
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
-    "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
     "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
     "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
     "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
@@ -808,7 +844,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -822,7 +858,7 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "loss", "optimizer", "lora_rank"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "optimizer", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
@@ -832,6 +868,7 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
+    segment_backward: "the first segment's backward (its blocks recomputed)",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
