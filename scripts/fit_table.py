@@ -59,7 +59,7 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
-LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing": 4, "chunked loss": 13, "ZeRO-1": 11, "ZeRO-2": 11,
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing": 4, "chunked loss": 13, "optimizer step in backward": 13, "activation offload": 9, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
@@ -194,6 +194,7 @@ def command(x: Inputs, gpu: str) -> list:
             x = replace(x, kv_len=None, new_tokens=1)
         if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
             x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", checkpoint_every=None, loss="full",
+                        optimizer_in_backward=False, offload_activations=False,
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -203,7 +204,9 @@ def command(x: Inputs, gpu: str) -> list:
         values = asdict(x) | {"gpu": gpu}
     args = [PYTHON, c["script"]]
     for name, flag_, default in c["flags"]:
-        if values[name] is not None and values[name] != default:
+        if values[name] is True:  # a switch
+            args.append(flag_)
+        elif values[name] is not None and values[name] != default:
             args += [flag_, _text(values[name])]
         if name == "model":
             args += c["fixed"]
@@ -324,6 +327,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
                   "lora_rank": rng.choice((0, 0, 0, 8, 64))}
             f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
+            f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))

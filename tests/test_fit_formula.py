@@ -127,6 +127,7 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "save-matmuls", "accumulation": 2},
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2},
     {"precision": "mixed", "offload": "optimizer"},
+    {"precision": "mixed", "optimizer_in_backward": True}, {"precision": "bf16", "offload_activations": True},
     {"precision": "mixed", "task": "infer", "batch": 2},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
@@ -197,13 +198,20 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     {"checkpointing": "every-k", "checkpoint_every": 4}, {"checkpointing": "every-k", "checkpoint_every": 3, "precision": "bf16"},
     {"checkpointing": "save-alternate-matmuls", "dp": 8, "zero_stage": 3},
     {"checkpointing": "save-alternate-matmuls", "model": "mixtral-8x7b", "seq": 1024, "layers": 2},
+    # --optimizer-in-backward: the head's own foreach step, in backward; the start of backward with no gradient
+    {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full", "seq": 1024},
+    {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full"},
+    # --offload-activations: the end of forward (autocast's cache of every cast), the recomputed segment's backward
+    {"offload_activations": True, "optimizer_in_backward": True},
+    {"offload_activations": True, "precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 4},
 ]
 
 
 @pytest.mark.parametrize("fields", CHECKPOINTED, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
-def test_the_checkpointing_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
-    """--checkpointing every-k and save-alternate-matmuls: Llama-3-8B (all 32 blocks, 4,096 tokens, fused AdamW
-    unless said) traced by Lab 13, and the formula's peak; also what the blocks keep at the end of forward."""
+def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
+    """--checkpointing every-k and save-alternate-matmuls, --optimizer-in-backward, --offload-activations:
+    Llama-3-8B (all 32 blocks, 4,096 tokens, fused AdamW unless said) traced by Lab 13, and the formula's peak;
+    also what the blocks keep on the device at the end of forward."""
     lab13 = labs.load(13)
     fields = {"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused"} | fields
     layers = fields.pop("layers", None)
@@ -363,6 +371,10 @@ def test_results_table_is_what_the_python_computes_now():
     ({"checkpoint_every": 2}, "sizes the segments of --checkpointing every-k"),
     ({"checkpointing": "every-k"}, "needs --checkpoint-every"), ({"checkpointing": "selective"}, "--checkpointing must be"),
     ({"model": "gpt-3-175b", "checkpointing": "save-alternate-matmuls"}, "no GPT preset"),
+    ({"optimizer_in_backward": True, "accumulation": 2}, "--optimizer-in-backward steps and frees"),
+    ({"optimizer_in_backward": True, "dp": 2, "zero_stage": 1}, "--optimizer-in-backward steps and frees"),
+    ({"offload_activations": True, "dp": 2, "zero_stage": 3}, "--offload-activations with --zero-stage 3"),
+    ({"offload_activations": True, "model": "mixtral-8x7b"}, "dense Llama block"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

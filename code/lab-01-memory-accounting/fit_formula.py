@@ -152,14 +152,32 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
     blocks = ceil_div(S.L, S.G) * per if x.checkpointing == "every-k" else S.L * per  # every-k: a segment's input
+    blocks = offloaded(x, S, per, mixed) if x.offload_activations else blocks
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
         kept = blocks + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
         kept = blocks + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
         kept = kept + head if mixed else kept
-    kept = kept + casts if mixed and x.checkpointing == "none" else kept
-    return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
+    kept = kept + casts if mixed and x.checkpointing == "none" and not x.offload_activations else kept
+    if mixed and x.checkpointing == "none" and x.offload_activations:  # autocast's cache holds them until forward
+        cache = casts - S.c * S.f * S.h  # ends; the last block's down cast is one of the two kept (above)
+    else:
+        cache = casts if mixed and x.checkpointing != "none" else ZERO
+    return {"kept": kept, "cache": cache,
             "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
+
+
+def offloaded(x: Inputs, S, per: Expr, mixed: bool) -> Expr:
+    """--offload-activations (Lab 13's fit_offload.py, Lab 09's hooks): what the blocks keep on the device. Every
+    tensor they save waits on the host but the last two saved: the last block's gate × up product and (autocast)
+    the down projection's bf16 weight, or (no autocast) its up projection's output. With checkpointing, the
+    hooks see only each checkpoint's input (the last two stay); a policy's saved matmul outputs stay too."""
+    if x.checkpointing == "none":
+        return S.T * S.c * S.f + S.c * S.f * S.h if mixed else 2 * S.T * S.c * S.f
+    inputs = ceil_div(S.L, S.G) if x.checkpointing == "every-k" else S.L
+    if x.checkpointing in ("full", "every-k"):
+        return 2 * S.T * S.r * S.h if inputs.value >= 2 else S.T * S.r * S.h
+    return S.L * per - (S.L - 2) * S.T * S.r * S.h
 
 
 def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
@@ -261,7 +279,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         "backward_start": held | {"activations": act["kept"], "temporaries": 8 * S.T * S.V},  # fp32 gradients
         "optimizer": dict(state),
     }
-    if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
+    if x.optimizer_in_backward:  # fit_backward.py: each parameter stepped in backward, its gradient freed
+        del out["optimizer"]["gradients"]
+    elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     if x.loss != "full":
         del out["backward_start"]
@@ -270,7 +290,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
-                                       "temporaries": 8 * S.T * S.V + 4 * S.T * S.h}
+                                       "temporaries": 8 * S.T * S.V + 4 * S.T * S.h if act["autocast"]  # no autocast:
+                                       else S.c * S.T * S.V + S.T * S.r * S.h}  # only the logits' own gradient
+    if x.optimizer_in_backward and x.loss == "full" and x.optimizer in ("adamw", "adamw-foreach"):
+        out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params":
         out["root_gathered"] = held | {"activations": act["kept"]}
     if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
@@ -285,6 +308,14 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     return {k: _full(v | {"communication": comm.get(k, ZERO)}) for k, v in out.items()}
 
 
+def head_step(S, held: dict, act: dict) -> dict[str, Expr]:
+    """--optimizer-in-backward (Lab 13's fit_backward.py) with foreach AdamW: the head's own step, as soon as its
+    gradient is accumulated: foreach's copy of a moment the head's size, beside the head's gradient and the
+    gradient of its input (the stream's dtype); the loss's tensors and the head's input already freed."""
+    return held | {"gradients": S.w * S.V * S.h, "activations": act["kept"] - act["loss"] - S.T * S.c * S.h,
+                   "temporaries": S.m * S.V * S.h + S.T * S.r * S.h}
+
+
 def segment_backward(x: Inputs, S, held: dict, carried: Expr) -> dict[str, Expr]:
     """--checkpointing every-k on one rank (Lab 13's trace): the backward of the last segment to come back, the
     first G blocks, recomputed whole (each block's activations and, under autocast, its weights' bf16 casts), at
@@ -294,8 +325,8 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr) -> dict[str, Expr]
     n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"
     blocks = S.L - S.G * (n - 1) if carried is not ZERO else S.G
     others = S.Pt - S.G * S.Pb if x.spec().tied else S.Pt - S.V * S.h - S.G * S.Pb  # not the embedding's
-    grads = carried if carried is not ZERO else S.w * (others + S.f * S.h)
-    kept = n * S.T * S.r * S.h if carried is not ZERO else S.T * S.r * S.h
+    grads = carried if carried is not ZERO else ZERO if x.optimizer_in_backward else S.w * (others + S.f * S.h)
+    kept = n * S.T * S.r * S.h if carried is not ZERO else ZERO if x.offload_activations else S.T * S.r * S.h
     recomputed = blocks * (layer(S, "none", False) + ceil_div(S.c * S.Pm, S.L) if mixed else layer(S, "none", False))
     # beside them, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
     # freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward

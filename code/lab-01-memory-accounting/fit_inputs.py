@@ -58,6 +58,12 @@ class TrainingRun:
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
         "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
         "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
+    optimizer_in_backward: bool = option(
+        False, "step each parameter's optimizer in backward, as soon as its gradient is accumulated, and free that "
+        "gradient (a post-accumulate-grad hook per parameter): one gradient alive at a time, not all of them")
+    offload_activations: bool = option(
+        False, "keep what the blocks save for backward on the host between forward and backward (Lab 09's streamed "
+        "saved-tensor hooks: all but the last two saved tensors and those under 4 KiB; the parameters stay)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -83,6 +89,13 @@ class TrainingRun:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+        if self.offload_activations and self.zero_stage >= 2:
+            raise UsageError(f"--offload-activations with --zero-stage {self.zero_stage}: FSDP2's gathered weights "
+                             "would be offloaded with the activations; traced with --zero-stage 0 or 1")
+        if self.optimizer_in_backward and (self.accumulation > 1 or self.zero_stage or self.offload != "none"):
+            raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
+                             "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
+                             "waits for every gradient's reduce-scatter) or --offload")
 
 
 @dataclass
@@ -160,6 +173,12 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--model {self.model}: {err}") from None
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
+        if self.offload_activations and (family == "gpt" or d["experts"] or self.lora_rank or d["layers"] < 2):
+            raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
+                             "last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)")
+        if self.optimizer_in_backward and self.lora_rank:
+            raise UsageError("--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight "
+                             "trained); leave one out")
         if self.loss != "full" and self.lora_rank:
             raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
                              "use --loss full")

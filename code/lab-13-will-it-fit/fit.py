@@ -15,6 +15,7 @@ traces on a laptop in seconds.
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
+    levers          --optimizer-in-backward (``fit_backward.py``), --offload-activations (``fit_offload.py``)
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
@@ -49,10 +50,12 @@ from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_gap import derive
+from fit_backward import OptimizerInBackward
 from fit_decode import StaticCache, decode_step
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
+from fit_offload import offloaded
 from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
@@ -80,12 +83,10 @@ OPTIMIZERS = {  # (3)!
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, every: int | None = None, micro_batches: int = 1,
-               head_loss=None) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, blocks, micro_batches: int = 1, head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``
-    (``every``: its k), the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
-    blocks = partial(lab04.run_blocks, strategy=strategy, every=every or 1)
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, the blocks run by ``blocks`` (Lab 04's
+    run_blocks and a strategy), the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own)."""
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
             loss = model(idx, idx, run_blocks=blocks, head_loss=head_loss)[1]  # (1)!
@@ -129,9 +130,9 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe, strategy=config.checkpointing,
-                           every=config.checkpoint_every, micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES),
-                           head_loss=LOSSES[config.loss])
+                blocks = partial(lab04.run_blocks, strategy=config.checkpointing, every=config.checkpoint_every or 1)
+                train_step(model, optimizer, idx, recipe=recipe, blocks=offloaded(blocks, config, model, idx),
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             elif config.task == "decode":
                 decode(model, ledger, config, weights, device)
             else:
@@ -158,8 +159,11 @@ def shard(model, config: Config, mesh):
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
     if config.zero_stage == 1:  # (7)!
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
-    if config.offload == "optimizer":  # (8)!
+    if config.offload == "optimizer" or config.optimizer_in_backward:  # hooks that drop each gradient: label it first
         label_gradients(model)
+    if config.optimizer_in_backward:  # fit_backward.py: each parameter stepped by its own hook, in backward
+        return OptimizerInBackward(model.parameters(), partial(make, **kwargs))
+    if config.offload == "optimizer":  # (8)!
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make(model.parameters(), **kwargs)
@@ -229,6 +233,8 @@ class Config(TrainingRun, Step, LabConfig):
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--loss chunked or fused-linear", self.loss != "full"),
+                              ("--optimizer-in-backward or --offload-activations",
+                               self.optimizer_in_backward or self.offload_activations),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
                     raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")

@@ -159,6 +159,12 @@
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
     }
+    if (x.offload_activations && (s.family === "gpt" || d.experts || x.lora_rank || d.layers < 2)) {
+      say("offload_activations", "--offload-activations: the formula counts what a dense Llama block of two or more saves last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)");
+    }
+    if (x.optimizer_in_backward && x.lora_rank) {
+      say("optimizer_in_backward", "--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight trained); leave one out");
+    }
     if (x.loss !== "full" && x.lora_rank) {
       say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }
@@ -196,6 +202,12 @@
     if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
     if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
     if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
+    if (x.offload_activations && x.zero_stage >= 2) {
+      return ["offload_activations", `--offload-activations with --zero-stage ${x.zero_stage}: FSDP2's gathered weights would be offloaded with the activations; traced with --zero-stage 0 or 1`];
+    }
+    if (x.optimizer_in_backward && (x.accumulation > 1 || x.zero_stage || x.offload !== "none")) {
+      return ["optimizer_in_backward", "--optimizer-in-backward steps and frees each gradient as backward makes it: no --accumulation (nothing left to add the next micro-batch to), --zero-stage (its step waits for every gradient's reduce-scatter) or --offload"];
+    }
     return null;
   }
 
@@ -222,7 +234,7 @@
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
-        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, loss: "full",
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -233,7 +245,8 @@
     const args = [D.python, c.script];
     for (const [name, flag, byDefault] of c.flags) {
       const v = values[name];
-      if (v !== null && v !== undefined && v !== byDefault) args.push(flag, String(v));
+      if (v === true) args.push(flag);  // a switch
+      else if (v !== null && v !== undefined && v !== byDefault) args.push(flag, String(v));
       if (name === "model") args.push(...c.fixed);
     }
     return [args.join(" "), null];
@@ -326,14 +339,29 @@
     const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
-    const blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
+    let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
+    if (x.offload_activations) blocks = offloaded(x, S, per, mixed);
     let kept = blocks.add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
     if (x.loss !== "full") kept = blocks.add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
     if (mixed && x.loss === "full") kept = kept.add(head);
-    if (mixed && x.checkpointing === "none") kept = kept.add(casts);
+    if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO,
+    let cache = mixed && x.checkpointing !== "none" ? casts : ZERO;
+    if (mixed && x.checkpointing === "none" && x.offload_activations) cache = casts.sub(S.c.mul(S.f).mul(S.h));
+    return { kept, cache,
       loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
+  }
+
+  /** Python: fit_formula.offloaded (--offload-activations): what the blocks keep on the device. */
+  function offloaded(x, S, per, mixed) {
+    if (x.checkpointing === "none") {
+      return mixed ? S.T.mul(S.c).mul(S.f).add(S.c.mul(S.f).mul(S.h)) : n(2).mul(S.T).mul(S.c).mul(S.f);
+    }
+    const inputs = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G) : S.L;
+    if (x.checkpointing === "full" || x.checkpointing === "every-k") {
+      return inputs.value >= 2n ? n(2).mul(S.T).mul(S.r).mul(S.h) : S.T.mul(S.r).mul(S.h);
+    }
+    return S.L.mul(per).sub(S.L.sub(n(2)).mul(S.T).mul(S.r).mul(S.h));
   }
 
   /** Python: fit_formula.chunked_loss (--loss chunked and fused-linear, Lab 13's fit_loss.py). */
@@ -411,8 +439,8 @@
     const segments = ceilDiv(S.L, S.G), mixed = x.precision === "mixed";
     const blocks = carried !== ZERO ? S.L.sub(S.G.mul(segments.sub(n(1)))) : S.G;
     const others = spec.tied ? S.Pt.sub(S.G.mul(S.Pb)) : S.Pt.sub(S.V.mul(S.h)).sub(S.G.mul(S.Pb));  // not the embedding's
-    const grads = carried !== ZERO ? carried : S.w.mul(others.add(S.f.mul(S.h)));
-    const kept = carried !== ZERO ? segments.mul(S.T).mul(S.r).mul(S.h) : S.T.mul(S.r).mul(S.h);
+    const grads = carried !== ZERO ? carried : x.optimizer_in_backward ? ZERO : S.w.mul(others.add(S.f.mul(S.h)));
+    const kept = carried !== ZERO ? segments.mul(S.T).mul(S.r).mul(S.h) : x.offload_activations ? ZERO : S.T.mul(S.r).mul(S.h);
     const recomputed = blocks.mul(mixed ? layer(S, "none", false).add(ceilDiv(S.c.mul(S.Pm), S.L)) : layer(S, "none", false));
     let tail = n(2).mul(S.T).mul(S.c).mul(S.f);
     if (mixed) tail = tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
@@ -448,7 +476,9 @@
       backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
-    if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
+    if (x.optimizer_in_backward) {  // each parameter stepped in backward, its gradient freed
+      delete out.optimizer.gradients;
+    } else if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
     if (x.loss !== "full") {
@@ -457,7 +487,12 @@
     } else if (x.zero_stage <= 1 && !x.lora_rank) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
-        activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
+        activations: act.kept.sub(act.loss), temporaries: act.autocast ? n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h))
+          : S.c.mul(S.T).mul(S.V).add(S.T.mul(S.r).mul(S.h)) });
+    }
+    if (x.optimizer_in_backward && x.loss === "full" && (x.optimizer === "adamw" || x.optimizer === "adamw-foreach")) {
+      out.head_step = Object.assign({}, held, { gradients: S.w.mul(S.V).mul(S.h),
+        activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm.block_backward && x.checkpointing === "none" && !x.lora_rank && !S.E.value && z.spec.family !== "gpt"
@@ -553,19 +588,27 @@
 
   // Lab 13's fit_levers.LEVERS and fit_table.SERVING_LEVERS: what each lever changes, where it applies.
   const ADAM = (c) => c.optimizer === "adamw" || c.optimizer === "adamw-foreach";
+  const FREE = (c) => !c.optimizer_in_backward;
   const PULLS = {
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
+    "optimizer step in backward": (c) => (FREE(c) && c.accumulation === 1 && !c.zero_stage && c.offload === "none"
+      && !c.lora_rank ? { optimizer_in_backward: true } : null),
     "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
     "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
-    "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
-    "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
-    "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
-    "ZeRO-3": (c) => (c.dp > 1 && c.zero_stage < 3 && c.offload === "none" ? { zero_stage: 3 } : null),
+    "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" && FREE(c) ? { zero_stage: 1 } : null),
+    "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" && FREE(c) ? { zero_stage: 2 } : null),
+    "half the micro-batch": (c) => (c.batch > 1 && (FREE(c) || c.task !== "train") ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
+    "ZeRO-3": (c) => (c.dp > 1 && c.zero_stage < 3 && c.offload === "none" && FREE(c) ? { zero_stage: 3 } : null),
     "full checkpointing": (c) => (c.checkpointing !== "full" ? { checkpointing: "full" } : null),
     "bf16 weights and state": (c) => (c.precision !== "bf16" ? { precision: "bf16" } : null),
-    "optimizer offload": (c) => (c.offload === "none" ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
-    "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 ? { offload: "params", zero_stage: 3 } : null),
+    "activation offload": (c) => {
+      if (c.offload_activations || c.zero_stage >= 2) return null;
+      const s = spec(c);
+      return s.family !== "gpt" && !s.experts && !c.lora_rank && s.layers >= 2 ? { offload_activations: true } : null;
+    },
+    "optimizer offload": (c) => (c.offload === "none" && FREE(c) ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
+    "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 && FREE(c) ? { offload: "params", zero_stage: 3 } : null),
     "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
     "int4 weights": (c) => (["bf16", "fp8", "int8"].includes(c.weights) ? { weights: "int4-awq" } : null),
     "chunked prefill": (c) => (c.context > 2048 && !c.prefill_chunk ? { prefill_chunk: 2048 } : null),
@@ -844,7 +887,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -858,8 +901,8 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "optimizer", "lora_rank"]],
-    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "optimizer", "optimizer_in_backward", "lora_rank"]],
+    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
     ["", null, ["tp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
@@ -869,6 +912,7 @@
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
+    head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
