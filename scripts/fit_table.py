@@ -442,9 +442,9 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py and fit_serve.py a page may quote (between snippet markers), by name."""
+    """The sections of fit_formula.py, fit_moments.py and fit_serve.py a page may quote (between snippet markers), by name."""
     text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
-                   for name in ("fit_formula.py", "fit_serve.py"))
+                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

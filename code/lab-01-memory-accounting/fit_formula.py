@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
+from fit_moments import autocast_cache, head_step, offloaded, segment_backward
 from fit_serve import kv_per_token, prefill, weights
 from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
@@ -120,8 +121,7 @@ def layer(S, checkpointing: str, lora: bool) -> Expr:
     if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
         kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
-    elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (q, v, router, then alternately
-        # up, or gate and down, by expert), attention's output, the input
+    elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (MoE: router, up or gate+down)
         mlp = S.c * S.E + S.K * S.c * S.f + ceil_div(S.K * S.c * S.h, 2) if moe else S.c * (S.f + S.h)
         kept = S.c * (2 * S.q + S.g) + LSE * S.a + S.r * S.h + mlp
     else:
@@ -159,25 +159,9 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         kept = blocks + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" and not x.offload_activations else kept
-    if mixed and x.checkpointing == "none" and x.offload_activations:  # autocast's cache holds them until forward
-        cache = casts - S.c * S.f * S.h  # ends; the last block's down cast is one of the two kept (above)
-    else:
-        cache = casts if mixed and x.checkpointing != "none" else ZERO
+    cache = autocast_cache(x, S, casts) if mixed else ZERO
     return {"kept": kept, "cache": cache,
             "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
-
-
-def offloaded(x: Inputs, S, per: Expr, mixed: bool) -> Expr:
-    """--offload-activations (Lab 13's fit_offload.py, Lab 09's hooks): what the blocks keep on the device. Every
-    tensor they save waits on the host but the last two saved: the last block's gate × up product and (autocast)
-    the down projection's bf16 weight, or (no autocast) its up projection's output. With checkpointing, the
-    hooks see only each checkpoint's input (the last two stay); a policy's saved matmul outputs stay too."""
-    if x.checkpointing == "none":
-        return S.T * S.c * S.f + S.c * S.f * S.h if mixed else 2 * S.T * S.c * S.f
-    inputs = ceil_div(S.L, S.G) if x.checkpointing == "every-k" else S.L
-    if x.checkpointing in ("full", "every-k"):
-        return 2 * S.T * S.r * S.h if inputs.value >= 2 else S.T * S.r * S.h
-    return S.L * per - (S.L - 2) * S.T * S.r * S.h
 
 
 def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
@@ -299,44 +283,12 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
-    if x.checkpointing == "every-k" and x.zero_stage == 0 and x.dp == 1 and x.offload == "none" and not x.lora_rank \
-            and not S.E.value and x.spec().family != "gpt":
-        out["segment_backward"] = segment_backward(x, S, held, carried)
+    if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
+        out["segment_backward"] = segment
     if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm.get(k, ZERO)}) for k, v in out.items()}
-
-
-def head_step(S, held: dict, act: dict) -> dict[str, Expr]:
-    """--optimizer-in-backward (Lab 13's fit_backward.py) with foreach AdamW: the head's own step, as soon as its
-    gradient is accumulated: foreach's copy of a moment the head's size, beside the head's gradient and the
-    gradient of its input (the stream's dtype); the loss's tensors and the head's input already freed."""
-    return held | {"gradients": S.w * S.V * S.h, "activations": act["kept"] - act["loss"] - S.T * S.c * S.h,
-                   "temporaries": S.m * S.V * S.h + S.T * S.r * S.h}
-
-
-def segment_backward(x: Inputs, S, held: dict, carried: Expr) -> dict[str, Expr]:
-    """--checkpointing every-k on one rank (Lab 13's trace): the backward of the last segment to come back, the
-    first G blocks, recomputed whole (each block's activations and, under autocast, its weights' bf16 casts), at
-    its last MLP's gate × up product's backward: the down projection's gradient is made, its input freed. Every
-    gradient but the embedding's and the segment's is alive (with accumulation: all of them, carried, and the
-    segment that comes back first, the last: every segment's input kept, L − G × (⌈L / G⌉ − 1) blocks)."""
-    n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"
-    blocks = S.L - S.G * (n - 1) if carried is not ZERO else S.G
-    others = S.Pt - S.G * S.Pb if x.spec().tied else S.Pt - S.V * S.h - S.G * S.Pb  # not the embedding's
-    grads = carried if carried is not ZERO else ZERO if x.optimizer_in_backward else S.w * (others + S.f * S.h)
-    kept = n * S.T * S.r * S.h if carried is not ZERO else ZERO if x.offload_activations else S.T * S.r * S.h
-    recomputed = blocks * (layer(S, "none", False) + ceil_div(S.c * S.Pm, S.L) if mixed else layer(S, "none", False))
-    # beside them, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
-    # freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward
-    # freed, and less the down projection's bf16 weight cast, which the recompute stops before remaking
-    tail = 2 * S.T * S.c * S.f
-    if x.precision == "mixed":
-        tail = tail + 2 * S.T * S.c * S.h - 4 * S.T * S.h - S.c * S.f * S.h
-    elif x.precision == "bf16":
-        tail = tail + S.T * S.c * S.h
-    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
