@@ -937,6 +937,9 @@
       c = h("select", { id, name: f.name, "aria-describedby": described });
       c.append(h("option", { value: "", text: "the preset's" }), h("option", { value: "true", text: "yes" }),
         h("option", { value: "false", text: "no" }));
+    } else if (f.type === "bool") {  // a switch: --optimizer-in-backward, --offload-activations
+      c = h("select", { id, name: f.name, "aria-describedby": described });
+      c.append(h("option", { value: "false", text: "no" }), h("option", { value: "true", text: "yes" }));
     } else if (f.type === "choice") {
       c = h("select", { id, name: f.name, "aria-describedby": described });
       const words = CHOICE_LABELS[f.name] || {};
