@@ -22,6 +22,7 @@ from labkit.config import (
 HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
 CUSTOM = "custom"
+MAX_RANKS = 2**20  # GPUs in one run, all parallel degrees multiplied (the largest runs have about 10**5)
 
 
 def presets() -> list[str]:
@@ -64,11 +65,26 @@ class TrainingRun:
     offload_activations: bool = option(
         False, "keep what the blocks save for backward on the host between forward and backward (Lab 09's streamed "
         "saved-tensor hooks: all but the last two saved tensors and those under 4 KiB; the parameters stay)")
+    float8: Literal["none", "tensorwise"] = option(
+        "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
+        "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
+        "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
+        "(mixed or bf16)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
     offload: Literal["none", "optimizer", "params"] = option(
         "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+    tp: int = option(1, "tensor-parallel ranks: heads, KV heads, MLP and vocabulary split the Megatron way (training: "
+                     "DTensor's plan, Lab 13; serving: Lab 14); with --dp, a --dp x --tp mesh", min=1, max=1024)
+    sp: bool = option(False, "sequence parallelism over the --tp ranks: the norms and the residual stream between "
+                      "sublayers split along the sequence, each sublayer's input gathered once")
+    replicate: int = option(1, "HSDP: FSDP2 over a --replicate x (--dp / --replicate) mesh, each parameter sharded over "
+                            "the dp / replicate ranks of its group and replicated across the groups (ZeRO-2/3)",
+                            min=1, max=2**20)
+    pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
+                     "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
+                     "(needs --accumulation ≥ --pp)", min=1, max=1024)
 
     def check_checkpointing(self, layers: int) -> None:
         """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
@@ -87,6 +103,28 @@ class TrainingRun:
             raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
         if self.offload == "params" and self.zero_stage != 3:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+        if self.sp and self.tp == 1:
+            raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
+        if self.sp and self.seq % self.tp:
+            raise UsageError(f"--sp splits --seq {self.seq} over --tp {self.tp} ranks: give a multiple of {self.tp}")
+        if self.tp * self.pp * self.dp > MAX_RANKS:
+            raise UsageError(f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} is {self.tp * self.pp * self.dp:,} GPUs: "
+                             f"more than {MAX_RANKS:,}")
+        if self.replicate > 1 and (self.zero_stage < 2 or self.dp % self.replicate or self.dp == self.replicate):
+            raise UsageError(f"--replicate {self.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides "
+                             f"into groups of two or more, got --dp {self.dp}")
+        if self.pp > self.accumulation:
+            raise UsageError(f"--pp {self.pp} needs --accumulation {self.pp} or more: 1F1B keeps a micro-batch in flight "
+                             "per stage (PyTorch's Schedule1F1B refuses fewer)")
+        for flag, bad in (("--loss chunked or fused-linear", self.loss != "full"), ("--offload", self.offload != "none")):
+            if bad and self.pp > 1:
+                raise UsageError(f"{flag} with --pp is not traced: the trace is the first stage's (no loss; its own "
+                                 "optimizer on the device)")
+        for flag, bad in (("--zero-stage 1", self.zero_stage == 1), ("--offload", self.offload != "none"),
+                          ("--loss chunked or fused-linear", self.loss != "full")):
+            if bad and self.tp > 1:
+                raise UsageError(f"{flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the "
+                                 "split weights")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
         if self.offload_activations and self.zero_stage >= 2:
@@ -96,6 +134,21 @@ class TrainingRun:
             raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
                              "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
                              "waits for every gradient's reduce-scatter) or --offload")
+        if self.checkpointing in ("every-k", "save-alternate-matmuls") and (self.tp > 1 or self.pp > 1):
+            raise UsageError(f"--checkpointing {self.checkpointing} with --tp or --pp is not traced together (Lab 13)")
+        for lever, on in (("--optimizer-in-backward", self.optimizer_in_backward),
+                          ("--offload-activations", self.offload_activations)):
+            if on and (self.tp > 1 or self.pp > 1 or self.float8 != "none"):
+                raise UsageError(f"{lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out")
+        if self.float8 != "none" and self.precision == "fp32":
+            raise UsageError(f"--float8 {self.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+        if self.float8 != "none" and (self.tp > 1 or self.pp > 1):
+            raise UsageError(f"--float8 {self.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
+                             "swapped in before DTensor's plan would split them")
+        if self.float8 != "none" and self.checkpointing not in ("none", "full"):
+            raise UsageError(f"--float8 {self.float8} with --checkpointing {self.checkpointing}: "
+                             + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
+                                if self.checkpointing != "every-k" else "not traced together") + ": none or full")
 
 
 @dataclass
@@ -128,7 +181,6 @@ class Inputs(TrainingRun, Subject):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
-    tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)",
                             min=0, max=MAX_WIDTH)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
@@ -182,6 +234,11 @@ class Inputs(TrainingRun, Subject):
         if self.loss != "full" and self.lora_rank:
             raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
                              "use --loss full")
+        head = d["head_dim"] or d["hidden"] // d["heads"]
+        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or self.lora_rank or any(
+                v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):
+            raise UsageError(f"--float8 {self.float8} converts a dense Llama's block linears, each dimension a multiple of "
+                             "16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if family == "gpt" and self.checkpointing == "save-alternate-matmuls" or \
@@ -191,6 +248,11 @@ class Inputs(TrainingRun, Subject):
         self.check_checkpointing(d["layers"])
         if self.task == "train":
             self.check_sharding()
+            if t > 1 and kv % t:
+                raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
+            self.check_pipeline(family, d["layers"])
+        if self.task != "train" and self.pp > 1:
+            raise UsageError(f"--pp {self.pp} is traced for training (Lab 13): --task {self.task} has no pipeline here")
         if self.task == "decode":
             if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
                     or self.offload != "none":
@@ -199,6 +261,20 @@ class Inputs(TrainingRun, Subject):
             if self.new_tokens > (self.kv_len or self.seq):
                 raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
                                  f"{self.kv_len or self.seq}")
+
+    def check_pipeline(self, family: str, layers: int) -> None:
+        """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
+        if self.pp == 1:
+            return
+        if self.pp > layers:
+            raise UsageError(f"--pp {self.pp} is more pipeline stages than {layers} layers")
+        if family == "gpt" or self.lora_rank:
+            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside")
+        for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
+                          (f"--checkpointing {self.checkpointing}", self.checkpointing not in ("none", "full")),
+                          ("--zero-stage 2 or 3", self.zero_stage >= 2)):
+            if bad:
+                raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

@@ -1,5 +1,6 @@
 """Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
-the device, the head's own optimizer step in backward, and every-k's recomputed segment. ``fit_formula.py``
+the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
+block's backward at ZeRO-3. ``fit_formula.py``
 calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
 ``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from fit_expr import ZERO, Expr, ceil_div
 from fit_inputs import Inputs
+from fit_symbols import ROW
 
 
 # --8<-- [start:flags]
@@ -65,4 +67,17 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     elif x.precision == "bf16":
         tail = tail + S.T * S.c * S.h
     return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
+
+
+def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
+    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
+    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
+    head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
+    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
+    from fit_formula import layer, norm  # here: fit_formula imports this file
+    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
+    norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
+    return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
+                   "temporaries": S.c * S.V * S.h + 3 * S.c * S.h * S.f + norm_backward}
 # --8<-- [end:flags]

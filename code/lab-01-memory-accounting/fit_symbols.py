@@ -11,13 +11,13 @@ SYMBOLS = {
     "E": "experts", "K": "experts per token", "s": "tokens per sequence", "T": "tokens per micro-batch",
     "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
     "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
-    "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
+    "R": "LoRA rank", "dp": "data-parallel ranks a parameter is sharded over (--dp; under HSDP, --dp / --replicate)", "w": "bytes of a weight and its gradient",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
     "p": "prefill tokens at once", "Pq": "quantized matmul weights of one block (all but a router's)",
     "nq": "quantized matrices of one block", "so": "their outputs, added up", "si": "their inputs, added up",
     "b": "sequences in the batch (decode)",
-    "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
+    "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "t": "tensor-parallel ranks (--tp)", "pp": "pipeline stages (--pp): L is then the first stage's ⌈L / pp⌉ blocks", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
     "G": "blocks per checkpointed segment (--checkpoint-every, every-k)",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
@@ -48,4 +48,6 @@ LEGEND = {
     "_full": "a moment's categories, 0 where it holds none",
     "total": "the sum of its terms, leaving out those that are 0",
     "LOSS_CHUNKS": "chunks of tokens of --loss chunked and fused-linear (torchtune's default)",
+    "fit_split": "the moments a split model adds: --tp's whole embedding gradient, --pp's first stage (fit_split.py)",
+    "own": "an RMSNorm's own tensors per token (fp32 input, 1/rms, the normalised stream); on T / t tokens under --sp",
 }

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from labkit.config import UsageError
+from fit_setup import label_gradients
+
 
 # --8<-- [start:in_backward]
 class OptimizerInBackward:
@@ -31,6 +34,12 @@ class OptimizerInBackward:
         self.each = {p: make([p]) for p in params if p.requires_grad}
         for p in self.each:
             p.register_post_accumulate_grad_hook(self.step_one)
+
+    @classmethod
+    def install(cls, model, make) -> OptimizerInBackward:
+        """For ``model``'s parameters, their gradients labelled first (the hooks drop each one as it is made)."""
+        label_gradients(model)
+        return cls(model.parameters(), make)
 
     def step_one(self, p: torch.Tensor) -> None:
         self.each[p].step()  # this parameter's update, now
@@ -53,3 +62,17 @@ class OptimizerInBackward:
     def state(self) -> dict:
         return {p: s for optimizer in self.each.values() for p, s in optimizer.state.items()}
 # --8<-- [end:in_backward]
+
+
+def check_levers(config) -> None:
+    """The refusals of ``--optimizer-in-backward`` and ``--offload-activations`` Lab 13 adds to the calculator's:
+    no backward to put them in, or a flag they were not traced with (UsageError in one line)."""
+    lever = "--optimizer-in-backward" if config.optimizer_in_backward else "--offload-activations"
+    if not (config.optimizer_in_backward or config.offload_activations):
+        return
+    if config.task != "train":
+        raise UsageError(f"{lever} needs a backward or an optimizer: --task {config.task} has neither")
+    for flag, bad in (("--tp", config.tp > 1), ("--pp", config.pp > 1), ("--float8", config.float8 != "none"),
+                      ("--compile", getattr(config, "compile", False))):
+        if bad:
+            raise UsageError(f"{lever} with {flag} is not traced together (Lab 13): leave one out")

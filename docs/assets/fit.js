@@ -168,6 +168,11 @@
     if (x.loss !== "full" && x.lora_rank) {
       say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }
+    const head = d.head_dim || Math.floor(d.hidden / d.heads);
+    if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts || x.lora_rank
+        || [d.hidden, d.ffn, d.heads * head, d.kv_heads * head].some((v) => v % 16))) {
+      say("float8", `--float8 ${x.float8} converts a dense Llama's block linears, each dimension a multiple of 16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank`);
+    }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if ((s.family === "gpt" || x.lora_rank) && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, no --lora-rank (its adapters' matmuls shift the count)");
@@ -177,7 +182,11 @@
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
+      if (t > 1 && kv % t) say("tp", `--tp ${t} does not split ${kv} KV heads: training splits whole KV heads (Lab 13)`);
+      const [pname, ptext] = pipelineRule(x, s.family, d.layers) || [];
+      if (pname) say(pname, ptext);
     }
+    if (x.task !== "train" && x.pp > 1) say("pp", `--pp ${x.pp} is traced for training (Lab 13): --task ${x.task} has no pipeline here`);
     if (x.task === "decode") {
       if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
         say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
@@ -197,16 +206,57 @@
     return null;
   }
 
+  /** Inputs.check_pipeline: [the field, the message], or null. */
+  function pipelineRule(x, family, layers) {
+    if (x.pp === 1) return null;
+    if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
+    if (family === "gpt" || x.lora_rank) return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside`];
+    for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
+      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
+    }
+    return null;
+  }
+
   /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
   function sharding(x) {
     if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
     if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
+    if (x.sp && x.tp === 1) return ["sp", "--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)"];
+    if (x.sp && x.seq % x.tp) return ["sp", `--sp splits --seq ${x.seq} over --tp ${x.tp} ranks: give a multiple of ${x.tp}`];
+    if (x.tp * x.pp * x.dp > D.constants.max_ranks) {
+      return ["tp", `--tp ${x.tp} x --pp ${x.pp} x --dp ${x.dp} is ${(x.tp * x.pp * x.dp).toLocaleString("en-US")} GPUs: more than ${D.constants.max_ranks.toLocaleString("en-US")}`];
+    }
+    if (x.replicate > 1 && (x.zero_stage < 2 || x.dp % x.replicate || x.dp === x.replicate)) {
+      return ["replicate", `--replicate ${x.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides into groups of two or more, got --dp ${x.dp}`];
+    }
+    if (x.pp > x.accumulation) return ["pp", `--pp ${x.pp} needs --accumulation ${x.pp} or more: 1F1B keeps a micro-batch in flight per stage (PyTorch's Schedule1F1B refuses fewer)`];
+    for (const [name, flag, bad] of [["loss", "--loss chunked or fused-linear", x.loss !== "full"], ["offload", "--offload", x.offload !== "none"]]) {
+      if (bad && x.pp > 1) return [name, `${flag} with --pp is not traced: the trace is the first stage's (no loss; its own optimizer on the device)`];
+    }
+    for (const [name, flag, bad] of [["zero_stage", "--zero-stage 1", x.zero_stage === 1], ["offload", "--offload", x.offload !== "none"],
+      ["loss", "--loss chunked or fused-linear", x.loss !== "full"]]) {
+      if (bad && x.tp > 1) return [name, `${flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the split weights`];
+    }
     if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
     if (x.offload_activations && x.zero_stage >= 2) {
       return ["offload_activations", `--offload-activations with --zero-stage ${x.zero_stage}: FSDP2's gathered weights would be offloaded with the activations; traced with --zero-stage 0 or 1`];
     }
     if (x.optimizer_in_backward && (x.accumulation > 1 || x.zero_stage || x.offload !== "none")) {
       return ["optimizer_in_backward", "--optimizer-in-backward steps and frees each gradient as backward makes it: no --accumulation (nothing left to add the next micro-batch to), --zero-stage (its step waits for every gradient's reduce-scatter) or --offload"];
+    }
+    if ((x.checkpointing === "every-k" || x.checkpointing === "save-alternate-matmuls") && (x.tp > 1 || x.pp > 1)) {
+      return ["checkpointing", `--checkpointing ${x.checkpointing} with --tp or --pp is not traced together (Lab 13)`];
+    }
+    for (const [name, lever, on] of [["optimizer_in_backward", "--optimizer-in-backward", x.optimizer_in_backward],
+      ["offload_activations", "--offload-activations", x.offload_activations]]) {
+      if (on && (x.tp > 1 || x.pp > 1 || x.float8 !== "none")) return [name, `${lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out`];
+    }
+    if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
+    if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
+    if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
+      return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
+        ? "save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm" : "not traced together") + ": none or full"];
     }
     return null;
   }
@@ -230,11 +280,12 @@
         kv_dtype: x.kv_dtype,
         block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
     } else {
-      if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
+      if (x.tp > 1 && x.task !== "train") return [null, `${script} traces tensor parallelism for training: --task ${x.task} splits over GPUs in Lab 14`];
+      if (x.tp > 1 && D.presets[x.model].family !== "llama") return [null, `${script} splits a zoo Llama's modules under --tp, not ${x.model}'s`];
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
-        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full",
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full", float8: "none",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -245,8 +296,7 @@
     const args = [D.python, c.script];
     for (const [name, flag, byDefault] of c.flags) {
       const v = values[name];
-      if (v === true) args.push(flag);  // a switch
-      else if (v !== null && v !== undefined && v !== byDefault) args.push(flag, String(v));
+      if (v !== null && v !== undefined && v !== byDefault) args.push(...(v === true ? [flag] : [flag, String(v)]));
       if (name === "model") args.push(...c.fixed);
     }
     return [args.join(" "), null];
@@ -254,12 +304,17 @@
 
   // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
   function sizes(x) {
-    const s = rankSpec(spec(x), x.tp);
-    const P = paramCount(s);
+    let s = rankSpec(spec(x), x.tp);
+    if (x.pp > 1) s = Object.assign({}, s, { layers: Math.ceil(s.layers / x.pp) });  // 1F1B's first stage
+    let P = paramCount(s);
     const block = paramCount(Object.assign({}, s, { layers: 2 })) - paramCount(Object.assign({}, s, { layers: 1 }));
     const gpt = s.family === "gpt";
     const L = BigInt(s.layers), E = BigInt(s.experts);
     let nt = gpt ? 12n * L + 4n : L * (9n + (s.experts ? 3n * E - 2n : 0n)) + 2n + (s.tied ? 0n : 1n);
+    if (x.pp > 1) {  // no final norm, no head
+      P -= BigInt(s.width) + (s.tied ? 0n : BigInt(s.vocab) * BigInt(s.width));
+      nt -= 1n + (s.tied ? 0n : 1n);
+    }
     let Pt = P;
     if (x.lora_rank) {
       const h = BigInt(s.width), q = BigInt(s.heads * s.head_dim), g = BigInt(s.kv_heads * s.head_dim);
@@ -281,13 +336,13 @@
     const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
-      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
+      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp / x.replicate, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
       u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
-      G: x.checkpoint_every || 1 };
+      G: x.checkpoint_every || 1, t: x.tp, pp: x.pp };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -296,14 +351,16 @@
 
   const K = () => D.constants;
 
-  function norm(S, readers) {
+  function norm(S, readers, sp) {
     const kept = S.c.value === S.r.value ? S.c.mul(S.h) : n(readers).mul(S.c).mul(S.h);
-    return n(4).mul(S.h).add(K().row).add(S.r.mul(S.h)).add(kept);
+    return sp ? kept : own(S).add(kept);
   }
 
-  function layer(S, checkpointing, lora) {
+  const own = (S) => n(4).mul(S.h).add(K().row).add(S.r.mul(S.h));  // an RMSNorm's own tensors per token
+
+  function layer(S, checkpointing, lora, sp) {
     const moe = S.E.value > 0n;
-    if (checkpointing === "full" || checkpointing === "every-k") return S.T.mul(S.r).mul(S.h);
+    if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
     if (checkpointing === "save-matmuls") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
@@ -313,19 +370,21 @@
         : S.c.mul(S.f.add(S.h));
       kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
     } else {
-      const attention = norm(S, 3).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
+      const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
       if (moe) {
         const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
           .add(S.c.mul(S.h)).add(K().slot);
         mlp = norm(S, 1).add(S.c.add(4).mul(S.E)).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
       } else {
-        mlp = norm(S, 2).add(n(4).mul(S.c).mul(S.f));
+        mlp = norm(S, 2, sp).add(n(4).mul(S.c).mul(S.f));
       }
       kept = attention.add(mlp);
     }
     if (lora) kept = kept.add(S.c.mul(S.R).mul(moe ? n(4).add(n(3).mul(S.K)) : n(7)));
-    return checkpointing.startsWith("save") ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+    if (checkpointing.startsWith("save")) return S.T.mul(kept);
+    kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+    return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
 
   function gptLayer(S, checkpointing) {
@@ -336,12 +395,13 @@
 
   function activations(x, S, family) {
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
-    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0);
+    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0, x.sp);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
-    const casts = mixed ? S.c.mul(S.Pm) : ZERO;
+    const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
     if (x.offload_activations) blocks = offloaded(x, S, per, mixed);
-    let kept = blocks.add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
+    let kept = blocks.add(S.T.mul(norm(S, 1, x.sp).add(n(4).mul(S.V))));
+    if (x.sp) kept = kept.add(ceilDiv(S.T, S.t).mul(own(S)));
     if (x.loss !== "full") kept = blocks.add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
     if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
@@ -428,7 +488,8 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end };
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
+      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
     return out;
@@ -446,6 +507,32 @@
     if (mixed) tail = tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
     else if (x.precision === "bf16") tail = tail.add(S.T.mul(S.c).mul(S.h));
     return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(tail) });
+  }
+
+  /** Python: fit_formula.pipeline (--pp, Lab 13's fit_pipeline.py): 1F1B's first stage. */
+  function pipeline(x, S, state) {
+    const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
+    const mixed = x.precision === "mixed" && !fsdpMixed(x);
+    let micro = S.L.mul(layer(S, x.checkpointing, false, x.sp)).add(tokens.mul(S.r).mul(S.h));
+    if (mixed && x.checkpointing === "none") micro = micro.add(S.c.mul(S.Pm));
+    const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
+    const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
+    const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
+    const out = {
+      pipeline_backward: Object.assign({}, held, { activations: S.pp.mul(micro), temporaries }),
+      embedding_backward: Object.assign({}, held, { activations: S.pp.sub(1).mul(micro).add(tokens.mul(S.r).mul(S.h)),
+        temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
+      optimizer: Object.assign({}, state),
+    };
+    const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.sp) {  // a steady forward's last reduce-scatter
+      out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
+        temporaries: total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h)) });
+    }
+    if (x.optimizer === "adamw" || x.optimizer === "adamw-foreach") {
+      out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
+    }
+    return out;
   }
 
   // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_formula.block_backward).
@@ -468,18 +555,29 @@
     const z = sizes(x), S = symbols(x, z);
     if (x.task !== "train") return { [x.task]: full(inference(x, S)) };
     const state = modelState(x, S), comm = communication(x, S), act = activations(x, S, z.spec.family);
-    const carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.pp > 1) {
+      const res = {}, all = pipeline(x, S, state);
+      for (const k of Object.keys(all)) res[k] = full(Object.assign(all[k], { communication: total(comm[k], all[k].communication || ZERO) }));
+      return res;
+    }
+    let carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
     const held = { parameters: state.parameters, optimizer_state: state.optimizer_state, gradients: carried };
     const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
     const out = {
       forward_end: Object.assign({}, held, { activations: act.kept, temporaries: act.cache === ZERO ? logits : act.cache.add(logits) }),
-      backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(8).mul(S.T).mul(S.V) }),
+      backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
     if (x.optimizer_in_backward) {  // each parameter stepped in backward, its gradient freed
       delete out.optimizer.gradients;
     } else if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
+    }
+    if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
+      const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
+      out.embedding_gradient = Object.assign({}, state, { gradients: state.gradients.add(whole) });
+      if (x.accumulation > 1) out.embedding_backward = Object.assign({}, held, { temporaries: whole.add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.loss !== "full") {
       delete out.backward_start;
@@ -887,8 +985,8 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
@@ -901,15 +999,20 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "optimizer", "optimizer_in_backward", "lora_rank"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward", "lora_rank"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
     ["", null, ["tp"]],
+    ["", "train", ["sp", "pp", "replicate"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
   ];
   const MOMENTS = {
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
+    embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
+    embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
+    pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
+    pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
     head_step: "the head's optimizer step, in backward",
