@@ -59,10 +59,11 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
-LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "chunked loss": 13, "ZeRO-1": 11, "ZeRO-2": 11,
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing": 4, "chunked loss": 13, "optimizer step in backward": 13, "activation offload": 9, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
+CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -194,7 +195,8 @@ def command(x: Inputs, gpu: str) -> list:
         if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
             x = replace(x, kv_len=None, new_tokens=1)
         if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full", float8="none",
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", checkpoint_every=None, loss="full",
+                        optimizer_in_backward=False, offload_activations=False, float8="none",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -320,10 +322,12 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                       "kv_len": rng.choice((None, 2048, 8192, 131072)), "new_tokens": rng.choice((1, 1, 4))}
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
-            f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
+            f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(CHECKPOINTING),
                   "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
                   "lora_rank": rng.choice((0, 0, 0, 8, 64))}
+            f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
+            f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
             f["float8"] = rng.choice(("none", "none", "none", "tensorwise"))
             f["sp"] = f["tp"] > 1 and rng.random() < 0.5
@@ -447,9 +451,9 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py and fit_serve.py a page may quote (between snippet markers), by name."""
+    """The sections of fit_formula.py, fit_moments.py and fit_serve.py a page may quote (between snippet markers), by name."""
     text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
-                   for name in ("fit_formula.py", "fit_serve.py"))
+                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

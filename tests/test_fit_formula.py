@@ -59,13 +59,14 @@ def test_amp_is_lab01s_fp32_recipe_for_the_state_and_16_bytes_per_parameter():
     assert sum(state_of(x).values()) == 16 * fit.sizes(x).P + 4 * fit.sizes(x).n
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "save-matmuls", "full"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gpt_layer_is_lab01s_korthikanti_layer_without_dropout(checkpointing, precision):
     x = Inputs(model="gpt-3-175b", seq=2048, batch=2, precision=precision, checkpointing=checkpointing)
     S, s = fit.symbols(x, fit.sizes(x)), zoo.get("gpt-3-175b")
     c = fit.PRECISIONS[precision][1]
-    want = lab01.activation_bytes_per_layer(2048, 2, s.width, s.heads, act=c, mask=None, recompute=checkpointing)
+    recompute = {"save-matmuls": "selective"}.get(checkpointing, checkpointing)  # the paper's name for it
+    want = lab01.activation_bytes_per_layer(2048, 2, s.width, s.heads, act=c, mask=None, recompute=recompute)
     assert fit.gpt_layer(S, checkpointing).value == want
 
 
@@ -115,14 +116,18 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
 # ---------------------------------------------------------------- against Lab 13's traces
 @pytest.mark.parametrize("fields", [
     {"precision": "fp32"},
-    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
+    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "save-matmuls"},
+    {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "save-alternate-matmuls"},
+    {"precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 3, "accumulation": 2},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "full", "accumulation": 2},
     {"precision": "bf16", "dp": 4, "zero_stage": 3},
     # mixed under FSDP2 (MixedPrecisionPolicy): the root's bf16 gradients and fp32 reduce-scatter input hold the peak
     {"precision": "mixed", "dp": 4, "zero_stage": 3}, {"precision": "mixed", "dp": 4, "zero_stage": 2},
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "offload": "params"},
-    {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "selective", "accumulation": 2},
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "save-matmuls", "accumulation": 2},
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2},
     {"precision": "mixed", "offload": "optimizer"},
+    {"precision": "mixed", "optimizer_in_backward": True}, {"precision": "bf16", "offload_activations": True},
     {"precision": "mixed", "task": "infer", "batch": 2},
     {"precision": "mixed", "optimizer": "adamw-fused", "float8": "tensorwise"},  # no weight casts kept
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
@@ -188,6 +193,40 @@ def test_the_loss_formulas_follow_a_real_scale_trace_within_0_1_percent(loss):
     traced = lab13.trace(lab13.Config(model="llama-3-8b", seq=8192, optimizer="adamw-fused", loss=loss, levers="none"))
     mine = sum(fit.estimate(Inputs(model="llama-3-8b", seq=8192, optimizer="adamw-fused", loss=loss)).values())
     assert mine == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
+
+
+CHECKPOINTED = [  # the peak in a different moment each: the recomputed first segment's backward (mixed; bf16),
+    # the start of backward under ZeRO-3 (torchtitan's runs), the optimizer step (Mixtral, two of its blocks)
+    {"checkpointing": "every-k", "checkpoint_every": 4}, {"checkpointing": "every-k", "checkpoint_every": 3, "precision": "bf16"},
+    {"checkpointing": "save-alternate-matmuls", "dp": 8, "zero_stage": 3},
+    {"checkpointing": "save-alternate-matmuls", "model": "mixtral-8x7b", "seq": 1024, "layers": 2},
+    # --optimizer-in-backward: the head's own foreach step, in backward; the start of backward with no gradient
+    {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full", "seq": 1024},
+    {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full"},
+    # --offload-activations: the end of forward (autocast's cache of every cast), the recomputed segment's backward
+    {"offload_activations": True, "optimizer_in_backward": True},
+    {"offload_activations": True, "precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 4},
+]
+
+
+@pytest.mark.parametrize("fields", CHECKPOINTED, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
+    """--checkpointing every-k and save-alternate-matmuls, --optimizer-in-backward, --offload-activations:
+    Llama-3-8B (all 32 blocks, 4,096 tokens, fused AdamW unless said) traced by Lab 13, and the formula's peak;
+    also what the blocks keep on the device at the end of forward."""
+    lab13 = labs.load(13)
+    fields = {"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused"} | fields
+    layers = fields.pop("layers", None)
+    config = lab13.Config(levers="none", **fields)
+    if layers:
+        config.__dict__["spec"] = dataclasses.replace(zoo.get(fields["model"]), layers=layers)
+    traced = lab13.trace(config)
+    x = Inputs(**fields, layers=layers)
+    assert sum(fit.estimate(x).values()) == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
+    tl = traced.timeline
+    end = next(s for s in tl.spans if s.name == "forward").end - 1
+    kept = fit.activations(x, fit.symbols(x, fit.sizes(x)))["kept"].value
+    assert tl.device["activations"][end] == pytest.approx(kept, abs=2**12)  # a loss scalar, rounded
 
 
 def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
@@ -266,7 +305,10 @@ def evaluate(filled: str) -> int:
 
 @pytest.mark.parametrize("fields", [
     {}, {"precision": "bf16", "checkpointing": "full", "dp": 8, "zero_stage": 3},
-    {"model": "mixtral-8x7b", "checkpointing": "selective", "tp": 2, "lora_rank": 8},
+    {"model": "mixtral-8x7b", "checkpointing": "save-matmuls", "tp": 2, "lora_rank": 8},
+    {"model": "mixtral-8x7b", "checkpointing": "save-alternate-matmuls", "dp": 2, "zero_stage": 1},
+    {"checkpointing": "every-k", "checkpoint_every": 4, "optimizer": "adamw-fused"},
+    {"checkpointing": "every-k", "checkpoint_every": 3, "precision": "bf16", "accumulation": 2},
     {"model": "llama-3-70b", "dp": 8, "zero_stage": 3, "offload": "params", "accumulation": 2},
     {"model": "llama-3-70b", "task": "serve", "tp": 4, "kv_dtype": "fp8", "prefill_chunk": 2048},
     {"model": "mixtral-8x7b", "task": "serve"}, {"model": "llama-3.2-1b", "task": "infer", "precision": "mixed"},
@@ -368,8 +410,22 @@ def test_results_table_is_what_the_python_computes_now():
     # a fraction that leaves a 24 GB card less than its CUDA context: a negative capacity, refused
     ({"task": "serve", "gpu_memory_utilization": 0.001}, "--gpu-memory-utilization must be in [0.1, 1]"),
     ({"task": "infer", "lora_rank": -8}, "--lora-rank"), ({"task": "serve", "seq": -1}, "--seq"),
+    ({"checkpointing": "every-k", "checkpoint_every": 0}, "--checkpoint-every must be"),
+    ({"checkpointing": "every-k", "checkpoint_every": 33}, "more than the model's 32 blocks"),
+    ({"checkpoint_every": 2}, "sizes the segments of --checkpointing every-k"),
+    ({"checkpointing": "every-k"}, "needs --checkpoint-every"), ({"checkpointing": "selective"}, "--checkpointing must be"),
+    ({"model": "gpt-3-175b", "checkpointing": "save-alternate-matmuls"}, "no GPT preset"),
+    ({"optimizer_in_backward": True, "accumulation": 2}, "--optimizer-in-backward steps and frees"),
+    ({"optimizer_in_backward": True, "dp": 2, "zero_stage": 1}, "--optimizer-in-backward steps and frees"),
+    ({"offload_activations": True, "dp": 2, "zero_stage": 3}, "--offload-activations with --zero-stage 3"),
+    ({"offload_activations": True, "model": "mixtral-8x7b"}, "dense Llama block"),
     ({"float8": "tensorwise", "precision": "fp32"}, "--float8 tensorwise casts bf16"),
     ({"float8": "tensorwise", "model": "mixtral-8x7b"}, "--float8 tensorwise converts a dense Llama"),
+    ({"float8": "tensorwise", "checkpointing": "save-alternate-matmuls"}, "save aten.mm outputs"),
+    ({"float8": "tensorwise", "checkpointing": "every-k", "checkpoint_every": 2}, "not traced together"),
+    ({"tp": 2, "checkpointing": "every-k", "checkpoint_every": 2}, "with --tp or --pp is not traced together"),
+    ({"optimizer_in_backward": True, "tp": 2}, "--optimizer-in-backward with --tp, --pp or --float8"),
+    ({"offload_activations": True, "float8": "tensorwise"}, "--offload-activations with --tp, --pp or --float8"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

@@ -35,12 +35,17 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
 
 @pytest.mark.parametrize("fields", [
     {},  # mixed, AdamW as CUDA runs it (foreach)
-    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "selective"},
+    {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "save-matmuls"},
+    {"checkpointing": "save-alternate-matmuls"},  # torchtitan's op-level policy, under autocast
+    {"precision": "fp32", "checkpointing": "every-k", "checkpoint_every": 2, "accumulation": 2},
     {"precision": "fp32", "optimizer": "sgd", "checkpointing": "full", "accumulation": 2},
     {"dp": 2, "zero_stage": 1},
     {"dp": 2, "zero_stage": 2},
     {"dp": 2, "zero_stage": 3, "checkpointing": "full"},
     {"offload": "optimizer"},
+    {"optimizer_in_backward": True},  # each parameter's AdamW stepped by its gradient's hook, in backward
+    {"offload_activations": True},  # Lab 09's hooks around the blocks
+    {"offload_activations": True, "precision": "bf16", "checkpointing": "full", "optimizer_in_backward": True},
     {"dp": 2, "zero_stage": 3, "offload": "params"},
     {"task": "infer"},
     {"loss": "chunked", "checkpointing": "full"},
@@ -55,7 +60,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
      "loss": "chunked"},
     {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
-    {"tp": 2, "sp": True, "checkpointing": "selective"},
+    {"tp": 2, "sp": True, "checkpointing": "save-matmuls"},
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
@@ -101,6 +106,83 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", ["every-k", "save-alternate-matmuls"])
+def test_checkpointed_blocks_give_the_gradients_of_none(lab13, checkpointing):
+    """--checkpointing every-k (one segment of small-llama's two blocks) and torchtitan's op-level policy run
+    Lab 04's run_blocks on a zoo Llama: the same loss and the same gradient on every parameter as keeping
+    everything, bit for bit (the recompute runs the same ops on the same inputs)."""
+    torch.manual_seed(0)
+    model = zoo.get("small-llama").build()
+    idx = torch.randint(0, model.spec.vocab, (2, 16))
+
+    def loss_and_grads(strategy):
+        model.zero_grad(set_to_none=True)
+        value = model(idx, idx, run_blocks=functools.partial(lab13.lab04.run_blocks, strategy=strategy, every=2))[1]
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads("none")
+    got, got_grads = loss_and_grads(checkpointing)
+    assert torch.equal(got, want)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "sgd"])
+def test_the_step_in_backward_gives_the_plain_steps_weights(lab13, optimizer):
+    """--optimizer-in-backward: two steps of small-llama, each parameter's optimizer stepped by its own hook in
+    backward, leave the same weights, bit for bit, as the plain optimizer stepping them all after backward; and
+    no gradient is left once backward is done."""
+    fit_backward = load_lab(13, "fit_backward")
+    make, kwargs = lab13.OPTIMIZERS[optimizer]
+    kwargs = kwargs | {"lr": 1e-2} | ({} if kwargs.get("fused") else {"foreach": False})  # one kernel for both
+    torch.manual_seed(0)
+    plain = zoo.get("small-llama").build()
+    fused = zoo.get("small-llama").build()
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, plain.spec.vocab, (2, 16))
+    step_all = make(plain.parameters(), **kwargs)
+    in_backward = fit_backward.OptimizerInBackward(fused.parameters(), functools.partial(make, **kwargs))
+    assert len(in_backward.each) == len(list(fused.parameters()))  # one optimizer per parameter
+    for _ in range(2):
+        plain(idx, idx)[1].backward()
+        step_all.step()
+        step_all.zero_grad(set_to_none=True)
+        fused(idx, idx)[1].backward()
+        assert all(p.grad is None for p in fused.parameters())
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab13):
+    """--offload-activations on real tensors: the blocks' saved tensors leave the device for the host (at toy size
+    those under 4 KiB stay: what stays at real size, the last two saved, is the calculator's formula, held to the
+    trace by tests/test_fit_formula.py), and the loss and every gradient are those of the step without the
+    hooks, bit for bit."""
+    fit_offload = load_lab(13, "fit_offload")
+    config = small(lab13, precision="fp32", offload_activations=True)
+    torch.manual_seed(0)
+    model = zoo.get("small-llama").build()
+    idx = torch.randint(0, model.spec.vocab, (2, 32))
+
+    def loss_and_grads(offload):
+        model.zero_grad(set_to_none=True)
+        blocks = fit_offload.offloaded(functools.partial(lab13.lab04.run_blocks, strategy="none"),
+                                       replace(config, offload_activations=offload), model, idx)
+        value = model(idx, idx, run_blocks=blocks)[1]
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads(False)
+    got, got_grads = loss_and_grads(True)
+    assert torch.equal(got, want) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    traced = lab13.trace(config, tensors=contextlib.nullcontext)
+    tl = traced.timeline
+    end = next(s for s in tl.spans if s.name == "forward").end - 1
+    plain = lab13.trace(replace(config, offload_activations=False), tensors=contextlib.nullcontext).timeline
+    moved = plain.device["activations"][end] - tl.device["activations"][end]
+    assert moved > plain.device["activations"][end] / 3 and max(tl.host_total()) >= moved
+
+
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision):
     """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python. The
@@ -140,7 +222,9 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
 
 @pytest.mark.parametrize(("fields", "fragment"), [
     ({"task": "infer"}, "no backward to partition"), ({"dp": 2, "zero_stage": 3}, "FSDP2's hooks"),
-    ({"offload": "params", "dp": 2, "zero_stage": 3}, "FSDP2's hooks"), ({"model": "small-mixtral"}, "dense zoo Llama")])
+    ({"offload": "params", "dp": 2, "zero_stage": 3}, "FSDP2's hooks"), ({"model": "small-mixtral"}, "dense zoo Llama"),
+    ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
+    ({"offload_activations": True}, "--offload-activations with --compile is not traced together")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
     with pytest.raises(lab13.UsageError, match=fragment):
         lab13.Config(**{"model": "small-llama", "compile": True, **fields})
@@ -408,6 +492,14 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
+    (["--model", "small-llama", "--checkpointing", "every-k", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+    (["--model", "small-llama", "--checkpointing", "every-k", "--checkpoint-every", "3"], "more than the model's 2 blocks"),
+    (["--model", "small-llama", "--checkpoint-every", "2"], "sizes the segments of --checkpointing every-k"),
+    (["--model", "small-llama", "--checkpointing", "every-k"], "needs --checkpoint-every K"),
+    (["--model", "small-llama", "--checkpointing", "selective"], "invalid choice: 'selective'"),
+    (["--model", "small-llama", "--optimizer-in-backward", "--accumulation", "2"], "no --accumulation"),
+    (["--model", "small-llama", "--task", "infer", "--optimizer-in-backward"], "needs a backward"),
+    (["--model", "small-llama", "--offload-activations", "--dp", "2", "--zero-stage", "3"], "FSDP2's gathered weights"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
     (["--model", "small-llama", "--sp"], "give --tp N"),
     (["--model", "small-llama", "--tp", "3"], "does not split 4 heads"),

@@ -120,7 +120,7 @@ def test_float8_bad_input_is_one_line_and_exit_2(args, fragment):
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [
-    ({"checkpointing": "selective"}, "_scaled_mm"),
+    ({"checkpointing": "save-matmuls"}, "_scaled_mm"), ({"checkpointing": "save-alternate-matmuls"}, "_scaled_mm"),
     ({"task": "infer"}, "--float8 needs a backward"),
     ({"model": "small-mixtral"}, "dense zoo Llama"),
 ])

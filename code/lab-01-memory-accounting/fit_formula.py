@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
+from fit_split import rank_spec
+from fit_moments import autocast_cache, block_backward, head_step, offloaded, segment_backward
 from fit_serve import kv_per_token, prefill, weights
 from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
@@ -62,14 +64,6 @@ def fsdp_mixed(x: Inputs) -> bool:
     return x.precision == "mixed" and x.zero_stage >= 2 and x.task != "serve"
 
 
-def rank_spec(spec, tp: int):
-    """The model one of ``tp`` tensor-parallel ranks holds (as Lab 14's ``per_gpu_spec``)."""
-    if tp == 1:
-        return spec
-    return replace(spec, heads=spec.heads // tp, kv_heads=max(1, spec.kv_heads // tp), ffn=spec.ffn // tp,
-                   vocab=-(-spec.vocab // tp), head_dim=spec.head_dim)
-
-
 def sizes(x: Inputs) -> Sizes:
     """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
     s = rank_spec(x.spec(), x.tp)
@@ -100,7 +94,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp // x.replicate, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
-                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, t=x.tp, pp=x.pp, **quantized)
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, t=x.tp, pp=x.pp, **quantized)
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if not x.lora_rank:
         S.Pt = S.P  # every weight is trained: the formulas say P
@@ -123,11 +117,14 @@ def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
     """Bytes one Llama (or Mixtral) block keeps for backward (``sp``: its norms and stream on T / t tokens,
     the gathered inputs of its matmuls whole, as PyTorch's SequenceParallel saves them)."""
     moe = S.E.value > 0
-    if checkpointing == "full":
-        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h  # the block's input; the rest is recomputed
-    if checkpointing == "selective":  # Lab 04's save-matmuls: matmul and attention outputs, the input
+    if checkpointing in ("full", "every-k"):  # the block's input (every-k: a segment's); the rest is recomputed
+        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h
+    if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
         kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
+    elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (MoE: router, up or gate+down)
+        mlp = S.c * S.E + S.K * S.c * S.f + ceil_div(S.K * S.c * S.h, 2) if moe else S.c * (S.f + S.h)
+        kept = S.c * (2 * S.q + S.g) + LSE * S.a + S.r * S.h + mlp
     else:
         attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
@@ -138,16 +135,16 @@ def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
         kept = attention + mlp
     if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
         kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
-    kept = S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    kept = S.T * kept if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
     return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
     """Lab 01's GPT layer (Korthikanti et al. 2022), without dropout: ``activation_bytes_per_layer``."""
-    if checkpointing == "full":
+    if checkpointing in ("full", "every-k"):
         return S.c * S.T * S.h
-    kept = 16 * S.c * S.T * S.h
-    return kept if checkpointing == "selective" else kept + S.c * S.a * S.s * S.T
+    kept = 16 * S.c * S.T * S.h  # save-matmuls: the paper's selective recomputation (no scores kept)
+    return kept if checkpointing == "save-matmuls" else kept + S.c * S.a * S.s * S.T
 
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
@@ -155,16 +152,19 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0, x.sp)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
-    casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's: kept without checkpointing, else
-    # cached; a float8 linear casts its fp32 weight to float8 itself, and saves the weight, not a cast
+    casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
+    # the weight itself, not a cast); every-k keeps a segment's input, offload what the hooks leave on the device
+    blocks = offloaded(x, S, per, mixed) if x.offload_activations else ceil_div(S.L, S.G) * per \
+        if x.checkpointing == "every-k" else S.L * per
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
-        kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
+        kept = blocks + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
-        kept = S.L * per + S.T * (norm(S, 1, x.sp) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = blocks + S.T * (norm(S, 1, x.sp) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
         kept = kept + ceil_div(S.T, S.t) * own(S) if x.sp else kept
         kept = kept + head if mixed else kept
-    kept = kept + casts if mixed and x.checkpointing == "none" else kept
-    return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
+    kept = kept + casts if mixed and x.checkpointing == "none" and not x.offload_activations else kept
+    cache = autocast_cache(x, S, casts) if mixed else ZERO
+    return {"kept": kept, "cache": cache,
             "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
 
 
@@ -269,7 +269,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }
-    if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
+    if x.optimizer_in_backward:  # fit_backward.py: each parameter stepped in backward, its gradient freed
+        del out["optimizer"]["gradients"]
+    elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     if x.tp > 1 and x.zero_stage == 0:
         out |= fit_split.embedding(x, S, state, held)
@@ -280,28 +282,21 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
-                                       "temporaries": 8 * S.T * S.V + 4 * S.T * S.h}
+                                       "temporaries": 8 * S.T * S.V + 4 * S.T * S.h if act["autocast"]  # no autocast:
+                                       else S.c * S.T * S.V + S.T * S.r * S.h}  # only the logits' own gradient
+    if x.optimizer_in_backward and x.loss == "full" and x.optimizer in ("adamw", "adamw-foreach"):
+        out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params":
         out["root_gathered"] = held | {"activations": act["kept"]}
     if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
+    if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
+        out["segment_backward"] = segment
     if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)
-
-
-def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
-    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
-    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
-    head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
-    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
-    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
-    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
-    norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
-    return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
-                   "temporaries": S.c * S.V * S.h + 3 * S.c * S.h * S.f + norm_backward}
 
 
 def peak(x: Inputs) -> tuple[str, dict[str, Expr]]:

@@ -47,13 +47,24 @@ class TrainingRun:
         "gradients and AdamW state in bf16; mixed: fp32 weights and state, bf16 autocast")
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
         "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
-    checkpointing: Literal["none", "selective", "full"] = option(
-        "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    checkpointing: Literal["none", "full", "every-k", "save-matmuls", "save-alternate-matmuls"] = option(
+        "none", "activation checkpointing (Lab 04), by what each block keeps for backward. none: everything; full: "
+        "its input only; every-k: the input of each segment of --checkpoint-every blocks (a segment recomputed "
+        "whole in backward); save-matmuls: its input, every matmul's output and attention's; "
+        "save-alternate-matmuls (torchtitan's op policy): its input, attention's output and every other matmul's "
+        "(q, v, gate, down in a Llama block); the rest is recomputed in backward")
+    checkpoint_every: int | None = option(None, "every-k: blocks per checkpointed segment", min=1, max=MAX_LAYERS)
     loss: Literal["full", "chunked", "fused-linear"] = option(
         "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
         "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
         "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
+    optimizer_in_backward: bool = option(
+        False, "step each parameter's optimizer in backward, as soon as its gradient is accumulated, and free that "
+        "gradient (a post-accumulate-grad hook per parameter): one gradient alive at a time, not all of them")
+    offload_activations: bool = option(
+        False, "keep what the blocks save for backward on the host between forward and backward (Lab 09's streamed "
+        "saved-tensor hooks: all but the last two saved tensors and those under 4 KiB; the parameters stay)")
     float8: Literal["none", "tensorwise"] = option(
         "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
         "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
@@ -74,6 +85,17 @@ class TrainingRun:
     pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
                      "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)
+
+    def check_checkpointing(self, layers: int) -> None:
+        """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
+        k = self.checkpoint_every
+        if self.checkpointing == "every-k" and k is None:
+            raise UsageError("--checkpointing every-k needs --checkpoint-every K: the blocks per segment")
+        if self.checkpointing != "every-k" and k is not None:
+            raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k; "
+                             f"--checkpointing is {self.checkpointing}")
+        if k is not None and k > layers:
+            raise UsageError(f"--checkpoint-every {k} is more than the model's {layers} blocks")
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -105,14 +127,28 @@ class TrainingRun:
                                  "split weights")
         if self.offload == "optimizer" and self.optimizer == "sgd":
             raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+        if self.offload_activations and self.zero_stage >= 2:
+            raise UsageError(f"--offload-activations with --zero-stage {self.zero_stage}: FSDP2's gathered weights "
+                             "would be offloaded with the activations; traced with --zero-stage 0 or 1")
+        if self.optimizer_in_backward and (self.accumulation > 1 or self.zero_stage or self.offload != "none"):
+            raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
+                             "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
+                             "waits for every gradient's reduce-scatter) or --offload")
+        if self.checkpointing in ("every-k", "save-alternate-matmuls") and (self.tp > 1 or self.pp > 1):
+            raise UsageError(f"--checkpointing {self.checkpointing} with --tp or --pp is not traced together (Lab 13)")
+        for lever, on in (("--optimizer-in-backward", self.optimizer_in_backward),
+                          ("--offload-activations", self.offload_activations)):
+            if on and (self.tp > 1 or self.pp > 1 or self.float8 != "none"):
+                raise UsageError(f"{lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out")
         if self.float8 != "none" and self.precision == "fp32":
             raise UsageError(f"--float8 {self.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
         if self.float8 != "none" and (self.tp > 1 or self.pp > 1):
             raise UsageError(f"--float8 {self.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
                              "swapped in before DTensor's plan would split them")
-        if self.float8 != "none" and self.checkpointing == "selective":
-            raise UsageError(f"--float8 {self.float8}: selective checkpointing saves aten.mm outputs, not float8's "
-                             "_scaled_mm: --checkpointing none or full")
+        if self.float8 != "none" and self.checkpointing not in ("none", "full"):
+            raise UsageError(f"--float8 {self.float8} with --checkpointing {self.checkpointing}: "
+                             + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
+                                if self.checkpointing != "every-k" else "not traced together") + ": none or full")
 
 
 @dataclass
@@ -189,6 +225,12 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--model {self.model}: {err}") from None
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
+        if self.offload_activations and (family == "gpt" or d["experts"] or self.lora_rank or d["layers"] < 2):
+            raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
+                             "last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)")
+        if self.optimizer_in_backward and self.lora_rank:
+            raise UsageError("--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight "
+                             "trained); leave one out")
         if self.loss != "full" and self.lora_rank:
             raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
                              "use --loss full")
@@ -199,6 +241,11 @@ class Inputs(TrainingRun, Subject):
                              "16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
+        if family == "gpt" and self.checkpointing == "save-alternate-matmuls" or \
+                self.lora_rank and self.checkpointing == "save-alternate-matmuls":
+            raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, "
+                             "no --lora-rank (its adapters' matmuls shift the count)")
+        self.check_checkpointing(d["layers"])
         if self.task == "train":
             self.check_sharding()
             if t > 1 and kv % t:
@@ -224,7 +271,7 @@ class Inputs(TrainingRun, Subject):
         if family == "gpt" or self.lora_rank:
             raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside")
         for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
-                          ("--checkpointing selective", self.checkpointing == "selective"),
+                          (f"--checkpointing {self.checkpointing}", self.checkpointing not in ("none", "full")),
                           ("--zero-stage 2 or 3", self.zero_stage >= 2)):
             if bad:
                 raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")

@@ -1,11 +1,21 @@
 """Lab 01 - will it fit? The moments a split model adds (``fit_formula.py`` calls them): tensor parallelism's
-embedding gradient and pipeline parallelism's first stage, as Lab 13 traces them (``fit_parallel.py``,
+embedding gradient and pipeline parallelism's first stage (and the model one TP rank holds), as Lab 13 traces them (``fit_parallel.py``,
 ``fit_pipeline.py``). ``tests/test_fit_formula.py`` holds both to real-scale traces within 0.1 %."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
 from fit_expr import ZERO, Expr, ceil_div, total
+
+
+def rank_spec(spec, tp: int):
+    """The model one of ``tp`` tensor-parallel ranks holds (as Lab 14's ``per_gpu_spec``)."""
+    if tp == 1:
+        return spec
+    return replace(spec, heads=spec.heads // tp, kv_heads=max(1, spec.kv_heads // tp), ffn=spec.ffn // tp,
+                   vocab=-(-spec.vocab // tp), head_dim=spec.head_dim)
 
 
 def carried(x, S, grads: Expr) -> Expr:

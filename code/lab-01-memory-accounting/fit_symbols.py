@@ -18,6 +18,7 @@ SYMBOLS = {
     "nq": "quantized matrices of one block", "so": "their outputs, added up", "si": "their inputs, added up",
     "b": "sequences in the batch (decode)",
     "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "t": "tensor-parallel ranks (--tp)", "pp": "pipeline stages (--pp): L is then the first stage's ⌈L / pp⌉ blocks", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
+    "G": "blocks per checkpointed segment (--checkpoint-every, every-k)",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
 #: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).

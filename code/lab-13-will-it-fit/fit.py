@@ -9,13 +9,15 @@ step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so 
 traces on a laptop in seconds.
 
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
-    checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
+    checkpointing   Lab 04's run_blocks: full, every-k, or an op-level policy (save-matmuls, torchtitan's
+                    save-alternate-matmuls)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
+    levers          --optimizer-in-backward (``fit_backward.py``), --offload-activations (``fit_offload.py``)
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
@@ -52,18 +54,20 @@ from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_compile import check_compile, compiled
 from fit_gap import derive
-from fit_decode import StaticCache, check_decode, decode_step
+from fit_backward import OptimizerInBackward, check_levers
+from fit_decode import check_decode, decode
 import fit_float8 as float8
 import fit_parallel
 import fit_pipeline
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
+from fit_offload import offloaded
 from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
-lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
+lab04 = labs.load(4)  # run_blocks: full, every-k, save-matmuls and save-alternate-matmuls checkpointing
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
 lab16 = labs.load(16, "reserved_bytes")  # reserved: the step in reserved bytes, simulated
@@ -82,18 +86,17 @@ OPTIMIZERS = {  # (3)!
     "adamw-fused": (torch.optim.AdamW, {"fused": True}),
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
 }
-CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  # (4)!
 # --8<-- [end:recipes]
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1, head_loss=None) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, blocks, micro_batches: int = 1, head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``,
-    the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, the blocks run by ``blocks`` (Lab 04's
+    run_blocks and a strategy), the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own)."""
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy), head_loss=head_loss)[1]  # (1)!
+            loss = model(idx, idx, run_blocks=blocks, head_loss=head_loss)[1]  # (1)!
         with marks.phase("backward", 1):
             (loss / micro_batches).backward()  # (2)!
     with marks.phase("optimizer", 1):
@@ -115,12 +118,11 @@ STEADY_MICRO_BATCHES = 2
 
 
 # --8<-- [start:trace]
-def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: str | None = None) -> Trace:
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
 
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
-    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where;
-    ``strategy``: Lab 04's, instead of ``--checkpointing``'s (Lab 16 traces torchtitan's policy)."""
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
@@ -140,8 +142,9 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
         with ledger, Traffic(), WeightCasts(ledger) as casts, split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
+                blocks = partial(lab04.run_blocks, strategy=config.checkpointing, every=config.checkpoint_every or 1)
                 fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
-                           strategy=strategy or CHECKPOINTING[config.checkpointing],
+                                                          blocks=offloaded(blocks, config, model, idx),
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             elif config.task == "decode":
                 decode(model, ledger, config, weights, device)
@@ -169,20 +172,13 @@ def shard(model, config: Config, mesh):
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
     if config.zero_stage == 1:  # (7)!
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
+    if config.optimizer_in_backward:  # fit_backward.py: each parameter stepped by its own hook, in backward
+        return OptimizerInBackward.install(model, partial(make, **kwargs))
     if config.offload == "optimizer":  # (8)!
         label_gradients(model)
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make(model.parameters(), **kwargs)
-
-
-def decode(model, ledger: Ledger, config: Config, dtype: torch.dtype, device: str) -> None:
-    """``--task decode`` (``fit_decode.py``): the cache allocated for ``--kv-len`` tokens per sequence and
-    labelled, then one step of ``--new-tokens`` per sequence."""
-    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
-    ledger.track(cache.keys + cache.values, "kv_cache")
-    with marks.phase("decode", 0):
-        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -230,6 +226,7 @@ class Config(TrainingRun, Step, LabConfig):
         if (broken := fit_parallel.check(self)) is not None:
             raise UsageError(broken)
         self.check_sharding()
+        self.check_checkpointing(spec.layers)
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
@@ -243,6 +240,7 @@ class Config(TrainingRun, Step, LabConfig):
         if self.task == "decode":
             check_decode(self)
         check_compile(self)
+        check_levers(self)
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
                               ("--loss chunked or fused-linear", self.loss != "full"), ("--float8", self.float8 != "none"),

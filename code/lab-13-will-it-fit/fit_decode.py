@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from labkit import labs
+from labkit import labs, marks
 from labkit.config import UsageError
 from labkit.zoo import rotate_half
 
@@ -55,6 +55,15 @@ def decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor
         x = x + block.mlp(block.mlp_norm(x))
     return model.head(model.norm(x))
 # --8<-- [end:decode]
+
+
+def decode(model, ledger, config, dtype: torch.dtype, device: str) -> None:
+    """``--task decode`` as Lab 13 traces it: the cache allocated for ``--kv-len`` tokens per sequence and
+    labelled in ``ledger``, then one step of ``--new-tokens`` per sequence."""
+    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
+    ledger.track(cache.keys + cache.values, "kv_cache")
+    with marks.phase("decode", 0):
+        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 
 
 def check_decode(config) -> None:

@@ -54,6 +54,20 @@ def _adam(c) -> bool:
     return c.optimizer in ("adamw", "adamw-foreach")
 
 
+def _free(c) -> bool:
+    """Not stepping the optimizer in backward (``--optimizer-in-backward`` rules out accumulation, ZeRO, offload)."""
+    return not getattr(c, "optimizer_in_backward", False)
+
+
+def _offloadable(c) -> bool:
+    """--offload-activations applies: not yet on, no FSDP2 (ZeRO-2/3); the calculator's formula counts a dense
+    Llama block (its ``spec`` is a method; Lab 13 traces any model)."""
+    if c.offload_activations or c.zero_stage >= 2:
+        return False
+    s = c.spec() if callable(c.spec) else None
+    return s is None or s.family != "gpt" and not s.experts and not c.lora_rank and s.layers >= 2
+
+
 def _full_loss(c) -> bool:
     """The loss is the model's own (every logit at once), on a zoo model (a Hugging Face config's model has its
     own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's)."""
@@ -64,29 +78,36 @@ def _full_loss(c) -> bool:
 LEVERS = (  # exact first, cheapest first; then those that change the numerics
     Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
           ("optimizer",), lambda c: {"optimizer": "adamw-fused"} if _adam(c) and c.offload == "none" else None),
-    Lever("selective checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
-          TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "selective"} if c.checkpointing == "none" else None),
+    Lever("optimizer step in backward", "gradients", "none in speed; no clipping by the global gradient norm, no "
+          "accumulation: each gradient is gone once its parameter is stepped", TRAIN, None,
+          lambda c: {"optimizer_in_backward": True} if _free(c) and c.accumulation == 1 and not c.zero_stage
+          and c.offload == "none" and not getattr(c, "lora_rank", 0) else None),
+    Lever("save-matmuls checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
+          TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "save-matmuls"} if c.checkpointing == "none" else None),
     Lever("chunked loss", "loss", "one more head matmul per token, in backward (each chunk recomputed)",
           TRAIN, ("forward", "backward"), lambda c: {"loss": "chunked"} if _full_loss(c) else None),
     Lever("ZeRO-1", "zero", "no more communication than DDP: each rank updates its share of the state", TRAIN, None,
-          lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" else None),
+          lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" and _free(c) else None),
     Lever("ZeRO-2", "zero", "DDP's communication volume, as reduce-scatter and all-gather", TRAIN, None,
-          lambda c: {"zero_stage": 2} if c.dp > 1 and c.zero_stage < 2 and c.offload == "none" else None),
+          lambda c: {"zero_stage": 2} if c.dp > 1 and c.zero_stage < 2 and c.offload == "none" and _free(c) else None),
     Lever("half the micro-batch", "batch",
           {"train": "twice the steps of accumulation for the same tokens: smaller matmuls",
            "infer": "fewer sequences per forward: lower throughput"},
           INFER, ("forward", "backward", "prefill"),
           lambda c: {"batch": c.batch // 2, "accumulation": c.accumulation * 2 if c.task == "train" else 1}
-          if c.batch > 1 else None, repeats=True),
+          if c.batch > 1 and (_free(c) or c.task != "train") else None, repeats=True),
     Lever("ZeRO-3", "zero", "1.5x DDP's communication: parameters gathered in forward and again in backward", INFER,
-          None, lambda c: {"zero_stage": 3} if c.dp > 1 and c.zero_stage < 3 and c.offload == "none" else None),
+          None, lambda c: {"zero_stage": 3} if c.dp > 1 and c.zero_stage < 3 and c.offload == "none" and _free(c) else None),
     Lever("full checkpointing", "checkpointing", "one more forward per step: about a third more compute", TRAIN,
           ("forward", "backward"), lambda c: {"checkpointing": "full"} if c.checkpointing != "full" else None),
+    Lever("activation offload", "activation offload", "PCIe: what the blocks save goes to the host in forward and "
+          "comes back in backward (Lab 09: hidden behind compute when the link keeps pace)", TRAIN,
+          ("forward", "backward"), lambda c: {"offload_activations": True} if _offloadable(c) else None),
     Lever("optimizer offload", "offload", "PCIe: every gradient down and every parameter back, each step; AdamW on "
           "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer == "sgd"
-                                             else c.optimizer} if c.offload == "none" else None),
+                                             else c.optimizer} if c.offload == "none" and _free(c) else None),
     Lever("parameter offload", "offload", "PCIe: every parameter up in forward and again in backward", INFER, None,
-          lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 else None),
+          lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 and _free(c) else None),
     Lever("mixed precision", "precision", "numerics: bf16 matmuls under autocast (faster on tensor cores), fp32 "
           "weights", INFER, None, lambda c: {"precision": "mixed"} if c.precision == "fp32" else None, exact=False),
     Lever("bf16 weights and state", "precision", "numerics: bf16 weights and moments lose small updates "
@@ -141,7 +162,7 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
 
 def climb(base, applicable: list, traced: Callable) -> dict[str, dict]:
     """The ladder: pull the levers one after another, cheapest first, keeping each that saves bytes
-    (one of a kind: full checkpointing replaces selective), until the step fits; a lever that
+    (one of a kind: full checkpointing replaces save-matmuls), until the step fits; a lever that
     ``repeats`` is pulled again while it applies and saves. Per lever: what it saved on top of those
     kept before it (every pull of it together), the times it was pulled, and the peak with every lever
     kept so far. ``fit_table.ladder`` and the page's ``climb`` (docs/assets/fit.js) do the same on the

@@ -32,7 +32,6 @@ import torch
 from labkit import labs, marks
 
 lab03 = labs.load(3)  # autocast(recipe, device)
-lab04 = labs.load(4)  # run_blocks
 
 
 def stage_spec(spec, pp: int):
@@ -54,16 +53,17 @@ def _stage_forward(self, idx, run_blocks):
 
 
 # --8<-- [start:schedule]
-def first_stage_step(model, optimizer, idx, *, recipe: str, strategy: str, stages: int, accumulation: int,
+def first_stage_step(model, optimizer, idx, *, recipe: str, blocks, stages: int, accumulation: int,
                      **_) -> None:
-    """One optimizer step of 1F1B's first stage over ``accumulation`` micro-batches (at least ``stages``):
+    """One optimizer step of 1F1B's first stage over ``accumulation`` micro-batches (at least ``stages``), the
+    blocks run by ``blocks`` (Lab 04's run_blocks and a strategy, as ``fit.train_step``):
     ``stages`` forwards, then a backward and a forward while forwards remain, then the other backwards."""
     forwards = min(accumulation, stages + 1)  # the warm-up and one steady pair: later pairs repeat it
     in_flight = []  # each micro-batch's output, sent to stage 1 and kept for its backward
 
     def forward():
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            in_flight.append(model(idx, partial(lab04.run_blocks, strategy=strategy)))
+            in_flight.append(model(idx, blocks))
 
     def backward():
         out = in_flight.pop(0)

@@ -148,7 +148,10 @@ def report(result) -> None:
     print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, {size}"
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
-          + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}" + (", every block torch.compile'd" if c.compile else ""))
+          + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}" + (", every block torch.compile'd" if c.compile else "")
+          + (", optimizer stepped in backward" if c.optimizer_in_backward else "")
+          + (f", activations offloaded ({format_bytes(d['host_peak_bytes'])} on the host at most)"
+             if c.offload_activations else ""))
     print(f"{TRACED_ON}; traced in {t.seconds:.1f} s.\n")
     print(f"Rank 0's bytes at each phase's peak (the step's peak is in {d['peak_phase']}):")
     print(phases_table(t).text())

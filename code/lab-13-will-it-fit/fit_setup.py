@@ -129,6 +129,10 @@ def label(ledger: Ledger, model, optimizer) -> None:
     ledger.track_module(model)
     if optimizer is None:
         return
+    if hasattr(optimizer, "each"):  # fit_backward.OptimizerInBackward: an optimizer per parameter
+        for inner in optimizer.each.values():
+            ledger.track_optimizer(inner)
+        return
     inner = holder(optimizer)
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     on_host = isinstance(optimizer, lab07.OptimizerOffload) or isinstance(optimizer, ShardOptimizer) and optimizer.host

@@ -5,8 +5,8 @@ the simulation of the same configuration.
 configuration in their words, and what it measures: ``reserved`` (``max_memory_reserved``, what
 torchtitan logs as "memory"), ``allocated``, ``active`` (allocated, plus blocks waiting for another
 stream's events) or ``nvidia-smi`` (the whole process). A figure whose configuration Lab 13 can
-trace carries the flags that trace it (``step``), torchtitan's checkpointing policy where it uses
-one (Lab 04's ``save-alternate-matmuls``) and the allocator setting the run used, read from the
+trace carries the flags that trace it (``step``: torchtitan's op-level checkpointing policy is Lab
+13's ``--checkpointing save-alternate-matmuls``) and the allocator setting the run used, read from the
 launcher it ran with (``alloc_conf``, with its source). Every other figure says why it cannot be
 expressed yet, and stays on the list.
 
@@ -37,7 +37,7 @@ TORCHTUNE = "https://github.com/pytorch/torchtune/blob/1814feb17a9038e1a8053ce93
 #: torchtitan's Llama 3.1 8B runs of its December 2024 benchmark: llama3_8b.toml at commit 9dec370 (seq_len
 #: 8192, selective op checkpointing, bf16 parameters and fp32 reduction under FSDP2, AdamW foreach).
 TITAN_8B = {"model": "llama-3.1-8b", "seq": 8192, "batch": 2, "zero_stage": 3, "precision": "mixed",
-            "checkpointing": "selective"}
+            "checkpointing": "save-alternate-matmuls"}
 COMPILE = "torch.compile: Inductor fuses and frees in its own order; the trace is eager PyTorch"
 FLOAT8 = "Float8 linear layers (torchao): no fp8 weights or activations in the zoo's models"
 
@@ -51,7 +51,6 @@ class Published:
     measures: str  # reserved | allocated | active | nvidia-smi
     gib: float  # the figure, in GiB (2**30 bytes) as published
     step: dict | None = None  # Lab 13's Config fields that trace it
-    strategy: str | None = None  # Lab 04's checkpointing policy, when it is not --checkpointing's
     alloc_conf: str = ""
     alloc_conf_source: str = ""
     why_not: str | None = None  # why its configuration cannot be expressed yet
@@ -65,7 +64,7 @@ def _titan(key, table, config, gib, why_not=None, **kw) -> Published:
 # --8<-- [start:published]
 PUBLISHED = (
     _titan("titan-8b-fsdp8", "Table 1", "Llama 3.1 8B, FSDP over 8 H100, local batch 2 x 8192, selective op AC", 82.4,
-           step=TITAN_8B | {"dp": 8}, strategy="save-alternate-matmuls", alloc_conf="expandable_segments:True",
+           step=TITAN_8B | {"dp": 8}, alloc_conf="expandable_segments:True",
            alloc_conf_source=TITAN_RUN),
     _titan("titan-8b-fsdp8-compile", "Table 1", "the same, + torch.compile", 77.0, COMPILE),
     _titan("titan-8b-fsdp8-compile-fp8", "Table 1", "the same, + torch.compile + Float8", 76.8, COMPILE),
@@ -73,7 +72,7 @@ PUBLISHED = (
              "torch.compile + Float8", gib, "context parallelism (ring attention over the sequence) is not traced")
       for cp, seq, gib in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))),
     _titan("titan-8b-fsdp128", "Table 3", "Llama 3.1 8B, FSDP over 128 H100, local batch 2 x 8192, selective op AC", 67.0,
-           step=TITAN_8B | {"dp": 128}, strategy="save-alternate-matmuls", alloc_conf="",
+           step=TITAN_8B | {"dp": 128}, alloc_conf="",
            alloc_conf_source=TITAN_SLURM),
     _titan("titan-8b-fsdp128-compile", "Table 3", "the same, + torch.compile", 62.0, COMPILE),
     _titan("titan-8b-fsdp128-compile-fp8", "Table 3", "the same, + torch.compile + Float8", 61.8, COMPILE),
@@ -109,7 +108,7 @@ def check(p: Published, keep: bool = False) -> dict:
     """Trace ``p``'s step (Lab 13), replay it (the allocator setting its run used), compare;
     ``keep``: also return the replay itself (``"replay"``), to draw it."""
     lab13, lab16 = labs.load(13), labs.load(16)
-    trace = lab13.trace(lab13.Config(**p.step, levers="none"), strategy=p.strategy)
+    trace = lab13.trace(lab13.Config(**p.step, levers="none"))
     ev = labs.load(16, "replay").events_of(trace.ledger)
     r = lab16.simulate(ev, alloc_conf.parse(p.alloc_conf), capacity=None, workspaces=2, repeat=2)
     predicted = {"reserved": r.peak_reserved, "allocated": r.peak_allocated, "active": r.peak_allocated,

@@ -159,6 +159,12 @@
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
     }
+    if (x.offload_activations && (s.family === "gpt" || d.experts || x.lora_rank || d.layers < 2)) {
+      say("offload_activations", "--offload-activations: the formula counts what a dense Llama block of two or more saves last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)");
+    }
+    if (x.optimizer_in_backward && x.lora_rank) {
+      say("optimizer_in_backward", "--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight trained); leave one out");
+    }
     if (x.loss !== "full" && x.lora_rank) {
       say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
     }
@@ -168,6 +174,11 @@
       say("float8", `--float8 ${x.float8} converts a dense Llama's block linears, each dimension a multiple of 16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank`);
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
+    if ((s.family === "gpt" || x.lora_rank) && x.checkpointing === "save-alternate-matmuls") {
+      say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, no --lora-rank (its adapters' matmuls shift the count)");
+    }
+    const [segName, segText] = segments(x, d.layers) || [];
+    if (segName) say(segName, segText);
     if (x.task === "train") {
       const [name, text] = sharding(x) || [];
       if (name) say(name, text);
@@ -186,13 +197,22 @@
     return err;
   }
 
+  /** TrainingRun.check_checkpointing: [the field, the message] of the first rule broken, or null. */
+  function segments(x, layers) {
+    const k = x.checkpoint_every;
+    if (x.checkpointing === "every-k" && (k === null || k === undefined)) return ["checkpoint_every", "--checkpointing every-k needs --checkpoint-every K: the blocks per segment"];
+    if (x.checkpointing !== "every-k" && k !== null && k !== undefined) return ["checkpoint_every", `--checkpoint-every ${k} sizes the segments of --checkpointing every-k; --checkpointing is ${x.checkpointing}`];
+    if (k !== null && k !== undefined && k > layers) return ["checkpoint_every", `--checkpoint-every ${k} is more than the model's ${layers} blocks`];
+    return null;
+  }
+
   /** Inputs.check_pipeline: [the field, the message], or null. */
   function pipelineRule(x, family, layers) {
     if (x.pp === 1) return null;
     if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
     if (family === "gpt" || x.lora_rank) return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside`];
     for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
-      ["checkpointing", "--checkpointing selective", x.checkpointing === "selective"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
       if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
     }
     return null;
@@ -219,9 +239,25 @@
       if (bad && x.tp > 1) return [name, `${flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the split weights`];
     }
     if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
+    if (x.offload_activations && x.zero_stage >= 2) {
+      return ["offload_activations", `--offload-activations with --zero-stage ${x.zero_stage}: FSDP2's gathered weights would be offloaded with the activations; traced with --zero-stage 0 or 1`];
+    }
+    if (x.optimizer_in_backward && (x.accumulation > 1 || x.zero_stage || x.offload !== "none")) {
+      return ["optimizer_in_backward", "--optimizer-in-backward steps and frees each gradient as backward makes it: no --accumulation (nothing left to add the next micro-batch to), --zero-stage (its step waits for every gradient's reduce-scatter) or --offload"];
+    }
+    if ((x.checkpointing === "every-k" || x.checkpointing === "save-alternate-matmuls") && (x.tp > 1 || x.pp > 1)) {
+      return ["checkpointing", `--checkpointing ${x.checkpointing} with --tp or --pp is not traced together (Lab 13)`];
+    }
+    for (const [name, lever, on] of [["optimizer_in_backward", "--optimizer-in-backward", x.optimizer_in_backward],
+      ["offload_activations", "--offload-activations", x.offload_activations]]) {
+      if (on && (x.tp > 1 || x.pp > 1 || x.float8 !== "none")) return [name, `${lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out`];
+    }
     if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
     if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
-    if (x.float8 !== "none" && x.checkpointing === "selective") return ["float8", `--float8 ${x.float8}: selective checkpointing saves aten.mm outputs, not float8's _scaled_mm: --checkpointing none or full`];
+    if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
+      return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
+        ? "save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm" : "not traced together") + ": none or full"];
+    }
     return null;
   }
 
@@ -249,7 +285,7 @@
       if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
-        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full", float8: "none",
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full", float8: "none",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -306,7 +342,7 @@
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
       u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
-      t: x.tp, pp: x.pp };
+      G: x.checkpoint_every || 1, t: x.tp, pp: x.pp };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -324,11 +360,15 @@
 
   function layer(S, checkpointing, lora, sp) {
     const moe = S.E.value > 0n;
-    if (checkpointing === "full") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
+    if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
-    if (checkpointing === "selective") {
+    if (checkpointing === "save-matmuls") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
       kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+    } else if (checkpointing === "save-alternate-matmuls") {
+      const mlp = moe ? S.c.mul(S.E).add(S.K.mul(S.c).mul(S.f)).add(ceilDiv(S.K.mul(S.c).mul(S.h), n(2)))
+        : S.c.mul(S.f.add(S.h));
+      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
     } else {
       const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
@@ -342,15 +382,15 @@
       kept = attention.add(mlp);
     }
     if (lora) kept = kept.add(S.c.mul(S.R).mul(moe ? n(4).add(n(3).mul(S.K)) : n(7)));
-    if (checkpointing === "selective") return S.T.mul(kept);
+    if (checkpointing.startsWith("save")) return S.T.mul(kept);
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
 
   function gptLayer(S, checkpointing) {
-    if (checkpointing === "full") return S.c.mul(S.T).mul(S.h);
+    if (checkpointing === "full" || checkpointing === "every-k") return S.c.mul(S.T).mul(S.h);
     const kept = n(16).mul(S.c).mul(S.T).mul(S.h);
-    return checkpointing === "selective" ? kept : kept.add(S.c.mul(S.a).mul(S.s).mul(S.T));
+    return checkpointing === "save-matmuls" ? kept : kept.add(S.c.mul(S.a).mul(S.s).mul(S.T));
   }
 
   function activations(x, S, family) {
@@ -358,14 +398,30 @@
     const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0, x.sp);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
-    let kept = S.L.mul(per).add(S.T.mul(norm(S, 1, x.sp).add(n(4).mul(S.V))));
+    let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
+    if (x.offload_activations) blocks = offloaded(x, S, per, mixed);
+    let kept = blocks.add(S.T.mul(norm(S, 1, x.sp).add(n(4).mul(S.V))));
     if (x.sp) kept = kept.add(ceilDiv(S.T, S.t).mul(own(S)));
-    if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
+    if (x.loss !== "full") kept = blocks.add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
     if (mixed && x.loss === "full") kept = kept.add(head);
-    if (mixed && x.checkpointing === "none") kept = kept.add(casts);
+    if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO,
+    let cache = mixed && x.checkpointing !== "none" ? casts : ZERO;
+    if (mixed && x.checkpointing === "none" && x.offload_activations) cache = casts.sub(S.c.mul(S.f).mul(S.h));
+    return { kept, cache,
       loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
+  }
+
+  /** Python: fit_formula.offloaded (--offload-activations): what the blocks keep on the device. */
+  function offloaded(x, S, per, mixed) {
+    if (x.checkpointing === "none") {
+      return mixed ? S.T.mul(S.c).mul(S.f).add(S.c.mul(S.f).mul(S.h)) : n(2).mul(S.T).mul(S.c).mul(S.f);
+    }
+    const inputs = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G) : S.L;
+    if (x.checkpointing === "full" || x.checkpointing === "every-k") {
+      return inputs.value >= 2n ? n(2).mul(S.T).mul(S.r).mul(S.h) : S.T.mul(S.r).mul(S.h);
+    }
+    return S.L.mul(per).sub(S.L.sub(n(2)).mul(S.T).mul(S.r).mul(S.h));
   }
 
   /** Python: fit_formula.chunked_loss (--loss chunked and fused-linear, Lab 13's fit_loss.py). */
@@ -433,10 +489,24 @@
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
-      pipeline_forward: fwd };
+      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
     return out;
+  }
+
+  // --checkpointing every-k on one rank: the last segment's backward, recomputed whole (fit_formula.segment_backward).
+  function segmentBackward(x, S, held, carried, spec) {
+    const segments = ceilDiv(S.L, S.G), mixed = x.precision === "mixed";
+    const blocks = carried !== ZERO ? S.L.sub(S.G.mul(segments.sub(n(1)))) : S.G;
+    const others = spec.tied ? S.Pt.sub(S.G.mul(S.Pb)) : S.Pt.sub(S.V.mul(S.h)).sub(S.G.mul(S.Pb));  // not the embedding's
+    const grads = carried !== ZERO ? carried : x.optimizer_in_backward ? ZERO : S.w.mul(others.add(S.f.mul(S.h)));
+    const kept = carried !== ZERO ? segments.mul(S.T).mul(S.r).mul(S.h) : x.offload_activations ? ZERO : S.T.mul(S.r).mul(S.h);
+    const recomputed = blocks.mul(mixed ? layer(S, "none", false).add(ceilDiv(S.c.mul(S.Pm), S.L)) : layer(S, "none", false));
+    let tail = n(2).mul(S.T).mul(S.c).mul(S.f);
+    if (mixed) tail = tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
+    else if (x.precision === "bf16") tail = tail.add(S.T.mul(S.c).mul(S.h));
+    return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(tail) });
   }
 
   /** Python: fit_formula.pipeline (--pp, Lab 13's fit_pipeline.py): 1F1B's first stage. */
@@ -499,7 +569,9 @@
       backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
-    if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
+    if (x.optimizer_in_backward) {  // each parameter stepped in backward, its gradient freed
+      delete out.optimizer.gradients;
+    } else if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
@@ -513,17 +585,24 @@
     } else if (x.zero_stage <= 1 && !x.lora_rank) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
-        activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
+        activations: act.kept.sub(act.loss), temporaries: act.autocast ? n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h))
+          : S.c.mul(S.T).mul(S.V).add(S.T.mul(S.r).mul(S.h)) });
+    }
+    if (x.optimizer_in_backward && x.loss === "full" && (x.optimizer === "adamw" || x.optimizer === "adamw-foreach")) {
+      out.head_step = Object.assign({}, held, { gradients: S.w.mul(S.V).mul(S.h),
+        activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm.block_backward && x.checkpointing === "none" && !x.lora_rank && !S.E.value && z.spec.family !== "gpt"
         && x.offload === "none") out.block_backward = blockBackward(x, S, held, act);
+    if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !x.lora_rank
+        && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !x.lora_rank) {  // the root's backward done: its bf16 gradients, about to be reduced
       const blocks = x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
       out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried, temporaries: S.c.mul(S.Pr) });
     }
     const res = {};
-    for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] }));
+    for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] || ZERO }));
     return res;
   }
 
@@ -607,19 +686,27 @@
 
   // Lab 13's fit_levers.LEVERS and fit_table.SERVING_LEVERS: what each lever changes, where it applies.
   const ADAM = (c) => c.optimizer === "adamw" || c.optimizer === "adamw-foreach";
+  const FREE = (c) => !c.optimizer_in_backward;
   const PULLS = {
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
-    "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "optimizer step in backward": (c) => (FREE(c) && c.accumulation === 1 && !c.zero_stage && c.offload === "none"
+      && !c.lora_rank ? { optimizer_in_backward: true } : null),
+    "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
     "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
-    "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
-    "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
-    "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
-    "ZeRO-3": (c) => (c.dp > 1 && c.zero_stage < 3 && c.offload === "none" ? { zero_stage: 3 } : null),
+    "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" && FREE(c) ? { zero_stage: 1 } : null),
+    "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" && FREE(c) ? { zero_stage: 2 } : null),
+    "half the micro-batch": (c) => (c.batch > 1 && (FREE(c) || c.task !== "train") ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
+    "ZeRO-3": (c) => (c.dp > 1 && c.zero_stage < 3 && c.offload === "none" && FREE(c) ? { zero_stage: 3 } : null),
     "full checkpointing": (c) => (c.checkpointing !== "full" ? { checkpointing: "full" } : null),
     "bf16 weights and state": (c) => (c.precision !== "bf16" ? { precision: "bf16" } : null),
-    "optimizer offload": (c) => (c.offload === "none" ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
-    "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 ? { offload: "params", zero_stage: 3 } : null),
+    "activation offload": (c) => {
+      if (c.offload_activations || c.zero_stage >= 2) return null;
+      const s = spec(c);
+      return s.family !== "gpt" && !s.experts && !c.lora_rank && s.layers >= 2 ? { offload_activations: true } : null;
+    },
+    "optimizer offload": (c) => (c.offload === "none" && FREE(c) ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
+    "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 && FREE(c) ? { offload: "params", zero_stage: 3 } : null),
     "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
     "int4 weights": (c) => (["bf16", "fp8", "int8"].includes(c.weights) ? { weights: "int4-awq" } : null),
     "chunked prefill": (c) => (c.context > 2048 && !c.prefill_chunk ? { prefill_chunk: 2048 } : null),
@@ -898,7 +985,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -912,8 +999,8 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "loss", "float8", "optimizer", "lora_rank"]],
-    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward", "lora_rank"]],
+    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
     ["", null, ["tp"]],
     ["", "train", ["sp", "pp", "replicate"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
@@ -927,6 +1014,8 @@
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
+    segment_backward: "the first segment's backward (its blocks recomputed)",
+    head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
@@ -951,6 +1040,9 @@
       c = h("select", { id, name: f.name, "aria-describedby": described });
       c.append(h("option", { value: "", text: "the preset's" }), h("option", { value: "true", text: "yes" }),
         h("option", { value: "false", text: "no" }));
+    } else if (f.type === "bool") {  // a switch: --optimizer-in-backward, --offload-activations
+      c = h("select", { id, name: f.name, "aria-describedby": described });
+      c.append(h("option", { value: "false", text: "no" }), h("option", { value: "true", text: "yes" }));
     } else if (f.type === "choice") {
       c = h("select", { id, name: f.name, "aria-describedby": described });
       const words = CHOICE_LABELS[f.name] || {};

@@ -193,6 +193,30 @@ loss_32k = tables.fits_table([(f"--loss {loss}", t) for loss, t in loss_traces.i
 display(loss_32k)
 
 # %% [markdown]
+# ## Checkpointing policies, the optimizer step in backward, activation offload
+#
+# Llama-3-8B at 4,096 tokens, AMP, fused AdamW, traced with each `--checkpointing` policy (named by what a block
+# keeps: Lab 04's `run_blocks`), then with the optimizer step in backward (`fit_backward.py`: each parameter
+# stepped by its gradient's hook, which frees it) and with the activations offloaded (`fit_offload.py`: Lab 09's
+# hooks around the blocks; `host_peak_bytes` is what waits on the host). `tests/test_fit_formula.py` holds the
+# calculator's formulas within 0.1 % of traces like these.
+
+# %%
+FLAGS = {"none": {}, "save_matmuls": {"checkpointing": "save-matmuls"},
+         "save_alternate": {"checkpointing": "save-alternate-matmuls"},
+         "every_4": {"checkpointing": "every-k", "checkpoint_every": 4}, "full": {"checkpointing": "full"},
+         "full_in_backward": {"checkpointing": "full", "optimizer_in_backward": True},
+         "offload": {"offload_activations": True},
+         "offload_in_backward": {"offload_activations": True, "optimizer_in_backward": True}}
+flag_traces = {name: lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimizer="adamw-fused", levers="none", **f))
+               for name, f in FLAGS.items()}
+flags_8b = tables.fits_table([(" ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in f.items())
+                               or "(none of them)", flag_traces[name]) for name, f in FLAGS.items()],
+                             ["h100-80gb", "h200-141gb", "b200-180gb"])
+display(flags_8b)
+print("offloaded activations on the host:", tables.format_bytes(flag_traces["offload"].derived["host_peak_bytes"]))
+
+# %% [markdown]
 # ## torch.compile: what AOTAutograd's partitioner saves
 #
 # Llama-3-8B at 4,096 tokens, AMP, fused AdamW (so the peak is the turn from forward to backward), traced
@@ -246,7 +270,8 @@ display(parallel)
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel},
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel,
+                "flags_8b": flags_8b},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
@@ -263,6 +288,8 @@ notebook.publish(
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     **{f"loss_{loss.replace('-', '_')}_32k": t.per_rank_peak_bytes for loss, t in loss_traces.items()},
     loss_peak_phase_full_32k=loss_traces["full"].derived["peak_phase"],
+    **{f"flag_{name}_8b": t.per_rank_peak_bytes for name, t in flag_traces.items()},
+    offload_host_8b=flag_traces["offload"].derived["host_peak_bytes"],
     **{f"{'compiled' if c else 'eager'}_{what}_8b": t.derived["category_max"]["activations"] if what == "activations"
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
     **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},

@@ -1,0 +1,83 @@
+"""Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
+the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
+block's backward at ZeRO-3. ``fit_formula.py``
+calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
+``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
+
+from __future__ import annotations
+
+from fit_expr import ZERO, Expr, ceil_div
+from fit_inputs import Inputs
+from fit_symbols import ROW
+
+
+# --8<-- [start:flags]
+def offloaded(x: Inputs, S, per: Expr, mixed: bool) -> Expr:
+    """--offload-activations (Lab 13's fit_offload.py, Lab 09's hooks): what the blocks keep on the device. Every
+    tensor they save waits on the host but the last two saved: the last block's gate × up product and (autocast)
+    the down projection's bf16 weight, or (no autocast) its up projection's output. With checkpointing, the
+    hooks see only each checkpoint's input (the last two stay); a policy's saved matmul outputs stay too."""
+    if x.checkpointing == "none":
+        return S.T * S.c * S.f + S.c * S.f * S.h if mixed else 2 * S.T * S.c * S.f
+    inputs = ceil_div(S.L, S.G) if x.checkpointing == "every-k" else S.L
+    if x.checkpointing in ("full", "every-k"):
+        return 2 * S.T * S.r * S.h if inputs.value >= 2 else S.T * S.r * S.h
+    return S.L * per - (S.L - 2) * S.T * S.r * S.h
+
+
+def autocast_cache(x: Inputs, S, casts: Expr) -> Expr:
+    """Autocast's cache of the blocks' bf16 weight casts, alive until forward ends: with checkpointing (the saved
+    casts are recomputed), and with offload (they are saved on the host; the last block's down cast is one of the
+    two kept on the device, counted by :func:`offloaded`); without either, the casts are kept activations."""
+    if x.checkpointing == "none":
+        return casts - S.c * S.f * S.h if x.offload_activations else ZERO
+    return casts
+
+
+def head_step(S, held: dict, act: dict) -> dict[str, Expr]:
+    """--optimizer-in-backward (Lab 13's fit_backward.py) with foreach AdamW: the head's own step, as soon as its
+    gradient is accumulated: foreach's copy of a moment the head's size, beside the head's gradient and the
+    gradient of its input (the stream's dtype); the loss's tensors and the head's input already freed."""
+    return held | {"gradients": S.w * S.V * S.h, "activations": act["kept"] - act["loss"] - S.T * S.c * S.h,
+                   "temporaries": S.m * S.V * S.h + S.T * S.r * S.h}
+
+
+def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dict[str, Expr] | None:
+    """--checkpointing every-k on one rank (Lab 13's trace): the backward of the last segment to come back, the
+    first G blocks, recomputed whole (each block's activations and, under autocast, its weights' bf16 casts), at
+    its last MLP's gate × up product's backward: the down projection's gradient is made, its input freed. Every
+    gradient but the embedding's and the segment's is alive (with accumulation: all of them, carried, and the
+    segment that comes back first, the last: every segment's input kept, L − G × (⌈L / G⌉ − 1) blocks). None where
+    it is not traced: ZeRO, data parallelism, offload, LoRA, a MoE or a GPT block."""
+    if x.checkpointing != "every-k" or x.zero_stage or x.dp > 1 or x.offload != "none" or x.lora_rank \
+            or S.E.value or x.spec().family == "gpt":
+        return None
+    n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"
+    blocks = S.L - S.G * (n - 1) if carried is not ZERO else S.G
+    others = S.Pt - S.G * S.Pb if x.spec().tied else S.Pt - S.V * S.h - S.G * S.Pb  # not the embedding's
+    grads = carried if carried is not ZERO else ZERO if x.optimizer_in_backward else S.w * (others + S.f * S.h)
+    kept = n * S.T * S.r * S.h if carried is not ZERO else ZERO if x.offload_activations else S.T * S.r * S.h
+    recomputed = blocks * (none + ceil_div(S.c * S.Pm, S.L) if mixed else none)  # none: a block's, kept whole
+    # beside them, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
+    # freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward
+    # freed, and less the down projection's bf16 weight cast, which the recompute stops before remaking
+    tail = 2 * S.T * S.c * S.f
+    if x.precision == "mixed":
+        tail = tail + 2 * S.T * S.c * S.h - 4 * S.T * S.h - S.c * S.f * S.h
+    elif x.precision == "bf16":
+        tail = tail + S.T * S.c * S.h
+    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
+
+
+def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
+    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
+    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
+    head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
+    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
+    from fit_formula import layer, norm  # here: fit_formula imports this file
+    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
+    norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
+    return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
+                   "temporaries": S.c * S.V * S.h + 3 * S.c * S.h * S.f + norm_backward}
+# --8<-- [end:flags]
