@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from labkit import zoo
+from labkit import labs, zoo
 from labkit.config import UsageError, check_fields, choices_of, fields_of, option, split_optional
+
+lora = labs.load(15, "lora")  # TARGETS and the projections' shapes: where an adapter can go
 
 #: A Hugging Face config.json's keys for each dimension, first found wins (as ``zoo.hf_spec`` reads them).
 HF_KEYS = {
@@ -33,7 +35,38 @@ def presets() -> list[str]:
 
 
 @dataclass
-class TrainingRun:
+class FineTuning:
+    """What a step trains: every weight, or LoRA adapters on a frozen base, in full precision or in 4-bit
+    NF4 (Lab 15). Lab 15's ``Config``, Lab 13's and the calculator's inputs share these flags."""
+
+    method: Literal["full", "lora", "qlora"] = option(
+        "full", "full: train every weight; lora: adapters on a frozen base; qlora: the frozen base in 4-bit NF4 "
+        "(Lab 15)")
+    lora_rank: int = option(16, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)", min=1)
+    lora_targets: tuple[str, ...] = option(lora.ALL, f"the projections that get an adapter, some of {','.join(lora.ALL)}")
+
+    def check_fine_tuning(self, spec) -> None:
+        """The rules of --method, --lora-rank and --lora-targets for ``spec`` (UsageError naming the flag)."""
+        if self.method == "full":
+            return
+        unknown = [t for t in self.lora_targets if t not in lora.TARGETS]
+        if unknown or len(set(self.lora_targets)) < len(self.lora_targets):
+            raise UsageError(f"--lora-targets {','.join(self.lora_targets)}: each at most once, from "
+                             f"{','.join(lora.ALL)}" + (f" (unknown: {','.join(unknown)})" if unknown else ""))
+        if spec.family not in ("llama", "mixtral", "hf"):
+            raise UsageError(f"--method {self.method} puts adapters on Llama's q, k, v, o, gate, up and down "
+                             f"projections: {spec.name} is a {spec.family} model, which has none")
+        if self.method == "qlora" and getattr(self, "precision", "bf16") == "fp32":
+            raise UsageError("--method qlora reads its NF4 weights back in bf16 for every matmul: use --precision "
+                             "bf16 or mixed, not fp32")
+        name, i, o = min(lora.shapes(spec, self.lora_targets), key=lambda s: min(s[1:]))
+        if self.lora_rank > min(i, o):
+            raise UsageError(f"--lora-rank {self.lora_rank} is larger than min(in, out) = {min(i, o)} of the {name} "
+                             f"projection ({i} -> {o}): a rank-r product cannot have r above either side")
+
+
+@dataclass
+class TrainingRun(FineTuning):
     """How a step runs: its sizes, precision, optimizer, checkpointing and data-parallel sharding.
 
     Written once, for the calculator's :class:`Inputs` and Lab 13's ``fit.py`` ``Config`` (which mixes
@@ -44,8 +77,9 @@ class TrainingRun:
     accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
     precision: Literal["fp32", "bf16", "mixed"] = option(
         "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
-    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
-        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd"] = option(
+        "adamw", "adamw: CUDA's default implementation (foreach); adamw8bit: moments in 8-bit blocks (Lab 15); sgd: "
+        "with momentum")
     checkpointing: Literal["none", "selective", "full"] = option(
         "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
@@ -60,8 +94,11 @@ class TrainingRun:
             raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
         if self.offload == "params" and self.zero_stage != 3:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
-        if self.offload == "optimizer" and self.optimizer == "sgd":
-            raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
+        if self.offload == "optimizer" and self.optimizer in ("sgd", "adamw8bit"):
+            raise UsageError("--offload optimizer runs PyTorch's AdamW on the host: choose adamw, adamw-foreach or "
+                             "adamw-fused")
+        if self.method != "full" and (self.dp > 1 or self.offload != "none"):
+            raise UsageError(f"--method {self.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none")
 
 
 @dataclass
@@ -89,7 +126,6 @@ class Inputs(TrainingRun, Subject):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
-    lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)", min=0)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1)
     requests: int = option(32, "serve: requests in flight at once", min=1)
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
@@ -130,6 +166,7 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
             self.check_sharding()
+            self.check_fine_tuning(self.spec())
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

@@ -15,6 +15,9 @@ traces on a laptop in seconds.
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
+    --method        Lab 15's prepare: lora (adapters on a frozen base), qlora (the blocks' linears in NF4
+                    too); with --lora-rank, --lora-targets, --lora-dropout; --optimizer adamw8bit: Lab
+                    15's 8-bit AdamW
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
@@ -55,6 +58,7 @@ lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
+lab15 = labs.load(15)  # prepare, frozen, AdamW8bit: LoRA, QLoRA's NF4 base, 8-bit AdamW
 TrainingRun = labs.load(1, "fit_inputs").TrainingRun  # --batch ... --offload, shared with the calculator
 
 
@@ -68,6 +72,7 @@ OPTIMIZERS = {  # (3)!
     "adamw": (torch.optim.AdamW, fake.cuda_default_optimizer_kwargs("adamw")),  # CUDA's default: foreach
     "adamw-foreach": (torch.optim.AdamW, {"foreach": True}),
     "adamw-fused": (torch.optim.AdamW, {"fused": True}),
+    "adamw8bit": (lab15.AdamW8bit, {}),  # Lab 15's: moments as 8-bit codes in blocks of 2,048
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
 }
 CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  # (4)!
@@ -103,10 +108,13 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
     allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
+    weights = weights if config.method == "full" else lab15.weights_dtype(config.method, config.precision)
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
+        lab15.prepare(model, config.method, config.precision, config.lora_rank, config.lora_targets,
+                      dropout=config.lora_dropout)  # Lab 15: adapters on a frozen base (NF4 under qlora)
         optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
         if optimizer is not None:
@@ -146,7 +154,7 @@ def shard(model, config: Config, mesh):
         label_gradients(model)
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
-    return make(model.parameters(), **kwargs)
+    return make([p for p in model.parameters() if p.requires_grad], **kwargs)  # under LoRA, the adapters alone
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -176,6 +184,8 @@ class Config(TrainingRun, Step, LabConfig):
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
+    lora_dropout: float = option(0.0, "--method lora or qlora: dropout on each adapter's input (PEFT's lora_dropout)",
+                                 min=0, below=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,6 +193,11 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
+        self.check_fine_tuning(spec)
+        if self.method != "full" and self.task == "infer":
+            raise UsageError(f"--method {self.method} trains adapters: --task infer has no training step")
+        if self.lora_dropout and self.method == "full":
+            raise UsageError("--lora-dropout drops an adapter's input: it needs --method lora or qlora")
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "

@@ -71,8 +71,8 @@ LEVERS = (
           "(stochastic rounding or Kahan summation make up for it)", INFER, None,
           lambda c: {"precision": "bf16"} if c.precision != "bf16" else None),
     Lever("optimizer offload", "offload", "PCIe: every gradient down and every parameter back, each step; AdamW on "
-          "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer == "sgd"
-                                             else c.optimizer} if c.offload == "none" else None),
+          "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer in (
+              "sgd", "adamw8bit") else c.optimizer} if c.offload == "none" and c.method == "full" else None),
     Lever("parameter offload", "offload", "PCIe: every parameter up in forward and again in backward", INFER, None,
           lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 else None),
 )

@@ -136,6 +136,7 @@ def report(result) -> None:
     d = t.derived
     print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, batch {c.batch} x {c.seq} tokens"
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
+          + (f"{c.method} rank {c.lora_rank} on {','.join(c.lora_targets)}, " if c.method != "full" else "")
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
           + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}")
     print(f"{TRACED_ON}; traced in {t.seconds:.1f} s.\n")

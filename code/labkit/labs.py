@@ -45,6 +45,7 @@ STARTERS = {
     12: "memory_debugging.py",
     13: "fit.py",
     14: "serve_memory.py",
+    15: "finetune.py",
 }
 
 _SLUG = re.compile(r"^lab-(\d\d)-[a-z0-9-]+$")

@@ -23,10 +23,13 @@ from labkit.timeline import CATEGORIES, Timeline
 
 CATEGORY_COLORS = {
     "parameters": "#4C72B0",
+    "frozen_weights": "#64B5CD",
+    "quant_constants": "#2E4A7D",
     "gradients": "#DD8452",
     "optimizer_state": "#8172B3",
     "kv_cache": "#CCB974",
     "activations": "#55A868",
+    "dequantized": "#F2A7A9",
     "temporaries": "#C44E52",
     "host_copies": "#937860",
     "communication": "#DA8BC3",
