@@ -30,6 +30,7 @@ lab01_fit = labs.load(1, "fit_formula")
 lab01_inputs = labs.load(1, "fit_inputs")
 lab13_gpus = labs.load(13, "fit_gpus")
 lab13_levers = labs.load(13, "fit_levers")
+lora_targets = labs.load(15, "lora")
 Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
@@ -45,10 +46,12 @@ SERVING_LEVERS = (
 LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
 #: The lab that measures each category, for each task, and the lab behind each lever (linked from the page).
-TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
-              "communication": 11, "kv_cache": 14}
+TRAIN_LABS = {"parameters": 2, "frozen_weights": 15, "quant_constants": 15, "gradients": 2, "optimizer_state": 2,
+              "activations": 4, "temporaries": 13, "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
-               "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
+               "serve": TRAIN_LABS | {"parameters": 14, "activations": 14},
+               # a LoRA step's adapters, their gradients and state, and 8-bit AdamW's state: Lab 15, to the byte
+               "lora": TRAIN_LABS | {"parameters": 15, "gradients": 15, "optimizer_state": 15}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
@@ -141,7 +144,7 @@ def clis() -> dict:
         return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
-    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers"}
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout"}  # the calculator has no dropout
     serve = {"model", "gpu", "tp", "gpu_memory_utilization", "kv_dtype", "seq_len", "prefill_chunk", "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
             "serve": {"script": "code/lab-14-serving-memory/serve_memory.py", "fixed": ["--fake"],
@@ -176,10 +179,8 @@ def command(x: Inputs, gpu: str) -> list:
     else:
         if x.tp > 1:
             return [None, f"{script} traces data parallelism only: it has no --tp"]
-        if x.lora_rank and x.task == "train":
-            return [None, "no lab traces LoRA: --lora-rank is derived only"]
         if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none",
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", method="full",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -198,6 +199,8 @@ def command(x: Inputs, gpu: str) -> list:
 
 def _text(value) -> str:
     """A flag's value as the page writes it (JavaScript's String: 1.0 is "1")."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
@@ -298,8 +301,9 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
-                  "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
-                  "lora_rank": rng.choice((0, 0, 0, 8, 64))}
+                  "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd")),
+                  "method": rng.choice(("full", "full", "lora", "qlora")), "lora_rank": rng.choice((8, 16, 64)),
+                  "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"), ("gate", "up", "down")))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
@@ -314,7 +318,11 @@ BAD = [
     ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"zero_stage": "2"}, "zero_stage"),
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
-    ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),
+    ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"), ({"lora_rank": "0"}, "lora_rank"),
+    ({"method": "lora", "model": "llama-3.2-1b", "lora_rank": "1024"}, "lora_rank"),
+    ({"method": "lora", "lora_targets": "q,x"}, "lora_targets"), ({"method": "qlora", "precision": "fp32"}, "method"),
+    ({"method": "lora", "model": "gpt-3-175b"}, "method"), ({"method": "lora", "dp": "8"}, "method"),
+    ({"optimizer": "adamw8bit", "dp": "8", "zero_stage": "1"}, "optimizer"),
     # a field the task does not show: the page shows it while it is wrong, and the task's result
     ({"task": "serve", "seq": "-1"}, "seq"), ({"task": "serve", "dp": "two"}, "dp"),
     ({"task": "infer", "lora_rank": "-8"}, "lora_rank"), ({"task": "train", "context": "0"}, "context"),
@@ -356,6 +364,8 @@ def _parse(name: str, text: str):
     field = next(f for f in lab01_inputs.fields() if f["name"] == name)
     kind = type(field["choices"][0]).__name__ if field["choices"] else field["type"]
     try:
+        if kind == "list":
+            return tuple(part.strip() for part in text.split(",") if part.strip())
         if kind == "int":
             return int(text) if text.lstrip("-").isdigit() else float(text)
         return float(text) if kind == "float" else text
@@ -398,8 +408,8 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES},
-        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
+                      "slot": f.SLOT, "indices": f.INDICES, "frozen": f.FROZEN, "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8},
+        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "lora_targets": list(lora_targets.ALL), "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}

@@ -369,7 +369,8 @@ READ_FIT = """() => {
 def fit_query(fields: dict, gpu: str | None = None) -> str:
     """A configuration as the page's address carries it: each key a flag's spelling (``zero-stage``, as
     ``fit.py --zero-stage``; ``kv-dtype``, as ``serve_memory.py --kv-dtype``)."""
-    text = {k.replace("_", "-"): ("true" if v is True else "false" if v is False else str(v)) for k, v in fields.items()}
+    text = {k.replace("_", "-"): ("true" if v is True else "false" if v is False else ",".join(v) if isinstance(v, list)
+                                  else str(v)) for k, v in fields.items()}
     return "?" + urlencode(text | ({"gpu": gpu} if gpu else {}))
 
 

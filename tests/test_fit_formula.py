@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from labkit import labs, zoo
 from labkit.config import UsageError
@@ -103,13 +104,43 @@ def test_tensor_parallel_ranks_split_all_but_the_norms(model, tp):
 
 
 def test_lora_trains_only_its_adapters_on_a_frozen_base():
-    full, lora = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", lora_rank=16)
+    """--method lora under mixed is PEFT's: fp32 adapters (4 B, AdamW's moments too) beside a bf16 base (2 B)."""
+    full, lora = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", method="lora", lora_rank=16)
     z = fit.sizes(lora)
     h, q, g, f = 4096, 4096, 1024, 14336
     assert z.Pt == 32 * 16 * (2 * (h + q) + 2 * (h + g) + 3 * (h + f))
-    assert state_of(lora)["gradients"] == 4 * z.Pt
-    assert state_of(lora)["parameters"] == 4 * (z.P + z.Pt)
+    assert state_of(lora)["gradients"] == state_of(lora)["parameters"] == 4 * z.Pt
+    assert state_of(lora)["frozen_weights"] == 2 * z.P and state_of(lora)["optimizer_state"] == 8 * z.Pt + 4 * 32 * 14
     assert fit.estimate(lora)["optimizer_state"] < fit.estimate(full)["optimizer_state"] / 100
+    qv = fit.sizes(Inputs(model="llama-3-8b", method="lora", lora_rank=16, lora_targets=("q", "v")))
+    assert qv.Pt == 32 * 16 * ((h + q) + (h + g)) and qv.n == 32 * 4
+
+
+def test_qlora_keeps_the_blocks_linears_in_nf4_with_double_quantized_constants():
+    """Lab 15's bytes per weight: n / 2 of codes; an 8-bit absmax per 64, a float32 scale per 256 of those
+    and a float32 offset per linear; the embedding, the norms and the head stay bf16."""
+    nf4 = labs.load(15, "nf4")
+    x = Inputs(model="llama-3-8b", method="qlora", precision="bf16")
+    z, state = fit.sizes(x), state_of(x)
+    with torch.device("meta"):
+        model = zoo.get("llama-3-8b").build()
+    linears = [m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert z.matmuls == sum(linears) and z.nf4[3] == len(linears) == 32 * 7
+    want = [nf4.nf4_bytes(n) for n in linears]
+    assert state["frozen_weights"] == sum(w["codes"] for w in want) + 2 * (z.P - z.matmuls)
+    assert state["quant_constants"] == sum(w["constants"] for w in want)
+    assert state["quant_constants"] / sum(linears) == pytest.approx(1 / 64 + 4 / 64 / 256, rel=1e-3)
+
+
+def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
+    """Lab 15's state_bytes, tensor by tensor: 2 B per value and 2 x 4 B per 2,048 values; float32 moments
+    for a tensor under 4,096 values (Llama-3-8B has none: its norms are 4,096 wide)."""
+    adam8bit = labs.load(15, "adam8bit")
+    x = Inputs(model="llama-3-8b", precision="bf16", optimizer="adamw8bit")
+    with torch.device("meta"):
+        sizes = [p.numel() for p in zoo.get("llama-3-8b").build().parameters()]
+    assert state_of(x)["optimizer_state"] == sum(adam8bit.state_bytes(n) for n in sizes)
+    assert fit.sizes(x).opt8[2] == 0 and fit.sizes(x).opt8[3] == adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS
 
 
 # ---------------------------------------------------------------- against Lab 13's traces
@@ -124,6 +155,11 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "checkpointing": "selective", "accumulation": 2},
     {"precision": "mixed", "offload": "optimizer"},
     {"precision": "mixed", "task": "infer", "batch": 2},
+    # Lab 15's methods and optimizer, as Lab 13 traces them: within 0.5 % here (0.1 % at real size)
+    {"method": "lora", "precision": "bf16"}, {"method": "qlora", "precision": "mixed"},
+    {"method": "qlora", "precision": "bf16", "checkpointing": "full", "optimizer": "adamw8bit"},
+    {"method": "lora", "precision": "mixed", "checkpointing": "selective", "lora_targets": ("q", "v")},
+    {"precision": "bf16", "optimizer": "adamw8bit", "checkpointing": "full"},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks at 1,024 tokens traced by Lab 13 (fake tensors, one steady-state step): the
@@ -258,6 +294,12 @@ def test_results_table_is_what_the_python_computes_now():
     # a fraction that leaves a 24 GB card less than its CUDA context: a negative capacity, refused
     ({"task": "serve", "gpu_memory_utilization": 0.001}, "--gpu-memory-utilization must be in [0.1, 1]"),
     ({"task": "infer", "lora_rank": -8}, "--lora-rank"), ({"task": "serve", "seq": -1}, "--seq"),
+    # Lab 15's rules: a rank of 0, a rank above min(in, out), an unknown target, QLoRA in fp32
+    ({"method": "lora", "lora_rank": 0}, "--lora-rank"), ({"method": "lora", "lora_rank": 1025}, "--lora-rank 1025"),
+    ({"method": "lora", "lora_targets": ("q", "w")}, "--lora-targets"), ({"method": "qlora", "precision": "fp32"}, "--precision"),
+    ({"method": "lora", "model": "gpt-3-175b"}, "--method lora"), ({"method": "lora", "dp": 8}, "--dp"),
+    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"),
+    ({"optimizer": "adamw8bit", "dp": 8, "zero_stage": 1}, "--zero-stage"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):
@@ -340,10 +382,13 @@ def test_the_command_beside_each_configuration_is_the_labs_own():
             assert (config.seq_len or zoo.get(x.model).context) == x.context, cmd
         else:
             same = ["task", "batch", "seq", "precision", "dp"] + (["accumulation", "optimizer", "checkpointing", "zero_stage",
-                                                                   "offload"] if x.task == "train" else [])
+                                                                   "offload", "method"] if x.task == "train" else [])
+            if x.task == "train" and x.method != "full":
+                same += ["lora_rank", "lora_targets"]
+                seen["lora"] = seen.get("lora", 0) + 1
             assert all(getattr(config, n) == getattr(x, n) for n in same), cmd
-    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5, seen
-    assert {"fit.py traces data parallelism only", "no lab traces LoRA"} <= seen["why"], seen["why"]
+    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5 and seen.get("lora", 0) > 3, seen
+    assert {"fit.py traces data parallelism only"} <= seen["why"], seen["why"]
     script = table_script()
     issue = Inputs(model="llama-3-8b", task="train", seq=4096, batch=1, precision="bf16", checkpointing="full")
     assert script.command(issue, "h100-80gb") == [

@@ -25,18 +25,29 @@ from fit_expr import ZERO, Expr, ceil_div, larger, sym
 from fit_inputs import Inputs
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
+from labkit import labs
+
+lora, nf4, adam8bit = labs.load(15, "lora"), labs.load(15, "nf4"), labs.load(15, "adam8bit")  # Lab 15's facts
+
 # --8<-- [start:recipes]
 PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c, r)
     "fp32": ("fp32", 4, 4),
     "bf16": ("bf16", 2, 2),  # pure bf16: weights, gradients and AdamW's moments in bf16
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
-OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
+OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "adamw8bit": "adamw", "sgd": "momentum"}
+FROZEN = {"fp32": 4, "bf16": 2, "mixed": 2}  # --method lora|qlora: bytes of a frozen weight (PEFT loads the base in bf16)
+#: Lab 15's block sizes: NF4 (weights per absmax, absmax per scale); the 8-bit AdamW (values per absmax,
+#: the smallest tensor in 8 bits, values updated at once)
+NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK)
+OPT8 = {"block": adam8bit.BLOCK, "min_8bit": adam8bit.MIN_8BIT, "chunk": adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS,
+        "working": adam8bit.WORKING_BYTES}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
 INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token
 # --8<-- [end:recipes]
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "kv_cache")
+CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
+              "communication", "kv_cache")
 SYMBOLS = {
     "L": "layers", "h": "hidden size", "a": "attention heads (per rank)", "k": "KV heads (per rank)",
     "d": "head size", "q": "a × d", "g": "k × d", "f": "MLP hidden size (per rank)", "V": "vocabulary (per rank)",
@@ -44,6 +55,11 @@ SYMBOLS = {
     "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
     "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
     "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
+    "b": "bytes of a frozen weight", "Pc": "bytes of the NF4 codes (⌈n / 2⌉ per linear)",
+    "Nb": "NF4 blocks (an 8-bit absmax code per 64 weights)", "Ns": "float32 scales of the absmax codes (one per 256)",
+    "Nq": "NF4 linears (a float32 offset each)", "Pk": "trained values with 8-bit moments (tensors of 4,096 or more)",
+    "Nk": "blocks of 2,048 of those (a float32 absmax per moment)", "Ps": "trained values with float32 moments",
+    "Cw": "values the 8-bit AdamW updates at once (its chunk, or the largest tensor)",
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
     "p": "prefill tokens at once",
@@ -60,7 +76,9 @@ class Sizes:
     n: int  # trainable parameter tensors (AdamW keeps an fp32 step count for each)
     block: int  # parameters of one block
     root: int  # parameters outside the blocks: embedding, final norm, head
-    matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16
+    matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16; QLoRA stores them in NF4
+    nf4: tuple[int, int, int, int] = (0, 0, 0, 0)  # QLoRA: code bytes, absmax codes, their scales, linears
+    opt8: tuple[int, int, int, int] = (0, 0, 0, 0)  # adamw8bit: 8-bit values, their blocks, float32 values, chunk
 
 
 def fsdp_mixed(x: Inputs) -> bool:
@@ -84,12 +102,41 @@ def sizes(x: Inputs) -> Sizes:
     P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
-    Pt = P
-    if x.lora_rank:  # adapters A (in x R) and B (R x out) on every matmul of every block
-        h, q, g = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim
-        Pt = s.layers * x.lora_rank * (2 * (h + q) + 2 * (h + g) + 3 * (h + s.ffn) * max(s.experts, 1))
-        n = s.layers * 2 * (4 + 3 * max(s.experts, 1))
-    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width))
+    Pt, trained = P, tensors(s)
+    if lora_step(x):  # adapters A (R x in) and B (out x R) on each targeted projection of every block
+        shapes = lora.shapes(s, x.lora_targets)
+        Pt, n = s.layers * lora.adapter_numel([(i, o) for _, i, o in shapes], x.lora_rank), s.layers * 2 * len(shapes)
+        trained = [(x.lora_rank * i, s.layers) for _, i, _ in shapes] + [(x.lora_rank * o, s.layers) for _, _, o in shapes]
+    codes = (0, 0, 0, 0)
+    if lora_step(x) and x.method == "qlora":  # every linear of the blocks in NF4 (nf4.quantize_linears)
+        weights = [(i * o, s.layers) for i, o in block_linears(s)]
+        blocks = [(-(-v // NF4_BLOCKS[0]), k) for v, k in weights]
+        codes = (sum(-(-v // 2) * k for v, k in weights), sum(v * k for v, k in blocks),
+                 sum(-(-v // NF4_BLOCKS[1]) * k for v, k in blocks), sum(k for _, k in weights))
+    state = (0, 0, 0, 0)
+    if x.optimizer == "adamw8bit" and x.task == "train":  # adam8bit.state_bytes, tensor by tensor
+        big = [(v, k) for v, k in trained if v >= OPT8["min_8bit"]]
+        state = (sum(v * k for v, k in big), sum(-(-v // OPT8["block"]) * k for v, k in big),
+                 sum(v * k for v, k in trained if v < OPT8["min_8bit"]), min(OPT8["chunk"], max(v for v, _ in trained)))
+    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width), codes,
+                 state)
+
+
+def block_linears(s) -> list[tuple[int, int]]:
+    """(in, out) of every linear of one Llama (or Mixtral) block: q, k, v, o, each expert's gate, up and
+    down, the router."""
+    h, q, g, e = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim, max(s.experts, 1)
+    return [(h, q), (h, g), (h, g), (q, h)] + [(h, s.ffn), (h, s.ffn), (s.ffn, h)] * e + ([(h, s.experts)] if s.experts else [])
+
+
+def tensors(s) -> list[tuple[int, int]]:
+    """Every parameter tensor of the model as (values, how many): what an 8-bit AdamW keeps state for."""
+    h, V = s.width, s.vocab
+    if s.family == "gpt":  # TinyGPT's blocks: LayerNorms and linears with biases; learned positions; tied head
+        per = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+        return [(V * h, 1), (s.context * h, 1), (h, 2)] + [(v, s.layers) for v in per]
+    per = [h, h] + [i * o for i, o in block_linears(s)]  # two RMSNorms and the linears
+    return [(V * h, 1 if s.tied else 2), (h, 1)] + [(v, s.layers) for v in per]
 
 
 def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
@@ -97,16 +144,22 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     s, (recipe, c, r) = z.spec, PRECISIONS[x.precision]
     w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
     new = min(x.prefill_chunk or x.context, x.context)
-    r = c if fsdp_mixed(x) else r  # the bf16 weights make a bf16 residual stream
+    r = c if fsdp_mixed(x) or lora_step(x) else r  # bf16 weights (FSDP2's gathers, a LoRA's base) make a bf16 stream
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new)
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, b=FROZEN[x.precision], Pc=z.nf4[0], Nb=z.nf4[1],
+                  Ns=z.nf4[2], Nq=z.nf4[3], Pk=z.opt8[0], Nk=z.opt8[1], Ps=z.opt8[2], Cw=z.opt8[3])
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
-    if not x.lora_rank:
+    if x.method == "full":
         S.Pt = S.P  # every weight is trained: the formulas say P
     return S
+
+
+def lora_step(x: Inputs) -> bool:
+    """A LoRA or QLoRA training step (Lab 15): adapters on a frozen base."""
+    return x.method != "full" and x.task == "train"
 
 
 # --8<-- [start:activations]
@@ -117,7 +170,7 @@ def norm(S, readers: int) -> Expr:
     return 4 * S.h + ROW + S.r * S.h + kept
 
 
-def layer(S, checkpointing: str, lora: bool) -> Expr:
+def layer(S, checkpointing: str) -> Expr:
     """Bytes one Llama (or Mixtral) block keeps for backward."""
     moe = S.E.value > 0
     if checkpointing == "full":
@@ -133,9 +186,34 @@ def layer(S, checkpointing: str, lora: bool) -> Expr:
         else:
             mlp = norm(S, 2) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
-    if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
-        kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
     return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+
+
+def lora_layer(S, x: Inputs) -> Expr:
+    """Bytes one Llama block keeps for backward under LoRA (Lab 15, PEFT's order of operations): its frozen
+    weights need no input kept for a gradient, so a matmul's input is kept only where an adapter reads it;
+    each adapter keeps its A output, and, under autocast, its own bf16 cast of its input."""
+    targets, mixed = set(x.lora_targets), x.precision == "mixed"
+    outputs = len(targets) * S.c * S.R  # each adapter's A output, for B's gradient
+    if x.checkpointing == "full":
+        return layer(S, "full")
+    if x.checkpointing == "selective":  # save-matmuls also keeps each adapter's A and B outputs
+        out = {"q": S.q, "k": S.g, "v": S.g, "o": S.h, "gate": S.f, "up": S.f, "down": S.h}
+        return layer(S, "selective") + S.T * (outputs + S.c * _sum(out[t] for t in lora.ALL if t in targets))
+    reads = {"attention": sum(t in targets for t in ("q", "k", "v")), "mlp": sum(t in targets for t in ("gate", "up"))}
+    inputs = [(n if mixed else min(n, 1)) * S.c * S.h for n in reads.values() if n]  # the normed stream
+    inputs += [S.c * S.q] if mixed and "o" in targets else []  # (attention's output otherwise: SDPA keeps it)
+    inputs += [S.c * S.f] if "down" in targets else []  # SiLU(gate) x up
+    kept = 2 * (4 * S.h + ROW) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a + 3 * S.c * S.f + outputs  # norms' fp32 input
+    kept = kept + _sum(inputs) if inputs else kept  # and 1/rms; q, k, v, SDPA; gate, SiLU, up; what adapters read
+    return S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+
+
+def _sum(terms) -> Expr:
+    out = ZERO
+    for t in terms:
+        out = t if out is ZERO else out + t
+    return out
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
@@ -148,8 +226,10 @@ def gpt_layer(S, checkpointing: str) -> Expr:
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
     """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
+    if lora_step(x):
+        return lora_activations(x, S)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
-    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0)
+    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
     kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
@@ -157,6 +237,21 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
             "loss": 4 * S.T * S.V + head if mixed else 4 * S.T * S.V}
+
+
+def lora_activations(x: Inputs, S) -> dict[str, Expr]:
+    """Under LoRA the head and the final norm are frozen: the loss keeps its log-softmax and the final norm
+    its fp32 input and 1/rms, as each block's norms do, but for the first block's attention norm, which reads
+    the frozen embedding and is not in the graph. With fp32 adapters under autocast (PEFT's), each adapter's
+    weight is kept as a bf16 cast too (but for those whose input needs no gradient)."""
+    casts = S.c * S.Pt if x.precision == "mixed" else ZERO
+    kept = S.L * lora_layer(S, x) + S.T * (4 * S.h + ROW + 4 * S.V)
+    if x.checkpointing == "none":  # the first block's attention norm reads the frozen embedding: not in the graph
+        kept = kept - S.T * (4 * S.h + ROW)
+    if casts is not ZERO and x.checkpointing == "none":  # less the first block's q, k, v A casts: no gradient
+        first = sum(t in x.lora_targets for t in ("q", "k", "v"))  # reaches their input, so none is kept
+        kept = kept + (casts - first * S.c * S.R * S.h if first else casts)
+    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": 4 * S.T * S.V}
 # --8<-- [end:activations]
 
 
@@ -169,13 +264,17 @@ def model_state(x: Inputs, S) -> dict[str, Expr]:
 
     kind = OPTIMIZERS[x.optimizer]
     fsdp = 3 if x.zero_stage == 2 else x.zero_stage  # FSDP2 keeps shards between steps at ZeRO-2 too
-    params = S.w * share("parameters", S.Pt, fsdp)
-    if x.lora_rank:  # the frozen base: weights only
-        params = params + S.w * share("parameters", S.P, fsdp)
     state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
     if kind == "adamw":
         state = state + STEP_COUNTER * S.n
-    out = {"parameters": params, "gradients": S.w * share("gradients", S.Pt), "optimizer_state": state}
+    if x.optimizer == "adamw8bit":  # Lab 15: a 1-byte code per moment and value, a float32 absmax per block
+        state = 2 * S.Pk + 8 * S.Nk + 8 * S.Ps
+    out = {"parameters": S.w * share("parameters", S.Pt, fsdp), "gradients": S.w * share("gradients", S.Pt),
+           "optimizer_state": state}
+    if lora_step(x):  # the frozen base beside the adapters: weights only (QLoRA: the blocks' linears in NF4)
+        out["frozen_weights"] = S.b * S.P if x.method == "lora" else S.b * (S.P - S.Pm) + S.Pc
+        if x.method == "qlora":
+            out["quant_constants"] = S.Nb + 4 * S.Ns + 4 * S.Nq
     if x.offload == "params":  # FSDP2's CPU offload: shards, their gradients and the optimizer on the host
         return dict.fromkeys(out, ZERO)
     if x.offload == "optimizer":  # ZeRO-Offload: the state on the host; Lab 07 moves each gradient there too
@@ -188,7 +287,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     """Buffers of data-parallel training at each moment: DDP's gradient buckets (a copy of every
     gradient, Lab 10), or what FSDP2 holds gathered (Lab 11's wrap: a unit per block, the root's own)."""
     fwd = bwd = gather = opt = ZERO
-    weights = S.P + S.Pt if x.lora_rank else S.P
+    weights = S.P
     gathered = S.c if fsdp_mixed(x) else S.w  # MixedPrecisionPolicy gathers bf16 weights
     if x.dp > 1 and x.zero_stage <= 1:
         fwd = bwd = gather = opt = S.w * S.Pt
@@ -217,7 +316,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         return {x.task: _full(inference(x, S))}
     state, comm, act = model_state(x, S), communication(x, S), activations(x, S)
     carried = state["gradients"] if x.accumulation > 1 else ZERO  # earlier micro-batches' gradients
-    held = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"], "gradients": carried}
+    held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
     out = {
         "forward_end": held | {"activations": act["kept"],
@@ -227,17 +326,19 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    if x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
+    if x.optimizer == "adamw8bit":  # Lab 15's chunk: its float32 working copies
+        out["optimizer"]["temporaries"] = OPT8["working"][S.w.value] * S.Cw + 4 * ceil_div(S.Cw, OPT8["block"])
+    if x.zero_stage <= 1 and not lora_step(x):  # the head's gradient arrives while the loss's are alive
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
                                        "temporaries": 8 * S.T * S.V + 4 * S.T * S.h}
     if x.zero_stage == 3 and x.offload != "params":
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
+    if "block_backward" in comm and x.checkpointing == "none" and not lora_step(x) and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
-    if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
+    if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
@@ -248,7 +349,7 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
     backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
     wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
-    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
+    done = S.T * norm(S, 1) + layer(S, "none") + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,

@@ -26,6 +26,7 @@ HF_KEYS = {
     "tied": ("tie_word_embeddings",),
 }
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
+ITEMS = {"lora_targets": lora.ALL}
 CUSTOM = "custom"
 
 
@@ -97,6 +98,8 @@ class TrainingRun(FineTuning):
         if self.offload == "optimizer" and self.optimizer in ("sgd", "adamw8bit"):
             raise UsageError("--offload optimizer runs PyTorch's AdamW on the host: choose adamw, adamw-foreach or "
                              "adamw-fused")
+        if self.optimizer == "adamw8bit" and self.zero_stage:
+            raise UsageError("--optimizer adamw8bit is traced on whole tensors: leave --zero-stage at 0")
         if self.method != "full" and (self.dp > 1 or self.offload != "none"):
             raise UsageError(f"--method {self.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none")
 
@@ -167,6 +170,9 @@ class Inputs(TrainingRun, Subject):
         if self.task == "train":
             self.check_sharding()
             self.check_fine_tuning(self.spec())
+            if self.method != "full" and d["experts"]:
+                raise UsageError(f"--method {self.method} on a mixture of experts: the formulas count dense blocks "
+                                 "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""
@@ -198,9 +204,11 @@ def fields() -> list[dict]:
     for f, kind in fields_of(Inputs):
         base, optional = split_optional(kind)
         m = f.metadata
+        items = ITEMS.get(f.name)  # a list of names (--lora-targets q,v), each one of these
         out.append({"name": f.name, "flag": f"--{f.name.replace('_', '-')}", "optional": optional,
-                    "type": "choice" if choices_of(base) else base.__name__, "default": f.default,
-                    "choices": list(choices_of(base) or ()), "help": m["help"],
+                    "type": "choice" if choices_of(base) else "list" if items else base.__name__,
+                    "default": list(f.default) if items else f.default, "choices": list(choices_of(base) or items or ()),
+                    "help": m["help"],
                     **{k: m[k] for k in ("min", "max", "above", "below") if m.get(k) is not None}})
     return out
 

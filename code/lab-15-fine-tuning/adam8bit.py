@@ -34,6 +34,11 @@ SIGNED, UNSIGNED = Codebook.of(dynamic_map(signed=True)), Codebook.of(dynamic_ma
 BLOCK = 2048  # the paper's block; bitsandbytes' kernels use 256
 MIN_8BIT = 4096  # smaller tensors keep float32 moments (bitsandbytes' min_8bit_size)
 CHUNK_BLOCKS = 256  # blocks updated at once: the float32 working copies are this many blocks long
+#: Bytes ``update`` holds at once per value of a chunk, by the bytes of a weight (and its gradient): the
+#: float32 moments read back, their quantization's padded rows, magnitudes, scaled values and int64 indices,
+#: the denominator; a bf16 weight and gradient add their float32 copies. Plus 4 B per block (the absmax
+#: found). Counted by the ledger on this code (``tests/test_lab15.py`` holds it to the byte).
+WORKING_BYTES = {4: 29, 2: 37}
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -107,6 +112,11 @@ class AdamW8bit(torch.optim.Optimizer):
     @staticmethod
     def table(name: str, like: torch.Tensor) -> Codebook:
         return (SIGNED if name == "m" else UNSIGNED).to(like.device)
+
+
+def working_bytes(values: int, element: int, block: int = BLOCK) -> int:
+    """The most ``update`` holds at once for a chunk of ``values`` (a weight of ``element`` bytes)."""
+    return WORKING_BYTES[element] * values + 4 * -(-values // block)
 
 
 def state_bytes(numel: int, block: int = BLOCK, min_8bit: int = MIN_8BIT) -> int:

@@ -73,8 +73,8 @@ def quantize_nf4(w: torch.Tensor, block: int = BLOCK, double_block: int = DOUBLE
     absmax = rows.abs().amax(dim=1)  # one float32 per block
     scaled = (rows * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)).clamp(-1, 1)
     codes = nearest(scaled, NF4_BOOK).to(torch.uint8).view(-1)[:flat.numel()]  # (1)!
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
+    if codes.numel() % 2:  # an odd count: the last byte's second code is a zero weight's, NF4's 0.0
+        codes = torch.cat([codes, codes.new_full((1,), int((NF4 == 0).nonzero()))])
     packed = codes[0::2] << 4 | codes[1::2]  # (2)!
     offset = absmax.mean()
     constants = quantize_blockwise(absmax - offset, double_block, DYNAMIC)  # (3)!
