@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from labkit import files, cli, labs, provenance
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_STEPS, MAX_THREADS, LabConfig, UsageError, option
 from labkit.models import GPTConfig, TinyGPT
 from labkit.provenance import REPO_ROOT
 from labkit.table import Table
@@ -61,13 +61,13 @@ class Config(LabConfig):
     sizes: tuple[tuple[int, int], ...] = option(((128, 2), (256, 4), (512, 4)), "parameter sets as WIDTHxLAYERS of "
                                                 "TinyGPT, comma separated (default: 128x2,256x4,512x4)",
                                                 parse=read_sizes, metavar="WxL,...")
-    rounds: int = option(30, "timed steps of each implementation", min=1)
+    rounds: int = option(30, "timed steps of each implementation", min=1, max=MAX_STEPS)
     threads: int = option(1, "torch threads for the AdamW comparison (1: one core, steady on a shared machine; 0: "
-                             "torch's default); the offload timing always uses torch's default", min=0)
+                             "torch's default); the offload timing always uses torch's default", min=0, max=MAX_THREADS)
     overhead: Literal["auto", "on", "off"] = option("auto", "time Lab 07's offload modes (auto: only on CUDA)")
-    steps: int = option(6, "training steps per offload mode", min=1)
+    steps: int = option(6, "training steps per offload mode", min=1, max=MAX_STEPS)
     out: Path | None = option(None, "default: results/cpu_adam_bench.json on CPU, results/cpu_adam_bench.gpu.json "
-                                    "on CUDA")
+                                    "on CUDA", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

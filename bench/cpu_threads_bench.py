@@ -43,7 +43,8 @@ class Config(LabConfig):
     busy: int | None = option(None, "processes that keep the cores busy meanwhile (default: one per core; 0: none)",
                               min=0, max=256)
     repeats: int = option(6, "Lab 08's timed pipeline runs per run (the first warms up)", min=2, max=100)
-    out: Path | None = option(None, "where to write the results (default: results/cpu_threads_bench.json)")
+    out: Path | None = option(None, "where to write the results (default: results/cpu_threads_bench.json)",
+                              path="write")
 
 
 def one_run(threads: int, repeats: int) -> dict:

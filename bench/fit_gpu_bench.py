@@ -42,7 +42,7 @@ class Config(LabConfig):
     """Trace Lab 13's step, run it for real on the same device, and compare the peaks."""
 
     out: Path | None = option(None, "where to write the results (default: results/fit_gpu_bench.json, or "
-                                    "results/fit_gpu_bench.cpu.json on CPU)")
+                                    "results/fit_gpu_bench.cpu.json on CPU)", path="write")
 
 
 def cases(device_type: str) -> list[dict]:

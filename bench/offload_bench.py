@@ -29,7 +29,9 @@ from typing import Literal
 import torch
 
 from labkit import files, cli, labs, provenance
-from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit.config import (
+    MAX_BYTES, MAX_HEADS, MAX_LAYERS, MAX_STEPS, MAX_TOKENS, MAX_WIDTH, LabConfig, UsageError, option, summary_of,
+)
 from labkit.cuda import allocator_stats, reset_peak
 from labkit.diffusion import DTYPES, DenoiserBlock, ToyDiffusionPipeline
 from labkit.provenance import REPO_ROOT
@@ -46,19 +48,19 @@ RESULT_FILE = "results/offload_bench.json"  # the GPU run; a CPU run writes resu
 class Config(LabConfig):
     """Benchmark Lab 08's offload engines against resident, accelerate and diffusers."""
 
-    width: int | None = option(None, "default: 1024 on CUDA, 64 on CPU", min=1)
-    heads: int | None = option(None, "default: 16 on CUDA, 4 on CPU", min=1)
-    denoiser_layers: int | None = option(None, "default: 16 on CUDA, 6 on CPU", min=1)
-    latent_tokens: int | None = option(None, "default: 4096 on CUDA, 64 on CPU", min=1)
-    steps: int | None = option(None, "denoising steps (default: 4 on CUDA, 2 on CPU)", min=1)
+    width: int | None = option(None, "default: 1024 on CUDA, 64 on CPU", min=1, max=MAX_WIDTH)
+    heads: int | None = option(None, "default: 16 on CUDA, 4 on CPU", min=1, max=MAX_HEADS)
+    denoiser_layers: int | None = option(None, "default: 16 on CUDA, 6 on CPU", min=1, max=MAX_LAYERS)
+    latent_tokens: int | None = option(None, "default: 4096 on CUDA, 64 on CPU", min=1, max=MAX_TOKENS)
+    steps: int | None = option(None, "denoising steps (default: 4 on CUDA, 2 on CPU)", min=1, max=MAX_STEPS)
     dtype: Literal["float32", "bfloat16", "float16"] | None = option(None, "default: bfloat16 on CUDA, float32 on CPU")
-    depths: tuple[int, ...] = option((0, 1, 2), "layerwise prefetch depths, comma separated", min=0)
+    depths: tuple[int, ...] = option((0, 1, 2), "layerwise prefetch depths, comma separated", min=0, max=MAX_LAYERS)
     sweep_widths: tuple[int, ...] | None = option(None, "widths for the crossover sweep (default: 512,1024,2048,4096 "
-                                                        "on CUDA, 32,64 on CPU)", min=1)
-    copy_mib: int = option(256, "bytes per copy in the bandwidth test (MiB)", min=1)
-    repeats: int = option(3, "timed pipeline runs per mode; the first warms up", min=1)
+                                                        "on CUDA, 32,64 on CPU)", min=1, max=MAX_WIDTH)
+    copy_mib: int = option(256, "bytes per copy in the bandwidth test (MiB)", min=1, max=MAX_BYTES >> 20)
+    repeats: int = option(3, "timed pipeline runs per mode; the first warms up", min=1, max=MAX_STEPS)
     out: Path | None = option(None, "default: results/offload_bench.json on CUDA, results/offload_bench.cpu.json "
-                                    "on CPU")
+                                    "on CPU", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

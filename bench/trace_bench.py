@@ -55,7 +55,7 @@ class Config(LabConfig):
     """Time Lab 13's real-scale traces, each in a fresh process: seconds and peak RAM."""
 
     repeats: int = option(1, "runs of each case (the median is reported)", min=1, max=20)
-    out: Path | None = option(None, "where to write the results (default: results/trace_bench.json)")
+    out: Path | None = option(None, "where to write the results (default: results/trace_bench.json)", path="write")
 
 
 def measure(fields: dict) -> dict:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import cli, files, labs, provenance
-from labkit.config import LabConfig, option
+from labkit.config import MAX_STEPS, LabConfig, option
 
 lab02, lab03, lab04, lab09 = labs.load(2), labs.load(3), labs.load(4), labs.load(9)
 
@@ -52,9 +52,9 @@ GPU_SIZES = {
 class Config(LabConfig):
     """Benchmark the training levers of Labs 02, 03, 04 and 09 side by side, as ratios."""
 
-    steps: int | None = option(None, "timed steps per variant (default: 10 on CUDA, 2 on CPU)", min=1)
+    steps: int | None = option(None, "timed steps per variant (default: 10 on CUDA, 2 on CPU)", min=1, max=MAX_STEPS)
     out: Path | None = option(None, "where to write the results (default: results/training_bench.json on CUDA, "
-                                    "results/training_bench.cpu.json on CPU)")
+                                    "results/training_bench.cpu.json on CPU)", path="write")
 
 
 def sized(n: int, device, seed: int, **fields) -> dict:

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/fit_table.py --count 800      # more checked configurations
 
 ``calculator.json`` is what ``docs/fit.md`` loads: the inputs with their bounds (``fit_inputs``),
-the zoo's presets, Lab 13's GPU table, the constants the formulas use, the levers in Lab 13's order
+the zoo's presets, Lab 13's GPU table, the constants the formulas use and the legend of every name in
+the formula code the page quotes (the build hook renders it there), the levers in Lab 13's order
 of cost, and every traced figure the labs have published for a preset configuration (Lab 13's
 steps and prefills; Lab 14's serving budgets once its results exist), each beside the formula's
 bytes and the gap. ``table.json`` is what the browser test loads: ``--count`` configurations, each
@@ -65,7 +66,7 @@ LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 
 class Config:
     """Write the calculator's data and the configurations its JavaScript is checked against."""
 
-    out_dir: Path = option(ROOT / "results" / "fit", "where calculator.json and table.json go")
+    out_dir: Path = option(ROOT / "results" / "fit", "where calculator.json and table.json go", path="folder")
     count: int = option(600, "configurations in table.json", min=500, max=20000)
     seed: int = option(0, "seed of the sampled configurations", min=0, max=2**32 - 1)
 
@@ -408,8 +409,10 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES, "frozen": f.FROZEN, "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8},
-        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "lora_targets": list(lora_targets.ALL), "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
+                      "slot": f.SLOT, "indices": f.INDICES, "frozen": f.FROZEN, "nf4_blocks": f.NF4_BLOCKS,
+                      "opt8": f.OPT8},
+        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(), "lora_targets": list(lora_targets.ALL),
+        "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
@@ -418,6 +421,63 @@ def calculator(traced: list[dict]) -> dict:
         "python": PYTHON, "clis": clis(),
         "traced": traced,
     }
+
+
+SNIPPET = "# --8<-- [start:"
+
+
+def formula_code() -> dict[str, str]:
+    """The sections of fit_formula.py a page may quote (between snippet markers), by name."""
+    text = (ROOT / "code" / "lab-01-memory-accounting" / "fit_formula.py").read_text(encoding="utf-8")
+    return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
+            for part in text.split(SNIPPET)[1:]}
+
+
+def names_used(code: str) -> list[str]:
+    """The names a piece of formula code reads that its functions do not define: ``S.c`` and ``x.seq``
+    (a symbol, an input), module constants and helpers (``ROW``, ``ceil_div``); not the functions it
+    defines, their arguments and locals, or Python's builtins. The page's legend must say what each is."""
+    import builtins
+
+    tree, defined = ast.parse(code), set(dir(builtins))
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))):
+        defined |= {function.name} if isinstance(function, ast.FunctionDef) else set()
+        defined |= {a.arg for a in function.args.args + function.args.kwonlyargs}
+        defined |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - defined
+    used |= {f"{n.value.id}.{n.attr}" for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("S", "x")}
+    return sorted(used)
+
+
+def _said(value) -> str:
+    """A constant's value in the legend: ``4``; ``adamw 2, momentum 1``; ``fp8 (1, 4)``; ``sgd momentum``."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_said(v)}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(str, value)) + ")"
+    return str(value) if isinstance(value, (int, str)) else ""  # a function or a class: no value
+
+
+def legend() -> list[dict]:
+    """Every name the page's formula code uses, with what it is (the inputs' help for ``x.NAME``,
+    ``SYMBOLS`` for ``S.NAME``, ``LEGEND`` for the rest) and a constant's value: the page's legend,
+    in that order. A name none of them explains stops the script."""
+    f, helps = lab01_fit, {field["name"]: f"{field['flag']}: {field['help']}" for field in lab01_inputs.fields()}
+    used = set(names_used("\n".join(formula_code().values()))) | {"S", "x"}
+
+    def means(name: str) -> str:
+        kind, _, attr = name.partition(".")
+        text = f.LEGEND.get(name) or (f.SYMBOLS.get(attr) if kind == "S" else helps.get(attr) if kind == "x" else None)
+        if not text:
+            raise SystemExit(f"fit_formula.py's code uses {name}, which neither SYMBOLS, the inputs nor LEGEND explain")
+        return text
+
+    order = [n for n in ("S", "x") if n in used] + [f"S.{k}" for k in f.SYMBOLS if f"S.{k}" in used]
+    order += sorted(n for n in used if n.startswith("x."))
+    order += [n for n in f.LEGEND if n in used and n not in order]
+    order += sorted(used - set(order))  # a name no list orders: means() says what is missing
+    return [{"name": n, "means": means(n), "value": _said(getattr(f, n, None))} for n in order]
 
 
 def _per_task(value, task: str):

@@ -13,7 +13,12 @@
   ``<!-- infralab:provenance lab-NN -->`` (where they were measured) and, inside a sentence,
   ``{{ lab-NN:NAME | KIND }}`` (one number, formatted as a table cell of that kind: ``bytes``,
   ``B``, ``int``, ``pct:1``, ``x:2``, ...; ``NAME`` may be a dotted path). A name that is not there
-  fails the build. Every value is escaped: nothing in a results file becomes HTML.
+  fails the build. A kind ending in ``~``
+  (``bytes~``, ``GB~``, ``int~``, ``pct~``, ``x~``, ``float~``) is the number as a person says it:
+  two significant figures ("about 150 GiB"), for the interview answers said out loud, whose exact
+  figure follows in their collapsible follow-up. Every value is escaped (``labkit.table.escape``):
+  nothing in a results file becomes HTML or Markdown (a link, an image, an attribute list): it shows
+  as the text it is.
 * A list of records (one dict per size, stage or mode a run covered) is looked up by a field, never
   by position: ``sets[params=12905472]``, ``stages[stage=3]``, ``modes[mode=layerwise]``. A re-run
   with other sizes then fails the build with the key it lacks and the keys it has, where a position
@@ -22,12 +27,17 @@
 * A derived number is written as its formula, evaluated here: ``{{ 7e9 * cpu_adam_bench:PATH * 1e-9 |
   float:1 }}`` or ``{{ lab-06:A - lab-02:B | bytes }}`` (references, numbers, ``+ - * /`` and
   parentheses; an operator between two references needs spaces around it).
-* ``on_config`` adds every lab's page (and its ``extra_pages``), handbook chapter and notebook to
-  the nav, in lab order, from the lab pages' front matter: adding a lab never edits the nav.
+* ``on_config`` builds the nav from two orders, each written once: the Handbook's chapters part by
+  part from ``extra.reading_order`` in mkdocs.yml (the order ideas build, which is not the labs'), then
+  every lab's page (and its ``extra_pages``) and notebook in lab order, from the lab pages' front
+  matter: adding a lab never edits the nav. A chapter missing from the reading order, a lab whose
+  chapter is not in it, or a page listed twice fails the build.
 * Index pages are generated, so they grow with the labs without anyone editing them: a page
   holding ``<!-- infralab:catalogue -->``, ``<!-- infralab:labs -->``,
-  ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` or ``<!-- infralab:interview -->``
-  gets that table or section built from the lab pages' front matter and ``extra.catalogue``;
+  ``<!-- infralab:notebooks -->``, ``<!-- infralab:chapters -->`` (the handbook's map: each part's
+  questions, the chapter that answers each, and its labs) or ``<!-- infralab:interview -->`` gets that
+  table or section built from the lab pages' front matter, ``extra.catalogue`` and ``extra.reading_order``;
+  ``<!-- infralab:fit_legend -->`` the legend of the calculator's formula code (``results/fit/calculator.json``);
   ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import posixpath
 import re
@@ -212,16 +223,22 @@ def render_placeholder(name: str, page_src: str, config) -> str:
         rows = [[link(str(m["lab"]), src), link(f"{_title(m)}, measured", notebook(m)), m.get("notebook_shows", ""),
                  _measured_text(m["notebook"])] for src, m in labs]
         return _table(["lab", "notebook", "what it shows", "measured on"], rows)
-    if name == "chapters":
-        rows = []
-        for src, m in labs:
-            if m.get("chapter"):
-                text = (ROOT / "docs" / m["chapter"]).read_text(encoding="utf-8")
-                title = yaml.safe_load(text.split("---\n", 2)[1]).get("title", m["chapter"])
-                rows.append([link(title, m["chapter"]), link(f"Lab {m['lab']} · {_title(m)}", src)])
-        return _table(["chapter", "lab"], rows)
+    if name == "chapters":  # the map: part by part, each question and the chapter (and labs) that answer it
+        out = []
+        for part in reading_order(config):
+            out += [f"**{part['part']}**", ""]
+            for entry in part["chapters"]:
+                page = entry["page"]
+                measured = [link(f"Lab {m['lab']}", src) for src, m in labs if m.get("chapter") == page]
+                out.append(f"- *{escape(entry['question'])}* → {link(_front_matter(page).get('title', page), page)}"
+                           + (f" · {', '.join(measured)}" if measured else ""))
+            out.append("")
+        return "\n".join(out).rstrip("\n")
     if name == "performance":
         return render_performance(page_src)
+    if name == "fit_legend":  # every name in the formula code fit.md quotes, as scripts/fit_table.py explains it
+        rows = [[r["name"], r["means"], r["value"]] for r in results("fit/calculator")["legend"]]
+        return Table([("name", "code"), ("what it is", "text"), ("value", "text")], rows).markdown()
     if name == "interview":
         parts = []
         for src, m in labs:
@@ -251,23 +268,58 @@ def _section(nav: list, title: str) -> list:
     raise PluginError(f"mkdocs.yml nav needs a '{title}' section")
 
 
+def reading_order(config) -> list[dict]:
+    """``extra.reading_order``: the parts, each with its chapters ``{page, question}`` whose page exists
+    (an entry marked ``planned`` waits for its page; any other must exist)."""
+    parts = []
+    for part in config["extra"].get("reading_order") or []:
+        chapters = []
+        for entry in part["chapters"]:
+            if (ROOT / "docs" / entry["page"]).is_file():
+                chapters.append(entry)
+            elif not entry.get("planned"):
+                raise PluginError(f"extra.reading_order in mkdocs.yml lists {entry['page']}, which does not exist")
+        parts.append({"part": part["part"], "chapters": chapters})
+    return parts
+
+
+def nav_pages(nav) -> list[str]:
+    """Every page a nav (or a section of it) lists, in order."""
+    if isinstance(nav, str):
+        return [nav]
+    items = nav.values() if isinstance(nav, dict) else nav
+    return [page for item in items for page in nav_pages(item)]
+
+
 def on_config(config):
-    """Add every lab's chapter, page (and its extra pages) and notebook to the nav, in lab order."""
+    """The nav: the Handbook's chapters in the reading order (``extra.reading_order``), then every lab's
+    page (its extra pages after it) and every notebook in lab order; each page once."""
     results.cache_clear()  # `mkdocs serve` rebuilds after a notebook wrote new results
     nav = config["nav"]
-    chapters, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
-    listed = json.dumps(nav)
+    handbook, labs, notebooks = _section(nav, "Handbook"), _section(nav, "Labs"), _section(nav, "Notebooks")
+    order = reading_order(config)
+    for part in order:
+        handbook.append({part["part"]: [{_front_matter(e["page"]).get("title", e["page"]): e["page"]}
+                                        for e in part["chapters"]]})
+    in_order = {e["page"] for part in order for e in part["chapters"]}
+    for path in sorted((ROOT / "docs" / "handbook").glob("*.md")):
+        page = f"handbook/{path.name}"
+        if path.name != "index.md" and page not in in_order:
+            raise PluginError(f"docs/{page} is in no part of extra.reading_order in mkdocs.yml: add "
+                              f"{{page: {page}, question: ...}} to the part where it belongs")
     for src, meta in lab_pages():
         n, title = meta["lab"], _title(meta)
-        if meta.get("chapter") and meta["chapter"] not in listed:
-            chapters.append({_front_matter(meta["chapter"]).get("title", meta["chapter"]): meta["chapter"]})
-        if src not in listed:
-            labs.append({f"Lab {n} · {title}": src})
-            for extra in meta.get("extra_pages", []):
-                labs.append({_front_matter(extra).get("title", extra): extra})
-        notebook = "notebooks/" + Path(meta["notebook"]).name
-        if notebook not in listed:
-            notebooks.append({f"Lab {n} · measured": notebook})
+        if meta.get("chapter") and meta["chapter"] not in in_order:
+            raise PluginError(f"{src}: its chapter {meta['chapter']} is not in extra.reading_order in mkdocs.yml")
+        labs.append({f"Lab {n} · {title}": src})
+        for extra in meta.get("extra_pages", []):
+            labs.append({_front_matter(extra).get("title", extra): extra})
+        notebooks.append({f"Lab {n} · measured": "notebooks/" + Path(meta["notebook"]).name})
+    pages = nav_pages(nav)
+    twice = sorted({p for p in pages if pages.count(p) > 1})
+    if twice:
+        raise PluginError(f"the nav lists {', '.join(twice)} more than once (mkdocs.yml's nav, extra.reading_order "
+                          "and the lab pages' front matter each add pages)")
     return config
 
 
@@ -364,7 +416,7 @@ def render_performance(page_src: str) -> str:
 PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)<!-- infralab:(?P<name>\w+)(?: (?P<args>[^>]*?))? -->[ \t]*$", re.M)
 REF = r"[A-Za-z][\w-]*:(?:[\w.-]|\[[^\]\s]+\])+"  # file:path, a path step may select a record: key[field=value]
 VALUE = re.compile(r"\{\{\s*(?P<expr>(?:[-+*/()\s]|\d[\d.eE+-]*)*" + REF + r"(?:[^{}|]*?))\s*"
-                   r"(?:\|\s*(?P<kind>[\w:+]+)\s*)?\}\}")
+                   r"(?:\|\s*(?P<kind>[\w:+~]+)\s*)?\}\}")
 TOKEN = re.compile(r"\s*(?:(?P<ref>" + REF + r")|(?P<num>\d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?)|(?P<op>[-+*/()]))")
 STEP = re.compile(r"^(?P<key>[\w-]+)(?:\[(?P<field>[\w-]+)=(?P<value>[^\]]+)\])?$")
 
@@ -463,11 +515,44 @@ def _evaluate(expr: str, page_src: str):
         raise PluginError(f"{page_src}: {{{{ {expr} }}}} divides by zero with the published values") from None
 
 
+SPOKEN_BYTES = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+SPOKEN = {"GB": (" GB", 10**9), "int": ("", 1), "float": ("", 1), "pct": (" %", 0.01), "x": (" times", 1)}
+
+
+def spoken(value, kind: str) -> str:
+    """A number as a person says it out loud: two significant figures (``bytes~1``: one; a whole
+    number of KiB, MiB, ... below 1,000 as it is), with "about" when rounding changed it. ``bytes~``: the largest binary unit it reaches ("about 150 GiB");
+    ``GB~``: decimal gigabytes; ``int~``, ``float~``: a plain number; ``pct~``: a fraction as a
+    percentage; ``x~``: a ratio ("about 3 times")."""
+    name, _, figures = kind.partition("~")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        raise ValueError(f"a spoken kind ({kind}) needs a number other than 0, got {value!r}")
+    if name == "bytes":
+        unit, size = next(((f" {u}", s) for u, s in SPOKEN_BYTES if abs(value) >= s), (" bytes", 1))
+    elif name in SPOKEN:
+        unit, size = SPOKEN[name]
+    else:
+        raise ValueError(f"unknown spoken kind {kind!r} (bytes~, GB~, int~, float~, pct~, x~)")
+    exact = value / size
+    decimals = int(figures or 2) - 1 - math.floor(math.log10(abs(exact)))
+    if name == "bytes" and exact == int(exact) and abs(exact) < 1000:
+        decimals = 0  # a whole number of its unit is said as it is: "128 KiB", not "about 130 KiB"
+    said = round(exact, decimals)
+    text = f"{said:,.{max(decimals, 0)}f}"
+    text = text.rstrip("0").rstrip(".") if "." in text else text
+    return ("" if math.isclose(said, exact, rel_tol=1e-12) else "about ") + text + unit
+
+
 def render_value(m: re.Match, page_src: str) -> str:
     value = _evaluate(m.group("expr").strip(), page_src)
     if isinstance(value, (dict, list)):
         raise PluginError(f"{page_src}: {m.group(0)} is not a single value")
     kind = m.group("kind") or "text"
+    if "~" in kind:
+        try:
+            return spoken(value, kind)
+        except ValueError as err:
+            raise PluginError(f"{page_src}: {m.group(0)}: {err}") from None
     return Table([("", kind)], [[value]]).cell(value, kind)  # a table of one: bytes in the value's own unit
 
 

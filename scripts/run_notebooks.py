@@ -18,13 +18,15 @@ environment this script sets. The kernel imports labkit and the labs from this c
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from labkit import cli
-from labkit.config import UsageError, check_fields, option
+from labkit.config import MAX_SECONDS, UsageError, check_fields, option
 from labkit.files import atomic, check_writable
 from labkit.provenance import code_hash
 
@@ -58,17 +60,23 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
     if results_dir is not None:
         env["INFRALAB_RESULTS_DIR"] = str(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    running = {}  # the cell being executed, for a failure's one line
     client = NotebookClient(
         nb,
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(out_dir)}},
         allow_errors=False,
+        on_cell_execute=lambda cell, cell_index: running.update(index=cell_index),
     )
     executed = code_hash(src)  # before the run: what it is about to execute
     # nbclient hands ``env`` to the kernel manager, which starts the kernel with it
     t0 = time.perf_counter()
-    client.execute(env=env)
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as kernel_log:  # the kernel's own stderr: its log lines
+        try:
+            client.execute(env=env, stderr=kernel_log)
+        except Exception as err:  # a cell's error, a time-out, a dead kernel: one line, not nbclient's page
+            raise NotebookFailed(src.stem, running.get("index"), err, timeout) from None
     wall = time.perf_counter() - t0
     nb.metadata["infralab"] = {
         "lab": src.stem,
@@ -85,15 +93,35 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
     return target
 
 
+class NotebookFailed(Exception):
+    """A notebook that did not run to its end: which cell, and why, in one line (exit code 1)."""
+
+    def __init__(self, name: str, cell: int | None, err: Exception, timeout: int) -> None:
+        from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+        if isinstance(err, CellTimeoutError):
+            why = f"ran past --timeout {timeout} s"
+        elif isinstance(err, CellExecutionError):  # the kernel's own error: its last line, not the traceback
+            why = f"failed: {err.ename}: {' '.join(str(err.evalue).split())}"
+        elif isinstance(err, DeadKernelError):
+            why = "killed its kernel (out of memory?)"
+        else:
+            why = f"could not run: {type(err).__name__}: {' '.join(str(err).split())}"
+        where = f"cell {cell + 1}" if cell is not None else "the kernel"
+        super().__init__(f"{name}: {where} {why[:400]}")
+
+
 @dataclass
 class Config:
     """Execute the notebooks: notebooks/src/NAME.py (jupytext percent format) -> notebooks/NAME.ipynb."""
 
     names: tuple[str, ...] = option((), "notebook names (default: every notebooks/src/*.py)", positional=True)
     device: Literal["auto", "cpu", "cuda"] = option("auto", "where the notebooks measure")
-    output_dir: Path = option(ROOT / "notebooks", "where the executed notebooks go (default: notebooks/)")
-    results_dir: Path | None = option(None, "where the notebooks publish their results (default: results/)")
-    timeout: int = option(1200, "seconds a cell may run", min=1)
+    output_dir: Path = option(ROOT / "notebooks", "where the executed notebooks go (default: notebooks/)",
+                              path="folder")
+    results_dir: Path | None = option(None, "where the notebooks publish their results (default: results/)",
+                                      path="folder")
+    timeout: int = option(1200, "seconds a cell may run", min=1, max=MAX_SECONDS)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -111,7 +139,11 @@ def run(config: Config) -> list[str]:
     for name in names:
         src = SRC / f"{name.removesuffix('.py')}.py"
         t0 = time.perf_counter()
-        target = execute(src, config.output_dir, config.results_dir, config.device, config.timeout)
+        try:
+            target = execute(src, config.output_dir, config.results_dir, config.device, config.timeout)
+        except NotebookFailed as failed:  # mid-run: exit 1, the notebook before it left as it was
+            print(f"run_notebooks.py: error: {failed}", file=sys.stderr)
+            raise SystemExit(1) from None
         print(f"executed {src.relative_to(ROOT)} -> {target} in {time.perf_counter() - t0:.1f} s")
         done.append(str(target))
     return done

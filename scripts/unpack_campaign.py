@@ -30,7 +30,7 @@ MAX_BYTES = 64 << 20
 class Config:
     """Unpack a GPU campaign's archive into results/ and notebooks/, refusing anything else."""
 
-    archive: Path = option(Path("campaign.tgz"), "the archive scripts/gpu_campaign wrote", positional=True)
+    archive: Path = option(Path("campaign.tgz"), "the archive scripts/gpu_campaign wrote", positional=True, path="read")
 
     def __post_init__(self) -> None:
         check_fields(self)

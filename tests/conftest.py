@@ -17,7 +17,13 @@ CODE = ROOT / "code"
 
 
 def pytest_configure(config):
-    """One intra-op thread: the tests' tensors are tiny, and CI machines have two cores."""
+    """One intra-op thread: the tests' tensors are tiny, and CI machines have two cores. Reports are
+    read as a 100-column terminal shows them (labkit.table.FALLBACK_WIDTH), whatever terminal, or
+    none, runs the suite: ``$COLUMNS`` is what :func:`labkit.table.terminal_width` reads first, and
+    every lab the tests start inherits it. Tests of other widths set their own."""
+    from labkit.table import FALLBACK_WIDTH
+
+    os.environ["COLUMNS"] = str(FALLBACK_WIDTH)
     import torch
 
     torch.set_num_threads(1)

@@ -189,14 +189,15 @@ FIGURE_FONTS = """async (img) => {
 
 
 def test_figures_read_on_a_phone_in_dark_mode(browser, server, built_site):
-    """At 390 px, every figure on every lab page shows its smallest text at 11 CSS px or more, fits
-    the screen, and in dark mode is drawn inverted on a transparent background (no white box)."""
+    """At 390 px, every figure on every lab page and handbook chapter shows its smallest text at 11
+    CSS px or more, fits the screen, and in dark mode is drawn inverted on a transparent background
+    (no white box)."""
     context = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme="dark",
                                   device_scale_factor=2, is_mobile=True, has_touch=True)
     page = context.new_page()
     small, checked = [], 0
     for path in site_pages(built_site["dir"]):
-        if not path.startswith("/labs/lab-"):
+        if not path.startswith(("/labs/lab-", "/handbook/")):
             continue
         page.goto(server + path, wait_until="load")
         for img in page.locator("article img[src$='.svg']").all():
@@ -210,6 +211,36 @@ def test_figures_read_on_a_phone_in_dark_mode(browser, server, built_site):
     context.close()
     assert checked >= 12, f"only {checked} figures found"
     assert not small, "text under 11 CSS px on a 390-px phone:\n" + "\n".join(small)
+
+
+LEAD_ON_FIRST_SCREEN = """() => {
+  const h1 = document.querySelector('article h1');
+  let p = h1.nextElementSibling;
+  while (p && p.tagName !== 'P') p = p.nextElementSibling;  // past the "measured on" badge
+  const img = document.querySelector('article figure img');
+  return {sentence_bottom: p.getBoundingClientRect().bottom, image_top: img.getBoundingClientRect().top,
+          screen: window.innerHeight};
+}"""
+
+
+def test_lab_pages_show_their_insight_and_figure_on_the_first_screen(browser, server, built_site):
+    """Opened at the top, on a 390-px phone in dark mode and on a 1280 x 800 screen in light mode,
+    every lab page shows its real-scale sentence whole and the top of its figure (200 px of it at
+    least) before any scrolling (tests/test_lab_pages.py checks that they are the page's lead)."""
+    screens = {"phone": PHONE_DARK, "desktop": dict(viewport={"width": 1280, "height": 800}, color_scheme="light")}
+    labs = [p for p in site_pages(built_site["dir"]) if re.match(r"^/labs/lab-\d\d-", p)]
+    assert len(labs) == 14, labs
+    below = []
+    for name, settings in screens.items():
+        context = browser.new_context(**settings)
+        page = context.new_page()
+        for path in labs:
+            page.goto(server + path, wait_until="load")
+            at = page.evaluate(LEAD_ON_FIRST_SCREEN)
+            if at["sentence_bottom"] > at["screen"] or at["image_top"] > at["screen"] - 200:
+                below.append(f"{name} {path}: {at}")
+        context.close()
+    assert not below, "the lead is below the first screen:\n" + "\n".join(below)
 
 
 def test_tables_show_their_total_without_scrolling(browser, server, built_site):
@@ -302,7 +333,7 @@ def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site
     assert reveal.get_attribute("aria-expanded") == "false"
 
     first = int(panel.get_attribute("data-il-drill-index"))
-    summary = questions.nth(first).locator("summary").inner_text().strip()
+    summary = questions.nth(first).locator(":scope > summary").inner_text().strip()
     assert page.locator(".il-drill__question").inner_text().strip() == summary
     assert "Question 1 of" in page.locator(".il-drill__status").inner_text()
     page.keyboard.press(" ")
@@ -310,6 +341,9 @@ def test_interview_drill_by_keyboard_on_a_phone_in_dark_mode(browser, built_site
     expected = questions.nth(first).evaluate(
         "d => [...d.children].filter(c => c.tagName !== 'SUMMARY').map(c => c.textContent).join(' ')")
     assert shown and shown.split()[:8] == expected.split()[:8], (shown[:80], expected[:80])
+    follow_up = answer.locator("details")  # the spoken answer first; its exact figures behind a closed follow-up
+    assert follow_up.count() == 1 and follow_up.get_attribute("open") is None, follow_up.count()
+    assert follow_up.locator("summary").inner_text().startswith("Follow-up")
     assert page.get_by_role("button", name="Hide the answer").get_attribute("aria-expanded") == "true"
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the drill scrolls sideways by {overflow}px on a phone"
@@ -348,6 +382,37 @@ def test_oom_page_is_one_tap_from_the_home_page_on_a_phone(browser, built_site):
     assert page.locator(".tabbed-block", has_text="fused=True").is_visible()
     assert not watch.errors and not watch.outside
     context.close()
+
+def test_start_here_and_two_chapters_read_on_a_phone_in_dark_mode(browser, server, tmp_path):
+    """Start here and two chapters at 390 px in dark mode, each screenshotted (under tmp_path): the page
+    does not scroll sideways, and every figure shows its smallest text at 12 CSS px or more (its SVG
+    font size times the rendered width over the viewBox width)."""
+    context = browser.new_context(**PHONE_DARK)
+    page = context.new_page()
+    watch = Watch(page)
+    small, figures = [], {}
+    for path in ("/start/", "/handbook/memory-accounting/", "/handbook/serving-memory/"):
+        page.goto(server + path, wait_until="load")
+        assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") == "slate"
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{path} scrolls sideways by {overflow}px on a phone"
+        images = page.locator("article img[src$='.svg']").all()
+        for img in images:
+            img.scroll_into_view_if_needed()
+            page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=img.element_handle())
+            info = img.evaluate(FIGURE_FONTS)
+            assert info["width"] <= 390, info
+            if info["min_px"] < 12:
+                small.append(f"{path} {info['src']}: {info['min_px']:.1f}px")
+        figures[path] = len(images)
+        shot = tmp_path / f"{path.strip('/').replace('/', '-')}-390-dark.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000, shot
+    context.close()
+    assert figures["/start/"] >= 3, figures
+    assert not small, "figure text under 12 CSS px on a 390-px phone:\n" + "\n".join(small)
+    assert not watch.errors and not watch.outside
+
 
 # ---------------------------------------------------------------- "Will it fit?" (docs/fit.md, docs/assets/fit.js)
 FIT_TABLE = Path(__file__).resolve().parents[1] / "results" / "fit" / "table.json"
@@ -530,6 +595,35 @@ def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
     page.evaluate("q => InfraLabFit.load(q)", "")
     assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
     assert not watch.errors
+    ctx.close()
+
+
+def test_fit_page_puts_the_calculator_first_and_its_code_behind_a_legend(browser, server):
+    """The inputs and the verdict come before any prose section; the formula code is in one collapsed block,
+    closed on load, whose legend names every name that code uses (S.c, x.seq, ROW, ceil_div: the names
+    scripts/fit_table.py finds in the code as the page shows it); the precision choice "bf16" says it is
+    pure bf16, with no fp32 master."""
+    from test_fit_formula import table_script
+
+    ctx, page, watch = open_fit(browser, server)
+    first = page.evaluate("""() => { const fit = document.getElementById('fit'), h2 = document.querySelector('article h2');
+        return !!(fit.compareDocumentPosition(h2) & Node.DOCUMENT_POSITION_FOLLOWING); }""")
+    assert first, "the calculator comes before the page's first section"
+    block = page.locator("article details", has=page.locator("summary", has_text="How the formulas are written"))
+    assert block.count() == 1 and block.evaluate("d => d.open") is False
+    assert not block.locator("pre").first.is_visible() and not block.locator("table").is_visible()
+    codes = block.locator("pre code").evaluate_all("els => els.map(e => e.textContent)")
+    assert len(codes) == 4, len(codes)
+    used = set(table_script().names_used("\n".join(codes)))
+    named = set(block.locator("table tbody tr td:first-child").evaluate_all("tds => tds.map(t => t.textContent.trim())"))
+    assert {"S.c", "S.Pt", "ROW", "SLOT", "LSE", "ceil_div", "x.zero_stage"} <= used, used
+    assert used <= named, sorted(used - named)
+    block.locator("summary").click()
+    assert block.locator("table").is_visible()
+    option = page.locator("#fit-precision option[value=bf16]")
+    assert option.inner_text() == "pure bf16 (no fp32 master)"
+    assert "pure bf16 (no fp32 master)" in page.inner_text("#fit-hint-precision")
+    assert not watch.errors and not watch.outside
     ctx.close()
 
 

@@ -20,6 +20,10 @@ rewrite committed results run with an output folder in a temporary directory whe
 line has one (``OUT_FLAGS``) and are skipped where it has none, and a command whose measured time is
 over ``SLOW_S`` is skipped here with its time stated (``INFRALAB_ALL_COMMANDS=1`` runs those too).
 
+A lab's command prints for a terminal: every line it prints (bar ``--json``'s one line) fits
+``WIDTH`` columns, the width a pipe gets (``labkit.table.terminal_width``), checked on the output
+of every command these tests run.
+
 The wall time of each block is printed (``pytest -s`` shows it).
 """
 
@@ -36,6 +40,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
+from labkit.table import FALLBACK_WIDTH, width_of
+
 
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -46,6 +52,7 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
 EXPECT = re.compile(r"#\s*exit (\d+)\s*$")
 SLOW_S = 20.0  # a command measured slower than this is in SLOW below, its time stated
 ALL = os.environ.get("INFRALAB_ALL_COMMANDS") == "1"
+WIDTH = FALLBACK_WIDTH  # columns: what a lab prints through a pipe fits a 100-column terminal
 
 # A command that writes committed results gets this flag (pointing into the test's temporary
 # directory) when its command line has one; otherwise it is in SKIP.
@@ -204,13 +211,22 @@ def with_out_flag(text: str, tmp_path: Path) -> str:
 
 
 def script(block: Block, tmp_path: Path) -> str:
-    """One bash script: each command in order, stopped at the first one that exits otherwise than shown."""
+    """One bash script: each command in order, its stdout in ``tmp_path/stdout/N``, stopped at the
+    first one that exits otherwise than shown."""
+    (tmp_path / "stdout").mkdir(exist_ok=True)
     lines = []
-    for c in block.commands:
+    for i, c in enumerate(block.commands):
         shown = c.text.replace("'", "'\\''")
-        lines.append(f"{{ {with_out_flag(c.text, tmp_path)}\n}} >/dev/null\n"
+        lines.append(f"{{ {with_out_flag(c.text, tmp_path)}\n}} >'{tmp_path}/stdout/{i}'\n"
                      f"rc=$?; if [ $rc -ne {c.expect} ]; then echo 'exit '$rc', not {c.expect}: {shown}' >&2; exit 1; fi")
     return "\n".join(lines)
+
+
+def too_wide(stdout: str) -> list[str]:
+    """The lines of a lab's report wider than ``WIDTH`` columns. A table's note whose URL alone is
+    wider is not one: a URL is never cut."""
+    return [line for line in stdout.splitlines() if width_of(line) > WIDTH
+            and not (re.fullmatch(r"\[\d+\] https?://\S+", line) and width_of(line.split()[1]) > WIDTH - 4)]
 
 
 def run_block(block: Block, tmp_path: Path) -> None:
@@ -219,6 +235,10 @@ def run_block(block: Block, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     print(f"{block.where}: {time.perf_counter() - t0:.1f} s wall, {len(block.commands)} commands")
     assert proc.returncode == 0, f"{block.where}\n{proc.stderr[-3000:]}"
+    for i, c in enumerate(block.commands):
+        if "code/lab-" in c.text and "--json" not in c.text:
+            wide = too_wide((tmp_path / "stdout" / str(i)).read_text(encoding="utf-8"))
+            assert not wide, f"{c.text}: {len(wide)} lines over {WIDTH} columns, the first: {wide[0]}"
 
 
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
@@ -230,6 +250,8 @@ def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     print(f"{page.stem}: {time.perf_counter() - t0:.1f} s wall: {command}")
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
     assert proc.stdout.strip(), f"{command} printed nothing"
+    wide = too_wide(proc.stdout)  # through a pipe, as in a 100-column terminal
+    assert not wide, f"{len(wide)} lines over {WIDTH} columns, the first: {wide[0]}"
 
 
 @pytest.mark.parametrize("block", collect(cuda=False), ids=lambda b: b.where)

@@ -46,3 +46,24 @@ def test_no_page_shows_a_figure_no_code_draws():
     assert set(shown()) <= set(FIGURES), sorted(set(shown()) - set(FIGURES))
     on_disk = {p.stem for p in make.OUT.glob("*.svg")}
     assert on_disk <= set(FIGURES), f"SVGs no code draws: {sorted(on_disk - set(FIGURES))}"
+
+
+def test_the_1f1b_schedule_keeps_p_minus_i_micro_batches_on_stage_i():
+    """The pipeline figure's schedule obeys its dependencies and holds what Narayanan et al. say 1F1B
+    holds: stage i (from 0) at most p - i micro-batches in flight, the first stage p."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("infralab_figures_chapters", ROOT / "scripts" / "figures" / "chapters.py")
+    chapters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapters)
+    for p, m in ((2, 4), (4, 4), (4, 6), (8, 16)):
+        schedule = chapters.one_f_one_b(p, m)
+        assert [chapters.in_flight(schedule[i]) for i in range(p)] == [min(p - i, m) for i in range(p)]
+        end = {(kind, i, j): start + length for i, ops in schedule.items() for kind, j, start, length in ops}
+        for i, ops in schedule.items():
+            assert sorted((kind, j) for kind, j, *_ in ops) == sorted((k, j) for k in "FB" for j in range(m))
+            spans = sorted((start, start + length) for *_, start, length in ops)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "a stage runs one op at a time"
+            for kind, j, start, _ in ops:
+                before = ("F", i - 1, j) if kind == "F" else ("B", i + 1, j) if i < p - 1 else ("F", i, j)
+                assert before not in end or end[before] <= start, (kind, i, j)

@@ -412,3 +412,24 @@ def test_the_address_spells_each_input_as_the_lab_that_has_it():
         assert all(page[n] == flag(n) for n in names), lab
     calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
     assert {f["name"]: f["flag"] for f in calc["inputs"]} == page  # what fit.js writes into the address
+
+
+def test_the_legend_names_every_name_the_page_quotes(monkeypatch):
+    """The "Will it fit?" page quotes fit_formula.py's sections behind a legend (calculator.json, written by
+    scripts/fit_table.py): every symbol, input, constant and helper that code reads has a row, with a
+    constant's value; the committed legend is the current one; a name nobody explains stops the script."""
+    script = table_script()
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    assert calc["legend"] == script.legend()
+    named = {row["name"]: row for row in calc["legend"]}
+    used = set(script.names_used("\n".join(script.formula_code().values())))
+    assert {"S.c", "S.Pt", "x.zero_stage", "ROW", "LSE", "SLOT", "ceil_div", "larger", "ZERO"} <= used
+    assert used <= set(named), sorted(used - set(named))
+    assert named["ROW"]["value"] == str(fit.ROW) and named["S.Pt"]["means"] == fit.SYMBOLS["Pt"]
+    assert "pure bf16 (no fp32 master)" in named["x.precision"]["means"]
+    assert script.names_used("def f(S, x):\n    y = S.h * ROW\n    return ceil_div(y, x.dp) + len([y])") == [
+        "ROW", "S.h", "ceil_div", "x.dp"]
+    monkeypatch.delitem(script.lab01_fit.LEGEND, "ROW")
+    with pytest.raises(SystemExit, match="ROW"):
+        script.legend()
+

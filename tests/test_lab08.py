@@ -421,9 +421,9 @@ def test_offload_plan_is_generated_from_a_run(tmp_path):
 def test_make_plan_checks_where_it_writes_before_it_runs(lab08, capsys, tmp_path, monkeypatch):
     make_plan = load_lab(8, "make_plan")
     monkeypatch.setattr(lab08, "run", lambda config: pytest.fail("the run started"))
-    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path)], capsys, "cannot write a file there")
+    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path)], capsys, "is a directory")
     (tmp_path / "a-file").write_text("")
-    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path / "a-file" / "plan.md")], capsys, "cannot write")
+    assert_usage_error_in_process(make_plan, ["--out", str(tmp_path / "a-file" / "plan.md")], capsys, "is a file, not a folder")
     assert_usage_error_in_process(make_plan, ["--prefetch-depth", "8"], capsys, "--prefetch-depth 8 is too deep")
 
 

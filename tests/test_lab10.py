@@ -216,7 +216,7 @@ def test_run_with_python_bad_input_is_one_line_and_exit_2_before_any_rank(monkey
     for name in labdist.TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     proc = run_cli(SCRIPT, "--device", "cpu", "--ledger-dir", "/proc/lab10/x")
-    assert_clean_usage_error(proc, "--ledger-dir /proc/lab10/x: cannot write there")
+    assert_clean_usage_error(proc, "--ledger-dir /proc/lab10/x: cannot write into /proc")
     assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", "--nproc-per-node", "0"), "--nproc-per-node")
 
 
@@ -231,8 +231,8 @@ def test_nproc_per_node_must_agree_with_torchrun_and_not_with_a_fake_world(lab10
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    (["--ledger-dir", "/proc/lab10/x"], "--ledger-dir /proc/lab10/x: cannot write there"),
-    (["--ledger-dir", "/dev/null"], "--ledger-dir /dev/null: cannot write there"),
+    (["--ledger-dir", "/proc/lab10/x"], "--ledger-dir /proc/lab10/x: cannot write into /proc"),
+    (["--ledger-dir", "/dev/null"], "--ledger-dir /dev/null is not a folder"),
     ([], "launch with torchrun"),
 ])
 def test_what_cannot_run_is_refused_before_the_process_group(lab10, tiny_flags, capsys, monkeypatch, args, fragment):
@@ -251,7 +251,7 @@ def test_under_torchrun_bad_input_is_reported_by_rank_0_alone(launched):
     run = launched["bad path"]
     assert run["returncode"] == 1 and run["stdout"] == ""
     ours = [line for line in run["stderr"].splitlines() if line.startswith("train_ddp.py:")]
-    assert ours == ["train_ddp.py: error: --ledger-dir /proc/lab10/x: cannot write there (No such file or directory)"]
+    assert ours == ["train_ddp.py: error: --ledger-dir /proc/lab10/x: cannot write into /proc (No such file or directory)"]
     assert "exitcode  : 2" in run["stderr"]  # torchrun names the rank that failed and its code
 
 

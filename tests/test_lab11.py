@@ -297,7 +297,7 @@ def test_an_unwritable_snapshot_folder_is_refused_before_the_process_group(lab11
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun
     assert_usage_error_in_process(lab11, ["--snapshot", "/proc/lab11/s.pickle"], capsys,
-                                  "--snapshot /proc/lab11: cannot write there")
+                                  "--snapshot /proc/lab11/s.pickle: cannot write into /proc")
     assert not dist.is_initialized()
 
 

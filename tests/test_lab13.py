@@ -235,7 +235,7 @@ def test_levers_come_cheapest_first_and_each_saves_what_it_claims(lab13):
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "flux-dev"], "not a causal LM"),
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
-    (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "64-bit"),
+    (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
 ])

@@ -5,6 +5,7 @@ preemption and rejection, the waste bound at every step, trace files, and the se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import re
@@ -15,6 +16,7 @@ import torch
 from conftest import assert_usage_error_in_process, run_cli
 
 from labkit import fake, labs, zoo
+from labkit.table import format_bytes
 
 lab = labs.load(14)
 pk = labs.load(14, "paged_kv")
@@ -316,9 +318,10 @@ def test_a_pool_smaller_than_a_prompt_and_a_model_that_leaves_no_pool_are_refuse
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--pool-tokens", "100"], "smaller than one static region of --max-len 128"),
     (["--pool-tokens", "100", "--cache", "paged", "--block-size", "128"], "smaller than one block (--block-size 128)"),
-    (["--fake", "--model", "llama-3-8b", "--cache", "paged", "--pool-tokens", "100000000000"], "keeps the books of"),
-    (["--fake", "--seq-len", "1000000000"], "more than small-llama's context of 128 tokens"),
-    (["--non-torch-gib", "1e308"], "--non-torch-gib must be in [0, 1024]")])
+    (["--fake", "--cache", "paged"], "keeps the books of"),  # a toy model's pool on an 80 GB card
+    (["--fake", "--seq-len", "1000"], "more than small-llama's context of 128 tokens"),
+    (["--pool-tokens", "100000000000"], "--pool-tokens must be in [1, 16,777,216]"),
+    (["--non-torch-gib", "1e308"], "--non-torch-gib must be in [0, 1,024]")])
 def test_a_pool_no_cache_can_use_and_sizes_past_any_gpu_are_one_line(capsys, argv, fragment):
     for cache in ("all", "static") if "static" in fragment else (None,):
         extra = ["--cache", cache] if cache else []
@@ -328,7 +331,10 @@ def test_a_pool_no_cache_can_use_and_sizes_past_any_gpu_are_one_line(capsys, arg
 @pytest.mark.parametrize(("kwargs", "fragment"), [
     (dict(prompt_lens=(9, 3)), "MIN <= MAX"), (dict(output_lens=(1, 2, 3)), "MIN,MAX"),
     (dict(model="small-gpt"), "Llama-family"), (dict(model="llama-3-8b", tp=3), "--tp 3"),
-    (dict(model="nope"), "unknown model"), (dict(system_prompt=4, trace="t.jsonl"), "--system-prompt")])
+    (dict(model="nope"), "unknown model"), (dict(system_prompt=4, trace=__file__), "--system-prompt"),
+    (dict(budget_model="small-gpt"), "--budget-model small-gpt"), (dict(budget_model="nope"), "unknown model"),
+    (dict(model="llama-3-8b", fake=True, budget_model="llama-3-70b"), "leave --budget-model out"),
+    (dict(seq_len=8193), "more than llama-3-8b's context of 8,192")])
 def test_config_rules(kwargs, fragment):
     with pytest.raises(lab.UsageError, match=fragment):
         lab.Config(**kwargs)
@@ -344,9 +350,31 @@ def test_the_command_line_prints_the_issues_json_keys():
     for metrics in out["caches"].values():
         assert {"utilization", "waste_fraction", "max_concurrent", "preemptions"} <= set(metrics)
     assert out["identical_tokens"] is True
+    assert out["model"] == "small-llama" and out["budget_model"] == out["budget"]["model"] == "llama-3-8b"
 
 
 # ---------------------------------------------------------------------- the serving budget at real size
+def test_the_default_run_ends_on_a_real_models_traced_budget_on_an_h100(capsys, monkeypatch):
+    """The default command serves the toy, then ends on Llama-3-8B's serving budget on one H100 (traced
+    on fake tensors, not the toy's), with the numbers serving_budget.plan computes, in 100 columns."""
+    from labkit import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    cli.main(lab.Config, lab.run, report.report, ["--device", "cpu"], prog="serve_memory.py")
+    lines = capsys.readouterr().out.splitlines()
+    b = budget.plan(zoo.get("llama-3-8b"), gpu="h100-80gb", seq_len=8192)
+    assert lab.Config().budget_spec().name == "llama-3-8b" and b.max_tokens_in_flight > 400_000
+    last = " ".join(line.strip() for line in lines[max(i for i, x in enumerate(lines) if x.startswith("[")) + 1:])
+    assert last == (f"llama-3-8b on one h100-80gb, traced: {b.max_tokens_in_flight:,} tokens in flight, "
+                    f"{b.sequences(8192):,} requests of 8,192 tokens at once") == report.budget_line(b)
+    head = next(i for i, x in enumerate(lines) if x.startswith("Serving budget of llama-3-8b"))
+    assert "traced at real size on fake tensors" in " ".join(lines[head:head + 3])
+    table = "\n".join(lines[head:])
+    for n in (b.usable_bytes, b.weights_bytes, b.prefill_peak_bytes, b.kv_pool_bytes):
+        assert format_bytes(n, "GiB") in table, n
+    assert max(len(line) for line in lines) <= 100
+
+
 def test_bytes_per_token_come_from_the_config():
     for name in ("llama-3-8b", "llama-3-70b"):
         spec = zoo.get(name)
@@ -436,3 +464,120 @@ def test_quantized_caches_against_fp32(model):
     assert rows["fp32"][2] == 0 and rows["fp32"][4] == 1
     assert rows["int8"][2] < 0.02 and rows["bf16"][2] < rows["int8"][2] < rows["fp8"][2] < 0.1
     assert rows["int8"][1] == zoo.get("llama-3-8b").kv_bytes_per_token(1) * (128 + 4) // 128
+
+
+# ---------------------------------------------------------------------- how fast decode can be
+speed = labs.load(14, "serving_speed")
+
+
+def plain_attention(q, keys, values, valid):
+    """``paged_kv.attend`` written with matmuls, so that FlopCounterMode counts it on a CPU."""
+    q, k, v = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) / q.size(-1) ** 0.5
+    if valid is None:  # one sequence's whole prompt: causal
+        valid = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril()[None]
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+
+
+def decode_once(model, context: int, batch: int, attention=None, mode=None):
+    """One decode step of ``batch`` sequences of ``context`` tokens (the new one included) on a paged cache."""
+    store = pk.KVStore(layers=SPEC.layers, slots=1024, kv_heads=SPEC.kv_heads, head_dim=SPEC.head_dim, kv_dtype="fp32")
+    cache = pk.PagedKVCache(store, 16)
+    for seq in range(batch):
+        cache.admit(seq, context - 1)
+        cache.grow(seq, 1)
+    serving = sm.ServingLlama(model)
+    if attention is not None:
+        serving.attention = attention
+    with mode or contextlib.nullcontext():
+        return serving.forward(cache, list(range(batch)), torch.arange(batch)[:, None])
+
+
+def test_a_matmuls_flops_and_bytes_are_what_torch_counts_and_moves():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(24, 16, dtype=torch.bfloat16)
+    with FlopCounterMode(display=False) as counter:
+        y = x @ w.T
+    assert speed.matmul(32, 16, 24) == (counter.get_total_flops(), x.nbytes + w.nbytes + y.nbytes)
+
+
+@pytest.mark.parametrize(("context", "batch"), [(1, 1), (37, 1), (37, 3)])
+def test_decode_step_counts_the_flops_torch_counts_in_a_real_decode_step(context, batch):
+    """small-llama's decode step through the lab's serving forward, its attention written with matmuls
+    (equal to the lab's SDPA one): PyTorch's FlopCounterMode counts what ``decode_step`` derives."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = SPEC.build().eval()
+    torch.testing.assert_close(decode_once(model, context, batch, plain_attention), decode_once(model, context, batch))
+    counter = FlopCounterMode(display=False)
+    decode_once(model, context, batch, plain_attention, counter)
+    assert counter.get_total_flops() == speed.decode_step(SPEC, context, batch, element_bytes=4)[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_every_weight_once_and_the_embedding_only_where_it_looks(tied):
+    """Which parameters a real decode step reads (a dispatch mode watching every op's inputs): each matrix
+    once, the embedding table only by the lookup (B rows) unless the head shares it; so the bytes
+    ``decode_step`` counts are the model's own parameters less the rows no token looked up."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spec = dataclasses.replace(SPEC, tied=tied)
+    model = spec.build().eval()
+    params = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    reads: dict[str, list[str]] = {}
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):  # a view reads nothing
+                if not func.is_view and isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params:
+                    reads.setdefault(params[t.untyped_storage().data_ptr()], []).append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    batch, context = 3, 37
+    decode_once(model, context, batch, mode=Reads())
+    assert set(reads) == set(params.values()), "every parameter is read"
+    assert all(len(ops) == 1 for name, ops in reads.items() if name != "embed.weight"), reads
+    assert reads["embed.weight"][0] == "embedding.default" and len(reads["embed.weight"]) == (2 if tied else 1)
+    total = sum(p.numel() for p in model.parameters())
+    unread = 0 if tied else (spec.vocab - batch) * spec.width
+    kv = batch * context * spec.kv_bytes_per_token(4)
+    assert speed.decode_step(spec, context, batch, element_bytes=4)[1] == 4 * (total - unread) + kv
+
+
+def test_the_roofline_bends_at_each_cards_ridge_point():
+    for chip in speed.CHIPS.values():
+        peak, bandwidth, ridge = chip.bf16_dense.value, chip.bandwidth.value, chip.ridge
+        assert speed.attainable(chip, ridge) == pytest.approx(peak)
+        assert speed.attainable(chip, ridge / 10) == pytest.approx(bandwidth * ridge / 10)
+        assert speed.attainable(chip, ridge * 10) == peak
+
+
+def test_llama_3_8b_decodes_below_the_ridge_even_with_the_pool_full_and_a_training_matmul_above_it():
+    """The primer's worked example: at 8k tokens, one sequence reads the weights and 1 GiB of keys and
+    values per token at about one FLOP per byte; the 54 sequences the pool holds multiply tokens per second
+    but stay under the ridge (each reads its own keys and values); a training matmul is far above it."""
+    spec, h100 = zoo.get("llama-3-8b"), speed.CHIPS["h100-80gb"]
+    one, full = speed.decode(h100, spec, 8192), speed.decode(h100, spec, 8192, batch=54)
+    assert one["kv_bytes"] == 2**30 and one["weight_bytes"] == 2 * (spec.param_count() - (spec.vocab - 1) * spec.width)
+    assert one["tokens_per_s"] == h100.bandwidth.value / (one["weight_bytes"] + one["kv_bytes"])
+    assert 1 < one["intensity"] < 2 and full["intensity"] < h100.ridge / 10
+    assert full["tokens_per_s"] > 10 * one["tokens_per_s"]
+    flops, moved = speed.matmul(tokens=8192, d_in=4096, d_out=4096)
+    assert flops / moved > 5 * h100.ridge
+
+
+def test_the_cited_cards_are_lab_13s_and_every_number_names_an_nvidia_source():
+    fit_gpus = labs.load(13, "fit_gpus")
+    for chip in speed.CHIPS.values():
+        assert chip.memory.stated == fit_gpus.GPUS[chip.name].stated
+        assert chip.registers_per_sm.value == 65536 * 4  # 64K 32-bit registers
+        facts = [chip.registers_per_sm, chip.l1_shared_per_sm, chip.l2, chip.memory, chip.bandwidth, chip.bf16_dense]
+        for fact in filter(None, facts):
+            assert fact.sources and all(re.match(r"https://[\w.]*nvidia\.com/", s) for s in fact.sources), fact
+    assert speed.CHIPS["h200-141gb"].l2 is None  # NVIDIA's H200 pages state no L2 size: none is shown
+    assert speed.CHIPS["h100-80gb"].bf16_dense.value == speed.CHIPS["h200-141gb"].bf16_dense.value == 1979e12 / 2
+    assert [row[0] for row in speed.sizes_table().rows] == [row[0] for row in speed.speeds_table().rows]

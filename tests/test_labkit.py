@@ -21,7 +21,7 @@ from labkit.cli import pick_device, progress
 from labkit.config import LabConfig, UsageError, option
 from labkit.models import gpt_param_count
 from labkit.plot import decimate, plot_timeline, save
-from labkit.table import Table, by_category, format_bytes
+from labkit.table import Table, by_category, escape, format_bytes
 
 
 # ---------------------------------------------------------------- device and CLI
@@ -298,6 +298,167 @@ def test_a_table_with_no_rows_renders_its_header_and_says_so_everywhere():
     assert back.markdown() == t.markdown() and back.text() == t.text()
     assert Table(["a"]).text().splitlines()[-1] == "(no rows)" and "empty" not in Table(["a"], [[1]]).to_dict()
     assert Table(["a", "b"]).add("x", "y").text().splitlines()[-1] == "x  y"  # a row replaces the note
+
+
+# ---------------------------------------------------------------------- a table in a terminal
+URLS = ["https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#lazy-loading",
+        "https://github.com/pytorch/pytorch/issues/34323", "https://en.wikipedia.org/wiki/Bit_(unit)",
+        "https://docs.pytorch.org/docs/2.13/notes/cuda.html#cublas-workspaces"]
+KINDS = ["text", "code", "bytes", "size", "B", "+B", "int", "float:3", "pct:1", "x:2", "sci:2", "yes"]
+WORDS = ["the", "allocator", "keeps", "freed", "blocks", "F.scaled_dot_product_attention(q,", "k,", "v)",
+         "reshard_after_forward=True", "naïve", "·", "×", "东京", "e\u0301", "—", "blocks.0.attn.qkv.bias", "x" * 45]
+
+
+def _value(kind: str, rng):
+    name = kind.partition(":")[0]
+    if name in ("text", "code"):
+        words = rng.choices(WORDS, k=rng.choice([0, 1, 3, 12, 40]))
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words) + 1), rng.choice(["(", "see "]) + rng.choice(URLS) + rng.choice(
+                [")", ".", ";", ""]))
+        return " ".join(words)
+    if name == "yes":
+        return rng.random() < 0.5
+    if rng.random() < 0.1:
+        return None
+    big = rng.choice([0, 7, 10**3, 10**6, 10**9, 10**12])
+    return rng.uniform(-1, 1) * big if name in ("float", "x", "sci", "+B") else int(rng.uniform(0, 1) * big)
+
+
+def _tables(n: int):
+    import random
+
+    rng = random.Random(1234)
+    for _ in range(n):
+        columns = [(rng.choice(["phase", "what it holds and why", "peak with those kept", "東京 bytes",
+                                "x" * rng.randint(1, 30)]) + f" {i}", rng.choice(KINDS))
+                   for i in range(rng.choice([1, 2, 3, 5, 8, 14]))]
+        rows = [[_value(k, rng) for _, k in columns] for _ in range(rng.choice([0, 1, 2, 5]))]
+        yield Table(columns, rows, empty=rng.choice(["(no rows)", "nothing grew: " + "a long reason " * 12]))
+
+
+def test_a_table_fits_the_terminal_keeps_numbers_whole_and_moves_urls_into_notes():
+    from labkit.table import width_of
+
+    for table in _tables(150):
+        numbers = [table.cell(v, k, markdown=False) for row in table.rows for v, (_, k) in zip(row, table.columns)
+                   if k.partition(":")[0] not in ("text", "code", "yes")]
+        text = [str(v) for row in table.rows for v, (_, k) in zip(row, table.columns) if k in ("text", "code")]
+        shown = [u for u in URLS if any(u in t for t in text)]
+        natural = table.text(width=10**6)
+        for width in (40, 64, 100, 120):
+            out = table.text(width=width)
+            lines = out.splitlines()
+            notes = [line for line in lines if line.startswith("[") and "] https://" in line]
+            for line in lines:  # no line wider than the terminal: a note whose URL alone is wider is the exception
+                assert width_of(line) <= width or (line in notes and len(line.split()[1]) > width - 4), (width, line)
+            for number in numbers:  # a number is never split across lines
+                assert any(number in line for line in lines), (number, out)
+            if natural == out:  # it fits: printed as it is, each URL in its cell
+                assert max(map(width_of, lines)) <= width
+                continue
+            assert sorted(line.split(" ", 1)[1] for line in notes) == sorted(shown)  # every URL whole, once
+            for line in notes:
+                marker = line.split(" ", 1)[0]  # "[1]": in the cell the URL left
+                assert marker in out[:out.index(line)], (marker, out)
+            assert not any("https://" in line for line in lines if line not in notes)
+
+
+def test_a_table_that_fits_prints_as_it_did_and_one_that_does_not_wraps_turns_or_lists():
+    t = Table(["what", ("bytes", "B"), "source"],
+              [["the driver's total", 85520809984, f"assumed: NVML's total ({URLS[1]}); a lent card replaces it"],
+               ["context", 1 << 30, "cited"]])
+    assert t.text(width=200).splitlines()[:3] == [
+        "what                           bytes  source",
+        "------------------  ----------------  " + "-" * len(t.rows[0][2]),
+        f"the driver's total  85,520,809,984 B  assumed: NVML's total ({URLS[1]}); a lent card replaces it"]
+    assert t.text(width=60).splitlines() == [  # text wraps in its column, the URL is a note
+        "what                           bytes  source",
+        "------------------  ----------------  ----------------------",
+        "the driver's total  85,520,809,984 B  assumed: NVML's total",
+        "                                      ([1]); a lent card",
+        "                                      replaces it",
+        "context              1,073,741,824 B  cited",
+        f"[1] {URLS[1]}"]
+    assert t.text(width=56).splitlines()[:4] == [  # too narrow for that: a column per row
+        "what    the driver's total               context",
+        "------  -------------------------------  ---------------",
+        "bytes                  85,520,809,984 B  1,073,741,824 B",
+        "source  assumed: NVML's total ([1]); a   cited"]
+    one = Table(["model", "stage", *((f"category {i}", "size") for i in range(8))],
+                [["llama-3-8b", "1 · DDP + ZeroRedundancyOptimizer", *(2**30 * i for i in range(8))]])
+    assert one.text(width=100).splitlines()[:5] == [  # a column no wider than its widest cell
+        "model       llama-3-8b", "----------  ---------------------------------",
+        "stage       1 · DDP + ZeroRedundancyOptimizer", "category 0                                  0",
+        "category 1                           1.00 GiB"]
+    many = Table(["mode", *((f"column {i}", "B") for i in range(8))], [[f"m{j}", *range(8)] for j in range(9)])
+    assert many.text(width=40).splitlines()[:3] == ["mode      m0", "column 0  0 B", "column 1  1 B"]  # a record a row
+    assert many.text(width=40).splitlines()[9:11] == ["", "mode      m1"]
+
+
+def test_markdown_and_json_do_not_change_with_the_terminal(monkeypatch):
+    """Pages and results keep their exact text: the URL stays in its cell, whatever the width."""
+    t = Table(["what", ("bytes", "B"), ("share", "pct:1")], [[f"naïve × 东京 ({URLS[0]}) | pipe", 3149824, 0.614]])
+    md = ("| what | bytes | share |\n|---|---:|---:|\n"
+          f"| {escape(f'naïve × 东京 ({URLS[0]}) | pipe')} | 3,149,824 B | 61.4 % |")
+    d = {"columns": [["what", "text"], ["bytes", "B"], ["share", "pct:1"]],
+         "rows": [[f"naïve × 东京 ({URLS[0]}) | pipe", 3149824, 0.614]], "unit": None, "strong": []}
+    for columns in ("40", "100", "300"):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert t.markdown() == md and t.to_dict() == d and json.dumps(t.to_dict()) == json.dumps(d)
+        assert ("[1] " + URLS[0] in t.text()) == (columns != "300")  # a terminal's text moves it when too wide
+
+
+def test_the_terminal_width_is_columns_capped_and_100_off_a_terminal(monkeypatch):
+    from labkit import table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert table.terminal_width() == 80
+    monkeypatch.setenv("COLUMNS", "400")
+    assert table.terminal_width() == table.MAX_WIDTH == 120
+    monkeypatch.setenv("COLUMNS", "12")
+    assert table.terminal_width() == table.MIN_WIDTH
+    monkeypatch.delenv("COLUMNS")
+
+    def no_terminal(*args):
+        raise OSError("not a terminal")
+    monkeypatch.setattr(os, "get_terminal_size", no_terminal)  # a pipe, a file, a test
+    assert table.terminal_width() == table.FALLBACK_WIDTH == 100
+
+
+def test_prose_wraps_at_spaces_keeps_urls_and_words_whole_and_leaves_notes():
+    from labkit.table import wrap
+
+    line = "  h100-80gb's driver total: our assumption, " + " ".join(["words"] * 30) + f" ({URLS[0]}); the rest"
+    out = wrap(line, 60).splitlines()
+    assert all(len(x) <= 60 or len(x.split()) == 1 for x in out)  # a word longer than a line: alone, whole
+    assert out[0].startswith("  h100") and all(x.startswith("    ") for x in out[1:])
+    assert " ".join(x.strip() for x in out) == line.strip() and any(f"({URLS[0]});" in x for x in out)
+    note = f"[12] {URLS[0]}"
+    assert wrap(note, 40) == note and wrap("short  spaced", 40) == "short  spaced"
+    assert wrap("14.43 MiB  23.47 MiB  32.51 MiB", 20).splitlines() == ["14.43 MiB  23.47 MiB", "  32.51 MiB"]
+
+
+def test_a_command_line_fits_its_report_to_the_terminal_and_keeps_json_whole(capsys, monkeypatch):
+    @dataclass
+    class Config(LabConfig):
+        words: int = option(60, "words of prose")
+
+    class Result(dict):
+        def summary(self):
+            return dict(self)
+
+    def report(result):
+        print("prose: " + " ".join(["word"] * result["words"]))
+        print(Table(["what", "why"], [["x", f"see {URLS[1]} " + "and more " * 20]]).text())
+    run = lambda config: Result(words=config.words, why="because " * 40)  # noqa: E731
+    monkeypatch.setenv("COLUMNS", "60")
+    cli.main(Config, run, report, [], prog="t")
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 60 and lines[0].startswith("prose: word") and lines[-1] == f"[1] {URLS[1]}"
+    cli.main(Config, run, report, ["--json"], prog="t")
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and json.loads(out)["why"] == "because " * 40
 
 
 def test_decimate_keeps_every_local_peak():

@@ -120,7 +120,7 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [(["nope"], "no notebook source named nope"),
-                                            (["--timeout", "0"], "--timeout must be 1 or more, got 0"),
+                                            (["--timeout", "0"], "--timeout must be in [1, 86,400], got 0"),
                                             (["--output-dir", "/proc/x"], "--output-dir")])
 def test_run_notebooks_refuses_bad_input_in_one_line_before_any_work(argv, fragment, capsys, monkeypatch):
     from labkit import cli

@@ -269,7 +269,7 @@ def test_bad_models_are_one_line_usage_errors(tmp_path):
         "llama-9": "unknown model 'llama-9'",
         str(tmp_path / "missing" / "config.json"): "no such file",
         str(tmp_path / "bert.json"): "not a decoder-only causal language model",
-        str(tmp_path / "broken.json"): "not a JSON model config",
+        str(tmp_path / "broken.json"): "not JSON",
         str(tmp_path / "typeless.json"): "no model_type",
     }
     for arg, message in cases.items():

@@ -32,7 +32,7 @@ lora, nf4, adam8bit = labs.load(15, "lora"), labs.load(15, "nf4"), labs.load(15,
 # --8<-- [start:recipes]
 PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c, r)
     "fp32": ("fp32", 4, 4),
-    "bf16": ("bf16", 2, 2),  # pure bf16: weights, gradients and AdamW's moments in bf16
+    "bf16": ("bf16", 2, 2),  # pure bf16 (no fp32 master): weights, gradients and AdamW's moments in bf16
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "adamw8bit": "adamw", "sgd": "momentum"}
@@ -44,7 +44,7 @@ OPT8 = {"block": adam8bit.BLOCK, "min_8bit": adam8bit.MIN_8BIT, "chunk": adam8bi
         "working": adam8bit.WORKING_BYTES}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
-INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token
+INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
 # --8<-- [end:recipes]
 CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
               "communication", "kv_cache")
@@ -63,6 +63,39 @@ SYMBOLS = {
     "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
     "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
     "p": "prefill tokens at once",
+}
+#: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
+#: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
+LEGEND = {
+    "S": "the symbols of this configuration (symbols()): S.h is h, with its value",
+    "x": "the calculator's inputs (Inputs): x.seq is --seq",
+    "Expr": "a formula: its text in symbols, the same text filled in, and its value (fit_expr.py)",
+    "Inputs": "the inputs, one field per flag of Lab 13's fit.py and Lab 14's serve_memory.py (fit_inputs.py)",
+    "ZERO": "the formula 0",
+    "ceil_div": "⌈a / b⌉: a share rounded up",
+    "larger": "max(a, b): the larger of two moments",
+    "ROW": "bytes of an RMSNorm's fp32 1/rms, per token",
+    "LSE": "bytes of flash attention's fp32 log-sum-exp, per head and token",
+    "SLOT": "bytes a routed token keeps: its expert's index and weight",
+    "INDICES": "bytes per new token of a serving forward's int64 positions, pool rows and gather index",
+    "MOMENTS": "optimizer moments per parameter, by optimizer kind (Lab 01)",
+    "STEP_COUNTER": "bytes of AdamW's fp32 step count, per trainable tensor (Lab 01)",
+    "ZERO_SHARDS": "the ZeRO stage from which each category is sharded (Lab 01)",
+    "OPTIMIZERS": "each --optimizer choice's kind, as Lab 01 counts its state",
+    "KV_DTYPES": "each --kv-dtype: bytes of a cached element, and of its fp32 scale per KV head",
+    "x.spec": "the model: the preset's dimensions, or the typed ones (a labkit.zoo ModelSpec)",
+    "fsdp_mixed": "mixed precision under FSDP2 (ZeRO-2 and 3): bf16 gathers, fp32 reduction, no autocast",
+    "sizes": "the counts a formula reads off the model and the step, for one rank",
+    "symbols": "each count as a symbol with this configuration's value: the S above",
+    "_full": "a moment's categories, 0 where it holds none",
+    "FROZEN": "bytes of a frozen weight under --method lora or qlora, by --precision (the base PEFT loads)",
+    "NF4_BLOCKS": "NF4's blocks (Lab 15): weights per 8-bit absmax code, absmax codes per float32 scale",
+    "OPT8": "the 8-bit AdamW (Lab 15): values per absmax, the smallest tensor in 8 bits, values updated at once, "
+            "bytes of its working copies",
+    "lora": "Lab 15's lora.py: the projections an adapter can target (ALL), their shapes and adapter sizes",
+    "nf4": "Lab 15's nf4.py: NF4 with double quantization",
+    "adam8bit": "Lab 15's adam8bit.py: the 8-bit AdamW (state_bytes: its state, tensor by tensor)",
+    "lora_step": "a LoRA or QLoRA training step (--method lora|qlora, --task train): the base frozen",
 }
 
 

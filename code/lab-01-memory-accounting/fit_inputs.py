@@ -13,18 +13,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from labkit import labs, zoo
-from labkit.config import UsageError, check_fields, choices_of, fields_of, option, split_optional
+from labkit.config import (
+    MAX_BATCH, MAX_COUNT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, UsageError,
+    check_fields, choices_of, fields_of, option, split_optional,
+)
 
 lora = labs.load(15, "lora")  # TARGETS and the projections' shapes: where an adapter can go
 
-#: A Hugging Face config.json's keys for each dimension, first found wins (as ``zoo.hf_spec`` reads them).
-HF_KEYS = {
-    "layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
-    "heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
-    "head_dim": ("head_dim",), "ffn": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",),
-    "experts": ("num_local_experts", "num_experts"), "top_k": ("num_experts_per_tok",),
-    "tied": ("tie_word_embeddings",),
-}
+#: A Hugging Face config.json's keys for each dimension, first found wins (``zoo.hf_spec`` reads them so).
+HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
 ITEMS = {"lora_targets": lora.ALL}
 CUSTOM = "custom"
@@ -43,7 +40,8 @@ class FineTuning:
     method: Literal["full", "lora", "qlora"] = option(
         "full", "full: train every weight; lora: adapters on a frozen base; qlora: the frozen base in 4-bit NF4 "
         "(Lab 15)")
-    lora_rank: int = option(16, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)", min=1)
+    lora_rank: int = option(16, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)",
+                            min=1, max=MAX_WIDTH)
     lora_targets: tuple[str, ...] = option(lora.ALL, f"the projections that get an adapter, some of {','.join(lora.ALL)}")
 
     def check_fine_tuning(self, spec) -> None:
@@ -73,11 +71,13 @@ class TrainingRun(FineTuning):
     Written once, for the calculator's :class:`Inputs` and Lab 13's ``fit.py`` ``Config`` (which mixes
     it in), so that a flag means the same in a command line and a page's address."""
 
-    batch: int = option(1, "sequences per micro-batch, per rank", min=1)
-    seq: int = option(4096, "tokens per sequence", min=1)
-    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)", min=1)
+    batch: int = option(1, "sequences per micro-batch, per rank", min=1, max=MAX_BATCH)
+    seq: int = option(4096, "tokens per sequence", min=1, max=MAX_TOKENS)
+    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation, Lab 06)",
+                               min=1, max=MAX_COUNT)
     precision: Literal["fp32", "bf16", "mixed"] = option(
-        "mixed", "fp32; bf16: pure bf16 weights, gradients and optimizer state; mixed: fp32 weights and bf16 autocast")
+        "mixed", "fp32: weights, gradients and AdamW state in fp32; bf16: pure bf16 (no fp32 master): weights, "
+        "gradients and AdamW state in bf16; mixed: fp32 weights and state, bf16 autocast")
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd"] = option(
         "adamw", "adamw: CUDA's default implementation (foreach); adamw8bit: moments in 8-bit blocks (Lab 15); sgd: "
         "with momentum")
@@ -110,15 +110,16 @@ class Subject:
     first in an address, before how the step runs."""
 
     model: str = option("llama-3-8b", "a zoo model, or custom: the dimensions below")
-    layers: int | None = option(None, "transformer blocks (default: the preset's)", min=1)
-    hidden: int | None = option(None, "hidden size", min=1)
-    heads: int | None = option(None, "attention heads", min=1)
-    kv_heads: int | None = option(None, "key/value heads (grouped-query attention when fewer than heads)", min=1)
-    head_dim: int | None = option(None, "size of one head (default: hidden / heads)", min=1)
-    ffn: int | None = option(None, "MLP hidden size (per expert)", min=1)
-    vocab: int | None = option(None, "vocabulary", min=1)
-    experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0)
-    top_k: int | None = option(None, "experts each token is routed to", min=0)
+    layers: int | None = option(None, "transformer blocks (default: the preset's)", min=1, max=MAX_LAYERS)
+    hidden: int | None = option(None, "hidden size", min=1, max=MAX_WIDTH)
+    heads: int | None = option(None, "attention heads", min=1, max=MAX_HEADS)
+    kv_heads: int | None = option(None, "key/value heads (grouped-query attention when fewer than heads)",
+                                  min=1, max=MAX_HEADS)
+    head_dim: int | None = option(None, "size of one head (default: hidden / heads)", min=1, max=MAX_WIDTH)
+    ffn: int | None = option(None, "MLP hidden size (per expert)", min=1, max=MAX_WIDTH)
+    vocab: int | None = option(None, "vocabulary", min=1, max=MAX_VOCAB)
+    experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0, max=MAX_EXPERTS)
+    top_k: int | None = option(None, "experts each token is routed to", min=0, max=MAX_EXPERTS)
     tied: bool | None = option(None, "the head shares the embedding's weight")
     task: Literal["train", "infer", "serve"] = option(
         "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
@@ -129,15 +130,15 @@ class Inputs(TrainingRun, Subject):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
-    context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1)
-    requests: int = option(32, "serve: requests in flight at once", min=1)
+    context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
+    requests: int = option(32, "serve: requests in flight at once", min=1, max=MAX_BATCH)
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
         "bf16", "serve: how keys and values are stored (fp8, int8: with an fp32 scale per token and head)")
-    block_size: int = option(16, "serve: tokens per KV block", min=1)
+    block_size: int = option(16, "serve: tokens per KV block", min=1, max=MAX_TOKENS)
     gpu_memory_utilization: float = option(
         0.9, "serve: fraction of the GPU the engine may use (0.1 or more: less leaves a 24 GB card no more than its "
         "CUDA context)", min=0.1, max=1)
-    prefill_chunk: int | None = option(None, "serve: prefill in chunks of this many tokens", min=1)
+    prefill_chunk: int | None = option(None, "serve: prefill in chunks of this many tokens", min=1, max=MAX_TOKENS)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -19,7 +19,10 @@ from typing import Literal
 import torch
 
 from labkit import cli
-from labkit.config import LabConfig, UsageError, flag, option
+from labkit.config import (
+    MAX_BATCH, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_RANKS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
+    LabConfig, UsageError, flag, option,
+)
 from labkit.table import format_bytes
 from accounting_tables import Result, report
 from model_parallel import ONE_GPU, Layout, activation_formula, params_per_rank
@@ -163,32 +166,37 @@ def parameter_count(text: str) -> int:
 class Config(LabConfig):
     """The memory ledger of a transformer: formulas per category, per rank, checked by --measure."""
 
-    params: int | None = option(None, "parameter count (7e9 works); instead of a shape", min=1,
+    params: int | None = option(None, "parameter count (7e9 works); instead of a shape", min=1, max=MAX_PARAMS,
                                 parse=parameter_count)
-    layers: int | None = option(None, f"model shape: transformer blocks (toy default {TOY.layers})", min=1)
-    hidden: int | None = option(None, f"model shape: hidden size (toy default {TOY.hidden})", min=1)
-    heads: int | None = option(None, f"model shape: attention heads (toy default {TOY.heads})", min=1)
-    seq: int | None = option(None, f"model shape: tokens per sequence (toy default {TOY.seq})", min=1)
-    batch: int | None = option(None, f"model shape: sequences per rank (toy default {TOY.batch})", min=1)
-    vocab: int | None = option(None, f"model shape: vocabulary (toy default {TOY.vocab})", min=1)
-    kv_heads: int | None = option(None, "model shape: KV heads for the KV cache (default: one per head)", min=1)
+    layers: int | None = option(None, f"model shape: transformer blocks (toy default {TOY.layers})",
+                                min=1, max=MAX_LAYERS)
+    hidden: int | None = option(None, f"model shape: hidden size (toy default {TOY.hidden})", min=1, max=MAX_WIDTH)
+    heads: int | None = option(None, f"model shape: attention heads (toy default {TOY.heads})", min=1, max=MAX_HEADS)
+    seq: int | None = option(None, f"model shape: tokens per sequence (toy default {TOY.seq})", min=1, max=MAX_TOKENS)
+    batch: int | None = option(None, f"model shape: sequences per rank (toy default {TOY.batch})", min=1, max=MAX_BATCH)
+    vocab: int | None = option(None, f"model shape: vocabulary (toy default {TOY.vocab})", min=1, max=MAX_VOCAB)
+    kv_heads: int | None = option(None, "model shape: KV heads for the KV cache (default: one per head)",
+                                  min=1, max=MAX_HEADS)
     precision: Literal["fp32", "mixed", "bf16"] = option(
-        "fp32", "fp32; mixed: 16-bit weights and activations, fp32 master weights and states; bf16: pure bf16")
+        "fp32", "fp32; mixed: 16-bit weights and activations, fp32 master weights and states; "
+        "bf16: pure bf16 (no fp32 master)")
     optimizer: Literal["sgd", "momentum", "adamw"] = option("adamw", "the optimizer whose state is counted")
     zero_stage: Literal[0, 1, 2, 3] = option(0, "ZeRO stage: 1 shards optimizer state, 2 gradients, 3 weights")
-    dp: int = option(1, "data-parallel ranks; figures are per rank", min=1)
-    tp: int = option(1, "tensor-parallel size: each layer's matrices split across t GPUs (shape only)", min=1)
+    dp: int = option(1, "data-parallel ranks; figures are per rank", min=1, max=MAX_RANKS)
+    tp: int = option(1, "tensor-parallel size: each layer's matrices split across t GPUs (shape only)",
+                     min=1, max=MAX_RANKS)
     sp: bool = option(False, "sequence parallelism, with --tp: norms and dropouts split along the sequence")
-    pp: int = option(1, "pipeline stages, 1F1B: figures are stage 0's, which holds --pp micro-batches", min=1)
-    cp: int = option(1, "context-parallel size: each GPU holds seq/cp tokens of every sequence", min=1)
+    pp: int = option(1, "pipeline stages, 1F1B: figures are stage 0's, which holds --pp micro-batches",
+                     min=1, max=MAX_RANKS)
+    cp: int = option(1, "context-parallel size: each GPU holds seq/cp tokens of every sequence", min=1, max=MAX_RANKS)
     experts: int | None = option(None, "MoE: experts per layer, each an MLP of the dense size (default: dense)",
-                                 min=1)
-    ep: int = option(1, "expert-parallel size: each GPU holds experts/ep of every MoE layer", min=1)
+                                 min=1, max=MAX_EXPERTS)
+    ep: int = option(1, "expert-parallel size: each GPU holds experts/ep of every MoE layer", min=1, max=MAX_RANKS)
     recompute: Literal["none", "selective", "full"] = option("none", "activation recomputation (shape only)")
     dropout: float = option(0.1, "dropout probability; 0 removes the dropout masks", min=0, below=1)
     inference: bool = option(False, "weights and KV cache instead of a training step")
     measure: bool = option(False, "run one step of the toy GPT under the memory ledger")
-    snapshot: Path | None = option(None, "CUDA only, with --measure: dump a memory-history pickle")
+    snapshot: Path | None = option(None, "CUDA only, with --measure: dump a memory-history pickle", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

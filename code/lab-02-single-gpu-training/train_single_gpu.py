@@ -16,7 +16,6 @@ Run it: the commands are in this folder's README.md (and on the lab's page).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,13 +25,14 @@ from typing import Literal
 import torch
 
 from labkit import cli, files, labs, marks, provenance
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_LR, MAX_STEPS, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, TinyGPT, TinyGPTShape
 from labkit.scale import RealScale
 from labkit.table import Table, by_category, format_bytes
 from labkit.timeline import Timeline
+from checkpoint_checks import FORMAT, read_checkpoint, resume
 from scale_harness import TRACED, adamw_options, build_model, require_memory, token_source, values_read_as_zero
 
 
@@ -62,7 +62,7 @@ def save_checkpoint(path: Path, model, optimizer, step: int, settings: dict) -> 
 
 
 def load_checkpoint(path: Path, model, optimizer, settings: dict) -> int:
-    state = read_checkpoint(path, settings)  # (4)!
+    state = read_checkpoint(path, settings, model, optimizer)  # (4)!
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -77,16 +77,17 @@ def load_checkpoint(path: Path, model, optimizer, settings: dict) -> int:
 class Config(RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) with AdamW and watch memory phase by phase."""
 
-    steps: int = option(6, "steps in this run", min=1)
-    batch_size: int = option(8, "sequences per step", min=1)
-    lr: float = option(3e-3, "AdamW learning rate", above=0)
+    steps: int = option(6, "steps in this run", min=1, max=MAX_STEPS)
+    batch_size: int = option(8, "sequences per step", min=1, max=MAX_BATCH)
+    lr: float = option(3e-3, "AdamW learning rate", above=0, max=MAX_LR)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
     zero_grad: Literal["none", "zeros", "skip"] = option(
         "none", "none: zero_grad(set_to_none=True); zeros: set_to_none=False; skip: no call")
-    checkpoint: Path | None = option(None, "write a checkpoint here at the end")
+    checkpoint: Path | None = option(None, "write a checkpoint here at the end", path="write")
     resume: bool = option(False, "continue from --checkpoint")
-    save_every: int = option(0, "also write the checkpoint every N steps (0: at the end and on Ctrl-C only)", min=0)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    save_every: int = option(0, "also write the checkpoint every N steps (0: at the end and on Ctrl-C only)",
+                             min=0, max=MAX_STEPS)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 
@@ -118,7 +119,9 @@ def run(config: Config) -> Result:
         model = build_model(config, lambda: TinyGPT(model_config), device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, **adamw_options(config.adamw, config.fake))
         settings = asdict(model_config) | {k: getattr(config, k) for k in SETTINGS}
-        start = resume(config.checkpoint, model, optimizer, settings) if config.resume else 0
+        if config.checkpoint and not config.fake:  # its weights and AdamW's two moments, at the least
+            files.check_room(config.checkpoint, 3 * sum(p.nbytes for p in model.parameters()), "--checkpoint")
+        start = resume(config.checkpoint, load_checkpoint, model, optimizer, settings) if config.resume else 0
         data = token_source(config, model_config)
 
         ledger = Ledger(device).track_module(model).track_optimizer(optimizer)  # (3)!
@@ -230,9 +233,6 @@ def report(result: Result) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoint files, defensively
-FORMAT = "infralab/lab-02/v1"
-
-
 class CheckpointSaver:
     """Writes ``--checkpoint`` every ``--save-every`` steps, when the loop ends, and on Ctrl-C (the
     interrupt then goes on: exit 130), always at the last step that finished. Without
@@ -256,61 +256,16 @@ class CheckpointSaver:
         return self
 
     def __exit__(self, kind, err, tb) -> None:
-        if kind is None or kind is KeyboardInterrupt:
-            self.save()
-        if kind is KeyboardInterrupt and self.saved is not None:
-            print(f"interrupted: checkpoint written at step {self.saved} ({self.config.checkpoint})", file=sys.stderr)
-
-
-def read_checkpoint(path: Path, settings: dict) -> dict:
-    """The checkpoint at ``path``, or a UsageError that says in one line what is wrong with it: a
-    missing, corrupt (every tensor's content hash is checked), foreign or incomplete file, a step or
-    an optimizer setting no run could have written, or one saved with other settings (another
-    model, learning rate, seed, batch size or zero_grad mode: resuming would not be exact)."""
-    if not path.is_file():
-        raise UsageError(f"checkpoint not found: {path}")
-    try:
-        state = files.load_checked(path)  # weights_only=True: loading cannot run code
-    except Exception as err:  # a truncated, tampered or foreign file fails in many ways
-        why = reason(err)
-        if "Weights only load failed" in why:
-            why = "not a weights-only PyTorch checkpoint (corrupt, truncated, pickled)"
-        raise UsageError(f"cannot read checkpoint {path}: {why}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"{path} is not a Lab 02 checkpoint")
-    if missing := [k for k in ("settings", "step", "model", "optimizer", "rng") if k not in state]:
-        raise UsageError(f"checkpoint {path} is incomplete: no {', '.join(missing)}")
-    if (saved := state["settings"]) != settings:
-        diff = [f"{k} {v} (file) vs {settings.get(k)} (now)" for k, v in saved.items()
-                if settings.get(k) != v] if isinstance(saved, dict) else [f"{saved!r:.40}"]
-        raise UsageError(f"checkpoint {path} was saved with other settings, resuming would not be exact: "
-                         f"{', '.join(diff)}")
-    step = state["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
-        raise UsageError(f"checkpoint {path} holds an impossible step: {step!r:.40}")
-    for group in state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []:
-        hyper = [group.get("lr"), group.get("eps"), group.get("weight_decay"), *group.get("betas", ())]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in hyper):
-            raise UsageError(f"checkpoint {path} holds impossible optimizer settings: {hyper}")
-    return state
-
-
-def resume(path: Path, model, optimizer, settings: dict) -> int:
-    """:func:`load_checkpoint`, with every way a damaged checkpoint fails to load turned into one
-    line: a missing key, a tensor of the wrong shape, other parameter groups, a bad RNG state."""
-    try:
-        return load_checkpoint(path, model, optimizer, settings)
-    except UsageError:
-        raise
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
-        raise UsageError(f"checkpoint {path} does not fit this run: {reason(err)}") from None
-
-
-def reason(err: Exception) -> str:
-    """An exception's message on one line (PyTorch's state_dict errors span several)."""
-    if isinstance(err, KeyError):
-        return f"no entry {err}"
-    return " ".join(str(err).split())[:200] or type(err).__name__
+        try:
+            if kind is None or kind is KeyboardInterrupt:
+                self.save()  # Ctrl-C inside this write is held until the file is whole (labkit.files.atomic)
+        except KeyboardInterrupt:
+            kind = KeyboardInterrupt
+            raise
+        finally:
+            if kind is KeyboardInterrupt and self.saved is not None:
+                print(f"interrupted: checkpoint written at step {self.saved} ({self.config.checkpoint})",
+                      file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from labkit import cli, fake, labs, marks, provenance
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_LR, MAX_STEPS, MAX_TOKENS, MAX_WIDTH, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, TinyGPT, TinyGPTShape
@@ -147,19 +147,21 @@ def storage_id(t: torch.Tensor) -> int:
 class Config(RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) in fp32, fp16 + GradScaler and bf16 autocast; compare."""
 
-    seq_len: int = option(32, "tokens per sequence", min=1)
-    width: int = option(64, "model width", min=1)
+    seq_len: int = option(32, "tokens per sequence", min=1, max=MAX_TOKENS)
+    width: int = option(64, "model width", min=1, max=MAX_WIDTH)
     recipe: Literal["fp32", "fp16", "bf16", "pure-bf16", "all"] = option(
-        "all", "the recipe to train, or all three of fp32, fp16 and bf16 (pure-bf16: bf16 weights, no autocast)")
-    steps: int = option(20, "training steps per recipe", min=1)
-    ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1)
-    batch_size: int = option(8, "sequences per step", min=1)
-    lr: float = option(3e-3, "AdamW learning rate", above=0)
+        "all", "the recipe to train, or all three of fp32, fp16 and bf16 "
+        "(pure-bf16: bf16 weights and state, no fp32 master)")
+    steps: int = option(20, "training steps per recipe", min=1, max=MAX_STEPS)
+    ledger_steps: int = option(2, "steps under the ledger; the rest are timed", min=1, max=MAX_STEPS)
+    batch_size: int = option(8, "sequences per step", min=1, max=MAX_BATCH)
+    lr: float = option(3e-3, "AdamW learning rate", above=0, max=MAX_LR)
     dropout: float = option(0.0, "dropout probability", min=0, below=1)
-    init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0)
-    growth_interval: int = option(2000, "clean steps before the scale doubles", min=1)
-    inject_inf_at: int | None = option(None, "fp16: put an inf in a gradient at this step", min=0, metavar="STEP")
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    init_scale: float = option(2.0**16, "GradScaler's first scale (a float32 number)", above=0, max=FP32.max)
+    growth_interval: int = option(2000, "clean steps before the scale doubles", min=1, max=MAX_STEPS)
+    inject_inf_at: int | None = option(None, "fp16: put an inf in a gradient at this step",
+                                       min=0, max=MAX_STEPS, metavar="STEP")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit import cli, labs, marks, provenance
-from labkit.config import UsageError, option
+from labkit.config import MAX_LAYERS, MAX_STEPS, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.scale import TINY, RealScale
@@ -125,8 +125,8 @@ class Config(RealScale, ModelShape):
     every: int | None = option(
         None, "k for every-k: blocks per checkpointed segment (default: round(sqrt(layers)), the textbook rule, "
         "kept to show its cost: a block here keeps K_blk, many times its input I_blk, so k = 1 peaks lower "
-        "until --layers passes 2*K_blk/I_blk; see segments.py)", min=1)
-    steps: int = option(5, "timed forward+backward steps per strategy", min=1)
+        "until --layers passes 2*K_blk/I_blk; see segments.py)", min=1, max=MAX_LAYERS)
+    steps: int = option(5, "timed forward+backward steps per strategy", min=1, max=MAX_STEPS)
     dtype: Literal["float32", "bfloat16"] = option(
         "float32", "element type of the weights and activations, no autocast (bfloat16: a pure-bf16 step)")
 
@@ -311,8 +311,8 @@ def report(result: Result) -> None:
             print(f"{s}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
                   f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nactivation peak = highest activations + temporaries over forward and backward (ledger; recomputed "
-          "tensors are\nborn in backward, so they count as temporaries). reduction and overhead: against 'none'. "
-          "Recompute FLOPs:\nbackward FLOPs minus none's, as a share of the forward's."
+          "tensors are born in backward, so they count as temporaries). reduction and overhead: against 'none'. "
+          "Recompute FLOPs: backward FLOPs minus none's, as a share of the forward's."
           + (" Step times are CPU wall clock: no GPU claim." if kind == "cpu" and not c.fake else ""))
     if set(result.results) == set(STRATEGIES) and c.model == TINY and c.dtype == "float32" and not c.fake:
         print("\nFormula against measurement:\n" + checks(result).text())  # TinyGPT's fp32 formulas, exact bytes

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from labkit import budget, cli
-from labkit.config import LabConfig, option
+from labkit.config import MAX_BATCH, MAX_LAYERS, LabConfig, option
 from labkit.models import SyntheticTokens, TinyGPT, TinyGPTShape, gpt_param_count
 from labkit.scale import TINY
 
@@ -28,10 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class ModelShape(TinyGPTShape, LabConfig):
     """The TinyGPT and the batch that Labs 04 and 09 measure (:func:`build`)."""
 
-    layers: int = option(4, "transformer blocks", min=1)
-    batch_size: int = option(4, "sequences per step", min=1)
+    layers: int = option(4, "transformer blocks", min=1, max=MAX_LAYERS)
+    batch_size: int = option(4, "sequences per step", min=1, max=MAX_BATCH)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
 
 
 def build(shape: ModelShape, device):

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from attention_measures import TOLERANCE, TRACED, errors, fit_slope, report
 
 from labkit import budget, cli, labs, marks, provenance
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_HEADS, MAX_TOKENS, MAX_WIDTH, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.scale import RealScale
@@ -177,22 +177,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Config(RealScale, LabConfig):
     """Naive, query-chunked and fused (SDPA) attention: peak bytes against sequence length."""
 
+    FAMILIES = (*RealScale.FAMILIES, "flux")  # only the attention's shape is read: a Flux block's works too
+
     impl: Literal["naive", "chunked", "sdpa", "all"] = option("all", "which implementation to measure")
-    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048), "sequence lengths s to sweep", min=1,
-                                       metavar="S,S,...")
-    chunk: int = option(128, "query rows per block (chunked)", min=1)
-    batch: int = option(1, "sequences per batch", min=1)
-    heads: int = option(2, "attention heads (query heads)", min=1)
-    kv_heads: int | None = option(None, "key and value heads, dividing --heads (grouped-query attention; "
-                                  "default: --heads)", min=1)
-    head_dim: int = option(32, "dimension of each head", min=1)
+    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048), "sequence lengths s to sweep",
+                                       min=1, max=MAX_TOKENS, metavar="S,S,...")
+    chunk: int = option(128, "query rows per block (chunked)", min=1, max=MAX_TOKENS)
+    batch: int = option(1, "sequences per batch", min=1, max=MAX_BATCH)
+    heads: int = option(2, "attention heads (query heads)", min=1, max=MAX_HEADS)
+    kv_heads: int | None = option(None, "key/value heads dividing --heads (GQA; default: --heads)", min=1, max=MAX_HEADS)
+    head_dim: int = option(32, "dimension of each head", min=1, max=MAX_WIDTH)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "element type of q, k and v")
     causal: bool = option(False, "mask future keys (default: full attention)")
     backward: bool = option(False, "measure forward + backward, not forward alone")
     recompute: bool = option(False, "chunked: recompute each block in backward (with --backward)")
     sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = option(
         "auto", "pin SDPA to one backend with torch.nn.attention.sdpa_kernel (auto: let PyTorch choose)")
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

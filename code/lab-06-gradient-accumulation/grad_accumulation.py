@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from labkit import cli, labs, marks, provenance
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_BYTES, MAX_LR, MAX_STEPS, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, SyntheticTokens, TinyGPT, TinyGPTShape
@@ -139,16 +139,17 @@ def parse_bytes(text: str) -> int:
 class Config(RealScale, TinyGPTShape, LabConfig):  # (2)!
     """Gradient accumulation, and a trainer that picks micro-batch and checkpointing to fit a budget."""
 
-    batch: int | None = option(None, "effective batch per optimizer step", min=1)
-    micro_batch: int | None = option(None, "samples per forward/backward pass", min=1)
-    accum_steps: int | None = option(None, "micro-batches per optimizer step", min=1)
-    budget: int | None = option(None, "peak bytes allowed, e.g. 24MiB; the trainer picks the split", min=1,
+    batch: int | None = option(None, "effective batch per optimizer step", min=1, max=MAX_BATCH)
+    micro_batch: int | None = option(None, "samples per forward/backward pass", min=1, max=MAX_BATCH)
+    accum_steps: int | None = option(None, "micro-batches per optimizer step", min=1, max=MAX_STEPS)
+    budget: int | None = option(None, "peak bytes allowed, e.g. 24MiB; the trainer picks the split",
+                                min=1, max=MAX_BYTES,
                                 parse=parse_bytes, metavar="BYTES")
     checkpoint: Literal["auto", "on", "off"] = option(
         "auto", "checkpoint every block; auto: only if the budget needs it (off without --budget)")
-    steps: int = option(4, "optimizer steps", min=1)
-    lr: float = option(3e-3, "AdamW learning rate", above=0)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    steps: int = option(4, "optimizer steps", min=1, max=MAX_STEPS)
+    lr: float = option(3e-3, "AdamW learning rate", above=0, max=MAX_LR)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from training_harness import Result, Run, report, require_memory, token_source
 
 from labkit import cli, labs, marks
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_LR, MAX_STEPS, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import TinyGPT, TinyGPTShape
@@ -222,12 +222,12 @@ class Config(RealScale, TinyGPTShape, LabConfig):
     impl: Literal["fused", "foreach", "forloop"] = option("fused", "the AdamW implementation, both sides")
     overlap: Literal["on", "off"] = option(
         "on", "CUDA: copy stream and events (on) or blocking copies on the compute stream (off)")
-    steps: int = option(4, "training steps per mode", min=1)
-    lr: float = option(3e-3, "AdamW learning rate, both sides", above=0)
-    weight_decay: float = option(0.01, "AdamW weight decay, both sides", min=0)
-    batch_size: int = option(8, "sequences per step", min=1)
+    steps: int = option(4, "training steps per mode", min=1, max=MAX_STEPS)
+    lr: float = option(3e-3, "AdamW learning rate, both sides", above=0, max=MAX_LR)
+    weight_decay: float = option(0.01, "AdamW weight decay, both sides", min=0, max=MAX_LR)
+    batch_size: int = option(8, "sequences per step", min=1, max=MAX_BATCH)
     dropout: float = option(0.1, "dropout probability", min=0, below=1)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

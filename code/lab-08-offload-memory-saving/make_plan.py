@@ -14,7 +14,6 @@ against the measurement.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from offload_engines import HostMaster
 
 from labkit import cli, files
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_LAYERS, MAX_STEPS, LabConfig, option
 from labkit.diffusion import ToyDiffusionPipeline
 from labkit.provenance import describe
 from labkit.table import Table, format_bytes
@@ -106,9 +105,10 @@ def predicted_denoise_peak(config: offload.Config, depth: int, resident_run: off
 class Config(LabConfig):
     """Write the offload plan: every mode's residency schedule, from a run of offload.py."""
 
-    out: Path | None = option(None, "where to write the plan (default: offload_plan.md next to this script)")
-    prefetch_depth: int = option(1, "layerwise: blocks copied ahead", min=0)
-    repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1)
+    out: Path | None = option(None, "where to write the plan (default: offload_plan.md next to this script)",
+                              path="write")
+    prefetch_depth: int = option(1, "layerwise: blocks copied ahead", min=0, max=MAX_LAYERS)
+    repeats: int = option(2, "timed pipeline runs per mode; the first warms up", min=1, max=MAX_STEPS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -129,10 +129,8 @@ class Plan:
 
 
 def run(config: Config) -> Plan:
-    path = config.out or HERE / "offload_plan.md"
-    check_writable(path)
+    path = files.check_writable(config.out or HERE / "offload_plan.md", "--out")  # before the run, not after it
     result = offload.run(config.lab_config())
-    path.parent.mkdir(parents=True, exist_ok=True)
     files.write_text(path, plan_text(result) + "\n")
     return Plan(path, result)
 
@@ -159,13 +157,6 @@ def plan_text(result: offload.Result) -> str:
                 + (f"; host masters {format_bytes(s['host_bytes'])} (power-of-two arena chunks) for "
                    f"{format_bytes(s['host_weight_bytes'])} of weights." if s["host_weight_bytes"] else "."), ""]
     return "\n".join(out).rstrip("\n")
-
-
-def check_writable(path: Path) -> None:
-    """Fail before the run, not after it, when the plan could not be written."""
-    folder = next(p for p in path.resolve().parents if p.exists())  # the nearest one that exists
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise UsageError(f"--out {path}: cannot write a file there (a folder, or no write permission)")
 
 
 def report(plan: Plan) -> None:

@@ -33,7 +33,7 @@ from offload_engines import LayerwiseOffload, ModelOffload, Resident, Sequential
 from pinned_arena import next_pow2
 
 from labkit import budget, cli, fake, labs, marks, provenance, zoo
-from labkit.config import LabConfig, UsageError, option, summary_of
+from labkit.config import MAX_BATCH, MAX_LAYERS, MAX_STEPS, LabConfig, UsageError, option, summary_of
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.diffusion import DTYPES, DiffusionShape, ToyDiffusionPipeline
 from labkit.ledger import Ledger
@@ -101,15 +101,15 @@ class Config(DiffusionShape, LabConfig):
 
     mode: Literal["none", "model", "sequential", "layerwise", "all"] = option(
         "all", "the placement to measure against all-resident (all: every one)")
-    prefetch_depth: int = option(1, "layerwise: blocks copied ahead", min=0)
+    prefetch_depth: int = option(1, "layerwise: blocks copied ahead", min=0, max=MAX_LAYERS)
     pinned: Literal["auto", "on", "off"] = option("auto", "pinned host masters (auto: on when CUDA is present)")
     encoder_offload: Literal["on", "off"] = option("on", "layerwise: the text encoder moves too (off: resident)")
     decoder_offload: Literal["on", "off"] = option("on", "layerwise: the decoder moves too (off: resident)")
-    batch: int = option(1, "prompts per pipeline run", min=1)
-    repeats: int = option(4, "timed pipeline runs per mode; the first warms up", min=1)
+    batch: int = option(1, "prompts per pipeline run", min=1, max=MAX_BATCH)
+    repeats: int = option(4, "timed pipeline runs per mode; the first warms up", min=1, max=MAX_STEPS)
     threads: int = option(1, "CPU threads for the timed runs (0: PyTorch's default, one per core). One: with more "
                           "threads than free cores, a step can stall for about a second", min=0, max=4096)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here")
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history pickle here", path="write")
     model: Literal["toy", "flux-dev", "small-flux"] = option(
         "toy", "the denoiser: toy (this lab's pipeline, from the shape flags) or a zoo Flux transformer "
         "(flux-dev: Flux.1-dev, 11.9 B; small-flux: its toy twin), whose shape replaces --width, --heads, "

@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from labkit import budget, cli, labs, marks, provenance
-from labkit.config import UsageError, option
+from labkit.config import MAX_BYTES, MAX_COUNT, MAX_LAYERS, MAX_STEPS, MAX_WIDTH, UsageError, option
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import TinyGPT, gpt_param_count
@@ -105,16 +105,17 @@ def train_step(model, x, y, mode: str, seed: int = 0, **knobs) -> tuple[torch.Te
 class Config(RealScale, lab04.ModelShape):
     """Offload saved activations to the host: save_on_cpu, streamed, with checkpointing."""
 
-    width: int = option(64, "model width", min=1)
-    layers: int = option(8, "transformer blocks", min=1)
+    width: int = option(64, "model width", min=1, max=MAX_WIDTH)
+    layers: int = option(8, "transformer blocks", min=1, max=MAX_LAYERS)
     mode: Literal["none", "save_on_cpu", "streamed", "checkpoint", "checkpoint+streamed", "all"] = option(
         "all", "measured against 'none' (checkpoint+streamed also against 'checkpoint')")
     dtype: Literal["float32", "bfloat16"] = option(
         "float32", "the weights, hence the whole step (no autocast); bfloat16 is how a real model trains")
-    keep_last: int = option(2, "streamed: the last N offloadable saved tensors stay on the device", min=0)
-    min_bytes: int = option(4096, "streamed: saved tensors smaller than this stay on the device", min=0)
-    prefetch: int = option(2, "streamed: saved tensors copied back ahead of backward's need", min=0)
-    steps: int = option(3, "timed forward+backward steps per mode", min=1)
+    keep_last: int = option(2, "streamed: the last N offloadable saved tensors stay on the device",
+                            min=0, max=MAX_COUNT)
+    min_bytes: int = option(4096, "streamed: saved tensors smaller than this stay on the device", min=0, max=MAX_BYTES)
+    prefetch: int = option(2, "streamed: saved tensors copied back ahead of backward's need", min=0, max=MAX_COUNT)
+    steps: int = option(3, "timed forward+backward steps per mode", min=1, max=MAX_STEPS)
 
     @property
     def knobs(self) -> dict[str, int]:
@@ -275,9 +276,9 @@ def report(result: Result) -> None:
             print(f"{m}: CUDA max allocated {r['cuda']['max_memory_allocated']:,} B, ledger peak / (max allocated - "
                   f"unseen before) = {r['cuda']['ledger_over_allocator']:.3f}")
     print("\nactivation peak = highest device activations + temporaries over forward and backward (ledger); host "
-          "copies =\nhighest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
-          "against\n'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
-                                      "by label,\nand step times are CPU wall clock (no GPU claim)."
+          "copies = highest bytes labelled host_copies. vs baseline and overhead: against 'none' (checkpoint+streamed: "
+          "against 'checkpoint')." + (" On CPU the host and the 'device' are the same RAM: the ledger keeps them apart "
+                                      "by label, and step times are CPU wall clock (no GPU claim)."
                                       if kind == "cpu" and not c.fake else ""))
     if c.snapshot:
         print(f"memory history written to {c.snapshot} (open it at https://pytorch.org/memory_viz)")

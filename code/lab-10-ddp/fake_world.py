@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from labkit import dist as dist_kit
 from labkit import fake
-from labkit.config import UsageError, option
+from labkit.config import MAX_RANKS, UsageError, option
 
 
 @dataclasses.dataclass
@@ -50,7 +50,8 @@ class OneRankOfMany(dist_kit.Ranks):
     N-rank job in this process, under :func:`fake_world`, instead of starting ranks."""
 
     world_size: int | None = option(None, "run ONE rank (rank 0) of a job of this many ranks, in this process, under "
-                                          "PyTorch's fake process group (collectives move no data; no torchrun)", min=1)
+                                          "PyTorch's fake process group (collectives move no data; no torchrun)",
+                                          min=1, max=MAX_RANKS)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -39,7 +39,10 @@ from ddp_trace_report import TraceResult, report
 from fake_world import OneRankOfMany, fake_world
 from labkit import cli, files, labs, marks
 from labkit import dist as labdist
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import (
+    MAX_BATCH, MAX_BYTES, MAX_LR, MAX_SECONDS, MAX_STEPS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, LabConfig, UsageError,
+    option,
+)
 from labkit.cuda import allocator_stats, ledger_vs_allocator, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import TinyGPT, TinyGPTShape
@@ -190,20 +193,23 @@ def single_process_reference(build, data, device, world: int, *, seed: int, step
 class Config(OneRankOfMany, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) data parallel with DDP: buckets, identical replicas, memory per rank."""
 
-    seq_len: int = option(32, "tokens per sequence", min=1)
-    width: int = option(64, "model width", min=1)
-    vocab: int = option(128, "vocabulary size", min=1)
-    steps: int = option(3, "training steps (at least 2: DDP rebuilds its buckets after the first backward)", min=2)
-    batch_size: int = option(4, "sequences per rank per step", min=1)
-    lr: float = option(3e-3, "AdamW learning rate", above=0)
+    seq_len: int = option(32, "tokens per sequence", min=1, max=MAX_TOKENS)
+    width: int = option(64, "model width", min=1, max=MAX_WIDTH)
+    vocab: int = option(128, "vocabulary size", min=1, max=MAX_VOCAB)
+    steps: int = option(3, "training steps (at least 2: DDP rebuilds its buckets after the first backward)",
+                        min=2, max=MAX_STEPS)
+    batch_size: int = option(4, "sequences per rank per step", min=1, max=MAX_BATCH)
+    lr: float = option(3e-3, "AdamW learning rate", above=0, max=MAX_LR)
     bucket_cap_mb: float = option(0.05, "DDP bucket size cap in MiB (PyTorch's default is 25; tiny here to get "
-                                        "several)", above=0)
+                                        "several)", above=0, max=MAX_BYTES >> 20)
     grad_as_bucket_view: bool = option(False, "gradients become views into the buckets instead of separate tensors")
     backend: Literal["auto", "gloo", "nccl"] = option("auto", "auto: nccl with one GPU per rank, else gloo")
-    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
-    ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json")
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)",
+                          min=1, max=MAX_SECONDS)
+    ledger_dir: Path | None = option(None, "every rank writes its ledger here as rank<N>.json", path="folder")
     no_reference: bool = option(False, "skip rank 0's single-process replay")
-    snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)")
+    snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per rank (NAME_rank<N>.pickle)",
+                                   path="write")
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard,
 from inference_report import Result, report
 from labkit import cli, labs, marks
 from labkit import dist as labdist
-from labkit.config import LabConfig, option
+from labkit.config import MAX_LAYERS, MAX_SECONDS, MAX_STEPS, MAX_WIDTH, LabConfig, option
 from labkit.cuda import allocator_stats, reset_peak
 from labkit.diffusion import DiffusionConfig, DiffusionShape, ToyDiffusionPipeline, param_bytes
 from labkit.ledger import Ledger
@@ -110,13 +110,14 @@ def run_placement(placement: str, pipeline: DiffusionConfig, device: torch.devic
 class Config(labdist.Ranks, DiffusionShape, LabConfig):
     """Sharded inference with FSDP2 (and CPU offload of the shards) against Lab 08's single device."""
 
-    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)",
+                          min=1, max=MAX_SECONDS)
     placement: Literal["sharded", "sharded+offload", "both"] = option(
         "both", "sharded: shards on the device; sharded+offload: shards in host memory; both: each")
-    width: int = option(64, "model width", min=1)
-    denoiser_layers: int = option(6, "denoiser blocks", min=1)
-    steps: int = option(2, "denoising steps", min=1)
-    prefetch_depth: int = option(1, "Lab 08's layerwise offload: blocks copied ahead", min=0)
+    width: int = option(64, "model width", min=1, max=MAX_WIDTH)
+    denoiser_layers: int = option(6, "denoiser blocks", min=1, max=MAX_LAYERS)
+    steps: int = option(2, "denoising steps", min=1, max=MAX_STEPS)
+    prefetch_depth: int = option(1, "Lab 08's layerwise offload: blocks copied ahead", min=0, max=MAX_LAYERS)
     timelines: bool = option(False, "add rank 0's ledger timelines (each placement, Lab 08 layerwise) to the result")
 
     def __post_init__(self) -> None:

@@ -43,7 +43,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit import budget, cli, labs
 from labkit import dist as labdist
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import (
+    MAX_BATCH, MAX_LAYERS, MAX_LR, MAX_SECONDS, MAX_STEPS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, LabConfig, UsageError,
+    option,
+)
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import TinyGPT, TinyGPTShape
@@ -145,19 +148,20 @@ def full_params(model) -> torch.Tensor:
 class Config(world.OneRankOfMany, RealScale, TinyGPTShape, LabConfig):
     """Train a toy GPT (or, with --model, a real one) at ZeRO stages 0-3; memory per rank against Lab 01."""
 
-    seq_len: int = option(32, "tokens per sequence", min=1)
-    width: int = option(64, "model width", min=1)
-    layers: int = option(4, "transformer blocks", min=1)
-    vocab: int = option(128, "vocabulary size", min=1)
-    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)", min=1)
+    seq_len: int = option(32, "tokens per sequence", min=1, max=MAX_TOKENS)
+    width: int = option(64, "model width", min=1, max=MAX_WIDTH)
+    layers: int = option(4, "transformer blocks", min=1, max=MAX_LAYERS)
+    vocab: int = option(128, "vocabulary size", min=1, max=MAX_VOCAB)
+    timeout: int = option(60, "seconds a rank waits for the others before the job fails (PyTorch: 30 min)",
+                          min=1, max=MAX_SECONDS)
     stage: Literal["0", "1", "2", "3", "all"] = option(
         "all", "which stage to run; all runs 0, 1, 2, 3 (stage 0 is the reference)")
-    steps: int = option(3, "training steps per stage", min=1)
-    batch_size: int = option(4, "sequences per rank per step", min=1)
-    lr: float = option(1e-3, "AdamW learning rate", above=0)
+    steps: int = option(3, "training steps per stage", min=1, max=MAX_STEPS)
+    batch_size: int = option(4, "sequences per rank per step", min=1, max=MAX_BATCH)
+    lr: float = option(1e-3, "AdamW learning rate", above=0, max=MAX_LR)
     timelines: bool = option(False, "add rank 0's ledger timeline of each stage's last step to the result")
     snapshot: Path | None = option(None, "CUDA only: memory_viz pickles, one per stage and rank "
-                                         "(NAME.stageS.rankR.pickle)")
+                                         "(NAME.stageS.rankR.pickle)", path="write")
     adamw: Literal["auto", "foreach", "for-loop", "fused"] = option(
         "auto", "AdamW's implementation; auto: PyTorch's choice (foreach on CUDA, for-loop on CPU; with --fake, CUDA's)")
 

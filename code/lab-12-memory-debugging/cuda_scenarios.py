@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from labkit import cli
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_BYTES, MAX_COUNT, MAX_LAYERS, MAX_STEPS, LabConfig, UsageError, option
 from labkit.table import Table
 from oom_reader import CLAUSES, next_levers, read_oom
 
@@ -159,14 +159,15 @@ class Config(LabConfig):
     Lab 12's starter runs it through in_fresh_process, once per allocator setting."""
 
     experiment: Literal["changing_batch", "out_of_memory"] = option("changing_batch", "the experiment to run")
-    iters: int = option(12, "changing_batch: batch sizes tried, one sample more each", min=1)
-    first: int = option(8, "changing_batch: the first batch size", min=1)
-    layers: int = option(8, "changing_batch: buffer pairs kept alive per iteration", min=1)
-    unit_mb: int = option(2, "changing_batch: MiB per sample of the narrow buffer", min=1)
-    wide: int = option(4, "changing_batch: how many narrow buffers the wide one holds", min=1)
+    iters: int = option(12, "changing_batch: batch sizes tried, one sample more each", min=1, max=MAX_STEPS)
+    first: int = option(8, "changing_batch: the first batch size", min=1, max=MAX_BATCH)
+    layers: int = option(8, "changing_batch: buffer pairs kept alive per iteration", min=1, max=MAX_LAYERS)
+    unit_mb: int = option(2, "changing_batch: MiB per sample of the narrow buffer", min=1, max=MAX_BYTES >> 20)
+    wide: int = option(4, "changing_batch: how many narrow buffers the wide one holds", min=1, max=MAX_COUNT)
     pattern: Literal["pressure", "fragmented"] = option("pressure", "out_of_memory: fill the cap, or fragment it first")
-    cap_mb: int = option(1024, "out_of_memory: the memory cap in MiB (the patterns need at least 128)", min=128)
-    chunk_mb: int = option(64, "out_of_memory: MiB per buffer of the pressure pattern", min=1)
+    cap_mb: int = option(1024, "out_of_memory: the memory cap in MiB (the patterns need at least 128)",
+                         min=128, max=MAX_BYTES >> 20)
+    chunk_mb: int = option(64, "out_of_memory: MiB per buffer of the pressure pattern", min=1, max=MAX_BYTES >> 20)
 
 
 def run(config: Config) -> dict:

@@ -32,7 +32,7 @@ import cuda_scenarios
 from labkit import cli, labs, marks, provenance, stacks
 from leak_report import report
 from real_scale import live_at_peak, numbers, shape_of, tensors, training_setup
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_BYTES, MAX_COUNT, MAX_LAYERS, MAX_LR, MAX_STEPS, LabConfig, UsageError, option
 from labkit.cuda import allocator_stats, record_snapshot, reset_peak
 from labkit.ledger import Ledger
 from labkit.models import GPTConfig, TinyGPTShape
@@ -134,15 +134,17 @@ class Config(RealScale, TinyGPTShape, LabConfig):
 
     scenario: Literal["leak-losses", "leak-activations", "fixed", "fragmentation", "oom", "all"] = option(
         "all", "all: every scenario this device can run")
-    steps: int = option(6, "training steps per leak scenario (growth is read from one step to the next)", min=2)
-    top: int = option(12, "rows of each live-tensor table", min=1)
-    batch_size: int = option(8, "sequences per step", min=1)
-    lr: float = option(1e-3, "AdamW learning rate", above=0)
+    steps: int = option(6, "training steps per leak scenario (growth is read from one step to the next)",
+                        min=2, max=MAX_STEPS)
+    top: int = option(12, "rows of each live-tensor table", min=1, max=MAX_COUNT)
+    batch_size: int = option(8, "sequences per step", min=1, max=MAX_BATCH)
+    lr: float = option(1e-3, "AdamW learning rate", above=0, max=MAX_LR)
     precision: Literal["fp32", "bf16"] = option("fp32", "bf16: each forward under bfloat16 autocast")
-    frag_iters: int = option(12, "fragmentation: batch sizes tried", min=1)
-    frag_layers: int = option(8, "fragmentation: buffer pairs kept", min=1)
-    cap_mb: int = option(1024, "oom: the memory cap in MiB (the patterns need at least 128)", min=128)
-    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history of the leak loops here")
+    frag_iters: int = option(12, "fragmentation: batch sizes tried", min=1, max=MAX_STEPS)
+    frag_layers: int = option(8, "fragmentation: buffer pairs kept", min=1, max=MAX_LAYERS)
+    cap_mb: int = option(1024, "oom: the memory cap in MiB (the patterns need at least 128)",
+                         min=128, max=MAX_BYTES >> 20)
+    snapshot: Path | None = option(None, "CUDA only: write a memory_viz history of the leak loops here", path="write")
 
     def __post_init__(self) -> None:
         super().__post_init__()

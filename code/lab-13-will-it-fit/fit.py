@@ -8,7 +8,7 @@ optimizer, with AdamW's state already there), and the memory ledger counts every
 step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so Llama-3-70B
 traces on a laptop in seconds.
 
-    precision       Lab 03's recipes: fp32, bf16 (pure), mixed (fp32 weights + bf16 autocast)
+    precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
@@ -101,6 +101,11 @@ def prefill(model, idx, *, recipe: str) -> None:
 # --8<-- [end:step]
 
 
+#: micro-batches the trace runs: the second is the steady state (it runs with the first one's gradients
+#: alive), and every later one allocates and frees the same bytes; so --accumulation 1000000 costs two
+STEADY_MICRO_BATCHES = 2
+
+
 # --8<-- [start:trace]
 def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
@@ -125,7 +130,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             label(ledger, model, optimizer)
             if config.task == "train":
                 train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
-                           micro_batches=config.accumulation)
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
             else:
                 prefill(model, idx, recipe=recipe)
         timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))

@@ -32,7 +32,7 @@ from serving_report import Result, Served, report
 from serving_trace import Request
 
 from labkit import budget, cli, marks, zoo
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import MAX_BATCH, MAX_RANKS, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 
 
@@ -106,35 +106,49 @@ def serve(cache, requests: list[Request], model: ServingLlama | None = None, pro
 
 
 # --8<-- [start:config]
+BUDGET_FOR_TOYS = "llama-3-8b"  # the real model a run of the toy sizes the serving budget of
+
+
 @dataclass
 class Config(LabConfig):
     """Serve a request trace with a paged, a static and a growing KV cache, and size a real model's KV pool on a GPU."""
 
     cache: Literal["all", "paged", "static", "growing"] = option("all", "the KV cache that serves the trace (all: each in turn)")
-    block_size: int = option(16, "tokens per block of the paged cache", min=1)
-    requests: int = option(32, "requests in the generated trace", min=1)
-    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)", above=0)
+    block_size: int = option(16, "tokens per block of the paged cache", min=1, max=MAX_TOKENS)
+    requests: int = option(32, "requests in the generated trace", min=1, max=MAX_BATCH)
+    arrival_rate: float = option(2.0, "requests arriving per engine step, on average (Poisson)",
+                                 min=1e-6, max=1e6)
     prompt_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1)
+        None, "MIN,MAX prompt tokens, uniform (default: 1/16 to 3/8 of the model's context)", min=1, max=MAX_TOKENS)
     output_lens: tuple[int, ...] | None = option(
-        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1)
-    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with", min=0)
-    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)")
-    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; with --fake, the budget's pool)", min=1)
-    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)", min=1)
+        None, "MIN,MAX generated tokens, uniform (default: 1/16 to 1/2 of the model's context)", min=1, max=MAX_TOKENS)
+    system_prompt: int = option(0, "tokens of a system prompt that every generated request starts with",
+                                min=0, max=MAX_TOKENS)
+    trace: Path | None = option(None, "a JSON-lines trace file to serve instead (format: serving_trace.py)",
+                                path="read")
+    pool_tokens: int | None = option(None, "KV pool in tokens (default: 8 contexts; with --fake, the budget's pool)",
+                                     min=1, max=MAX_TOKENS)
+    max_len: int | None = option(None, "tokens the static cache reserves per request (default: the context)",
+                                 min=1, max=MAX_TOKENS)
     no_prefix_sharing: bool = option(False, "the paged cache keeps a copy of a shared prefix per request")
     model: str = option("small-llama", "a Llama-family zoo model (small-llama, llama-3-8b, llama-3-70b, ...) "
                         "or a Hugging Face config.json", metavar="NAME|PATH")
     fake: bool = option(False, "real size: the serving run keeps the caches' bookkeeping only (no tensors, no "
                         "tokens) on the budget's pool; the budget is traced on fake tensors either way")
+    budget_model: str | None = option(
+        None, f"the model whose serving budget on --gpu is sized, traced on fake tensors (default: --model; for a "
+        f"toy, small-*, whose budget means nothing: {BUDGET_FOR_TOYS}); with --fake, --model's own",
+        metavar="NAME|PATH")
     gpu: Literal["h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb"] = option("h100-80gb", "the GPU the serving budget is sized for")
-    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1)
-    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag", min=0.1, max=1)
+    tp: int = option(1, "tensor-parallel GPUs the model is split over (the budget is per GPU)", min=1, max=MAX_RANKS)
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine may use, as vLLM's flag",
+                                           min=0.1, max=1)
     kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
         "bf16", "how keys and values are stored (fp8, int8: with a float32 scale per token and head)")
-    seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: the context)",
-                                 min=1)
-    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)", min=1)
+    seq_len: int | None = option(None, "prompt tokens of the prefill whose peak the budget traces (default: its model's context)",
+                                 min=1, max=MAX_TOKENS)
+    prefill_chunk: int | None = option(None, "chunked prefill: tokens per chunk (default: the whole prompt at once)",
+                                       min=1, max=MAX_TOKENS)
     non_torch_gib: float = option(serving_budget.NON_TORCH_BYTES / serving_budget.GIB,
                                   "GiB per GPU outside PyTorch's allocator (CUDA context, cuBLAS, NCCL); default "
                                   f"{serving_budget.NON_TORCH_HOW}: {serving_budget.NON_TORCH_SOURCE}",
@@ -148,9 +162,12 @@ class Config(LabConfig):
                 raise UsageError(f"--{name.replace('_', '-')} takes MIN,MAX with MIN <= MAX, got {','.join(map(str, pair))}")
         if self.trace is not None and self.system_prompt:
             raise UsageError("--system-prompt shapes a generated trace; put prefixes in the --trace file instead")
-        spec = self.spec()
-        if spec.family not in ("llama", "mixtral"):
-            raise UsageError(f"--model {self.model}: the serving forward runs the zoo's Llama-family models")
+        if self.fake and self.budget_model is not None:
+            raise UsageError("--fake serves on the pool of --model's own budget; leave --budget-model out")
+        for flag_name, spec in (("--model", self.spec()), ("--budget-model", self.budget_spec())):
+            if spec.family not in ("llama", "mixtral"):
+                raise UsageError(f"{flag_name} {spec.name}: the serving forward runs the zoo's Llama-family models")
+        spec = self.budget_spec()  # --tp and --seq-len shape the budget
         if spec.heads % self.tp or spec.ffn % self.tp or (self.tp > spec.kv_heads and self.tp % spec.kv_heads):
             raise UsageError(f"--tp {self.tp} does not split {spec.name}'s {spec.heads} heads, {spec.kv_heads} KV heads "
                              f"and MLP of {spec.ffn} evenly")
@@ -161,6 +178,13 @@ class Config(LabConfig):
 
     def spec(self):
         return zoo.get(self.model)  # an unknown name or a bad path: UsageError, one line
+
+    def budget_spec(self):
+        """The model the serving budget is sized for: --budget-model, else --model unless it is a toy."""
+        if self.budget_model is not None:
+            return zoo.get(self.budget_model)
+        spec = self.spec()
+        return zoo.get(BUDGET_FOR_TOYS) if spec.name.startswith("small-") and not self.fake else spec
 # --8<-- [end:config]
 
 
@@ -172,10 +196,10 @@ CACHES = {"paged": lambda store, c: PagedKVCache(store, c.block_size, share_pref
 
 def run(config: Config) -> Result:
     device = cli.pick_device(config.device)
-    spec, t0 = config.spec(), time.perf_counter()
+    spec, sized, t0 = config.spec(), config.budget_spec(), time.perf_counter()
     plan = serving_budget.plan(  # (1)!
-        spec, gpu=config.gpu, tp=config.tp, utilization=config.gpu_memory_utilization, kv_dtype=config.kv_dtype,
-        seq_len=config.seq_len or spec.context, chunk=config.prefill_chunk, block_size=config.block_size,
+        sized, gpu=config.gpu, tp=config.tp, utilization=config.gpu_memory_utilization, kv_dtype=config.kv_dtype,
+        seq_len=config.seq_len or sized.context, chunk=config.prefill_chunk, block_size=config.block_size,
         non_torch_bytes=int(config.non_torch_gib * serving_budget.GIB))
     requests = requests_of(config, spec)
     pool = config.pool_tokens or (plan.max_tokens_in_flight if config.fake else 8 * spec.context)

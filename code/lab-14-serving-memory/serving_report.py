@@ -114,7 +114,7 @@ class Result:
     def summary(self) -> dict:
         b = self.budget
         return {"lab": labs.slug(__file__), "device": str(self.device), "model": self.spec.name, "fake": self.config.fake,
-                "kv_bytes_per_token": b.kv_bytes_per_token, "weights_bytes": b.weights_bytes,
+                "budget_model": b.model, "kv_bytes_per_token": b.kv_bytes_per_token, "weights_bytes": b.weights_bytes,
                 "prefill_peak_bytes": b.prefill_peak_bytes, "kv_pool_bytes": b.kv_pool_bytes,
                 "max_tokens_in_flight": b.max_tokens_in_flight, "budget": b.summary(),
                 "requests": len(self.requests), "pool_tokens": self.pool_tokens, "pool_bytes": self.pool_bytes,
@@ -137,15 +137,24 @@ def caches_table(result: Result) -> Table:
 
 def budget_table(b) -> Table:
     """The serving budget of one GPU, each line labelled by where its number comes from."""
-    return Table(["", ("bytes", "bytes"), "how"], [
-        [f"{b.gpu} x {b.utilization:g} (--gpu-memory-utilization)", b.usable_bytes, "Lab 13's driver total x flag"],
-        [f"weights, bf16, 1/{b.tp} of {b.model}", b.weights_bytes, "traced"],
+    return Table(["", ("bytes", "bytes"), "how", "source"], [
+        [f"{b.gpu} x {b.utilization:g} (--gpu-memory-utilization)", b.usable_bytes, "Lab 13's driver total x flag",
+         serving_budget.FIT_GPUS.GPUS[b.gpu].total_source],
+        [f"weights, bf16, 1/{b.tp} of {b.model}", b.weights_bytes, "traced", "on fake tensors, at the published size"],
         [f"prefill peak, {b.seq_len:,} tokens" + (f" in chunks of {b.chunk:,}" if b.chunk else ""),
-         b.prefill_peak_bytes, "traced"],
+         b.prefill_peak_bytes, "traced", "this lab's serving forward on fake tensors"],
         ["CUDA context, cuBLAS, NCCL (non-torch)", b.non_torch_bytes,
-         serving_budget.NON_TORCH_HOW if b.non_torch_bytes == serving_budget.NON_TORCH_BYTES else "--non-torch-gib"],
-        ["KV pool", b.kv_pool_bytes, "derived"],
-        [f"KV per token ({b.kv_heads_per_gpu} KV heads, {b.kv_dtype})", b.kv_bytes_per_token, "from the config"]])
+         *((serving_budget.NON_TORCH_HOW, serving_budget.NON_TORCH_SOURCE)
+           if b.non_torch_bytes == serving_budget.NON_TORCH_BYTES else ("--non-torch-gib", "your flag"))],
+        ["KV pool", b.kv_pool_bytes, "derived", "the first row less the three above"],
+        [f"KV per token ({b.kv_heads_per_gpu} KV heads, {b.kv_dtype})", b.kv_bytes_per_token, "from the config", ""]])
+
+
+def budget_line(b) -> str:
+    """The budget in one sentence: the line a run ends with."""
+    return (f"{b.model} on one {b.gpu}{f' of TP {b.tp}' if b.tp > 1 else ''}, traced: "
+            f"{b.max_tokens_in_flight:,} tokens in flight, {b.sequences(b.seq_len):,} requests of "
+            f"{b.seq_len:,} tokens at once")
 
 
 def report(result: Result) -> None:
@@ -160,12 +169,12 @@ def report(result: Result) -> None:
             print(f"  {name}: request {rid} rejected: {why}")
     if result.identical_tokens() is not None:
         print(f"identical greedy tokens from every cache: {'yes' if result.identical_tokens() else 'NO'}")
-    print(f"\nServing budget of {b.model} on one {b.gpu} (TP {b.tp}), traced on fake tensors where it says so:")
+    stands_in = (f" (the toy {result.spec.name} served above; --budget-model sizes another)"
+                 if b.model != result.spec.name else "")
+    print(f"\nServing budget of {b.model}{stands_in} on one {b.gpu} (TP {b.tp}), weights and prefill peak traced "
+          "at real size on fake tensors (nothing allocated):")
     print(budget_table(b).text())
-    print(f"max tokens in flight: {b.max_tokens_in_flight:,}; sequences of {b.seq_len:,} tokens at once: "
-          f"{b.sequences(b.seq_len):,}")
-    print(f"  {b.gpu}'s driver total: {serving_budget.FIT_GPUS.GPUS[b.gpu].total_source}")
-    print(f"  non-torch memory, {serving_budget.NON_TORCH_HOW}: {serving_budget.NON_TORCH_SOURCE}")
+    print(budget_line(b))
 
 
 def records_table(served: Served) -> Table:

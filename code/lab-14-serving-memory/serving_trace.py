@@ -22,7 +22,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.config import UsageError
+from labkit import files
+from labkit.config import MAX_BATCH, UsageError
 
 
 @dataclass(frozen=True)
@@ -51,26 +52,30 @@ def generate(*, requests: int, seed: int, arrival_rate: float, prompt_lens: tupl
     return out
 
 
+#: the most bytes a trace file may have, and requests in it (as --requests): a run can serve them all
+TRACE_BYTES, TRACE_REQUESTS = 64 << 20, MAX_BATCH
+
+
 def read(path: Path) -> list[Request]:
-    """The requests of a JSON-lines trace file; UsageError naming the line for anything wrong."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"--trace {path}: cannot read it ({' '.join(str(err).split())})") from None
+    """The requests of a JSON-lines trace file; UsageError naming the line for anything wrong.
+
+    Read with limits (:func:`labkit.files.read_text`: a regular file, no FIFO or device, at most
+    ``TRACE_BYTES``), split on ``\\n`` alone (a U+2028 inside a string is text, not a line break),
+    each line parsed with a depth limit and no number beyond a 64-bit integer."""
+    text = files.read_text(path, "--trace", TRACE_BYTES)
     out = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
-        where = f"--trace {path}, line {number}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{where}: not JSON ({err.msg})") from None
+        where = f"--trace {files.shown(path)}, line {number}"
+        entry = files.parse_json(line, where, depth=2)
         if not isinstance(entry, dict):
             raise UsageError(f"{where}: each line must be a JSON object")
+        if len(out) == TRACE_REQUESTS:
+            raise UsageError(f"{where}: more than the {TRACE_REQUESTS:,} requests a trace may have")
         out.append(_request(len(out), entry, where))
     if not out:
-        raise UsageError(f"--trace {path}: no requests in it")
+        raise UsageError(f"--trace {files.shown(path)}: no requests in it")
     check_prefixes(out)
     return out
 
@@ -84,18 +89,19 @@ def _request(i: int, entry: dict, where: str) -> Request:
             raise UsageError(f"{where}: no {key}")
     arrival = entry["arrival"]
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < 2**53:
-        raise UsageError(f"{where}: arrival must be a number of steps >= 0, got {arrival!r}")
+        raise UsageError(f"{where}: arrival must be a number of steps >= 0, got {arrival!r:.60}")
 
     def whole(key: str, least: int) -> int:
         value = entry.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 2**40:
-            raise UsageError(f"{where}: {key} must be a whole number >= {least}, got {value!r}")
+            raise UsageError(f"{where}: {key} must be a whole number >= {least}, got {value!r:.60}")
         return value
 
     prompt, output, prefix_len = whole("prompt_len", 1), whole("output_len", 1), whole("prefix_len", 0)
     prefix = entry.get("prefix")
-    if prefix is not None and not isinstance(prefix, (str, int)):
-        raise UsageError(f"{where}: prefix must be a name or a number, got {prefix!r}")
+    if prefix is not None and (not isinstance(prefix, (str, int)) or isinstance(prefix, bool) or len(str(prefix)) > 200):
+        raise UsageError(f"{where}: prefix must be a name or a number (of at most 200 characters), "
+                         f"got {str(prefix)[:40]!r}")
     if prefix_len > prompt or (prefix_len and prefix is None):
         raise UsageError(f"{where}: prefix_len {prefix_len} needs a prefix and at most prompt_len ({prompt}) tokens")
     return Request(i, math.ceil(arrival), prompt, output, None if prefix is None else str(prefix), prefix_len)

@@ -8,7 +8,9 @@ A lab ends with::
 :func:`main` builds an argparse parser from the dataclass (one ``--flag`` per field, its help and
 choices from the field, plus ``--json``), makes the ``Config`` (whose ``__post_init__`` holds every
 rule), calls ``run(config)``, and prints ``report(result)`` or, under ``--json``, the one JSON object
-``result.summary()``. Bad input of any kind, a :class:`UsageError` raised anywhere in the run, and
+``result.summary()``. What the report prints is fitted to the terminal (:func:`fitted_stdout`):
+tables fit themselves (:meth:`labkit.table.Table.text`), and every longer line is wrapped at its
+spaces; ``--json`` is printed whole. Bad input of any kind, a :class:`UsageError` raised anywhere in the run, and
 an out-of-memory error (sizes the machine cannot hold) are one line on stderr and exit code 2, never
 a traceback.
 
@@ -20,7 +22,9 @@ Also here: :func:`pick_device` (``auto|cpu|cuda``; it only resolves, it launches
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -30,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from labkit.config import UsageError, choices_of, fields_of, flag, split_optional
+from labkit.table import terminal_width, wrap
 
-__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json"]
+__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json",
+           "fitted_stdout"]
 
 
 class LabArgumentParser(argparse.ArgumentParser):
@@ -47,7 +53,7 @@ def _reader(kind, meta):
     if parse is not None:
         def read(text: str):
             try:
-                return parse(text)
+                return parse(_ascii_number(text))
             except ValueError as err:
                 raise argparse.ArgumentTypeError(str(err)) from None
         return read
@@ -59,7 +65,7 @@ def _reader(kind, meta):
 
         def number(text: str):
             try:
-                return kind(text)
+                return kind(_ascii_number(text))
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         return number
@@ -70,6 +76,14 @@ def _reader(kind, meta):
             return Path(text)
         return path
     return str
+
+
+def _ascii_number(text: str) -> str:
+    """``text`` if it is written in ASCII: Python's ``int("١٢")`` is 12 and ``float("１.５")`` 1.5,
+    but a number on a command line is written with the digits 0-9."""
+    if not text.isascii():
+        raise ValueError(f"write numbers with the ASCII digits 0-9, got {text!r}")
+    return text
 
 
 _METAVAR = {int: "N", float: "X", Path: "PATH", str: "TEXT", tuple: "A,B,..."}
@@ -93,7 +107,7 @@ def parser(config_cls, prog: str | None = None) -> LabArgumentParser:
             typing.get_origin(base) or base, "TEXT")}
         if choices is not None:
             kwargs["choices"] = list(choices)
-            kwargs["type"] = type(choices[0])
+            kwargs["type"] = _reader(type(choices[0]), {}) if type(choices[0]) in (int, float) else type(choices[0])
             kwargs.pop("metavar")
         else:
             kwargs["type"] = _reader(base, meta)
@@ -154,13 +168,14 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
         device = getattr(config, "device", None)
         if isinstance(device, str) and device.startswith("cuda"):
             pick_device(device)  # no GPU here: one line before anything runs (a notebook kernel, a rank)
-        result = run(config)
         if as_json or report is None:
+            result = run(config)
             emit_json(result.summary() if hasattr(result, "summary") else result)
         else:
-            report(result)
+            with fitted_stdout():  # what the run and its report print, fitted to the terminal
+                report(run(config))
     except UsageError as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
@@ -176,6 +191,55 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
         raise SystemExit(STOPPED_READING) from None
 
 
+class _FittedLines(io.TextIOBase):
+    """A text stream that passes each whole line written to it through :func:`labkit.table.wrap`."""
+
+    def __init__(self, out, width: int) -> None:
+        self._out, self._width, self._partial = out, width, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._out.write(wrap(line, self._width) + "\n")
+        return len(text)
+
+    def flush(self) -> None:  # a line not ended yet goes out as it is (a prompt, or before a subprocess writes)
+        if self._partial:
+            self._out.write(self._partial)
+            self._partial = ""
+        self._out.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._out.isatty()
+
+    def fileno(self) -> int:
+        return self._out.fileno()
+
+    @property
+    def encoding(self):  # type: ignore[override]
+        return getattr(self._out, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def fitted_stdout(width: int | None = None):
+    """Inside, every line printed to stdout fits ``width`` columns (default: the terminal's,
+    :func:`labkit.table.terminal_width`): a longer one is wrapped at its spaces, words whole."""
+    stream = _FittedLines(sys.stdout, width or terminal_width())
+    try:
+        with contextlib.redirect_stdout(stream):
+            yield stream
+    finally:
+        stream.flush()
+
+
+def _one_line(err: BaseException) -> str:
+    """The message on one line, whatever it holds (a file name may hold a newline)."""
+    return str(err).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _prog(prog: str | None) -> str:
     return prog or (sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else "lab")
 
@@ -187,7 +251,11 @@ def _out_of_memory(err: BaseException) -> bool:
     import torch
 
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(err, oom) or "can't allocate memory" in str(err)
+    return isinstance(err, oom) or any(sign in str(err) for sign in TOO_LARGE)
+
+
+#: what torch says when sizes that passed a Config are beyond the allocator (or beyond int64 bytes)
+TOO_LARGE = ("can't allocate memory", "Storage size calculation overflowed", "numel: integer multiplication overflow")
 
 
 def pick_device(name: str):

@@ -17,13 +17,20 @@ A lab writes its knobs once, with their defaults, their help and their bounds::
 (:func:`labkit.cli.main`), and notebooks, benchmarks, tests and other labs call
 ``run(Config(steps=3))``. Bad input raises :class:`UsageError` whose message names the flag
 (``--steps must be 1 or more, got 0``), whichever way it came in. Whole numbers must fit int64, so a
-size of 10**30 is refused here, before anything is allocated.
+size of 10**30 is refused here, before anything is allocated; a float must be finite and not
+subnormal (below 2.2e-308 a number has lost its precision, and 1/x overflows).
+
+A path field says what the run does with it (``path="read"``, ``"write"`` or ``"folder"``), and is
+checked here, before any work: a name the file system cannot hold (a part over 255 bytes, a path
+over 4,095), a file to read that is missing, a folder or a device or a pipe, a target that could
+not be written (see :func:`labkit.files.check_target`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +39,27 @@ from typing import Any, Literal
 
 INT64_MAX = 2**63 - 1
 
+# Ceilings every lab's sizes share: above every published model and every run a lab can finish, far
+# below what overflows torch's int64 sizes. A flag that sizes an allocation or a loop takes one as
+# its ``max``, so ``--layers 9223372036854775807`` is one line here, not a hang. Inside them, a run
+# may still be beyond the machine: the lab's memory floor (labkit.budget) refuses that, and torch's
+# own refusal is one line too (labkit.cli.main).
+MAX_LAYERS = 1 << 10  # 1,024 blocks; Llama-3.1-405B has 126, GPT-3 96
+MAX_WIDTH = 1 << 17  # 131,072 features (hidden, MLP, head); GPT-3 is 12,288 wide, its MLP 49,152
+MAX_HEADS = 1 << 12  # 4,096 attention heads; Llama-3.1-405B has 128
+MAX_TOKENS = 1 << 24  # 16,777,216 tokens in one sequence, prompt or pool; Llama 3.1's context is 131,072
+MAX_VOCAB = 1 << 22  # 4,194,304 tokens; Gemma's vocabulary is 262,144
+MAX_BATCH = 1 << 16  # 65,536 sequences (or requests) at once
+MAX_STEPS = 100_000  # steps, iterations, repeats: what a lab's loop can finish
+MAX_EXPERTS = 1 << 12  # 4,096 experts per layer; DeepSeek-V3 has 256
+MAX_PARAMS = 1 << 50  # 1.1e15 parameters; the largest published models have about 1e12
+MAX_COUNT = 1 << 20  # how many of a thing: saved tensors, table rows, buffers
+MAX_THREADS = 1 << 12  # CPU threads
+MAX_LR = 1e3  # a learning rate (or a weight decay) beyond any that trains
+MAX_RANKS = 1 << 20  # 1,048,576 ranks along one parallel dimension
+MAX_BYTES = 1 << 50  # 1 PiB; MiB-sized flags take MAX_BYTES >> 20
+MAX_SECONDS = 86_400  # a day: a time-out no lab step needs more than
+
 
 class UsageError(ValueError):
     """Bad input from the user: reported as one line on stderr, exit code 2."""
@@ -39,7 +67,7 @@ class UsageError(ValueError):
 
 def option(default: Any = None, help: str = "", *, min: float | None = None, above: float | None = None,
            max: float | None = None, below: float | None = None, parse=None, metavar: str | None = None,
-           positional: bool = False):
+           positional: bool = False, path: Literal["read", "write", "folder"] | None = None):
     """A config field: its default, its ``--help`` text and its bounds.
 
     ``min``/``max`` are inclusive bounds, ``above``/``below`` exclusive ones (a learning rate is
@@ -47,9 +75,11 @@ def option(default: Any = None, help: str = "", *, min: float | None = None, abo
     budget such as ``24MiB``); it raises ``ValueError`` with a message for bad text. The type, and
     with it the choices of a ``Literal``, comes from the field's annotation. ``positional``: given
     without a flag (a ``tuple`` field takes any number of them: ``run_notebooks.py lab-02 lab-08``).
+    ``path`` (a ``Path`` field): ``"read"`` a regular file that exists, ``"write"`` a file to create
+    or replace, ``"folder"`` a folder to write into; checked when the config is made.
     """
     meta = {"help": help, "min": min, "above": above, "max": max, "below": below, "parse": parse,
-            "metavar": metavar, "positional": positional}
+            "metavar": metavar, "positional": positional, "path": path}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for a default sequence")
     return field(default=default, metadata=meta)
@@ -126,6 +156,9 @@ def _check(name: str, value, kind, meta) -> Any:
         value = float(value)
         if not math.isfinite(value):
             raise UsageError(f"{name} must be a finite number, got {value}")
+        if value and abs(value) < sys.float_info.min:
+            raise UsageError(f"{name} {value:g} is subnormal (closer to 0 than {sys.float_info.min:.3g}): "
+                             f"too small to compute with; give 0 or a larger number")
         return _bounded(name, value, meta)
     if kind is str:
         if not isinstance(value, str):
@@ -136,7 +169,9 @@ def _check(name: str, value, kind, meta) -> Any:
             value = Path(value)
         if not isinstance(value, Path) or not str(value).strip():
             raise UsageError(f"{name} must be a path, got {value!r}")
-        return value
+        from labkit import files
+
+        return files.check_path(value, name, meta.get("path"))
     if typing.get_origin(kind) is tuple:
         item = typing.get_args(kind)[0]
         if isinstance(value, (list, tuple)):
@@ -162,10 +197,15 @@ def _bounded(name: str, value, meta):
 
 def _range(lo, hi) -> str:
     if hi is None:
-        return f"{lo:g} or more"
+        return f"{_num(lo)} or more"
     if lo is None:
-        return f"{hi:g} or less"
-    return f"in [{lo:g}, {hi:g}]"
+        return f"{_num(hi)} or less"
+    return f"in [{_num(lo)}, {_num(hi)}]"
+
+
+def _num(x) -> str:
+    """A bound as a reader writes it: 4,096 and 1,048,576 for whole numbers, 1e-06 for small floats."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 2**63 else f"{x:g}"
 
 
 def summary_of(config) -> dict:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.config import UsageError, option
+from labkit.config import MAX_HEADS, MAX_LAYERS, MAX_STEPS, MAX_TOKENS, MAX_WIDTH, UsageError, option
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,14 +65,14 @@ class DiffusionShape:
     (``class Config(DiffusionShape, LabConfig)``), so Lab 08, Lab 11 and their benchmark share the
     names, help and rules; a lab with other defaults declares those fields again with its own."""
 
-    width: int = option(128, "model width", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    denoiser_layers: int = option(8, "denoiser blocks", min=1)
-    text_layers: int = option(2, "text encoder blocks", min=1)
-    decoder_layers: int = option(2, "decoder layers", min=1)
-    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1)
-    text_len: int = option(16, "prompt tokens", min=1)
-    steps: int = option(3, "denoising steps", min=1)
+    width: int = option(128, "model width", min=1, max=MAX_WIDTH)
+    heads: int = option(4, "attention heads (must divide --width)", min=1, max=MAX_HEADS)
+    denoiser_layers: int = option(8, "denoiser blocks", min=1, max=MAX_LAYERS)
+    text_layers: int = option(2, "text encoder blocks", min=1, max=MAX_LAYERS)
+    decoder_layers: int = option(2, "decoder layers", min=1, max=MAX_LAYERS)
+    latent_tokens: int = option(64, "latent tokens the denoiser works on", min=1, max=MAX_TOKENS)
+    text_len: int = option(16, "prompt tokens", min=1, max=MAX_TOKENS)
+    steps: int = option(3, "denoising steps", min=1, max=MAX_STEPS)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "the weights' dtype")
 
     def __post_init__(self) -> None:

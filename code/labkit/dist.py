@@ -46,11 +46,13 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -120,11 +122,15 @@ def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int 
     would (PyTorch's elastic launcher, in this process), and return the exit code for the job.
 
     The ranks write to this terminal. Every rank refuses bad input before it joins the group, and
-    rank 0 alone says so (:func:`one_voice`): the job then exits 2 without a word more. A rank that
-    fails otherwise (an error, a signal) stops the others within a fraction of a second; this
-    process then prints one line naming it and returns 1 (a rank's own error is printed above, by
-    that rank). A signal to this process stops the ranks too (exit 128 + its number). The
-    launcher's logging is silenced below CRITICAL.
+    rank 0 alone says so (:func:`one_voice`): the job then exits 2 without a word more. A rank
+    refused mid-run by what it alone met (its ledger on a full disk) leaves its line to this
+    process, which prints it: one line, exit 2. A rank that fails otherwise (an error, a signal)
+    stops the others within a fraction of a second, and a rank that stays stopped (SIGSTOP, a
+    debugger) for ``STOPPED_LIMIT_S`` is killed (:class:`StoppedRankWatch`: its peers would wait for
+    it a minute and more); this process then prints one line naming it and returns 1 (a rank's own
+    error is printed above, by that rank; the ranks that only lost it say nothing). A signal to this
+    process stops the ranks too (exit 128 + its number). The launcher's logging is silenced below
+    CRITICAL.
     """
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -141,6 +147,10 @@ def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it: ranks share the cores
+    # a rank that loses its peers leaves the report to this process; one refused mid-run leaves its line here
+    os.environ[STARTED_BY_LABKIT] = said = tempfile.mkdtemp(prefix="labkit-ranks-")
+    watch = StoppedRankWatch()
+    watch.start()
     try:
         elastic_launch(config, sys.executable)("-u", str(script), *argv)
     except SignalException as sig:  # Ctrl-C or a kill of this process: the launcher stopped the ranks
@@ -149,16 +159,96 @@ def start_ranks(script: str | os.PathLike, argv: list[str], nproc_per_node: int 
         return 128 + sig.sigval
     except ChildFailedError as failed:
         codes = {rank: f.exitcode for rank, f in failed.failures.items()}
-        if 2 in codes.values():
-            return 2  # bad input: rank 0 has said what
+        if watch.stopped is not None:
+            rank, seconds = watch.stopped
+            print(f"{_prog(prog)}: error: rank {rank} was stopped (SIGSTOP, or a debugger) for {seconds:.0f} s while "
+                  f"the others waited for it; it was killed and the other ranks were stopped", file=sys.stderr)
+            return 1
+        if 2 in codes.values():  # bad input: rank 0 has said what; mid-run, maybe another rank alone
+            if codes.get(0) != 2 and (lines := sorted(Path(said).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))):
+                print(lines[0].read_text(encoding="utf-8").strip(), file=sys.stderr)
+            return 2
         if cli.STOPPED_READING in codes.values():
             return cli.STOPPED_READING  # the reader closed rank 0's output early: nothing to report
-        rank, first = failed.get_first_failure()
+        # the news first: a rank killed by a signal (not the launcher's SIGTERM to the rest), then one that
+        # failed, before the ranks that lost it (exit 1, silent) or that the launcher stopped
+        rank, first = min(failed.failures.items(), key=lambda kv: (
+            kv[1].exitcode == -signal.SIGTERM, kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
         how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
                else f"exited with code {first.exitcode} (its error is above)")
         print(f"{_prog(prog)}: error: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
         return 1
+    finally:
+        watch.done()
+        os.environ.pop(STARTED_BY_LABKIT, None)
+        shutil.rmtree(said, ignore_errors=True)
     return 0
+
+
+#: set in the ranks :func:`start_ranks` starts, to a folder: a rank that lost its peers says nothing, and one
+#: refused mid-run (a full disk) leaves its line there; the launcher says one line for the job
+STARTED_BY_LABKIT = "LABKIT_STARTED_RANKS"
+#: seconds a started rank may stay stopped (SIGSTOP, a debugger's stop) before the job ends: its peers
+#: would otherwise wait for it until the collective's time-out (a minute), then the launcher's grace (30 s)
+STOPPED_LIMIT_S = 3.0
+
+
+class StoppedRankWatch(threading.Thread):
+    """Watches the ranks this process started (its child processes, in ``/proc``) and kills one that
+    has been stopped for ``STOPPED_LIMIT_S`` (state ``T`` or ``t``): the launcher then stops the
+    others and :func:`start_ranks` names it. A stopped process cannot send a heartbeat; its state
+    says it all. If this process was itself stopped meanwhile (Ctrl-Z stops the whole job), the
+    watch starts over. ``stopped``: ``(rank, seconds)`` once it has acted. Linux only (no ``/proc``:
+    it does nothing, and the collective's time-out ends the job)."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        super().__init__(daemon=True, name="stopped-rank-watch")
+        self.interval_s, self.stopped = interval_s, None
+        self._done = threading.Event()
+
+    def done(self) -> None:
+        self._done.set()
+
+    def run(self) -> None:
+        since: dict[int, float] = {}
+        last = time.monotonic()
+        while not self._done.wait(self.interval_s) and os.path.isdir("/proc"):
+            now = time.monotonic()
+            if now - last > 4 * self.interval_s:
+                since.clear()  # this process did not run for a while: stopped with its ranks, or starved
+            last = now
+            states = dict(_children())
+            since = {pid: since.get(pid, now) for pid, state in states.items() if state in "Tt"}
+            for pid, first in since.items():
+                if now - first >= STOPPED_LIMIT_S:
+                    self.stopped = (_rank_of(pid), now - first)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                    return
+
+
+def _children() -> Iterator[tuple[int, str]]:
+    """(pid, state) of this process's children, from ``/proc/PID/stat``."""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command name)"
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(me):
+            yield int(name), fields[0]
+
+
+def _rank_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return env.get(b"RANK", b"?").decode()
+    except OSError:
+        return f"(pid {pid})"
 
 
 # ---------------------------------------------------------------------- joining the process group
@@ -215,7 +305,21 @@ def _join(device_name: str, backend: str, timeout_s: float = 60) -> tuple[torch.
     _end_with_the_launcher()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _joined
+    _joined = True
     return device, backend
+
+
+_joined = False  # this process has joined a group: from then on, a rank may meet what its peers do not
+
+
+def peer_lost(err: BaseException) -> bool:
+    """A collective failed because another rank is gone or silent: its connection closed, reset or
+    timed out (gloo and NCCL raise ``DistError`` or a RuntimeError that says so)."""
+    signs = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+             "NCCL communicator was aborted", "Socket Timeout")
+    return isinstance(err, RuntimeError) and (isinstance(err, getattr(dist, "DistError", ())) or
+                                              any(sign in str(err) for sign in signs))
 
 
 def _end_with_the_launcher() -> None:
@@ -283,17 +387,39 @@ class Voice:
                 print(f"{_prog(None)}: check failed: {err}", file=sys.stderr)
             raise SystemExit(1) from None
         if isinstance(err, SystemExit) and err.code == 2 and not self.speaks:
-            time.sleep(QUIET_EXIT_DELAY_S)  # bad input: rank 0 says so, then torchrun stops the rest
+            if _joined:  # refused mid-run, maybe by this rank alone (its disk is full): it says why
+                self._say_through_the_launcher()
+            else:
+                time.sleep(QUIET_EXIT_DELAY_S)  # bad input: rank 0 says so, then torchrun stops the rest
+        elif err is not None and peer_lost(err):  # another rank failed or froze: that one is the news
+            if not os.environ.get(STARTED_BY_LABKIT):  # under torchrun, one line; start_ranks names the rank
+                print(f"{_prog(None)}: error: rank {self.rank} lost contact with the other ranks "
+                      f"({' '.join(str(err).split())[:160]})", file=sys.stderr)
+            raise SystemExit(1) from None
         elif err is not None and not isinstance(err, (SystemExit, KeyboardInterrupt)) and not self.speaks:
             print(self._unsaid.getvalue(), end="", file=sys.stderr)  # a real error: all it printed
         return False
 
 
+    def _say_through_the_launcher(self) -> None:
+        """This rank's line, for :func:`start_ranks` to print (one line for the job), or on stderr."""
+        folder, line = os.environ.get(STARTED_BY_LABKIT), self._unsaid.getvalue()
+        if folder:
+            with contextlib.suppress(OSError):
+                Path(folder, f"rank{self.rank}.txt").write_text(line, encoding="utf-8")
+                return
+        print(line, end="", file=sys.stderr)
+
+
 def one_voice() -> Voice:
     """Rank 0 alone speaks: bad input (exit 2) and a broken promise (exit 1) are one line from
     rank 0, and the other ranks exit with the same code without a word (bad input a moment later
-    than rank 0, ``QUIET_EXIT_DELAY_S``). A real error surfaces on every rank, with what it had
-    printed. Every rank leaves the process group at the end.
+    than rank 0, ``QUIET_EXIT_DELAY_S``). Once the group is joined, a rank may meet alone what its
+    peers do not (a full disk): it says so itself (through :func:`start_ranks` when that started
+    it). A collective that fails because a peer is gone (:func:`peer_lost`) is one line under
+    torchrun and silence under :func:`start_ranks`, which names the rank that went; exit 1. A real
+    error surfaces on every rank, with what it had printed. Every rank leaves the process group at
+    the end.
 
     Every object ``run`` left that holds a process group (a DDP module, an FSDP-sharded model, a
     ``ZeroRedundancyOptimizer``) is collected on the way out, while Python is still alive. Left to

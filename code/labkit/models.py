@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.config import UsageError, option
+from labkit.config import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, UsageError, option
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,11 @@ class TinyGPTShape:
     (``class Config(TinyGPTShape, LabConfig)``), so the same names, help and rules hold in every lab;
     a lab with other defaults declares those fields again with its own."""
 
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    width: int = option(128, "model width", min=1)
-    layers: int = option(2, "transformer blocks", min=1)
-    heads: int = option(4, "attention heads (must divide --width)", min=1)
-    vocab: int = option(256, "vocabulary size", min=1)
+    seq_len: int = option(64, "tokens per sequence", min=1, max=MAX_TOKENS)
+    width: int = option(128, "model width", min=1, max=MAX_WIDTH)
+    layers: int = option(2, "transformer blocks", min=1, max=MAX_LAYERS)
+    heads: int = option(4, "attention heads (must divide --width)", min=1, max=MAX_HEADS)
+    vocab: int = option(256, "vocabulary size", min=1, max=MAX_VOCAB)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the types and bounds of every field first

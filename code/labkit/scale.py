@@ -12,13 +12,16 @@ so Llama-3-70B traces on a laptop. Without ``--fake`` a zoo model is built for r
 entry runs on a CPU in seconds; a real-size one is refused by the lab's memory budget).
 
 With ``--model``, the width, layers, heads and vocabulary are the zoo model's own; ``--seq-len``
-and the batch size stay the lab's.
+and the batch size stay the lab's. A lab runs the families its step takes (:attr:`RealScale.FAMILIES`:
+the causal language models, unless the lab says more); any other zoo name is refused in one line
+that lists the ones it can run.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -33,6 +36,10 @@ TINY = "tiny"
 class RealScale:
     """Mix into a lab's ``Config`` (``class Config(RealScale, TinyGPTShape, LabConfig)``)."""
 
+    #: the zoo families the lab's step runs: token in, logits and a loss out (a diffusion transformer
+    #: takes latents, a text embedding and a timestep instead)
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "mixtral", "gpt", "hf")
+
     model: str = option(TINY, "the model: 'tiny' (this lab's TinyGPT, from the shape flags), a zoo name "
                         "(llama-3-8b, llama-3-70b, mixtral-8x7b, ...) or a Hugging Face config.json",
                         metavar="NAME|PATH")
@@ -42,7 +49,14 @@ class RealScale:
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.model != TINY:
-            self.model_spec()  # an unknown name or a bad path is refused now, in one line
+            spec = self.model_spec()  # an unknown name or a bad path is refused now, in one line
+            if spec.family not in self.FAMILIES:
+                from labkit import zoo
+
+                runs = [TINY, *(n for n in zoo.names() if zoo.get(n).family in self.FAMILIES)]
+                raise UsageError(f"--model {self.model} is a {spec.family} model, which this lab does not run: "
+                                 f"give one of {', '.join(runs)}" + (" or a Hugging Face config.json" if "hf" in
+                                                                    self.FAMILIES else ""))
         if self.fake and getattr(self, "device", "cpu") == "cuda":
             raise UsageError("--fake traces on this machine's CPU dispatch; leave --device at cpu or auto")
 

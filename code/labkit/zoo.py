@@ -45,8 +45,10 @@ What the zoo follows, and where it does not:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.config import UsageError
+from labkit import files
+from labkit.config import MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, UsageError
 from labkit.models import Block as GPTBlock
 from labkit.models import GPTConfig, _init_weights, gpt_param_count, run_in_order
 
@@ -570,33 +573,125 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+#: A Hugging Face config.json's keys for each dimension, first found wins (``hf_spec`` reads them so;
+#: the calculator's Lab 01 inputs too).
+HF_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
+    "heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",), "ffn": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",),
+    "experts": ("num_local_experts", "num_experts"), "top_k": ("num_experts_per_tok",),
+    "tied": ("tie_word_embeddings",),
+}
+#: each dimension's range in a config.json: a model beyond them is not one anybody trains (see labkit.config)
+HF_BOUNDS = {"layers": (1, MAX_LAYERS), "hidden": (1, MAX_WIDTH), "heads": (1, MAX_HEADS), "kv_heads": (1, MAX_HEADS),
+             "head_dim": (1, MAX_WIDTH), "ffn": (1, MAX_WIDTH), "vocab": (1, MAX_VOCAB), "experts": (1, MAX_EXPERTS),
+             "top_k": (1, MAX_EXPERTS)}
+#: a config.json's size (real ones have a few KiB) and nesting depth (a multimodal one nests 3 or 4 deep)
+CONFIG_BYTES, CONFIG_DEPTH = 1 << 20, 32
+#: the parameters a config may describe (the largest published models have about 10**12), and the MLPs
+#: (layers x experts) it may ask transformers to build, one module each (DeepSeek-V3: 61 x 256)
+HF_MAX_PARAMS, HF_MAX_MLPS = 1 << 44, 1 << 17
+
+
+def check_hf_fields(data: dict, where: str) -> None:
+    """UsageError, before transformers sees the config, for a dimension of the wrong type (a list, a
+    bool, a float), out of its range (``vocab_size: 0``, 10**6 layers or experts), a padding token
+    outside the vocabulary (the embedding would refuse it), a router that picks more experts than
+    there are, or a model too large to be one (:data:`HF_MAX_PARAMS`). The text model of a
+    multimodal config (``text_config``) is checked too."""
+    for part in (data, data.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        dims = {}
+        for dim, keys in HF_KEYS.items():
+            key = next((k for k in keys if part.get(k) is not None), None)
+            if key is None:
+                continue
+            value = part[key]
+            if dim == "tied":
+                if not isinstance(value, bool):
+                    raise UsageError(f"{where}: {key} must be true or false, got {_short(value)}")
+                continue
+            lo, hi = HF_BOUNDS[dim]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{where}: {key} must be a whole number, got {_short(value)}")
+            if not lo <= value <= hi:
+                raise UsageError(f"{where}: {key} must be in [{lo:,}, {hi:,}], got {value:,}")
+            dims[dim] = value
+        pad, vocab = part.get("pad_token_id"), dims.get("vocab")
+        if pad is not None and vocab and (isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab):
+            raise UsageError(f"{where}: pad_token_id {_short(pad)} is not a token of the {vocab:,}-token vocabulary")
+        if dims.get("top_k", 0) > dims.get("experts", 0):
+            raise UsageError(f"{where}: num_experts_per_tok {dims['top_k']} is more than the {dims.get('experts', 0)} "
+                             f"experts each layer has")
+        layers, width, experts = dims.get("layers", 1), dims.get("hidden", 1), dims.get("experts", 1)
+        params = layers * (4 * width * width + 3 * width * dims.get("ffn", 4 * width) * experts) \
+            + 2 * dims.get("vocab", 1) * width
+        if params > HF_MAX_PARAMS or layers * experts > HF_MAX_MLPS:
+            raise UsageError(f"{where}: {layers:,} layers of width {width:,} with {experts:,} MLP(s) of "
+                             f"{dims.get('ffn', 4 * width):,} is about {params:.2g} parameters in {layers * experts:,} "
+                             f"MLPs: more than the {HF_MAX_PARAMS:.2g} and {HF_MAX_MLPS:,} a model here may have")
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, str)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@contextlib.contextmanager
+def _library_quiet():
+    """transformers' warnings and log lines held back: a refusal is one line, and a run's output is the lab's."""
+    import logging
+    import warnings
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _read_hf_config(path: str):
-    """transformers' config object for a causal-LM ``config.json`` (or a folder holding one), or UsageError."""
+    """transformers' config object for a causal-LM ``config.json`` (or a folder holding one), or UsageError.
+
+    The file is read with limits (a regular file of at most :data:`CONFIG_BYTES`, nested at most
+    :data:`CONFIG_DEPTH` deep: :func:`labkit.files.read_json`), and the fields the zoo reads are
+    checked (:func:`check_hf_fields`) before transformers builds anything from it."""
     from transformers import AutoConfig
     from transformers.models.auto import modeling_auto as auto
 
     file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
-    if not file.is_file():
-        raise UsageError(f"{path}: no such file (give a zoo name, one of {', '.join(names())}, "
-                         "or the path of a Hugging Face config.json)")
     try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{file}: not a JSON model config ({_one_line(exc)})") from exc
+        if file.is_dir():
+            file = file / "config.json"
+        exists = file.exists()
+    except OSError as exc:
+        raise UsageError(f"--model {files.shown(path)}: {_one_line(exc)}") from None
+    if not exists:
+        raise UsageError(f"--model {files.shown(path)}: no such file (give a zoo name, one of {', '.join(names())}, "
+                         "or the path of a Hugging Face config.json)")
+    data = files.read_json(file, "--model", CONFIG_BYTES, CONFIG_DEPTH)
+    where = f"--model {files.shown(file)}"
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if not model_type:
-        raise UsageError(f"{file}: not a Hugging Face model config (no model_type)")
+        raise UsageError(f"{where}: not a Hugging Face model config (no model_type)")
+    if not isinstance(model_type, str):
+        raise UsageError(f"{where}: model_type must be a name, got {_short(model_type)}")
     # Encoders (BERT, RoBERTa, ...) and encoder-decoders also have a causal-LM head class; a decoder-only
     # model is in the causal-LM table and in neither of theirs.
     if (model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
             or model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES):
-        raise UsageError(f"{file}: model_type {model_type!r} is not a decoder-only causal language model")
+        raise UsageError(f"{where}: model_type {_short(model_type)} is not a decoder-only causal language model")
+    check_hf_fields(data, where)
     try:
-        return AutoConfig.from_pretrained(str(file))
+        with _library_quiet():
+            return AutoConfig.from_pretrained(str(file))
     except Exception as exc:  # transformers raises many kinds for a config it cannot read
-        raise UsageError(f"{file}: transformers cannot read this config ({_one_line(exc)})") from exc
+        raise UsageError(f"{where}: transformers cannot read this config ({_one_line(exc)[:200]})") from None
 
 
 def hf_spec(path: str) -> ModelSpec:
@@ -607,19 +702,36 @@ def hf_spec(path: str) -> ModelSpec:
     def read(*names, default=0):
         return next((getattr(text, n) for n in names if getattr(text, n, None) is not None), default)
 
-    heads, file = read("num_attention_heads"), Path(path)
+    heads, file = read(*HF_KEYS["heads"]), Path(path)
     try:
-        return ModelSpec(
+        spec = ModelSpec(
             name=file.parent.name if file.name == "config.json" else file.name, family="hf",
-            layers=read("num_hidden_layers"), width=read("hidden_size"), heads=heads,
-            kv_heads=read("num_key_value_heads", default=heads), ffn=read("intermediate_size", "n_inner"),
-            vocab=read("vocab_size"), context=read("max_position_embeddings"),
-            tied=bool(read("tie_word_embeddings", default=False)), experts=read("num_local_experts", "num_experts"),
-            top_k=read("num_experts_per_tok"), norm_eps=read("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+            layers=read(*HF_KEYS["layers"]), width=read(*HF_KEYS["hidden"]), heads=heads,
+            kv_heads=read(*HF_KEYS["kv_heads"], default=heads), ffn=read(*HF_KEYS["ffn"]),
+            vocab=read(*HF_KEYS["vocab"]), context=read("max_position_embeddings"),
+            tied=bool(read(*HF_KEYS["tied"], default=False)), experts=read(*HF_KEYS["experts"]),
+            top_k=read(*HF_KEYS["top_k"]), norm_eps=read("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
             rope_theta=(read("rope_parameters", default=None) or {}).get("rope_theta", 0.0),
-            head_dim=read("head_dim"), source=str(path))
+            head_dim=read(*HF_KEYS["head_dim"]), source=str(path))
+        # what transformers filled in from its defaults, held to the same ranges as the file's own fields
+        check_hf_fields({keys[0]: getattr(spec, f) for keys, f in (
+            (HF_KEYS["layers"], "layers"), (HF_KEYS["hidden"], "width"), (HF_KEYS["vocab"], "vocab"),
+            (HF_KEYS["experts"], "experts")) if getattr(spec, f)}, f"--model {files.shown(path)}")
     except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type, say
-        raise UsageError(f"{path}: not a usable model config ({_one_line(exc)})") from exc
+        raise UsageError(f"--model {files.shown(path)}: not a usable model config ({_one_line(exc)[:200]})") from None
+    info = Path(path).stat()
+    _builds(str(path), info.st_mtime_ns, info.st_size)
+    return spec
+
+
+@functools.lru_cache(maxsize=16)
+def _builds(path: str, mtime_ns: int, size: int) -> None:
+    """transformers' model for the config at ``path``, built once on the meta device (nothing is
+    allocated): what transformers refuses only when it builds (an unknown RoPE type, a padding index
+    it asserts on) is a UsageError when the config is read, not a failure in the middle of a run.
+    Cached by the file's modification time and size."""
+    with torch.device("meta"):
+        HFCausalLM(_read_hf_config(path))
 
 
 class HFCausalLM(nn.Module):
@@ -639,10 +751,11 @@ class HFCausalLM(nn.Module):
         from transformers import AutoModelForCausalLM
 
         try:
-            self.hf = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
+            with _library_quiet():
+                self.hf = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
         except Exception as exc:
-            raise UsageError(f"transformers cannot build {config.model_type!r} from this config ({_one_line(exc)})") \
-                from exc
+            raise UsageError(f"transformers cannot build {config.model_type!r} from this config "
+                             f"({_one_line(exc)[:200]})") from None
 
     def _stack(self) -> tuple[nn.Module, str]:
         decoder = self.hf.get_decoder()
@@ -822,7 +935,9 @@ def get(name_or_path: str) -> ModelSpec:
     if name_or_path in _ZOO:
         return _ZOO[name_or_path]
     text = str(name_or_path)
-    if "/" in text or "\\" in text or text.endswith(".json") or Path(text).exists():
+    if why := files.path_problem(text):
+        raise UsageError(f"--model {files.shown(text)}: {why}")
+    if "/" in text or "\\" in text or text.endswith(".json") or os.path.lexists(text):
         return hf_spec(text)
     raise UsageError(f"unknown model {text!r}: the zoo has {', '.join(names())} "
                      "(or give the path of a Hugging Face config.json)")

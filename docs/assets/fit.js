@@ -870,6 +870,10 @@
     requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
+  // A choice's words where its value alone misleads: "bf16" here is pure bf16, with no fp32 master copy.
+  const CHOICE_LABELS = {
+    precision: { fp32: "fp32", bf16: "pure bf16 (no fp32 master)", mixed: "mixed (fp32 weights, bf16 autocast)" },
+  };
   const GROUPS = [
     ["The model", null, ["model"]],
     ["The task", null, ["task", "precision"]],
@@ -910,7 +914,8 @@
         h("option", { value: "false", text: "no" }));
     } else if (f.type === "choice") {
       c = h("select", { id, name: f.name, "aria-describedby": described });
-      for (const v of f.choices) c.append(h("option", { value: String(v), text: String(v) }));
+      const words = CHOICE_LABELS[f.name] || {};
+      for (const v of f.choices) c.append(h("option", { value: String(v), text: words[v] || String(v) }));
     } else {
       c = h("input", { id, name: f.name, type: "text", inputmode: f.type === "float" ? "decimal" : f.type === "list" ? "text" : "numeric",
         autocomplete: "off", spellcheck: "false", "aria-describedby": described });

@@ -150,6 +150,25 @@ traced = [(label, llama8b.trace if model == "llama-3-8b" and label == AMP else l
 zoo = tables.fits_table(traced, GPUS)
 display(zoo)
 
+# %% [markdown]
+# ## Llama-3-8B on one GPU, or two
+#
+# What the interview answer quotes beside the ladder above. On two GPUs: ZeRO-3 (Lab 11's FSDP2 wrap)
+# over 2 ranks with fused AdamW and full checkpointing, as rank 0 of 2, the fewest H100s that hold its
+# full fine-tuning in mixed precision. On one, with 8-bit Adam on bf16 weights: no lab traces it yet, so
+# it is derived from the traced pure-bf16 row of the table (fused AdamW, full checkpointing) less the
+# byte per moment and parameter that 8-bit moments do not keep (a block's fp32 scale is 4 B per 2,048).
+
+# %%
+two_gpus = lab.trace(lab.Config(model="llama-3-8b", seq=4096, dp=2, zero_stage=3, optimizer="adamw-fused",
+                                checkpointing="full", levers="none"))
+print(f"two GPUs: {tables.format_bytes(two_gpus.per_rank_peak_bytes)} per rank, peak in {two_gpus.derived['peak_phase']}")
+zoo_peaks = {(model, label): t.per_rank_peak_bytes
+             for (model, label), (_, t) in zip([(m, x) for m, xs in ROWS.items() for x in xs], traced)}
+bf16_fused_full_8b = zoo_peaks["llama-3-8b", FUSED]
+adam8bit_8b = bf16_fused_full_8b - 2 * llama8b.trace.derived["params"]  # two moments: 2 B -> 1 B per parameter each
+print(f"8-bit Adam on bf16 weights, full checkpointing (derived): {tables.format_bytes(adam8bit_8b)}")
+
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
@@ -164,6 +183,7 @@ notebook.publish(
     activations_less_casts_8b=d8["category_max"]["activations"] - d8["weight_casts"]["at_activations_max"],
     activations_formula_8b=summary8b["predicted"]["activations"],
     activations_fp32_8b=fp32_8b.derived["category_max"]["activations"], zoo_rows=len(traced),
-    capacity_h100=summary8b["capacity_bytes"],
+    capacity_h100=summary8b["capacity_bytes"], two_gpus_8b=two_gpus.per_rank_peak_bytes,
+    two_gpus_phase_8b=two_gpus.derived["peak_phase"], bf16_fused_full_8b=bf16_fused_full_8b, adam8bit_8b=adam8bit_8b,
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
 
-from labkit import labs, notebook, plot
+from labkit import labs, notebook, plot, zoo
 
 nb = notebook.setup(14)
 lab = nb.lab
@@ -163,6 +163,27 @@ at_8b = lab.run(lab.Config(model="llama-3-8b", fake=True, requests=300, arrival_
 real_serving = report.caches_table(at_8b)
 display(real_serving)
 
+# %% [markdown]
+# ## How fast decode can be: bandwidth, not capacity
+#
+# The pool above decides how many sequences fit; the memory's bandwidth decides how fast each gets its
+# next token. A decode step reads every weight matrix once (the embedding table only the rows it looks
+# up) and each sequence's keys and values, and does about one FLOP per byte it reads
+# (`serving_speed.decode_step`, **derived**); a training matmul does over a thousand. Below the card's
+# ridge point (its peak FLOP/s over its bandwidth, both **cited** from NVIDIA in `serving_speed.CHIPS`)
+# a kernel waits on memory, so decode makes at most `bandwidth x batch / bytes read per step` tokens a
+# second. Llama-3-8B in bf16 on an H100 SXM at an 8,192-token context: one sequence, and as many as the
+# pool above holds.
+
+# %%
+speed = labs.load(14, "serving_speed")
+h100, spec_8b, context = speed.CHIPS["h100-80gb"], zoo.get("llama-3-8b"), 8192
+sizes, speeds = speed.sizes_table(), speed.speeds_table()
+matmul_flops, matmul_bytes = speed.matmul(tokens=8192, d_in=4096, d_out=4096)
+decode = [speed.decode(h100, spec_8b, context, batch) for batch in (1, plans[0].sequences(context))]
+decode_table = speed.decode_table(decode)
+display(sizes, speeds, decode_table)
+
 # %%
 budget_8b, long_whole, long_chunked = plans[0], plans[3], plans[4]
 budget_70b = {plan.tp: plan for plan in plans if plan.model == "llama-3-70b" and plan.kv_dtype == "bf16"}
@@ -172,7 +193,8 @@ real_metrics = {name: served.metrics() for name, served in at_8b.served.items()}
 kv_rows = {row[0]: row for row in kv_dtypes.rows}
 notebook.publish(
     nb, tables={"caches": caches, "cost": cost, "block_sizes": blocks, "prefix": prefix, "layouts": layouts,
-                "kv_dtypes": kv_dtypes, "real_scale": real_scale, "prefill": prefill, "real_serving": real_serving},
+                "kv_dtypes": kv_dtypes, "real_scale": real_scale, "prefill": prefill, "real_serving": real_serving,
+                "gpu_sizes": sizes, "gpu_speeds": speeds, "decode_bound": decode_table},
     figures={"records": fig_records, "ledger": fig_ledger},
     summary=result.summary(),
     pool_tokens=result.pool_tokens, pool_bytes=result.pool_bytes, identical_tokens=result.identical_tokens(),
@@ -195,4 +217,12 @@ notebook.publish(
           "prefill": prefill_numbers,
           "concurrent": {name: m["max_concurrent"] for name, m in real_metrics.items()},
           "tokens_per_step": {name: m["tokens_per_step"] for name, m in real_metrics.items()},
-          "static_waste": real_metrics["static"]["waste_fraction"]})
+          "static_waste": real_metrics["static"]["waste_fraction"]},
+    speed={"ridge_h100": h100.ridge, "bandwidth_h100_tb": h100.bandwidth.value / 1e12,
+           "bf16_h100_tflops": h100.bf16_dense.value / 1e12,
+           "matmul": {"flops": matmul_flops, "bytes": matmul_bytes, "intensity": matmul_flops / matmul_bytes},
+           "decode_8b": decode[0], "decode_8b_pool": decode[1],  # and in GB, as bandwidths are quoted:
+           "gb": {name: {key: d[key] / 1e9 for key in ("bytes", "weight_bytes", "kv_bytes")}
+                  for name, d in (("decode_8b", decode[0]), ("decode_8b_pool", decode[1]))},
+           "rounded": {name: float(f"{d['tokens_per_s']:.2g}")
+                       for name, d in (("decode_8b", decode[0]), ("decode_8b_pool", decode[1]))}})

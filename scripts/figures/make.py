@@ -52,7 +52,7 @@ class Config:
     """Draw the handbook's mechanism figures into docs/assets/figures/ (or --out-dir)."""
 
     names: tuple[str, ...] = option((), "figure names (default: every figure)", positional=True)
-    out_dir: Path = option(OUT, "where the SVGs go (default: docs/assets/figures/)")
+    out_dir: Path = option(OUT, "where the SVGs go (default: docs/assets/figures/)", path="folder")
 
     def __post_init__(self) -> None:
         check_fields(self)
