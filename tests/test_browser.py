@@ -229,7 +229,7 @@ def test_lab_pages_show_their_insight_and_figure_on_the_first_screen(browser, se
     least) before any scrolling (tests/test_lab_pages.py checks that they are the page's lead)."""
     screens = {"phone": PHONE_DARK, "desktop": dict(viewport={"width": 1280, "height": 800}, color_scheme="light")}
     labs = [p for p in site_pages(built_site["dir"]) if re.match(r"^/labs/lab-\d\d-", p)]
-    assert len(labs) == 14, labs
+    assert len(labs) == 15, labs
     below = []
     for name, settings in screens.items():
         context = browser.new_context(**settings)
@@ -578,19 +578,15 @@ def test_fit_ladder_halves_the_batch_again_and_links_each_lever_to_its_lab(brows
     ctx.close()
 
 
-def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
-    """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
-    gradients and optimizer state link to their formula on the page, not to Lab 02."""
-    ctx, page, watch = open_fit(browser, server, "?lora-rank=16")
-    tag = page.locator("#fit-hint-lora_rank .il-tag--derived")  # under the input, where the rank is typed
-    assert tag.is_visible() and tag.text_content() == "derived, not measured"
-    for cat in ("parameters", "gradients", "optimizer_state"):
+def test_fit_lora_and_qlora_link_their_categories_to_lab_15(browser, server):
+    """Lab 13 traces LoRA and QLoRA with Lab 15's adapters and NF4 weights: a QLoRA step's adapters, their
+    gradients and optimizer state, the frozen weights and their constants say Lab 15 measures them; the
+    activations stay Lab 04's, and a full step's parameters are Lab 02's again."""
+    ctx, page, watch = open_fit(browser, server, "?method=qlora&precision=bf16&lora-rank=16")
+    for cat in ("parameters", "gradients", "optimizer_state", "frozen_weights", "quant_constants"):
         cell = page.locator(f"#fit-table tr[data-category={cat}] td:last-child")
-        assert "Lab" not in cell.inner_text(), cat
-        if page.get_attribute(f"#fit-table tr[data-category={cat}]", "data-bytes") == "0":
-            continue  # none at the peak: no formula shown to link to
-        assert cell.locator("a").get_attribute("href") == f"#fit-formula-{cat}", cat
-        assert page.locator(f"#fit-formula-{cat}").count() == 1 and "Lab 02" not in page.inner_text(f"#fit-formula-{cat}")
+        assert cell.inner_text() == "Lab 15", cat
+        assert "lab-15-fine-tuning" in cell.locator("a").get_attribute("href"), cat
     assert page.inner_text("#fit-table tr[data-category=activations] td:last-child") == "Lab 04"
     page.evaluate("q => InfraLabFit.load(q)", "")
     assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
@@ -646,7 +642,7 @@ def test_fit_updates_within_50_ms_on_a_throttled_cpu(browser, server):
     cdp = ctx.new_cdp_session(page)
     cdp.send("Emulation.setCPUThrottlingRate", {"rate": 4})
     train = [("seq", "8192", "4096"), ("seq", "81920", "819"), ("precision", "bf16", "mixed"), ("checkpointing", "full", "none"),
-             ("dp", "8", "1"), ("model", "mixtral-8x7b", "llama-3-70b"), ("batch", "4", "1"), ("lora_rank", "16", "0"),
+             ("dp", "8", "1"), ("model", "mixtral-8x7b", "llama-3-70b"), ("batch", "4", "1"), ("method", "lora", "full"),
              ("task", "serve", "train"), ("gpu", "l4-24gb", "h100-80gb")]
     serve = [("context", "32768", "8192"), ("requests", "256", "32"), ("kv_dtype", "fp8", "bf16")]
     page.evaluate(FIT_CHANGE, ["seq", "2048"])  # warm-up

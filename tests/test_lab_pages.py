@@ -105,7 +105,7 @@ y = 2</code></pre></div>
 
 
 def test_every_lab_page_is_built_and_counted(built_site):
-    assert len(LAB_PAGES) == 14
+    assert len(LAB_PAGES) == 15
     for page in LAB_PAGES:
         prose, with_code = count(built_page(built_site["dir"], page))
         assert 0 < prose <= with_code

@@ -32,7 +32,10 @@ from lora import ALL, adapters, inject
 from nf4 import Linear4bit, constants, nf4_bytes, quantize_linears
 
 from labkit import cli, labs, marks, provenance, zoo
-from labkit.config import LabConfig, UsageError, option
+from labkit.config import (
+    MAX_BATCH, MAX_HEADS, MAX_LAYERS, MAX_LR, MAX_STEPS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, LabConfig, UsageError,
+    option,
+)
 from labkit.ledger import Ledger
 from labkit.models import SyntheticTokens
 from labkit.table import Table, by_category, format_bytes
@@ -100,25 +103,27 @@ class Config(FineTuning, LabConfig):
 
     method: Literal["full", "lora", "qlora"] = option(
         "qlora", "full: train every weight; lora: adapters on a frozen base; qlora: the frozen base in 4-bit NF4")
-    lora_rank: int = option(8, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)", min=1)
-    lora_alpha: float = option(16.0, "LoRA's alpha: the update is scaled by alpha / rank", above=0)
+    lora_rank: int = option(8, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)", min=1,
+                            max=MAX_WIDTH)
+    lora_alpha: float = option(16.0, "LoRA's alpha: the update is scaled by alpha / rank", above=0, max=1e6)
     lora_dropout: float = option(0.0, "dropout on each adapter's input", min=0, below=1)
     precision: Literal["fp32", "bf16", "mixed"] = option(
         "bf16", "fp32: everything fp32; bf16: everything bf16 (torchtune); mixed: bf16 base, fp32 adapters, bf16 "
         "autocast (PEFT with the Hugging Face Trainer); qlora needs bf16 or mixed")
     optimizer: Literal["adamw", "adamw8bit"] = option("adamw8bit", "adamw: torch's AdamW; adamw8bit: this lab's 8-bit one")
-    nf4_block: int = option(64, "weights per absmax in NF4 (QLoRA: 64)", min=1)
-    optimizer_block: int = option(2048, "values per absmax in the 8-bit optimizer state (the paper: 2,048)", min=1)
-    steps: int = option(4, "training steps", min=1)
-    batch_size: int = option(4, "sequences per step", min=1)
-    seq_len: int = option(64, "tokens per sequence", min=1)
-    lr: float = option(1e-3, "learning rate", above=0)
-    width: int = option(128, "hidden size of the toy Llama", min=1)
-    layers: int = option(2, "its blocks", min=1)
-    heads: int = option(4, "attention heads", min=1)
-    kv_heads: int = option(2, "key/value heads (they divide --heads)", min=1)
-    ffn: int = option(256, "MLP hidden size", min=1)
-    vocab: int = option(256, "vocabulary", min=1)
+    nf4_block: int = option(64, "weights per absmax in NF4 (QLoRA: 64)", min=1, max=MAX_WIDTH)
+    optimizer_block: int = option(2048, "values per absmax in the 8-bit optimizer state (the paper: 2,048)", min=1,
+                                 max=MAX_WIDTH)
+    steps: int = option(4, "training steps", min=1, max=MAX_STEPS)
+    batch_size: int = option(4, "sequences per step", min=1, max=MAX_BATCH)
+    seq_len: int = option(64, "tokens per sequence", min=1, max=MAX_TOKENS)
+    lr: float = option(1e-3, "learning rate", above=0, max=MAX_LR)
+    width: int = option(128, "hidden size of the toy Llama", min=1, max=MAX_WIDTH)
+    layers: int = option(2, "its blocks", min=1, max=MAX_LAYERS)
+    heads: int = option(4, "attention heads", min=1, max=MAX_HEADS)
+    kv_heads: int = option(2, "key/value heads (they divide --heads)", min=1, max=MAX_HEADS)
+    ffn: int = option(256, "MLP hidden size", min=1, max=MAX_WIDTH)
+    vocab: int = option(256, "vocabulary", min=1, max=MAX_VOCAB)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,10 +191,10 @@ def model_state(model, optimizer: str, block: int = 2048) -> dict[str, tuple[str
         out["frozen_weights"] = ((f"n / 2 B per NF4 linear + {b} B x the rest" if quantized else f"{b} B x P"),
                                  sum(q["codes"] for q in nf4) + b * sum(p.numel() for p in rest))
         if quantized:
-            out["quant_constants"] = ("per NF4 linear: n / 64 absmax codes + 4 B x n / 64 / 256 scales + 4 B",
+            out["quant_constants"] = ("n / 64 B + 4 B x n / 64 / 256 + 4 B, per NF4 linear",
                                       sum(q["constants"] for q in nf4))
     if optimizer == "adamw8bit":
-        out["optimizer_state"] = ("2 B x n + 2 x 4 B x n / block per tensor (8 B x n under 4,096 values)",
+        out["optimizer_state"] = ("2 B x n + 8 B x n / block (8 B x n under 4,096)",
                                   sum(state_bytes(p.numel(), block) for p in trained))
     else:
         out["optimizer_state"] = (f"2 x {t} B x n + 4 B step, per tensor", sum(2 * t * p.numel() + 4 for p in trained))
@@ -208,10 +213,12 @@ class Result:
     wall_time_s: float
 
     def checks(self) -> Table:
-        """Each model-state category: its formula against the ledger (in the optimizer phase: every one alive)."""
-        at = self.ledger.timeline().peaks_by_phase()["optimizer"]
+        """Each model-state category: its formula against the ledger's most of it (every one is alive
+        from the first optimizer step on)."""
+        most = self.ledger.timeline().device
         state = model_state(self.model, self.config.optimizer, self.config.optimizer_block)
-        rows = [[NAMES[k], formula, value, at[k]] for k, (formula, value) in state.items()]
+        names = NAMES | ({"parameters": "trained weights", "gradients": "gradients"} if self.config.method == "full" else {})
+        rows = [[names[k], formula, value, max(most[k])] for k, (formula, value) in state.items()]
         return Table(["category", "formula", ("derived", "B"), ("measured", "B")], rows)
 
     def summary(self) -> dict:

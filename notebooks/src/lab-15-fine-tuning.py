@@ -40,7 +40,8 @@ METHODS = {"full, bf16, AdamW": dict(method="full", optimizer="adamw"),
 toys = {name: lab.run(lab.Config(device=nb.device.type, precision="bf16", **fields)) for name, fields in METHODS.items()}
 qlora_toy = toys["QLoRA r8, bf16, 8-bit AdamW"]
 names = [c for c in lab.NAMES if any(max(r.ledger.timeline().device[c]) for r in toys.values())]
-toy = Table(["method", *((lab.NAMES[c], "bytes") for c in names)],
+heads = lab.NAMES | {"parameters": "trained (adapters)", "gradients": "their gradients"}  # full trains every weight
+toy = Table(["method", *((heads[c], "bytes") for c in names)],
             [[name, *(max(r.ledger.timeline().device[c]) for c in names)] for name, r in toys.items()], unit="KiB")
 checks = qlora_toy.checks()
 display(toy, checks)
