@@ -7,7 +7,7 @@
 the zoo's presets, Lab 13's GPU table, the constants the formulas use and the legend of every name in
 the formula code the page quotes (the build hook renders it there), the levers in Lab 13's order
 of cost, and every traced figure the labs have published for a preset configuration (Lab 13's
-steps and prefills; Lab 14's serving budgets once its results exist), each beside the formula's
+steps and prefills; Lab 14's serving budgets and Lab 15's fine-tunes once their results exist), each beside the formula's
 bytes and the gap. ``table.json`` is what the browser test loads: ``--count`` configurations, each
 with Python's bytes per category, moment, verdict and levers, that the page's JavaScript must
 reproduce within 0.1 %, and inputs the page must refuse next to the field that is wrong.
@@ -249,6 +249,17 @@ def lab14_traced() -> list[dict]:
                     "free": ["requests", "block_size", "gpu_memory_utilization"],  # they change the KV, not these
                     "source": f"{path.relative_to(ROOT)}: table real_scale"})
     return out
+
+
+def lab15_traced() -> list[dict]:
+    """Lab 15's fine-tunes traced at real size (LoRA, QLoRA, the 8-bit AdamW), once its results exist."""
+    path = ROOT / "results" / labs.slug(15) / "summary.json"
+    if not path.is_file():
+        return []
+    return [{"inputs": _train_fields(r["inputs"]), "bytes": r["per_rank_peak_bytes"], "phase": r["peak_phase"],
+             "by_category": r["by_category"], "compared": None, "free": [],
+             "source": f"{path.relative_to(ROOT)}: numbers.real_scale[name={r['name']}]"}
+            for r in json.loads(path.read_text())["numbers"]["real_scale"]]
 
 
 def _dict_calls(node):
@@ -497,7 +508,7 @@ def run(config: Config) -> dict:
     for name in ("calculator.json", "table.json"):
         files.check_writable(config.out_dir / name, "--out-dir")
     rng = random.Random(config.seed)
-    traced = lab13_traced() + lab14_traced()
+    traced = lab13_traced() + lab14_traced() + lab15_traced()
     core = [(Inputs(**t["inputs"]), "h100-80gb") for t in traced]
     core += [(Inputs(model=m, task=task), "h100-80gb") for m in lab01_inputs.presets() for task in ("train", "serve")
              if not (task == "serve" and zoo.get(m).family == "gpt")]

@@ -137,7 +137,11 @@ TARGETS = lora.ALL
 
 def peft_twins(base, targets=TARGETS, rank=4, alpha=8.0, dtype=None):
     """Our LoRA and PEFT's on copies of ``base``, with the same A and a random B."""
-    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    return adapters_on(copy.deepcopy(base), copy.deepcopy(base), targets, rank, alpha, dtype)
+
+
+def adapters_on(ours, theirs, targets, rank, alpha, dtype):
+    """Our adapters on ``ours``, PEFT's on ``theirs`` (the same base weights), with the same A and a random B."""
     lora.inject(ours, targets, rank, alpha, dtype=dtype)
     wrapped = peft.get_peft_model(theirs, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
                                                           target_modules=[lora.TARGETS[t] for t in targets]))
@@ -197,15 +201,7 @@ def test_qlora_gives_peft_on_bitsandbytes_linear4bit_outputs_and_gradients():
     for mine, other in zip(layers, theirs_layers, strict=True):
         assert torch.equal(mine.codes, other.weight.data.view(-1))
         mine.absmax_codes.copy_(other.weight.quant_state.absmax)
-    lora.inject(ours, TARGETS, 4, 8.0, dtype=torch.float32)
-    wrapped = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(lora.TARGETS.values())))
-    by = dict(wrapped.named_modules())
-    pairs = [(m, by["base_model.model." + n]) for n, m in ours.named_modules() if isinstance(m, lora.LoRALinear)]
-    with torch.no_grad():
-        for m, o in pairs:
-            o.lora_B["default"].weight.normal_()
-            m.lora_A.weight.copy_(o.lora_A["default"].weight)
-            m.lora_B.weight.copy_(o.lora_B["default"].weight)
+    ours, wrapped, pairs = adapters_on(ours, theirs, TARGETS, 4, 8.0, torch.float32)
     idx = torch.randint(0, 256, (2, 16))
     (mine, my_loss), (other, their_loss) = ours(idx, idx), wrapped(idx, idx)
     assert torch.equal(mine, other)
@@ -398,19 +394,19 @@ def test_the_default_run_reports_every_category_and_its_check():
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    (["--lora-rank", "0"], "--lora-rank must be 1 or more"),
+    (["--lora-rank", "0"], "--lora-rank must be in [1,"),
     (["--lora-rank", "65"], "larger than min(in, out) = 64 of the k projection"),
     (["--lora-targets", "q,w"], "unknown: w"),
     (["--method", "qlora", "--precision", "fp32"], "--precision bf16 or mixed"),
-    (["--nf4-block", "0"], "--nf4-block must be 1 or more"),
-    (["--optimizer-block", "0"], "--optimizer-block must be 1 or more"),
+    (["--nf4-block", "0"], "--nf4-block must be in [1,"),
+    (["--optimizer-block", "0"], "--optimizer-block must be in [1,"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", *args), fragment)
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    (["--method", "lora", "--lora-rank", "0"], "--lora-rank must be 1 or more"),
+    (["--method", "lora", "--lora-rank", "0"], "--lora-rank must be in [1,"),
     (["--method", "lora", "--lora-rank", "1025"], "larger than min(in, out) = 1024"),
     (["--method", "qlora", "--lora-targets", "q,x"], "unknown: x"),
     (["--method", "qlora", "--precision", "fp32"], "--precision bf16 or mixed"),
