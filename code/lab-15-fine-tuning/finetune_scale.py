@@ -27,7 +27,7 @@ nf4 = labs.load(15, "nf4")  # nf4_bytes: a quantized head's codes and constants
 
 lab13 = labs.load(13)  # trace, run, Config: real models on fake tensors
 EXAMPLES = Path(__file__).resolve().parent / "examples"
-LLAMA2 = {n: str((EXAMPLES / f"llama-2-{n}.config.json").relative_to(labs.CODE_DIR.parent)) for n in ("7b", "13b")}
+LLAMA2 = {n: str(EXAMPLES / f"llama-2-{n}.config.json") for n in ("7b", "13b")}  # absolute: a notebook runs elsewhere
 
 # --8<-- [start:answers]
 ANSWERS = {  # name: (the question, Lab 13's flags)
