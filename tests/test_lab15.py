@@ -300,7 +300,8 @@ def test_every_model_state_category_of_the_toy_is_exact(fields):
     rows = result.checks().rows
     assert rows and all(derived == measured for _, _, derived, measured in rows), rows
     names = {r[0] for r in rows}
-    assert {"adapters", "adapter gradients", "optimizer state"} <= names
+    trained = ("trained weights", "gradients") if result.config.method == "full" else ("adapters", "adapter gradients")
+    assert {*trained, "optimizer state"} <= names
     quantized = [m for m in result.model.modules() if isinstance(m, nf4.Linear4bit)]
     deq = max(result.ledger.timeline().device["dequantized"])
     if quantized:
