@@ -63,7 +63,8 @@ class Config(LabConfig):
                                                 parse=read_sizes, metavar="WxL,...")
     rounds: int = option(30, "timed steps of each implementation", min=1, max=MAX_STEPS)
     threads: int = option(1, "torch threads for the AdamW comparison (1: one core, steady on a shared machine; 0: "
-                             "torch's default); the offload timing always uses torch's default", min=0, max=MAX_THREADS)
+                             "torch's own count); the offload timing keeps the run's count (torch's own on a GPU)", min=0,
+                         max=MAX_THREADS)
     overhead: Literal["auto", "on", "off"] = option("auto", "time Lab 07's offload modes (auto: only on CUDA)")
     steps: int = option(6, "training steps per offload mode", min=1, max=MAX_STEPS)
     out: Path | None = option(None, "default: results/cpu_adam_bench.json on CPU, results/cpu_adam_bench.gpu.json "
@@ -185,7 +186,7 @@ def run(config: Config) -> Result:
     path = config.out or REPO_ROOT / (RESULT_FILE if device.type == "cuda" else "results/cpu_adam_bench.json")
     files.check_writable(path, "--out")  # before the run, not after it
     default_threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads or default_threads)
+    cli.cpu_threads(config.threads)  # 0: PyTorch's own count
     t0 = time.perf_counter()
     sets = [measure(w, n, config.rounds, config.seed) for w, n in cli.progress(config.sizes, total=len(config.sizes),
                                                                                 desc="adamw")]

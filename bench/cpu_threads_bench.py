@@ -9,7 +9,8 @@ thread, while ``--busy`` other processes keep the cores busy (a test suite, a br
 lab). Each run reports the median of its warm denoising steps and their range; the benchmark keeps
 every run and reports the worst median of each setting. With more threads than free cores, an op's
 threads wait at their barrier for a thread the scheduler has put aside, and a few-millisecond step
-can take about a second. A CPU figure by nature; what it shows is why the lab times on one thread.
+can take about a second. A CPU figure by nature; what it shows is why a CPU run of any lab uses one
+thread (``labkit.cli.cpu_threads``, the rule every lab follows).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import cli, files, provenance
+from labkit.busy import cores as busy_cores
 from labkit.config import LabConfig, option
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,6 @@ BENCH = "cpu threads"
 RESULT_FILE = "results/cpu_threads_bench.json"
 LAB = "lab-08-offload-memory-saving"
 CPU_ONLY = True  # a property of CPU scheduling: no GPU run is pending for it
-SPIN = "while True:\n    pass"
 #: published key (what a page's placeholder names) -> (Lab 08's --threads, the label in tables)
 SETTINGS = {"default_threads": (0, "default threads (one per core)"), "one_thread": (1, "one thread")}
 
@@ -64,16 +65,11 @@ def run(config: Config) -> dict:
     files.check_writable(out, "--out")
     busy = os.cpu_count() if config.busy is None else config.busy
     t0 = time.perf_counter()
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
-    try:
+    with busy_cores(busy):
         runs = {label: [] for _, label in SETTINGS.values()}
         for _ in cli.progress(range(config.rounds), total=config.rounds, desc="rounds"):
             for threads, label in SETTINGS.values():
                 runs[label].append(one_run(threads, config.repeats))
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     worst = {name: max(r["step_ms"] for r in rs) for name, rs in runs.items()}
     best = {name: min(r["step_ms"] for r in rs) for name, rs in runs.items()}
     default, one = (label for _, label in SETTINGS.values())

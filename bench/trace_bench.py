@@ -40,7 +40,8 @@ CASES = {
 CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from labkit import labs
+from labkit import cli, labs
+cli.cpu_threads()  # the thread rule fit.py's command line follows
 fit = labs.load(13)
 config = fit.Config(levers="none", **json.loads(sys.argv[1]))
 traced = fit.trace(config)
@@ -61,9 +62,8 @@ class Config(LabConfig):
 def measure(fields: dict) -> dict:
     """One case in a fresh interpreter: its timings and its peak RSS (the kernel's ru_maxrss, read
     by the child itself at the end)."""
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(fields)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(fields)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate()
     wall = time.perf_counter() - t0

@@ -35,10 +35,15 @@ lora_targets = labs.load(15, "lora")
 Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
-#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs.
+#: Serving levers, cheapest first (a judgement, as Lab 13's LEVERS): numerics, then scheduling, then GPUs. Unlike
+#: training's ladder, fp8 keys and values (labelled numerics-changing) come first: serving's exact levers cost the
+#: first token's latency (chunked prefill) or twice the GPUs (tensor parallelism).
 SERVING_LEVERS = (
     Lever("fp8 KV cache", "kv", "numerics: keys and values as scaled 8-bit floats (Lab 14 measures the error)", SERVE,
-          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None),
+          None, lambda c: {"kv_dtype": "fp8"} if c.kv_dtype in ("bf16", "fp32") else None, exact=False),
+    Lever("int4 weights", "weights", "numerics: 4-bit weights in groups of 128 (AWQ); their accuracy is the model's "
+          "to check", SERVE, None, lambda c: {"weights": "int4-awq"} if c.weights in ("bf16", "fp8", "int8") else None,
+          exact=False),
     Lever("chunked prefill", "prefill", "a long prompt takes several steps: its first token comes later", SERVE, None,
           lambda c: {"prefill_chunk": 2048} if c.context > 2048 and not c.prefill_chunk else None),
     Lever("tensor parallelism x2", "tp", "twice the GPUs, an all-reduce per layer", SERVE, None,
@@ -50,16 +55,18 @@ LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 TRAIN_LABS = {"parameters": 2, "frozen_weights": 15, "quant_constants": 15, "gradients": 2, "optimizer_state": 2,
               "activations": 4, "temporaries": 13, "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
+               "decode": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14},
                # a LoRA step's adapters, their gradients and state, and 8-bit AdamW's state: Lab 15, to the byte
                "lora": TRAIN_LABS | {"parameters": 15, "gradients": 15, "optimizer_state": 15}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
-LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "ZeRO-1": 11, "ZeRO-2": 11,
+LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "selective checkpointing": 4, "chunked loss": 13, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
-             "chunked prefill": 14, "tensor parallelism x2": 14}
+             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
+SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
 @dataclass
@@ -78,13 +85,14 @@ class Config:
 def verdict(x: Inputs, gpu: str) -> dict:
     """Fit or not on ``gpu``: a step against Lab 13's usable bytes (NVML total less the CUDA context,
     less the allocator's headroom); a server's weights, prefill peak and KV blocks against
-    ``gpu_memory_utilization`` of the total less the CUDA context, and the KV pool that is left."""
+    ``gpu_memory_utilization`` of the total less Lab 14's non-torch growth (vLLM's budget: the CUDA
+    context stays outside it; CUDA graphs are Lab 14's, not the formula's), and the KV pool that is left."""
     g, (moment, cats) = lab13_gpus.GPUS[gpu], lab01_fit.peak(x)
     total = sum(e.value for e in cats.values())
     out = {"moment": moment, "total": total}
     if x.task != "serve":
         return out | {"capacity": g.capacity_bytes, "fits": total <= g.capacity_bytes}
-    usable = int(x.gpu_memory_utilization * g.total_bytes) - lab13_gpus.CUDA_CONTEXT_BYTES
+    usable = int(x.gpu_memory_utilization * g.total_bytes) - SERVE_NON_TORCH
     pool = usable - cats["parameters"].value - cats["activations"].value
     S = lab01_fit.symbols(x, lab01_fit.sizes(x))
     per_block = x.block_size * lab01_fit.kv_per_token(S, lab01_fit.KV_DTYPES[x.kv_dtype][1]).value
@@ -146,7 +154,8 @@ def clis() -> dict:
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
     train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout"}  # the calculator has no dropout
-    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "kv_dtype", "seq_len", "prefill_chunk", "block_size"}
+    serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
+             "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
             "serve": {"script": "code/lab-14-serving-memory/serve_memory.py", "fixed": ["--fake"],
                       "flags": flags(lab14, serve), "gpus": _choices(lab14, "gpu")}}
@@ -175,13 +184,16 @@ def command(x: Inputs, gpu: str) -> list:
         if x.context > zoo.get(x.model).context:  # serve_memory.py refuses it, as vLLM refuses a max_model_len past it
             return [None, f"{script} serves at most {x.model}'s context of {zoo.get(x.model).context} tokens"]
         values = {"model": x.model, "gpu": gpu, "tp": x.tp, "gpu_memory_utilization": x.gpu_memory_utilization,
-                  "kv_dtype": x.kv_dtype, "block_size": x.block_size, "prefill_chunk": x.prefill_chunk,
+                  "weights": x.weights, "kv_dtype": x.kv_dtype, "block_size": x.block_size,
+                  "prefill_chunk": x.prefill_chunk,
                   "seq_len": None if x.context == zoo.get(x.model).context else x.context}
     else:
         if x.tp > 1:
             return [None, f"{script} traces data parallelism only: it has no --tp"]
-        if x.task == "infer":  # what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", method="full",
+        if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
+            x = replace(x, kv_len=None, new_tokens=1)
+        if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full", method="full",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -222,11 +234,14 @@ def lab13_traced() -> list[dict]:
         s = data["numbers"][key]
         out.append({"inputs": _train_fields(s["config"]), "bytes": s["per_rank_peak_bytes"], "phase": s["peak_phase"],
                     "by_category": s["by_category"], "compared": None, "free": [],
+                    "reserved": (s.get("reserved") or {}).get("reserved_bytes"),  # Lab 16's simulation, when published
                     "source": f"results/{labs.slug(13)}/summary.json: numbers.{key}"})
+    columns = [c[0] for c in data["tables"]["zoo"]["columns"]]
     for row in data["tables"]["zoo"]["rows"]:
         fields_ = {"model": row[0], "seq": seq} | configs[row[1]]
+        r = dict(zip(columns, row))
         out.append({"inputs": _train_fields(fields_), "bytes": row[2], "phase": row[3], "by_category": None,
-                    "compared": None, "free": [],
+                    "compared": None, "free": [], "reserved": r.get("reserved (simulated)"),
                     "source": f"results/{labs.slug(13)}/summary.json: table zoo, {row[0]}, {row[1]}"})
     return out
 
@@ -241,8 +256,10 @@ def lab14_traced() -> list[dict]:
     out = []
     for row in table["rows"]:
         r = dict(zip(cols, row))
+        if r["model"] not in lab01_inputs.presets():  # latent attention (MLA): Lab 14 traces it, no formula does
+            continue
         x = Inputs(model=r["model"], task="serve", tp=r["TP"], kv_dtype=r["KV dtype"], context=r["context"],
-                   prefill_chunk=r["prefill chunk"])  # each row's prefill, whole or chunked, bf16
+                   prefill_chunk=r["prefill chunk"], weights=r["weights"])  # each row's prefill, whole or chunked
         out.append({"inputs": _fields(x), "bytes": r["weights / GPU"] + r["prefill peak"], "phase": "prefill",
                     "by_category": {"parameters": r["weights / GPU"], "activations": r["prefill peak"]},
                     "compared": ["parameters", "activations"],  # the KV pool is the budget's remainder
@@ -299,7 +316,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                 f |= {"experts": rng.choice((4, 8, 16)), "top_k": rng.choice((1, 2))}
             if rng.random() < 0.1:
                 f["head_dim"] = rng.choice(DIM_CHOICES["head_dim"])
-        task = f["task"] = rng.choices(("train", "infer", "serve"), (6, 1.5, 2.5))[0]
+        task = f["task"] = rng.choices(("train", "infer", "decode", "serve"), (6, 1.5, 1, 2.5))[0]
         f["precision"] = rng.choice(("fp32", "bf16", "mixed"))
         f["tp"] = rng.choice((1, 1, 2, 4, 8))
         if task == "serve":
@@ -310,13 +327,20 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
         else:
             f |= {"batch": rng.choice((1, 1, 2, 4, 8)), "seq": rng.choice((256, 1024, 2048, 4096, 8192))}
             f["dp"] = rng.choice((1, 1, 2, 8, 64))
+            if task == "decode":
+                f |= {"dp": 1, "precision": rng.choice(("bf16", "fp32")), "batch": rng.choice((1, 8, 32, 128)),
+                      "kv_len": rng.choice((None, 2048, 8192, 131072)), "new_tokens": rng.choice((1, 1, 4))}
             f["zero_stage"] = rng.choice((0, 1, 2, 3)) if f["dp"] > 1 else 0
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(("none", "selective", "full")),
+                  "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd")),
-                  "method": rng.choice(("full", "full", "lora", "qlora")), "lora_rank": rng.choice((8, 16, 64)),
-                  "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"), ("gate", "up", "down")))}
+                  "method": rng.choice(("full", "full", "lora", "qlora"))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
+            if f["method"] != "full":  # a rank and targets only where adapters read them (the page's address too),
+                f |= {"lora_rank": rng.choice((8, 16, 64)), "loss": "full", "offload": "none",  # on one GPU, the
+                      "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),  # model's loss
+                                                  ("gate", "up", "down"))), "dp": 1, "zero_stage": 0}
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -399,8 +423,6 @@ def row(x: Inputs, gpu: str, with_formulas: bool) -> dict:
 def calculator(traced: list[dict]) -> dict:
     from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
-    from labkit.plot import CATEGORY_COLORS
-
     f = lab01_fit
     presets = {}
     for name in lab01_inputs.presets():
@@ -417,14 +439,15 @@ def calculator(traced: list[dict]) -> dict:
         "gpus": {n: {"stated": g.stated, "datasheet": g.datasheet, "total_bytes": g.total_bytes,
                      "capacity_bytes": g.capacity_bytes} for n, g in lab13_gpus.GPUS.items()},
         "cuda_context_bytes": lab13_gpus.CUDA_CONTEXT_BYTES, "allocator_headroom": lab13_gpus.ALLOCATOR_HEADROOM,
+        "serve_non_torch_bytes": SERVE_NON_TORCH,
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES, "frozen": f.FROZEN, "nf4_blocks": f.NF4_BLOCKS,
-                      "opt8": f.OPT8},
+                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS, "frozen": f.FROZEN,
+                      "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(), "lora_targets": list(lora_targets.ALL),
-        "colors": {k: CATEGORY_COLORS[k] for k in f.CATEGORIES},
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
+                    "numerics": lv.numerics,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
                     "lab": {task: _lab_link(_per_task(LEVER_LAB[lv.name], task)) for task in lv.tasks}}
                    for lv in LEVERS],
@@ -438,8 +461,9 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py a page may quote (between snippet markers), by name."""
-    text = (ROOT / "code" / "lab-01-memory-accounting" / "fit_formula.py").read_text(encoding="utf-8")
+    """The sections of fit_formula.py, fit_serve.py and fit_lora.py a page may quote (between snippet markers), by name."""
+    text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
+                   for name in ("fit_formula.py", "fit_serve.py", "fit_lora.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

@@ -40,6 +40,11 @@
   ``<!-- infralab:fit_legend -->`` the legend of the calculator's formula code (``results/fit/calculator.json``);
   ``<!-- infralab:performance -->`` gets the benchmark tables from ``results/*.json``.
 
+* A figure a page shows from ``results/`` or ``docs/assets/figures/`` (an ``<img>`` of an SVG that
+  ``labkit.plot.save`` wrote) becomes a ``<picture>`` whose source for a phone is its ``phone/``
+  layout; ``assets/palette.css`` holds the plotting palette's colours as CSS variables for both of
+  the site's palettes (the calculator's bar draws with them).
+
 Replacing mkdocs-jupyter later means changing this file and the plugin entry, nothing else.
 """
 
@@ -81,6 +86,11 @@ def _add(files: Files, config, rel: str) -> None:
 def on_files(files: Files, config) -> Files:
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         _add(files, config, nb.relative_to(ROOT).as_posix())
+    from labkit.plot import site_css
+
+    files.append(File.generated(config, "assets/palette.css", content=(
+        "/* labkit.plot's palette, written by scripts/mkdocs_hooks.py: the colours figures draw with, "
+        "as CSS variables for the default and the slate palette. */\n" + site_css() + "\n")))
     for folder, patterns in STATIC_FROM_ROOT.items():
         for pattern in patterns:
             for f in sorted((ROOT / folder).rglob(pattern)):
@@ -614,6 +624,45 @@ def on_page_context(context, page, config, nav):
 LONG_CODE = re.compile(r'<div class="(?:language-\w+ )?highlight"')
 
 
+FIGURE = re.compile(r'<img\b[^>]*?\ssrc="([^"]+\.svg)"[^>]*>')
+
+
+def phone_pictures(html: str, page_url: str, files: Files) -> str:
+    """Each ``<img>`` of a figure that has a ``phone/`` layout beside it, as a ``<picture>`` that
+    shows that layout on a phone (``labkit.plot.PHONE_MEDIA``) and the wide one elsewhere."""
+    from labkit.plot import PHONE_MEDIA
+
+    def picture(m: re.Match) -> str:
+        src = m.group(1)
+        folder, _, name = src.rpartition("/")
+        phone = f"{folder}/phone/{name}" if folder else f"phone/{name}"
+        target = posixpath.normpath(posixpath.join(page_url if page_url.endswith("/") or not page_url
+                                                   else posixpath.dirname(page_url), phone))
+        if files.get_file_from_path(target) is None:
+            return m.group(0)
+        return f'<picture><source media="{PHONE_MEDIA}" srcset="{phone}">{m.group(0)}</picture>'
+
+    return FIGURE.sub(picture, html)
+
+
+TABLE = re.compile(r"<table\b.*?</table>", re.S)
+MARKUP = re.compile(r"(<[^>]*>)")
+BREAK_POINT = re.compile(r"(?<=\w_)(?=\w)|(?<=\w&#95;)(?=\w)|(?<=\w=)(?=\w)|(?<=[a-z])(?=[A-Z][a-z])")
+
+
+def table_break_points(html: str) -> str:
+    """In a table's text, a line may break where a long name joins its words: after an underscore
+    (``gradient_as_bucket_view``, written ``_`` or, escaped, ``&#95;``), after an ``=`` between words
+    (``reshard_after_forward=False``) and before a capital that starts a word
+    (``ZeroRedundancyOptimizer``). A browser breaks there only when it breaks inside words, which the
+    site's tables never do, so such a name would widen its column to its length."""
+    def cells(m: re.Match) -> str:
+        parts = MARKUP.split(m.group(0))
+        return "".join(part if k % 2 else BREAK_POINT.sub("<wbr>", part) for k, part in enumerate(parts))
+
+    return TABLE.sub(cells, html)
+
+
 def on_page_content(html: str, page, config, files: Files) -> str:
     """Keep the search index light (it is loaded by every page): a notebook page is not indexed (its
     lab page says the same in prose, and its outputs are numbers); on every other page a code
@@ -628,6 +677,7 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         block = html[m.start(): html.find("</pre>", m.start())]
         return m.group(0) + " data-search-exclude" if block.count("\n") > 3 else m.group(0)
 
+    html = table_break_points(phone_pictures(html, page.url, files))
     html = LONG_CODE.sub(mark, html).replace("<table>", "<table data-search-exclude>")
     # A lab's exercises are prompts to try, not answers to find: their section stays out of the index.
     html = html.replace('<h2 id="exercises">', '<h2 id="exercises" data-search-exclude>')

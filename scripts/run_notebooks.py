@@ -55,8 +55,6 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
     env["INFRALAB_DEVICE"] = device
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "code"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")  # tiny CPU configurations: one thread is fastest
     if results_dir is not None:
         env["INFRALAB_RESULTS_DIR"] = str(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +76,12 @@ def execute(src: Path, out_dir: Path, results_dir: Path | None, device: str, tim
         except Exception as err:  # a cell's error, a time-out, a dead kernel: one line, not nbclient's page
             raise NotebookFailed(src.stem, running.get("index"), err, timeout) from None
     wall = time.perf_counter() - t0
+    # A cell can fail after it ran (labkit.notebook refuses a figure shown without alt text): nbclient
+    # records that as an error output of a cell that succeeded; it fails the notebook all the same.
+    for number, cell in enumerate(nb.cells, 1):
+        for out in cell.get("outputs", []):
+            if out.output_type == "error":
+                raise RuntimeError(f"{src.relative_to(ROOT)}: cell {number}: {out.ename}: {out.evalue}")
     nb.metadata["infralab"] = {
         "lab": src.stem,
         "source": src.relative_to(ROOT).as_posix(),

@@ -17,16 +17,19 @@ CODE = ROOT / "code"
 
 
 def pytest_configure(config):
-    """One intra-op thread: the tests' tensors are tiny, and CI machines have two cores. Reports are
-    read as a 100-column terminal shows them (labkit.table.FALLBACK_WIDTH), whatever terminal, or
-    none, runs the suite: ``$COLUMNS`` is what :func:`labkit.table.terminal_width` reads first, and
-    every lab the tests start inherits it. Tests of other widths set their own."""
+    """This process runs the labs on the CPU, so it resolves the CPU as every lab run does, before
+    the first test: the labs' own rule (``labkit.cli.cpu_threads``) then sets its thread count, one
+    thread unless ``OMP_NUM_THREADS`` says more. Each pytest-xdist worker is such a process, so two
+    workers on two cores take one core each, however a test reaches its tensors.
+
+    Reports are read as a 100-column terminal shows them (labkit.table.FALLBACK_WIDTH), whatever
+    terminal, or none, runs the suite: ``$COLUMNS`` is what :func:`labkit.table.terminal_width`
+    reads first, and every lab the tests start inherits it. Tests of other widths set their own."""
+    from labkit import cli
     from labkit.table import FALLBACK_WIDTH
 
     os.environ["COLUMNS"] = str(FALLBACK_WIDTH)
-    import torch
-
-    torch.set_num_threads(1)
+    cli.pick_device("cpu")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +55,19 @@ def load_lab(lab: int | str, module: str | None = None):
     return labs.load(lab, module)
 
 
+def load_bench(name: str):
+    """A benchmark script of bench/ as a module: ``load_bench("trace_bench")``."""
+    import importlib.util
+
+    if f"bench_{name}" in sys.modules:
+        return sys.modules[f"bench_{name}"]
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def lab02():
     return load_lab(2)
@@ -60,7 +76,6 @@ def lab02():
 def run_cli(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a lab's starter file as a user would, from the repository root."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # tiny CPU runs: one thread, like the tests themselves
     return subprocess.run(
         [sys.executable, str(CODE / script), *args],
         cwd=ROOT,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, assert_clean_usage_error
+from conftest import ROOT, assert_clean_usage_error, load_bench
 
 
 def run_bench(*args: str, script: str = "offload_bench.py") -> subprocess.CompletedProcess:
@@ -51,14 +51,6 @@ def test_offload_bench_refuses_sizes_lab08_cannot_build_before_it_runs(fields, f
     bench = load_bench("offload_bench")
     with pytest.raises(bench.UsageError, match=fragment):
         bench.Config(device="cpu", **fields)
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_offload_bench_names_the_crossover_width():
@@ -111,7 +103,8 @@ def test_training_bench_bad_input():
     assert_clean_usage_error(run_bench("--steps", "0", script="training_bench.py"), "--steps")
 
 
-@pytest.mark.parametrize("script", ["offload_bench.py", "cpu_adam_bench.py", "training_bench.py", "cpu_threads_bench.py"])
+@pytest.mark.parametrize("script", ["offload_bench.py", "cpu_adam_bench.py", "training_bench.py", "cpu_threads_bench.py",
+                                    "lab_runs_bench.py"])
 @pytest.mark.parametrize("target", ["/proc/x/out.json", "DIR", "/dev/null"])
 def test_an_unusable_out_is_refused_before_the_benchmark_runs(script, target, tmp_path, monkeypatch, capsys):
     from labkit import cli
@@ -162,3 +155,44 @@ def test_cpu_threads_bench_times_both_settings_and_stops_its_busy_processes(tmp_
     assert ratio["value"] == pytest.approx(worst_default["value"] / worst_one["value"])
     left = subprocess.run(["pgrep", "-f", "^" + sys.executable + " -c while True"], capture_output=True, text=True)
     assert left.stdout == ""
+
+
+def test_lab_runs_bench_times_the_pages_command_idle_and_busy_and_stops_its_busy_processes(tmp_path):
+    """A rehearsal over one lab: its page's run_cpu, verbatim, in a fresh shell with the cores free
+    and with one busy process, each row held to its target (10 s free, 20 s busy), beside the
+    floor every command pays (importing torch); no busy process outlives the benchmark."""
+    bench = load_bench("lab_runs_bench")
+    result = bench.run(bench.Config(labs=(5,), rounds=1, busy=1, out=tmp_path / "runs.json"))
+    slug = "lab-05-memory-efficient-attention"
+    assert result["commands"] == {"floor": bench.FLOOR, slug: bench.page_commands()[5]}
+    assert "--device cpu" in result["commands"][slug] and set(result["runs"]) == {"idle", "busy"}
+    data = json.loads((tmp_path / "runs.json").read_text())
+    assert data["provenance"]["device_type"] == "cpu" and set(data["source_hashes"]) == {slug}
+    rows = {r["metric"]: r for r in data["summary_rows"]}
+    for setting, target in [("idle", "<= 10"), ("busy", "<= 20")]:
+        run = data["runs"][setting][slug][0]
+        row = rows[f"Lab 05 page command, {setting}"]
+        assert row["value"] == run["wall_s"] > 0 and row["target"] == target and row["lab"] == slug
+        assert 0 < run["cpu_s"] and f"CPU {run['cpu_s']:.1f} s" in row["note"] and "load" in row["note"]
+        assert "target" not in rows[f"floor, {setting}: python -c 'import torch'"]
+    left = subprocess.run(["pgrep", "-f", "^" + sys.executable + " -c while True"], capture_output=True, text=True)
+    assert left.stdout == ""
+
+
+def test_lab_runs_bench_runs_each_command_as_a_reader_would(tmp_path, monkeypatch):
+    """No virtual environment and no thread variable reach the command, whatever this process has;
+    a command that fails or overruns stops the benchmark with what went wrong."""
+    bench = load_bench("lab_runs_bench")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("VIRTUAL_ENV", str(ROOT / ".venv"))
+    assert bench.time_command('test -z "$OMP_NUM_THREADS$VIRTUAL_ENV" && test "$PWD" = "' + str(ROOT) + '"', 60)
+    with pytest.raises(RuntimeError, match="exit 3: .*: oops"):
+        bench.time_command("echo oops >&2; exit 3", 60)
+    with pytest.raises(RuntimeError, match="over --timeout 1 s"):
+        bench.time_command("sleep 5", 1)
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--labs", "5,99"], "--labs 99: no such lab page"),
+                                            (["--device", "cuda"], "--device cuda")])
+def test_lab_runs_bench_refuses_bad_input_in_one_line(argv, fragment):
+    assert_clean_usage_error(run_bench(*argv, script="lab_runs_bench.py"), fragment)

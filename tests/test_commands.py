@@ -38,13 +38,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
-
+from conftest import ROOT, load_bench
 from labkit.table import FALLBACK_WIDTH, width_of
 
+LAB_RUNS = load_bench("lab_runs_bench")
 
 LAB_PAGES = sorted((ROOT / "docs" / "labs").glob("lab-*.md"))
-CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 SHOWN_IN = ["docs/**/*.md", "README.md", "code/*/README.md", "bench/README.md"]
 COMMAND = re.compile(r"^(?:\$ )?(?:\.venv/bin/(?:python|torchrun)|\./scripts/|scripts/gpu_campaign)\b")
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}  # a block in one of these that shows a command runs whole
@@ -64,7 +63,7 @@ OUT_FLAGS = {"bench/cpu_adam_bench.py": "--out {tmp}/cpu_adam_bench.json",
 SKIP = {
     "./scripts/serve": "serves the site until stopped (tests/test_site.py builds it)",
     "./scripts/test": "runs this whole suite (it would run itself)",
-    "scripts/run_notebooks.py --device cpu": "executes all 15 notebooks, many minutes (tests/test_notebooks.py does)",
+    "scripts/run_notebooks.py --device cpu": "executes all 16 notebooks, many minutes (tests/test_notebooks.py does)",
     "bench/offload_bench.py": "a GPU benchmark writing results/offload_bench.json, with no --out (gpu_campaign runs it)",
 }
 # Commands that need a CUDA GPU though their line names no --device: they run under `pytest -m cuda`.
@@ -193,11 +192,9 @@ def collect(cuda: bool) -> list[Block]:
 
 
 def clean_env(tmp_path: Path) -> dict:
-    """A fresh shell: no virtual environment active. PYTHONPATH names this checkout's code/, which a
-    reader's venv already imports (editable install); it matters only in a git worktree sharing
-    another checkout's venv, whose editable labkit would otherwise be that checkout's."""
-    return {"PATH": CLEAN_PATH, "HOME": str(tmp_path), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT / "code")}
+    """A fresh shell, the one ``bench/lab_runs_bench.py`` times the pages' commands in: no virtual
+    environment active, no ``OMP_NUM_THREADS`` (each lab chooses its own thread count)."""
+    return LAB_RUNS.fresh_shell(tmp_path)
 
 
 def with_out_flag(text: str, tmp_path: Path) -> str:
@@ -239,7 +236,8 @@ def run_block(block: Block, tmp_path: Path) -> None:
     assert proc.returncode == 0, f"{block.where}\n{proc.stderr[-3000:]}"
     for i, c in enumerate(block.commands):
         if "code/lab-" in c.text and "--json" not in c.text:
-            wide = too_wide((tmp_path / "stdout" / str(i)).read_text(encoding="utf-8"))
+            out = (tmp_path / "stdout" / str(i)).read_text(encoding="utf-8")
+            wide = too_wide(out.replace(f"{tmp_path / 'scratch'}/", "/tmp/"))  # as the reader's /tmp/ path prints
             assert not wide, f"{c.text}: {len(wide)} lines over {WIDTH} columns, the first: {wide[0]}"
 
 

@@ -64,6 +64,7 @@ QUICK = {
     "memory_debugging": ["--steps", "2", "--batch-size", "1", "--seq-len", "16", "--scenario", "fixed"],
     "fit": ["--seq", "16", "--batch", "1"],
     "serve_memory": ["--requests", "2"],
+    "caching_allocator": ["--workload", "step", "--seq", "16", "--batch", "1"],
 }
 
 
@@ -356,7 +357,7 @@ def test_a_full_disk_under_a_rank_is_one_line_for_the_job(small_disk, tmp_path):
     disk = small_disk(192 << 10)  # one ledger is about 130 KB
     proc = subprocess.run([sys.executable, str(CODE / "lab-10-ddp" / "train_ddp.py"), "--device", "cpu",
                            "--no-reference", "--ledger-dir", str(disk)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(CODE), OMP_NUM_THREADS="1"))
+                          text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(CODE)))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "the disk is full" in lines[0] and str(disk) in lines[0], \
         proc.stderr[-2000:]
@@ -427,7 +428,7 @@ def test_a_stopped_rank_ends_the_job_in_seconds_in_one_line(script, argv, tmp_pa
     ends the job within 15 s of the stop, one line naming rank 1, exit 1, no rank left behind."""
     proc = subprocess.Popen([sys.executable, str(CODE / script), "--device", "cpu", *argv], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(CODE), OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, PYTHONPATH=str(CODE)))
     ranks: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 60

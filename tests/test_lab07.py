@@ -26,12 +26,6 @@ SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--heads", "2", "-
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread_in_subprocesses(monkeypatch):
-    """The lab's subprocesses run tiny tensors too: one thread, as conftest gives this process."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 @pytest.fixture(scope="module")
 def lab07():
     return load_lab(7)

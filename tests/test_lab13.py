@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import ROOT, assert_clean_usage_error, load_lab, run_cli
 from test_labkit_fake import assert_same_timeline
 
-from labkit import cli, fake, zoo
+from labkit import cli, fake, labs, zoo
 
 SCRIPT = "lab-13-will-it-fit/fit.py"
 ISSUE_KEYS = {"model", "params", "per_rank_peak_bytes", "by_category", "predicted", "gpu", "capacity_bytes", "fits",
@@ -43,6 +43,11 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"offload": "optimizer"},
     {"dp": 2, "zero_stage": 3, "offload": "params"},
     {"task": "infer"},
+    {"loss": "chunked", "checkpointing": "full"},
+    {"loss": "fused-linear", "precision": "bf16", "accumulation": 2},
+    {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
+    {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
+    {"task": "decode", "precision": "fp32", "new_tokens": 4},
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -53,6 +58,35 @@ def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     assert_same_timeline(real.ledger, traced.ledger)
     assert real.derived == traced.derived
     assert traced.per_rank_peak_bytes > 0
+
+
+@pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision):
+    """--loss chunked and fused-linear are the model's own cross-entropy, one chunk of tokens at a time:
+    the same loss and the same gradient on every parameter, within 1e-5 relative in fp32 (the sums run in
+    another order) and 2e-2 under bf16 autocast (bf16 matmuls, each chunk rounded on its own). 17 tokens
+    in 8 chunks leave a short last chunk; two targets are ignored (-100)."""
+    fit_loss = load_lab(13, "fit_loss")
+    torch.manual_seed(0)
+    model = zoo.get("small-llama").build()
+    idx = torch.randint(0, model.spec.vocab, (1, 17))
+    targets = idx.clone()
+    targets[0, :2] = fit_loss.IGNORE
+
+    def loss_and_grads(head_loss):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
+            value = model(idx, targets, head_loss=head_loss)[1]
+        value.backward()
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads(None)
+    got, got_grads = loss_and_grads(fit_loss.LOSSES[loss])
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
 
 
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
@@ -229,10 +263,78 @@ def test_levers_come_cheapest_first_and_each_saves_what_it_claims(lab13):
                             "adamw-fused", "--gpu", "l4-24gb"]
     fitting = [row["together"] for row in result.levers if row["together"] and row["together"]["fits"]]
     assert fitting and lab13.trace(cli.parse(lab13.Config, fitting[0]["flags"])[0]).fits
+    labels = {row["name"]: row["numerics"] for row in result.levers}
+    assert labels["fused AdamW"] == "exact" and labels["bf16 weights and state"] == "numerics-changing"
+
+
+def test_exact_levers_come_before_those_that_change_the_numerics():
+    """The ladder tries every exact lever (the same loss and gradients) before bf16 matmuls or bf16 weights
+    and moments: optimizer offload, an exact one, comes before pure bf16."""
+    levers = load_lab(13, "fit_levers").LEVERS
+    exact = [lever.exact for lever in levers]
+    assert exact == sorted(exact, reverse=True)
+    assert {lever.name for lever in levers if not lever.exact} == {"mixed precision", "bf16 weights and state"}
+    names = [lever.name for lever in levers]
+    assert names.index("optimizer offload") < names.index("bf16 weights and state")
+    assert names.index("chunked loss") < names.index("ZeRO-1")
+
+
+def test_the_chunked_loss_lever_saves_what_it_claims_where_the_logits_hold_the_peak(lab13):
+    """Llama-3.2-1B at 16k tokens with full checkpointing: the loss's logits hold the peak, so the ladder
+    pulls the chunked loss (exact: it comes before any lever that changes the numerics) and the saving it
+    reports is the step re-traced with --loss chunked."""
+    config = lab13.Config(model="llama-3.2-1b", seq=16384, precision="bf16", optimizer="adamw-fused",
+                          checkpointing="full", gpu="l4-24gb")
+    result = lab13.run(config)
+    row = next(r for r in result.levers if r["name"] == "chunked loss")
+    assert row["changes"] == {"loss": "chunked"} and row["together"]["saves_bytes"] > 2**30
+    again = lab13.trace(replace(config, levers="none", loss="chunked"))
+    assert result.trace.per_rank_peak_bytes - again.per_rank_peak_bytes == row["alone"]["saves_bytes"] \
+        == row["together"]["saves_bytes"]
+
+
+def test_a_decode_step_holds_the_preallocated_cache_and_the_formula_follows_it(lab13):
+    """--task decode: Llama-3-8B in bf16, 32 sequences, a cache of 8,192 tokens each, 4 new tokens: the KV
+    cache traced is every layer's K and V at full length (Lab 01's kv_cache_bytes, to the byte), and the
+    calculator's formula is the traced peak within 0.1 %."""
+    fit = labs.load(1, "fit_formula")
+    config = lab13.Config(model="llama-3-8b", task="decode", precision="bf16", batch=32, kv_len=8192, new_tokens=4,
+                          levers="none")
+    trace = lab13.trace(config)
+    spec = config.spec
+    assert trace.derived["peak"]["kv_cache"] == 2 * spec.layers * 32 * 8192 * spec.kv_heads * spec.head_dim * 2
+    assert trace.derived["sources"]["kv_cache"].startswith("traced")
+    mine = fit.estimate(labs.load(1, "fit_inputs").Inputs(model="llama-3-8b", task="decode", precision="bf16", batch=32,
+                                                          kv_len=8192, new_tokens=4))
+    assert mine["kv_cache"] == trace.derived["peak"]["kv_cache"]
+    assert sum(mine.values()) == pytest.approx(trace.per_rank_peak_bytes, rel=0.001)
+
+
+def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
+    """B200, H100 NVL, MI300X, RTX A6000 and L40S among them; each card's driver total is a little over its
+    datasheet's decimal figure (GB, not GiB: 1.00x to 1.08x), which catches a mistyped one."""
+    import re
+
+    gpus = load_lab(13, "fit_gpus").GPUS
+    calc = json.loads((ROOT / "results" / "fit" / "calculator.json").read_text())
+    assert set(calc["gpus"]) == set(gpus) == set(labs.load(14, "serving_budget").GPUS)
+    assert {"b200-180gb", "h100-nvl-94gb", "mi300x-192gb", "rtx-a6000-48gb", "l40s-48gb"} <= set(gpus)
+    for g in gpus.values():
+        stated = int(re.match(r"(\d+) GB", g.stated).group(1)) * 10**9
+        assert 1.0 <= g.total_bytes / stated <= 1.08, g.name
+        assert g.datasheet.startswith("https://") and "https://" in g.total_source and g.capacity_bytes > 0
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
     (["--model", "no-such-model"], "unknown model"),
+    (["--model", "small-llama", "--task", "infer", "--loss", "chunked"], "--loss chunked or fused-linear needs"),
+    (["--model", "small-llama", "--kv-len", "64"], "give --task decode"),
+    (["--model", "small-llama", "--task", "decode", "--precision", "mixed"], "--precision bf16 or fp32"),
+    (["--model", "small-llama", "--task", "decode", "--precision", "bf16", "--kv-len", "4", "--new-tokens", "5"],
+     "more than the cache holds"),
+    (["--model", "small-gpt", "--task", "decode", "--precision", "bf16"], "Llama or Mixtral"),
+    (["--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--loss", "fused-linear"],
+     "a Hugging Face config's"),
     (["--model", "flux-dev"], "not a causal LM"),
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),

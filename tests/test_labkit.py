@@ -42,6 +42,63 @@ def test_unknown_device_is_a_usage_error():
         pick_device("tpu")
 
 
+THREADS_PROBE = """
+import json, torch
+from labkit import cli
+start = torch.get_num_threads()
+cli.pick_device("cpu"); first = torch.get_num_threads()
+torch.set_num_threads(2); cli.pick_device("cpu"); later = torch.get_num_threads()
+print(json.dumps({"start": start, "first": first, "later": later, "asked_0": cli.cpu_threads(0),
+                  "asked_3": cli.cpu_threads(3)}))
+"""
+
+
+def fresh_python(code: str, **env: str) -> dict:
+    """``code`` in a new interpreter whose environment has no thread variable but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in cli.THREAD_VARIABLES}
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "2"}], ids=["no variable", "OMP_NUM_THREADS=2"])
+def test_a_cpu_run_chooses_one_thread_once_unless_the_reader_asked(env):
+    """The first CPU device a process resolves sets one intra-op thread, unless OMP_NUM_THREADS
+    chose (PyTorch read it at start, at most one per core); later the count is the reader's
+    (torch.set_num_threads holds); a lab's explicit option wins, and 0 asks for PyTorch's own count,
+    the one the process started with."""
+    seen = fresh_python(THREADS_PROBE, **env)
+    assert seen["first"] == (seen["start"] if env else 1)
+    assert seen["later"] == 2 and seen["asked_0"] == seen["start"] and seen["asked_3"] == 3
+    with pytest.raises(UsageError, match="threads must be 0"):
+        cli.cpu_threads(-1)
+
+
+def test_every_test_process_runs_on_the_labs_rule():
+    """The suite's own processes (each pytest-xdist worker) are CPU runs of the labs: one thread
+    each, unless OMP_NUM_THREADS says more, so two workers on two cores do not oversubscribe them."""
+    if any(os.environ.get(name) for name in cli.THREAD_VARIABLES):
+        pytest.skip("the environment sets the thread count")
+    assert torch.get_num_threads() == 1
+
+
+LAB07_SMALL = ["--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "64",
+               "--batch-size", "4", "--steps", "2", "--json"]
+
+
+@pytest.mark.parametrize("flags", [["--device", "cpu"], ["--model", "small-llama", "--fake"]], ids=["real", "fake"])
+def test_a_labs_command_line_runs_on_one_thread_in_a_plain_shell(flags):
+    """A lab's command line with no OMP_NUM_THREADS runs on one thread (its provenance records the
+    count), whichever path its run takes: ``cli.main`` resolves the device before the lab runs, so
+    a trace on fake tensors, whose run never resolves one, has chosen too. OMP_NUM_THREADS wins."""
+    code = (f"import sys; sys.argv = ['lab', *{LAB07_SMALL + flags!r}]; from labkit import cli, labs; "
+            "lab = labs.load(7); cli.main(lab.Config, lab.run, lab.report)")
+    assert fresh_python(code)["provenance"]["cpu_threads"] == 1
+    asked = fresh_python(THREADS_PROBE, OMP_NUM_THREADS="2")["start"]  # 2, or 1 on a one-core machine
+    assert fresh_python(code, OMP_NUM_THREADS="2")["provenance"]["cpu_threads"] == asked
+
+
 @dataclass
 class Demo(LabConfig):
     """A demo lab."""

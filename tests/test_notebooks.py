@@ -11,10 +11,13 @@ temporary copy."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
+import re
 import sys
+from html import unescape
 from pathlib import Path
 
 import nbformat
@@ -26,6 +29,8 @@ SOURCES = sorted((ROOT / "notebooks" / "src").glob("*.py"))
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import run_notebooks  # noqa: E402
+
+from labkit import notebook, plot  # noqa: E402
 
 pytestmark = pytest.mark.notebook
 
@@ -46,17 +51,33 @@ def test_notebook_hygiene(path):
             assert out.output_type != "error", f"error output in {path.name}: {out.get('ename')}"
             if out.output_type == "stream" and out.name == "stderr":
                 assert "Traceback" not in out.text and "Warning" not in out.text, out.text[:300]
-    images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
-    assert images, "at least one figure"
+    assert not [o for c in code for o in c.outputs if set(o.get("data", {})) & {"image/png", "image/jpeg"}], \
+        "a raster figure: every figure goes through labkit.notebook.show (SVG in the site's palette, with alt text)"
+    figures = [figure for c in code for o in c.outputs for figure in shown_figures(o)]
+    assert figures, "at least one figure"
+    for alt, svg in figures:
+        assert len(alt.split()) >= notebook.ALT_MIN_WORDS and notebook.NO_ALT not in alt, alt
+        assert '<style id="il-palette">' in svg and "prefers-color-scheme:dark" in svg, "follows the page's palette"
+        width_pt = float(re.search(r'<svg[^>]*\swidth="([\d.]+)pt"', svg).group(1))
+        assert width_pt <= plot.PHONE.width_in * 72 + 0.5, "one column, legible when a phone scales it"
     h1 = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
           if line.startswith("# ")]
     assert len(h1) == 1, h1
     assert path.stat().st_size < 3_000_000, "keep notebooks small"
-    shown = json.dumps([o for c in code for o in c.outputs if o.output_type != "display_data"
-                        or "image/png" not in o.get("data", {})])
+    shown = json.dumps([o for c in code for o in c.outputs if not shown_figures(o)])  # base64 may spell "/tmp/"
     for leak in ("PosixPath(", "/work/", "/tmp/", "/home/", "/root/"):
         assert leak not in shown, f"{path.name} shows {leak!r}: a repr or a machine path leaked into an output"
     assert meta_of(path)["executed_by"] == "scripts/run_notebooks.py"
+
+
+FIGURE = re.compile(r'<figure class="il-figure"><img alt="([^"]*)" src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)">')
+
+
+def shown_figures(output) -> list[tuple[str, str]]:
+    """The figures an output shows through labkit.notebook.show: (alt text, SVG)."""
+    html = output.get("data", {}).get("text/html", "")
+    html = "".join(html) if isinstance(html, list) else html
+    return [(unescape(alt), base64.b64decode(svg).decode()) for alt, svg in FIGURE.findall(html)]
 
 
 def meta_of(path):
@@ -108,7 +129,7 @@ def test_notebook_still_runs_on_cpu(path, tmp_path):
     for cell in fresh.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    env = dict(os.environ, INFRALAB_DEVICE="cpu", OMP_NUM_THREADS="1", INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
+    env = dict(os.environ, INFRALAB_DEVICE="cpu", INFRALAB_RESULTS_DIR=str(tmp_path / "results"))
     (tmp_path / path.name).write_text(json.dumps(fresh))
     client = NotebookClient(fresh, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}, allow_errors=False)
@@ -130,6 +151,33 @@ def test_run_notebooks_refuses_bad_input_in_one_line_before_any_work(argv, fragm
         cli.main(run_notebooks.Config, run_notebooks.run, None, argv, prog="run_notebooks.py")
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and fragment in err[0]
+
+
+def test_a_figure_is_shown_as_svg_with_alt_text_or_its_cell_fails(tmp_path):
+    """In a kernel: notebook.show draws SVG in the site's palette with the alt text and caption given;
+    a figure left for pyplot to show (an inline PNG, no alt text) fails its cell; alt text that says
+    nothing is refused."""
+    from nbclient import NotebookClient
+
+    cells = ["import matplotlib.pyplot as plt\nfrom labkit import notebook, plot\nnotebook._check_figures_after_each_cell()",
+             "fig, ax = plt.subplots()\nax.plot([0, 1], [2, 3], color=plot.SERIES[0])\n"
+             "notebook.show(fig, alt='a line rising from two to three over one step', caption='what to notice')",
+             "fig, ax = plt.subplots()\nax.plot([0, 1])",
+             "fig, ax = plt.subplots()\nnotebook.show(fig, alt='a figure')"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")]))
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+    shown, unshown, terse = (nb.cells[i].outputs for i in (1, 2, 3))
+    ((alt, svg),) = [f for o in shown for f in shown_figures(o)]
+    assert alt == "a line rising from two to three over one step" and "var(--il-blue)" in svg
+    assert "<figcaption>what to notice</figcaption>" in shown[0]["data"]["text/html"]
+    errors = [o for o in unshown if o.output_type == "error"]
+    assert errors and "without alt text" in errors[0].evalue, unshown
+    assert not [o for o in unshown if "image/png" in o.get("data", {})]
+    refused = [o for o in terse if o.output_type == "error"]
+    assert refused and refused[0].ename == "ValueError" and "words or more" in refused[0].evalue
 
 
 def test_the_code_hash_changes_with_any_lab_labkit_the_pins_or_the_source(tmp_path, monkeypatch):

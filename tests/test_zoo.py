@@ -278,3 +278,50 @@ def test_bad_models_are_one_line_usage_errors(tmp_path):
         text = str(info.value)
         assert message in text and "\n" not in text and (arg in text or arg.startswith("llama")), text
     assert "llama-3-8b" in str(pytest.raises(UsageError, zoo.get, "llama-9").value)
+
+
+# ------------------------------------------------------------------------------------ latent attention (MLA)
+def deepseek_hf(spec: zoo.ModelSpec):
+    """transformers' DeepseekV2ForCausalLM of the same configuration (RoPE without YaRN: its values only)."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    return AutoModelForCausalLM.from_config(DeepseekV2Config(
+        num_hidden_layers=spec.layers, hidden_size=spec.width, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, intermediate_size=spec.ffn, moe_intermediate_size=spec.moe_ffn,
+        vocab_size=spec.vocab, max_position_embeddings=spec.context, rms_norm_eps=spec.norm_eps,
+        rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"}, tie_word_embeddings=spec.tied,
+        kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None, qk_rope_head_dim=spec.rope_dim,
+        qk_nope_head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, head_dim=spec.rope_dim,
+        n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_shared_experts=spec.shared_experts,
+        first_k_dense_replace=spec.dense_layers, norm_topk_prob=False, topk_method="greedy",
+        bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "small-deepseek"])
+def test_deepseek_is_hugging_faces_deepseek_v2(name):
+    """DeepSeek-V2-Lite's published configuration (its config.json, the zoo's source) built by transformers
+    has the zoo's count, 15,706,484,224 (the model card's "15.7B"), and every parameter's name and shape."""
+    spec = zoo.get(name)
+    ours, theirs = on_meta(spec.build), on_meta(lambda: deepseek_hf(spec))
+    assert spec.param_count() == numel(ours) == numel(theirs)
+    mapped = zoo.from_hf_state_dict(spec, theirs.state_dict())
+    assert {k: tuple(v.shape) for k, v in mapped.items()} == {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    if name == "deepseek-v2-lite":
+        assert numel(ours) == 15_706_484_224 and round(numel(ours) / 1e8) / 10 == 15.7
+        assert spec.source == "https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json"
+
+
+def test_deepseek_gives_hugging_faces_logits_and_caches_its_latent():
+    torch.manual_seed(0)
+    spec = zoo.get("small-deepseek")
+    theirs = deepseek_hf(spec).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # HF starts its router at zero: every weight random, so routing matters
+            p.normal_(0, 0.1)
+    ours = spec.build().eval()
+    ours.load_state_dict(zoo.from_hf_state_dict(spec, theirs.state_dict()))
+    idx = torch.randint(spec.vocab, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(input_ids=idx).logits, atol=1e-5, rtol=1e-5)
+    lite = zoo.get("deepseek-v2-lite")
+    assert lite.kv_bytes_per_token(2) == lite.layers * (lite.kv_lora_rank + lite.rope_dim) * 2  # 31,104 B

@@ -70,3 +70,12 @@ def named(text: str, value: int) -> Expr:
 
 
 ZERO = Expr("0", "0", 0)
+
+
+def total(*terms) -> Expr:
+    """The sum of ``terms``, leaving out those that are :data:`ZERO` (so a formula says only what it counts)."""
+    kept = [t for t in terms if t is not ZERO]
+    out = kept[0] if kept else ZERO
+    for t in kept[1:]:
+        out = out + t
+    return out

@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from fit_expr import ZERO, Expr, ceil_div, larger, sym
+from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
+from fit_lora import (  # noqa: F401 (NF4_BLOCKS: the calculator's constants read it here)
+    FROZEN, NF4_BLOCKS, OPT8, adam8bit_state, counts, frozen_state, lora_activations, lora_step,
+)
+from fit_serve import kv_per_token, prefill, weights
+from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
-
-from labkit import labs
-
-lora, nf4, adam8bit = labs.load(15, "lora"), labs.load(15, "nf4"), labs.load(15, "adam8bit")  # Lab 15's facts
 
 # --8<-- [start:recipes]
 PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c, r)
@@ -36,67 +37,12 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
 OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "adamw8bit": "adamw", "sgd": "momentum"}
-FROZEN = {"fp32": 4, "bf16": 2, "mixed": 2}  # --method lora|qlora: bytes of a frozen weight (PEFT loads the base in bf16)
-#: Lab 15's block sizes: NF4 (weights per absmax, absmax per scale); the 8-bit AdamW (values per absmax,
-#: the smallest tensor in 8 bits, values updated at once)
-NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK)
-OPT8 = {"block": adam8bit.BLOCK, "min_8bit": adam8bit.MIN_8BIT, "chunk": adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS,
-        "working": adam8bit.WORKING_BYTES}
-KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 4)}  # element, fp32 scale per KV head
-ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
-INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
+KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 0),  # element, fp32 scale per
+             "fp8-per-token": (1, 4), "int8": (1, 4)}  # token and KV head (fp8's per-layer scales: a few bytes)
+LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 # --8<-- [end:recipes]
 CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
               "communication", "kv_cache")
-SYMBOLS = {
-    "L": "layers", "h": "hidden size", "a": "attention heads (per rank)", "k": "KV heads (per rank)",
-    "d": "head size", "q": "a × d", "g": "k × d", "f": "MLP hidden size (per rank)", "V": "vocabulary (per rank)",
-    "E": "experts", "K": "experts per token", "s": "tokens per sequence", "T": "tokens per micro-batch",
-    "P": "parameters (per rank)", "Pt": "trainable parameters", "Pb": "parameters of one block",
-    "Pr": "parameters outside the blocks", "Pm": "matmul weights of the blocks", "n": "trainable tensors",
-    "R": "LoRA rank", "dp": "data-parallel ranks", "w": "bytes of a weight and its gradient",
-    "b": "bytes of a frozen weight", "Pc": "bytes of the NF4 codes (⌈n / 2⌉ per linear)",
-    "Nb": "NF4 blocks (an 8-bit absmax code per 64 weights)", "Ns": "float32 scales of the absmax codes (one per 256)",
-    "Nq": "NF4 linears (a float32 offset each)", "Pk": "trained values with 8-bit moments (tensors of 4,096 or more)",
-    "Nk": "blocks of 2,048 of those (a float32 absmax per moment)", "Ps": "trained values with float32 moments",
-    "Cw": "values the 8-bit AdamW updates at once (its chunk, or the largest tensor)",
-    "m": "bytes of an optimizer moment", "c": "bytes of a matmul operand", "r": "bytes of the residual stream",
-    "N": "requests", "C": "tokens per request", "B": "tokens per KV block", "e": "bytes of a cached K or V element",
-    "p": "prefill tokens at once",
-}
-#: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
-#: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
-LEGEND = {
-    "S": "the symbols of this configuration (symbols()): S.h is h, with its value",
-    "x": "the calculator's inputs (Inputs): x.seq is --seq",
-    "Expr": "a formula: its text in symbols, the same text filled in, and its value (fit_expr.py)",
-    "Inputs": "the inputs, one field per flag of Lab 13's fit.py and Lab 14's serve_memory.py (fit_inputs.py)",
-    "ZERO": "the formula 0",
-    "ceil_div": "⌈a / b⌉: a share rounded up",
-    "larger": "max(a, b): the larger of two moments",
-    "ROW": "bytes of an RMSNorm's fp32 1/rms, per token",
-    "LSE": "bytes of flash attention's fp32 log-sum-exp, per head and token",
-    "SLOT": "bytes a routed token keeps: its expert's index and weight",
-    "INDICES": "bytes per new token of a serving forward's int64 positions, pool rows and gather index",
-    "MOMENTS": "optimizer moments per parameter, by optimizer kind (Lab 01)",
-    "STEP_COUNTER": "bytes of AdamW's fp32 step count, per trainable tensor (Lab 01)",
-    "ZERO_SHARDS": "the ZeRO stage from which each category is sharded (Lab 01)",
-    "OPTIMIZERS": "each --optimizer choice's kind, as Lab 01 counts its state",
-    "KV_DTYPES": "each --kv-dtype: bytes of a cached element, and of its fp32 scale per KV head",
-    "x.spec": "the model: the preset's dimensions, or the typed ones (a labkit.zoo ModelSpec)",
-    "fsdp_mixed": "mixed precision under FSDP2 (ZeRO-2 and 3): bf16 gathers, fp32 reduction, no autocast",
-    "sizes": "the counts a formula reads off the model and the step, for one rank",
-    "symbols": "each count as a symbol with this configuration's value: the S above",
-    "_full": "a moment's categories, 0 where it holds none",
-    "FROZEN": "bytes of a frozen weight under --method lora or qlora, by --precision (the base PEFT loads)",
-    "NF4_BLOCKS": "NF4's blocks (Lab 15): weights per 8-bit absmax code, absmax codes per float32 scale",
-    "OPT8": "the 8-bit AdamW (Lab 15): values per absmax, the smallest tensor in 8 bits, values updated at once, "
-            "bytes of its working copies",
-    "lora": "Lab 15's lora.py: the projections an adapter can target (ALL), their shapes and adapter sizes",
-    "nf4": "Lab 15's nf4.py: NF4 with double quantization",
-    "adam8bit": "Lab 15's adam8bit.py: the 8-bit AdamW (state_bytes: its state, tensor by tensor)",
-    "lora_step": "a LoRA or QLoRA training step (--method lora|qlora, --task train): the base frozen",
-}
 
 
 @dataclass(frozen=True)
@@ -135,41 +81,9 @@ def sizes(x: Inputs) -> Sizes:
     P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
-    Pt, trained = P, tensors(s)
-    if lora_step(x):  # adapters A (R x in) and B (out x R) on each targeted projection of every block
-        shapes = lora.shapes(s, x.lora_targets)
-        Pt, n = s.layers * lora.adapter_numel([(i, o) for _, i, o in shapes], x.lora_rank), s.layers * 2 * len(shapes)
-        trained = [(x.lora_rank * i, s.layers) for _, i, _ in shapes] + [(x.lora_rank * o, s.layers) for _, _, o in shapes]
-    codes = (0, 0, 0, 0)
-    if lora_step(x) and x.method == "qlora":  # every linear of the blocks in NF4 (nf4.quantize_linears)
-        weights = [(i * o, s.layers) for i, o in block_linears(s)]
-        blocks = [(-(-v // NF4_BLOCKS[0]), k) for v, k in weights]
-        codes = (sum(-(-v // 2) * k for v, k in weights), sum(v * k for v, k in blocks),
-                 sum(-(-v // NF4_BLOCKS[1]) * k for v, k in blocks), sum(k for _, k in weights))
-    state = (0, 0, 0, 0)
-    if x.optimizer == "adamw8bit" and x.task == "train":  # adam8bit.state_bytes, tensor by tensor
-        big = [(v, k) for v, k in trained if v >= OPT8["min_8bit"]]
-        state = (sum(v * k for v, k in big), sum(-(-v // OPT8["block"]) * k for v, k in big),
-                 sum(v * k for v, k in trained if v < OPT8["min_8bit"]), min(OPT8["chunk"], max(v for v, _ in trained)))
+    Pt, n, codes, state = counts(x, s, P, n)  # LoRA's adapters, QLoRA's NF4 base, 8-bit AdamW (fit_lora.py)
     return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width), codes,
                  state)
-
-
-def block_linears(s) -> list[tuple[int, int]]:
-    """(in, out) of every linear of one Llama (or Mixtral) block: q, k, v, o, each expert's gate, up and
-    down, the router."""
-    h, q, g, e = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim, max(s.experts, 1)
-    return [(h, q), (h, g), (h, g), (q, h)] + [(h, s.ffn), (h, s.ffn), (s.ffn, h)] * e + ([(h, s.experts)] if s.experts else [])
-
-
-def tensors(s) -> list[tuple[int, int]]:
-    """Every parameter tensor of the model as (values, how many): what an 8-bit AdamW keeps state for."""
-    h, V = s.width, s.vocab
-    if s.family == "gpt":  # TinyGPT's blocks: LayerNorms and linears with biases; learned positions; tied head
-        per = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
-        return [(V * h, 1), (s.context * h, 1), (h, 2)] + [(v, s.layers) for v in per]
-    per = [h, h] + [i * o for i, o in block_linears(s)]  # two RMSNorms and the linears
-    return [(V * h, 1 if s.tied else 2), (h, 1)] + [(v, s.layers) for v in per]
 
 
 def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
@@ -177,22 +91,21 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     s, (recipe, c, r) = z.spec, PRECISIONS[x.precision]
     w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
     new = min(x.prefill_chunk or x.context, x.context)
-    r = c if fsdp_mixed(x) or lora_step(x) else r  # bf16 weights (FSDP2's gathers, a LoRA's base) make a bf16 stream
+    r = c if fsdp_mixed(x) or lora_step(x) else r  # bf16 weights (FSDP2's gathers, a LoRA's base): a bf16 stream
+    q, g, E = s.heads * s.head_dim, s.kv_heads * s.head_dim, max(s.experts, 1)  # the matrices --weights stores
+    quantized = dict(Pq=2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq=4 + 3 * E,
+                     so=q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si=3 * s.width + q + (2 * s.width + s.ffn) * E)
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, b=FROZEN[x.precision], Pc=z.nf4[0], Nb=z.nf4[1],
-                  Ns=z.nf4[2], Nq=z.nf4[3], Pk=z.opt8[0], Nk=z.opt8[1], Ps=z.opt8[2], Cw=z.opt8[3])
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, **quantized, wb=FROZEN[x.precision], Pc=z.nf4[0],
+                  Nb=z.nf4[1], Ns=z.nf4[2], Nq=z.nf4[3], Pk=z.opt8[0], Nk=z.opt8[1], Ps=z.opt8[2], Cw=z.opt8[3])
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     if x.method == "full":
         S.Pt = S.P  # every weight is trained: the formulas say P
     return S
-
-
-def lora_step(x: Inputs) -> bool:
-    """A LoRA or QLoRA training step (Lab 15): adapters on a frozen base."""
-    return x.method != "full" and x.task == "train"
 
 
 # --8<-- [start:activations]
@@ -222,33 +135,6 @@ def layer(S, checkpointing: str) -> Expr:
     return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
 
 
-def lora_layer(S, x: Inputs) -> Expr:
-    """Bytes one Llama block keeps for backward under LoRA (Lab 15, PEFT's order of operations): its frozen
-    weights need no input kept for a gradient, so a matmul's input is kept only where an adapter reads it;
-    each adapter keeps its A output, and, under autocast, its own bf16 cast of its input."""
-    targets, mixed = set(x.lora_targets), x.precision == "mixed"
-    outputs = len(targets) * S.c * S.R  # each adapter's A output, for B's gradient
-    if x.checkpointing == "full":
-        return layer(S, "full")
-    if x.checkpointing == "selective":  # save-matmuls also keeps each adapter's A and B outputs
-        out = {"q": S.q, "k": S.g, "v": S.g, "o": S.h, "gate": S.f, "up": S.f, "down": S.h}
-        return layer(S, "selective") + S.T * (outputs + S.c * _sum(out[t] for t in lora.ALL if t in targets))
-    reads = {"attention": sum(t in targets for t in ("q", "k", "v")), "mlp": sum(t in targets for t in ("gate", "up"))}
-    inputs = [(n if mixed else min(n, 1)) * S.c * S.h for n in reads.values() if n]  # the normed stream
-    inputs += [S.c * S.q] if mixed and "o" in targets else []  # (attention's output otherwise: SDPA keeps it)
-    inputs += [S.c * S.f] if "down" in targets else []  # SiLU(gate) x up
-    kept = 2 * (4 * S.h + ROW) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a + 3 * S.c * S.f + outputs  # norms' fp32 input
-    kept = kept + _sum(inputs) if inputs else kept  # and 1/rms; q, k, v, SDPA; gate, SiLU, up; what adapters read
-    return S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
-
-
-def _sum(terms) -> Expr:
-    out = ZERO
-    for t in terms:
-        out = t if out is ZERO else out + t
-    return out
-
-
 def gpt_layer(S, checkpointing: str) -> Expr:
     """Lab 01's GPT layer (Korthikanti et al. 2022), without dropout: ``activation_bytes_per_layer``."""
     if checkpointing == "full":
@@ -259,32 +145,53 @@ def gpt_layer(S, checkpointing: str) -> Expr:
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
     """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
-    if lora_step(x):
-        return lora_activations(x, S)
+    if lora_step(x):  # a frozen base (fit_lora.py)
+        return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
-    kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
-    kept = kept + head if mixed else kept
+    if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
+        kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
+    else:
+        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
-            "loss": 4 * S.T * S.V + head if mixed else 4 * S.T * S.V}
+            "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
 
 
-def lora_activations(x: Inputs, S) -> dict[str, Expr]:
-    """Under LoRA the head and the final norm are frozen: the loss keeps its log-softmax and the final norm
-    its fp32 input and 1/rms, as each block's norms do, but for the first block's attention norm, which reads
-    the frozen embedding and is not in the graph. With fp32 adapters under autocast (PEFT's), each adapter's
-    weight is kept as a bf16 cast too (but for those whose input needs no gradient)."""
-    casts = S.c * S.Pt if x.precision == "mixed" else ZERO
-    kept = S.L * lora_layer(S, x) + S.T * (4 * S.h + ROW + 4 * S.V)
-    if x.checkpointing == "none":  # the first block's attention norm reads the frozen embedding: not in the graph
-        kept = kept - S.T * (4 * S.h + ROW)
-    if casts is not ZERO and x.checkpointing == "none":  # less the first block's q, k, v A casts: no gradient
-        first = sum(t in x.lora_targets for t in ("q", "k", "v"))  # reaches their input, so none is kept
-        kept = kept + (casts - first * S.c * S.R * S.h if first else casts)
-    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": 4 * S.T * S.V}
+def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
+    """--loss chunked and fused-linear (Lab 13's fit_loss.py): the moments of the loss, u tokens at a time.
+    fused-linear: inside forward, a chunk's weight gradient (c × V × h) made while the head's gradient
+    (held from forward to backward), the hidden states and their gradient are alive. chunked: in forward, a
+    chunk's logits, their fp32 copy and log-softmax; in backward (the last chunk to come back), the
+    log-softmax, its gradient and the logits' gradient, or the head's gradient of that chunk, beside the
+    other chunks' input gradients (T − u tokens) and, under autocast, the head's bf16 cast (recomputed)
+    and the gradient of it the chunks add up."""
+    cast = S.c * S.V * S.h if act["autocast"] else ZERO  # the head weight's bf16 cast (autocast)
+    wide = S.c * S.u * S.h if act["autocast"] else ZERO  # a chunk's bf16 cast of its hidden states
+    pending = (S.T - S.u) * S.r * S.h  # the other chunks' gradients of their hidden states
+    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO  # the blocks' output, still held by forward (the norm copied it)
+    if x.loss == "fused-linear":
+        logits = 4 * S.u * S.V + S.c * S.u * S.V if S.c.value < 4 else 4 * S.u * S.V
+        step = total(act["cache"], cast, S.T * S.r * S.h, logits, S.c * S.V * S.h, wide, frame)
+        head = (S.c if fsdp_mixed(x) else S.w) * S.V * S.h  # the head's gradient, in the weight's dtype
+        return {"forward_end": held | {"gradients": total(held["gradients"], head), "activations": act["kept"],
+                                       "temporaries": step}}
+    logits = (S.c + 8) * S.u * S.V if S.c.value < 4 else 8 * S.u * S.V
+    several = S.T.value > S.u.value
+    buffer = S.c * S.V * S.h if several else ZERO  # the chunks' weight gradients, summed by autograd as they come
+    if act["autocast"]:  # a chunk's head gradient made beside the recomputed cast and the sum so far
+        head_gradient = total(pending, S.c * S.u * S.V, cast, buffer, 2 * wide, S.c * S.V * S.h)
+    elif several:  # the sum so far, this chunk's gradient and their sum
+        head_gradient = total(pending, 3 * S.c * S.V * S.h)
+    else:  # one chunk: its matmul's backward
+        head_gradient = S.c * S.u * S.V + S.c * S.u * S.h + S.c * S.V * S.h
+    return {"forward_end": held | {"activations": act["kept"], "temporaries": total(act["cache"], cast, logits, frame)},
+            "backward_start": held | {"activations": act["kept"],
+                                      "temporaries": total(pending, 12 * S.u * S.V, cast, buffer, wide)},
+            "head_gradient": held | {"activations": act["kept"], "temporaries": head_gradient}}
 # --8<-- [end:activations]
 
 
@@ -300,14 +207,12 @@ def model_state(x: Inputs, S) -> dict[str, Expr]:
     state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
     if kind == "adamw":
         state = state + STEP_COUNTER * S.n
-    if x.optimizer == "adamw8bit":  # Lab 15: a 1-byte code per moment and value, a float32 absmax per block
-        state = 2 * S.Pk + 8 * S.Nk + 8 * S.Ps
+    if x.optimizer == "adamw8bit":  # Lab 15: 8-bit codes in blocks (fit_lora.py)
+        state = adam8bit_state(S)
     out = {"parameters": S.w * share("parameters", S.Pt, fsdp), "gradients": S.w * share("gradients", S.Pt),
            "optimizer_state": state}
     if lora_step(x):  # the frozen base beside the adapters: weights only (QLoRA: the blocks' linears in NF4)
-        out["frozen_weights"] = S.b * S.P if x.method == "lora" else S.b * (S.P - S.Pm) + S.Pc
-        if x.method == "qlora":
-            out["quant_constants"] = S.Nb + 4 * S.Ns + 4 * S.Nq
+        out |= frozen_state(x, S)
     if x.offload == "params":  # FSDP2's CPU offload: shards, their gradients and the optimizer on the host
         return dict.fromkeys(out, ZERO)
     if x.offload == "optimizer":  # ZeRO-Offload: the state on the host; Lab 07 moves each gradient there too
@@ -361,7 +266,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     if x.optimizer == "adamw8bit":  # Lab 15's chunk: its float32 working copies
         out["optimizer"]["temporaries"] = OPT8["working"][S.w.value] * S.Cw + 4 * ceil_div(S.Cw, OPT8["block"])
-    if x.zero_stage <= 1 and not lora_step(x):  # the head's gradient arrives while the loss's are alive
+    if x.loss != "full":
+        del out["backward_start"]
+        out |= chunked_loss(x, S, held, act)
+    elif x.zero_stage <= 1 and not lora_step(x):  # the head's gradient arrives while the loss's are alive
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
@@ -401,32 +309,15 @@ def estimate(x: Inputs) -> dict[str, int]:
 
 
 # --8<-- [start:serve]
-def kv_per_token(S, scale: int) -> Expr:
-    """A key and a value per layer and KV head, and an fp32 scale per head when quantized (Lab 14)."""
-    return 2 * S.L * S.k * (S.d * S.e + scale) if scale else 2 * S.L * S.k * S.d * S.e
-
-
-def prefill(S) -> Expr:
-    """The peak of a serving prefill beyond weights and KV pool (Lab 14's forward: the last token's
-    logits only): p new tokens attending to C; the larger of an RMSNorm's and the MLP's moment."""
-    alive = S.p * (S.c * (2 * S.h + S.q + 2 * S.g) + 2 * S.d * S.c + INDICES)  # stream, normed, q, k, v, cos, sin
-    if S.E.value:  # Mixtral: the router's fp32 probabilities and the output, then one expert's tokens
-        mlp = (S.p * (2 * S.c * S.h + 4 * S.E + SLOT * S.K)
-               + ceil_div(S.p * S.K, S.E) * (2 * S.c * S.h + 3 * S.c * S.f + 4 * S.h))
-    else:
-        mlp = S.p * (S.c * S.h + 3 * S.c * S.f)  # the normed input, SiLU(gate), up, their product
-    read = 2 * S.c * S.g * S.C  # the keys and values read from the pool
-    if S.p.value < S.C.value:
-        read = read + S.p * S.C  # a chunk's attention mask
-    return alive + larger(8 * S.p * S.h, mlp) + read
-
-
 def inference(x: Inputs, S) -> dict[str, Expr]:
     """``infer``: Lab 13's prefill of batch x seq (every position's logits, the K and V of those
     tokens); ``serve``: Lab 14's budget (weights, a prefill's peak, the requests' KV blocks)."""
     if x.task == "serve":
         kv = S.N * ceil_div(S.C, S.B) * S.B * kv_per_token(S, KV_DTYPES[x.kv_dtype][1])
-        return {"parameters": S.w * S.P, "activations": prefill(S), "kv_cache": kv}
+        return {"parameters": weights(x, S), "activations": prefill(S), "kv_cache": kv}
+    if x.task == "decode":  # Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+        step = larger((S.c * S.V + 4 * S.h) * S.b * S.j, S.b * S.j * (3 * S.c * S.f + 3 * S.c * S.h))
+        return {"parameters": S.w * S.P, "kv_cache": 2 * S.L * S.b * S.D * S.g * S.c, "temporaries": step}
     work = larger((S.c * S.V + 4 * S.h) * S.T, S.T * (3 * S.c * S.f + 3 * S.c * S.h))  # the logits; an MLP
     if x.precision == "mixed" and not fsdp_mixed(x):  # autocast's cache of every weight's bf16 cast, until the forward ends
         work = S.c * (S.Pm + S.V * S.h) + work

@@ -28,8 +28,9 @@ CUSTOM = "custom"
 
 
 def presets() -> list[str]:
-    """The zoo's causal language models (the diffusion transformers take no tokens)."""
-    return [n for n in zoo.names() if zoo.get(n).family != "flux"]
+    """The zoo's causal language models (the diffusion transformers take no tokens; latent attention, MLA,
+    has no formula here: Lab 14 traces it)."""
+    return [n for n in zoo.names() if zoo.get(n).family not in ("flux", "deepseek")]
 
 
 @dataclass
@@ -48,6 +49,9 @@ class FineTuning:
         """The rules of --method, --lora-rank and --lora-targets for ``spec`` (UsageError naming the flag)."""
         if self.method == "full":
             return
+        if getattr(self, "loss", "full") != "full":
+            raise UsageError(f"--loss {self.loss} with --method {self.method}: a frozen head's chunked loss is not "
+                             "traced yet; use --loss full")
         unknown = [t for t in self.lora_targets if t not in lora.TARGETS]
         if unknown or len(set(self.lora_targets)) < len(self.lora_targets):
             raise UsageError(f"--lora-targets {','.join(self.lora_targets)}: each at most once, from "
@@ -83,6 +87,11 @@ class TrainingRun(FineTuning):
         "with momentum")
     checkpointing: Literal["none", "selective", "full"] = option(
         "none", "activation checkpointing of every block (Lab 04); selective keeps the matmul outputs")
+    loss: Literal["full", "chunked", "fused-linear"] = option(
+        "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
+        "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
+        "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
+        "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -121,19 +130,28 @@ class Subject:
     experts: int | None = option(None, "MoE experts per layer (0: a dense MLP)", min=0, max=MAX_EXPERTS)
     top_k: int | None = option(None, "experts each token is routed to", min=0, max=MAX_EXPERTS)
     tied: bool | None = option(None, "the head shares the embedding's weight")
-    task: Literal["train", "infer", "serve"] = option(
-        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); serve: a KV pool (Lab 14)")
+    task: Literal["train", "infer", "decode", "serve"] = option(
+        "train", "train: one step; infer: one prefill of batch x seq (Lab 13); decode: one decode step against a KV "
+        "cache preallocated to --kv-len (Lab 13); serve: a KV pool (Lab 14)")
 
 
 @dataclass
 class Inputs(TrainingRun, Subject):
     """A model (a zoo preset, or its dimensions typed or read from a config.json), a task, and how it runs."""
 
+    kv_len: int | None = option(None, "decode: tokens the KV cache is preallocated to, per sequence (default: --seq)",
+                                min=1, max=MAX_TOKENS)
+    new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
+                             "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
     requests: int = option(32, "serve: requests in flight at once", min=1, max=MAX_BATCH)
-    kv_dtype: Literal["bf16", "fp8", "int8", "fp32"] = option(
-        "bf16", "serve: how keys and values are stored (fp8, int8: with an fp32 scale per token and head)")
+    weights: Literal["bf16", "fp8", "int8", "int4-awq", "int4-gptq", "nvfp4"] = option(
+        "bf16", "serve: how the blocks' matrices are stored (Lab 14's quantize.py): int4 in groups of 128 with "
+        "fp16 scales and 4-bit zeros; int8 and fp8 with fp32 scales; nvfp4 with an fp8 scale per 16")
+    kv_dtype: Literal["bf16", "fp8", "fp8-per-head", "fp8-per-token", "int8", "fp32"] = option(
+        "bf16", "serve: how keys and values are stored (fp8: one scale per layer, vLLM's default; fp8-per-token, "
+        "int8: an fp32 scale per token and head)")
     block_size: int = option(16, "serve: tokens per KV block", min=1, max=MAX_TOKENS)
     gpu_memory_utilization: float = option(
         0.9, "serve: fraction of the GPU the engine may use (0.1 or more: less leaves a 24 GB card no more than its "
@@ -166,6 +184,8 @@ class Inputs(TrainingRun, Subject):
             self.spec().param_count()
         except ValueError as err:  # a GPT preset whose dimensions are no longer a GPT block's
             raise UsageError(f"--model {self.model}: {err}") from None
+        if family == "gpt" and self.weights != "bf16" and self.task == "serve":
+            raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
@@ -174,6 +194,14 @@ class Inputs(TrainingRun, Subject):
             if self.method != "full" and d["experts"]:
                 raise UsageError(f"--method {self.method} on a mixture of experts: the formulas count dense blocks "
                                  "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
+        if self.task == "decode":
+            if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
+                    or self.offload != "none":
+                raise UsageError("--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their "
+                                 "own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload")
+            if self.new_tokens > (self.kv_len or self.seq):
+                raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
+                                 f"{self.kv_len or self.seq}")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

@@ -76,6 +76,17 @@ def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # --8<-- [end:policy]
 
 
+def save_alternate_matmuls(counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan's op-level policy (``selective_ac_option = 'op'``): keep attention's output and every
+    other ``mm``'s, counted per block, in forward and in recompute alike (torchtitan commit 9dec370,
+    ``torchtitan/parallelisms/parallelize_llama.py`` L214-262; Lab 16 traces its published runs)."""
+    if op is aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] = counts.get(key, 0) + 1
+        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 # --8<-- [start:blocks]
 def run_segment(blocks, x):
     for block in blocks:
@@ -85,12 +96,18 @@ def run_segment(blocks, x):
 
 def run_blocks(blocks, x, strategy: str = "none", every: int = 1):
     """TinyGPT's loop over its ``blocks``, from the hidden state ``x``, checkpointed by ``strategy``
-    (one of ``STRATEGIES``); ``every`` is k, the blocks per segment of every-k."""
+    (one of ``STRATEGIES``, or torchtitan's ``save-alternate-matmuls``); ``every`` is k, the blocks per
+    segment of every-k."""
     if strategy == "none":
         return run_segment(blocks, x)  # (1)!
     if strategy == "save-matmuls":
         policy = partial(create_selective_checkpoint_contexts, save_matmuls)  # (2)!
         for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False, context_fn=policy)
+        return x
+    if strategy == "save-alternate-matmuls":  # torchtitan's: a fresh count for every block
+        for block in blocks:
+            policy = partial(create_selective_checkpoint_contexts, partial(save_alternate_matmuls, {}))
             x = checkpoint(block, x, use_reentrant=False, context_fn=policy)
         return x
     k = 1 if strategy == "full" else every
@@ -196,8 +213,7 @@ def activation_memory(tl: Timeline) -> dict:
     return {
         "kept_bytes": act[fwd.end - 1],  # (1)!
         "activation_peak_bytes": max(a + t for a, t in zip(act, tmp)),  # (2)!
-        "peak_bytes": tl.peak()["total"],
-    }
+        "peak_bytes": tl.peak()["total"]}
 
 
 def measure_memory(model, x, y, strategy: str, every: int, seed: int = 0) -> Ledger:

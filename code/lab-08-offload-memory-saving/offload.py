@@ -252,8 +252,8 @@ def measure_time(mode: str, config: Config, device) -> tuple[torch.Tensor, Recor
     pipe = build_pipeline(config)
     prompt, noise = pipe.inputs(config.seed, device)
     step_ms, threads = [], torch.get_num_threads()
-    if device.type == "cpu" and config.threads:
-        torch.set_num_threads(config.threads)
+    if device.type == "cpu":
+        cli.cpu_threads(config.threads)  # 0: PyTorch's own count, one per core
     try:
         with torch.no_grad(), installed(mode, pipe, device, config) as handles:
             reset_peak(device)

@@ -254,7 +254,7 @@ class LayerwiseOffload(Offload):
             buf = torch.empty(master.nbytes, dtype=torch.uint8, device=self.device)  # (1)!
         if copy is not None:
             copy.wait_stream(torch.cuda.current_stream(self.device))  # (2)!
-        with torch.cuda.stream(copy):  # no-op without one
+        with torch.cuda.stream(copy), marks.stream("copy"):  # no-op without one; buf is the compute stream's
             marks.event("prefetch_start", self.names[j], "copy", master.nbytes, copy)
             buf.copy_(master.flat, non_blocking=self.pinned)  # (3)!
             marks.event("ready", self.names[j], "copy", stream=copy)

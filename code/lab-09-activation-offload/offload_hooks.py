@@ -118,7 +118,7 @@ class StreamedOffload(saved_tensors_hooks):
             saved.device = None
             return
         self.stream.wait_stream(self._compute())  # (2)!
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), marks.stream("copy"):
             saved.host.copy_(t, non_blocking=True)  # (3)!
             saved.copied = self.stream.record_event()
         self.in_flight.append(saved)
@@ -141,7 +141,7 @@ class StreamedOffload(saved_tensors_hooks):
             buf.copy_(saved.host)
         else:
             self.stream.wait_stream(self._compute())
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream), marks.stream("copy"):
                 buf.copy_(saved.host, non_blocking=True)
                 saved.ready = self.stream.record_event()  # (7)!
         saved.fetched, saved.host = buf, None  # read once: the host copy can go

@@ -79,6 +79,7 @@ def logged_allreduce(log, bucket):  # no annotations: a string one (lazy annotat
     log.backwards[-1].append({"index": bucket.index(), "bytes": buffer.numel() * buffer.element_size(),
                               "params": [log.names[id(p)] for p in bucket.parameters()]})
     buffer.div_(dist.get_world_size())  # (3)!
+    marks.record_stream(buffer, "nccl")  # on a GPU, NCCL's stream uses the bucket too (Lab 16)
     work = dist.all_reduce(buffer, async_op=True)  # (4)!
     return work.get_future().then(lambda fut: fut.value()[0])
 # --8<-- [end:hook]

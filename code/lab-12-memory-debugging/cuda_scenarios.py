@@ -29,10 +29,12 @@ from typing import Literal
 
 import torch
 
-from labkit import cli
+from labkit import cli, labs, marks
 from labkit.config import MAX_BATCH, MAX_BYTES, MAX_COUNT, MAX_LAYERS, MAX_STEPS, LabConfig, UsageError, option
 from labkit.table import Table
 from oom_reader import CLAUSES, next_levers, read_oom
+
+lab16 = labs.load(16)  # on a CPU: the same experiments, simulated by Lab 16's model of the allocator
 
 MiB = 2**20
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -81,10 +83,11 @@ def changing_batch(iters: int = 12, first: int = 8, layers: int = 8, unit_mb: in
     for i in range(iters):
         n = first + i
         kept = []
-        for _ in range(layers):
-            kept.append(torch.empty(n * unit, device=device))  # (1)!
-            kept.append(torch.empty(n * unit * wide, device=device))
-        rows.append({"batch": n, "live": sum(t.nbytes for t in kept), **allocator_now(device)})  # (2)!
+        with marks.phase("batch", i):  # a ledger (Lab 16's trace on a CPU) sees each iteration
+            for _ in range(layers):
+                kept.append(torch.empty(n * unit, device=device))  # (1)!
+                kept.append(torch.empty(n * unit * wide, device=device))
+            rows.append({"batch": n, "live": sum(t.nbytes for t in kept), **allocator_now(device)})  # (2)!
         del kept  # (3)!
     out = {"rows": rows, "after": allocator_now(device)}
     if device.type == "cuda":
@@ -112,21 +115,26 @@ def out_of_memory(pattern: str = "pressure", cap_mb: int = 1024, chunk_mb: int =
     torch.cuda.set_per_process_memory_fraction(cap_mb * MiB / total, device)  # (1)!
     held: list[torch.Tensor] = []
     try:
-        if pattern == "pressure":
-            for _ in range(cap_mb // chunk_mb + 2):  # (2)!
-                held.append(torch.empty(chunk_mb * MiB, dtype=torch.uint8, device=device))
-        else:
-            pieces = cap_mb // 20
-            torch.empty(pieces * 20 * MiB, dtype=torch.uint8, device=device)  # (3)!
-            held = [torch.empty(20 * MiB, dtype=torch.uint8, device=device) for _ in range(pieces)]
-            del held[::2]  # (4)!
-            held.append(torch.empty(40 * MiB, dtype=torch.uint8, device=device))
+        allocate(pattern, cap_mb, chunk_mb, device, held)
         return {"pattern": pattern, "oom": False, "message": None, **allocator_now(device)}
-    except torch.OutOfMemoryError as err:  # (5)!
+    except torch.OutOfMemoryError as err:  # (2)!
         return {"pattern": pattern, "oom": True, "message": str(err), **allocator_now(device)}
     finally:
         held.clear()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def allocate(pattern: str, cap_mb: int, chunk_mb: int, device, held: list) -> None:
+    """The pattern's buffers, kept in ``held`` (on any device: Lab 16 traces them on a CPU)."""
+    if pattern == "pressure":
+        for _ in range(cap_mb // chunk_mb + 2):  # (3)!
+            held.append(torch.empty(chunk_mb * MiB, dtype=torch.uint8, device=device))
+        return
+    pieces = cap_mb // 20
+    torch.empty(pieces * 20 * MiB, dtype=torch.uint8, device=device)  # (4)!
+    held.extend(torch.empty(20 * MiB, dtype=torch.uint8, device=device) for _ in range(pieces))
+    del held[::2]  # (5)!
+    held.append(torch.empty(40 * MiB, dtype=torch.uint8, device=device))
 # --8<-- [end:oom]
 
 
@@ -138,6 +146,15 @@ OOM_RUNS = (("pressure", None), ("fragmented", None), ("fragmented", EXPANDABLE)
 def fragmentation(iters: int, layers: int) -> list[dict]:
     """The changing-batch workload with the default allocator and with expandable segments."""
     return [in_fresh_process("changing_batch", conf, iters=iters, layers=layers) for conf in FRAGMENTATION_RUNS]
+
+
+def simulated(iters: int, layers: int, cap_mb: int) -> tuple[list[dict], list[dict]]:
+    """On a CPU: :func:`fragmentation` and :func:`oom_experiments` through Lab 16's model of the caching
+    allocator (simulated): each workload traced on fake tensors, replayed with each setting."""
+    batch = lab16.as_lab12(lab16.run(lab16.Config(device="cpu", iters=iters, layers=layers)))
+    runs = [r for pattern in ("pressure", "fragmented")
+            for r in lab16.as_lab12(lab16.run(lab16.Config(device="cpu", workload=pattern, cap_mb=cap_mb)))]
+    return batch, [next(r for r in runs if (r["pattern"], r["alloc_conf"]) == (p, c or "default")) for p, c in OOM_RUNS]
 
 
 def oom_experiments(cap_mb: int) -> list[dict]:
@@ -230,13 +247,15 @@ def oom_numbers_table(runs: list[dict] | None) -> Table:
     return table
 
 
-def print_results(fragmentation_runs: list[dict] | None, oom_runs: list[dict] | None) -> None:
+def print_results(fragmentation_runs: list[dict] | None, oom_runs: list[dict] | None, simulated: bool = False) -> None:
     """The allocator experiments for a terminal (Lab 12's report): the tables, then each lever."""
+    how = "simulated on this CPU by Lab 16's model of the allocator" if simulated else \
+        "each allocator setting in a fresh process"
     if fragmentation_runs:
-        print("\nFragmentation: allocated against reserved, each allocator setting in a fresh process")
+        print(f"\nFragmentation: allocated against reserved, {how}")
         print(fragmentation_table(fragmentation_runs).text())
     if oom_runs:
-        print("\nOut of memory on purpose, under a memory cap")
+        print(f"\nOut of memory on purpose, under a memory cap ({how.split(',')[0]})")
         print(oom_table(oom_runs).text())
         print("\nEvery number of each message, read by read_oom:")
         print(oom_numbers_table(oom_runs).text())

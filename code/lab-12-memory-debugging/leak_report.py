@@ -67,9 +67,7 @@ def report(result) -> None:
         print(origin_table(leak.at_peak, config.top).text())
         print(f"alive at the end of the last step (top {config.top}):")
         print(origin_table(leak.after_step[-1], config.top).text())
-    cuda_scenarios.print_results(result.fragmentation, result.oom)
-    if result.skipped:
-        print(f"\nskipped (CUDA only): {', '.join(result.skipped)}; run with --device cuda on a GPU machine")
+    cuda_scenarios.print_results(result.fragmentation, result.oom, result.simulated)
     if result.snapshots:
         print(f"memory history written: {', '.join(result.snapshots)}, next to {config.snapshot} "
               "(open it at https://pytorch.org/memory_viz)")

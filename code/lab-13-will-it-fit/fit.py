@@ -1,4 +1,4 @@
-"""Lab 13 - will it fit? A real model's training step (or prefill), traced at real size, per rank.
+"""Lab 13 - will it fit? A real model's training step (or prefill, or decode step), traced at real size, per rank.
 
 The other labs each teach one technique on a toy. This one composes them on a real architecture
 (``labkit.zoo``: Llama 3 8B/70B/405B, Mixtral, any Hugging Face causal-LM config.json) and asks the
@@ -11,13 +11,13 @@ traces on a laptop in seconds.
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
+    --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
+    --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
-    --method        Lab 15's prepare: lora (adapters on a frozen base), qlora (the blocks' linears in NF4
-                    too); with --lora-rank, --lora-targets, --lora-dropout; --optimizer adamw8bit: Lab
-                    15's 8-bit AdamW
+    --method        lora or qlora: Lab 15's adapters on a frozen base, NF4 under qlora (``fit_finetune.py``)
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
@@ -44,13 +44,16 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import cli, fake, labs, marks, provenance, zoo
 from labkit import cuda as cuda_kit
-from labkit.config import INT64_MAX, LabConfig, UsageError, option
+from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
 from fit_gap import derive
+from fit_decode import StaticCache, decode_step
+from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
 from fit_gpus import GPUS
 from fit_levers import search
+from fit_loss import LOSSES
 from fit_report import report, summary
 from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
 
@@ -58,7 +61,7 @@ lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full and selective (save-matmuls) checkpointing of every block
 lab07 = labs.load(7)  # install: ZeRO-Offload's AdamW on the host
 lab11 = labs.load(11)  # wrap: ZeRO-2 and ZeRO-3 as FSDP2's fully_shard
-lab15 = labs.load(15)  # prepare, frozen, AdamW8bit: LoRA, QLoRA's NF4 base, 8-bit AdamW
+lab16 = labs.load(16, "reserved_bytes")  # reserved: the step in reserved bytes, simulated
 TrainingRun = labs.load(1, "fit_inputs").TrainingRun  # --batch ... --offload, shared with the calculator
 
 
@@ -72,7 +75,7 @@ OPTIMIZERS = {  # (3)!
     "adamw": (torch.optim.AdamW, fake.cuda_default_optimizer_kwargs("adamw")),  # CUDA's default: foreach
     "adamw-foreach": (torch.optim.AdamW, {"foreach": True}),
     "adamw-fused": (torch.optim.AdamW, {"fused": True}),
-    "adamw8bit": (lab15.AdamW8bit, {}),  # Lab 15's: moments as 8-bit codes in blocks of 2,048
+    "adamw8bit": (AdamW8bit, {}),  # Lab 15's: moments as 8-bit codes in blocks of 2,048
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
 }
 CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  # (4)!
@@ -80,12 +83,13 @@ CHECKPOINTING = {"none": "none", "selective": "save-matmuls", "full": "full"}  #
 
 
 # --8<-- [start:step]
-def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1) -> None:
+def train_step(model, optimizer, idx, *, recipe: str, strategy: str, micro_batches: int = 1, head_loss=None) -> None:
     """One optimizer step over ``micro_batches`` forward/backward passes of ``idx`` (tokens as their own
-    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``."""
+    targets: only shapes matter), autocast by Lab 03's ``recipe``, blocks run by Lab 04's ``strategy``,
+    the loss by ``head_loss`` (``fit_loss.LOSSES``: None is the model's own, every logit at once)."""
     for _ in range(micro_batches):
         with marks.phase("forward", 1), lab03.autocast(recipe, idx.device):
-            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy))[1]  # (1)!
+            loss = model(idx, idx, run_blocks=partial(lab04.run_blocks, strategy=strategy), head_loss=head_loss)[1]  # (1)!
         with marks.phase("backward", 1):
             (loss / micro_batches).backward()  # (2)!
     with marks.phase("optimizer", 1):
@@ -107,21 +111,21 @@ STEADY_MICRO_BATCHES = 2
 
 
 # --8<-- [start:trace]
-def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
+def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: str | None = None) -> Trace:
     """The steady-state step of ``config`` under a memory ledger: rank 0's bytes, phase by phase.
 
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
-    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
+    allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where;
+    ``strategy``: Lab 04's, instead of ``--checkpointing``'s (Lab 16 traces torchtitan's policy)."""
     weights, recipe = PRECISIONS[config.precision]
-    weights = weights if config.method == "full" else lab15.weights_dtype(config.method, config.precision)
+    weights = base_dtype(config, weights)  # under LoRA, the frozen base's (Lab 15)
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
         model = build(config.spec, weights, device)  # (1)!
-        lab15.prepare(model, config.method, config.precision, config.lora_rank, config.lora_targets,
-                      dropout=config.lora_dropout)  # Lab 15: adapters on a frozen base (NF4 under qlora)
+        adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
         optimizer = shard(model, config, mesh)  # (2)!
-        idx = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
+        idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
@@ -129,8 +133,11 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe, strategy=CHECKPOINTING[config.checkpointing],
-                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES))
+                train_step(model, optimizer, idx, recipe=recipe,
+                           strategy=strategy or CHECKPOINTING[config.checkpointing],
+                           micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
+            elif config.task == "decode":
+                decode(model, ledger, config, weights, device)
             else:
                 prefill(model, idx, recipe=recipe)
         timeline, allocator = ledger.timeline(), cuda_kit.allocator_stats(torch.device(device))
@@ -149,7 +156,7 @@ def shard(model, config: Config, mesh):
             fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
     elif config.zero_stage >= 2:
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
-    if config.task == "infer":
+    if config.task != "train":
         return None
     if config.zero_stage >= 2:
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
@@ -160,6 +167,15 @@ def shard(model, config: Config, mesh):
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make([p for p in model.parameters() if p.requires_grad], **kwargs)  # under LoRA, the adapters alone
+
+
+def decode(model, ledger: Ledger, config: Config, dtype: torch.dtype, device: str) -> None:
+    """``--task decode`` (``fit_decode.py``): the cache allocated for ``--kv-len`` tokens per sequence and
+    labelled, then one step of ``--new-tokens`` per sequence."""
+    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
+    ledger.track(cache.keys + cache.values, "kv_cache")
+    with marks.phase("decode", 0):
+        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -179,18 +195,22 @@ class Step:
 
     model: str = option("llama-3-8b", "a zoo model (llama-3-8b, llama-3-70b, mixtral-8x7b, ...) or the path of a "
                         "Hugging Face config.json of a causal LM", metavar="NAME|PATH")
-    task: Literal["train", "infer"] = option("train", "train: one training step; infer: one prefill forward")
+    task: Literal["train", "infer", "decode"] = option(
+        "train", "train: one training step; infer: one prefill forward of --batch x --seq tokens; decode: one decode "
+        "step of --new-tokens per sequence against a KV cache preallocated to --kv-len tokens per sequence")
 
 
 @dataclass
-class Config(TrainingRun, Step, LabConfig):
+class Config(TrainingRun, Step, Adapters, LabConfig):
     """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
 
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
+    kv_len: int | None = option(None, "decode: tokens the KV cache is preallocated to, per sequence (default: --seq)",
+                                min=1, max=MAX_TOKENS)
+    new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
+                             "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
-    lora_dropout: float = option(0.0, "--method lora or qlora: dropout on each adapter's input (PEFT's lora_dropout)",
-                                 min=0, below=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -198,24 +218,39 @@ class Config(TrainingRun, Step, LabConfig):
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
         self.check_sharding()
-        self.check_fine_tuning(spec)
-        if self.method != "full" and self.task == "infer":
-            raise UsageError(f"--method {self.method} trains adapters: --task infer has no training step")
-        if self.lora_dropout and self.method == "full":
-            raise UsageError("--lora-dropout drops an adapter's input: it needs --method lora or qlora")
+        self.check_adapters()
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
                              "(rank 0's bytes past that are the same shares, smaller)")
-        if self.task == "infer":
+        if self.loss != "full" and spec.family == "hf":
+            raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
+                             "not a Hugging Face config's")
+        if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
+            raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        if self.task == "decode":
+            self.check_decode()
+        if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
+                              ("--loss chunked or fused-linear", self.loss != "full"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
-                    raise UsageError(f"{flag} needs a backward or an optimizer: --task infer has neither")
+                    raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")
         logits = self.batch * self.seq * max(spec.vocab, 1) * 4
         if logits > INT64_MAX:
             raise UsageError(f"--batch {self.batch} x --seq {self.seq} x {spec.vocab:,} logits x 4 bytes is {logits:.3g} "
                              "bytes: more than a 64-bit integer counts")
+
+    def check_decode(self) -> None:
+        if self.spec.family not in ("llama", "mixtral"):
+            raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {self.model}'s")
+        if self.precision == "mixed":
+            raise UsageError("--task decode runs the weights' own dtype, as a server does: --precision bf16 or fp32")
+        if self.dp > 1:
+            raise UsageError("--task decode traces one GPU: Lab 14 sizes a server split over GPUs")
+        if self.new_tokens > (self.kv_len or self.seq):
+            raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
+                             f"{self.kv_len or self.seq}")
 
     @cached_property
     def spec(self):
@@ -277,9 +312,14 @@ class Trace:
     def per_rank_peak_bytes(self) -> int:
         return self.derived["peak"]["total"]
 
+    @cached_property
+    def reserved(self) -> dict:
+        """The step in reserved bytes, the CUDA context added (Lab 16's model of the caching allocator)."""
+        return lab16.reserved(self)
+
     @property
     def fits(self) -> bool:
-        return self.per_rank_peak_bytes <= GPUS[self.config.gpu].capacity_bytes
+        return self.reserved["need_bytes"] <= GPUS[self.config.gpu].total_bytes
 
 
 @dataclass

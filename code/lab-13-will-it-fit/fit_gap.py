@@ -47,6 +47,8 @@ def derive(trace) -> dict:
     host = list(tl.host_total())
     sources = {k: "traced" for k in columns}
     n = len(tl)
+    if c.task == "decode":
+        sources[KV_CACHE] = "traced: the cache preallocated to --kv-len tokens per sequence (fit_decode.py)"
     if c.task == "infer":
         columns[KV_CACHE] = [kv_cache_bytes(c)] * n
         sources[KV_CACHE] = "derived: 2 x layers x batch x seq x kv_heads x head_dim x element (no cache is returned)"
@@ -110,7 +112,8 @@ def optimizer_rows(tl: Timeline) -> set[int]:
 def kv_cache_bytes(config) -> int:
     """Lab 01's KV cache, 2 x L x b x s x kv_heads x head_dim x e, for the zoo model's shape."""
     s = config.spec
-    shape = Shape(layers=s.layers, hidden=s.head_dim * s.heads, heads=s.heads, seq=config.seq, batch=config.batch,
+    seq = (config.kv_len or config.seq) if config.task == "decode" else config.seq
+    shape = Shape(layers=s.layers, hidden=s.head_dim * s.heads, heads=s.heads, seq=seq, batch=config.batch,
                   vocab=s.vocab, kv_heads=s.kv_heads)
     return lab01.kv_cache_bytes(shape, act=ELEMENT[config.precision])
 
@@ -121,7 +124,7 @@ def predicted(trace) -> dict[str, int | None]:
     c, s = trace.config, trace.config.spec
     params = trace.derived["params"]
     out: dict[str, int | None] = dict.fromkeys(DEVICE_CATEGORIES)
-    if c.task == "infer":
+    if c.task != "train":
         out["parameters"] = lab01.RECIPES[c.precision].param * (-(-params // c.dp) if c.zero_stage == 3 else params)
         out[KV_CACHE] = kv_cache_bytes(c)
         return out
@@ -200,6 +203,9 @@ def reasons(trace) -> dict[str, str]:
         out["optimizer_state"] = "on the host (ZeRO-Offload): Lab 01 counts it on the device"
     if c.offload == "params":
         out["parameters"] = "the shards live on the host (FSDP2's CPU offload): Lab 01 counts them on the device"
+    if c.task == "decode":
+        out["temporaries"] = "no formula in Lab 01: a block's intermediates for the new tokens, and their logits"
+        out[KV_CACHE] = "traced: the cache preallocated to --kv-len tokens per sequence; Lab 01's formula, equal"
     if c.task == "infer":
         out["activations"] = "none: a prefill under no_grad keeps nothing for a backward"
         out["temporaries"] = (f"no formula in Lab 01: the logits of every position, {format_bytes(logits // 4 * ELEMENT[c.precision])}"

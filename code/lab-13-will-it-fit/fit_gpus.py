@@ -9,7 +9,9 @@ reserves (fragmentation). So the bytes a step may peak at, here ``capacity_bytes
 
 Both deductions are **assumptions until measured**: the GPU issue measures them on a lent card
 (``torch.cuda.mem_get_info`` on an idle card before and after the context exists, and reserved
-against allocated over a training loop). They live here, once.
+against allocated over a training loop). They live here, once, for the calculator's formulas. A
+trace needs neither: Lab 13's verdict holds the step's reserved bytes, simulated by Lab 16's model of
+the caching allocator, plus Lab 16's cited CUDA context, against ``total_bytes``.
 """
 
 from __future__ import annotations
@@ -74,4 +76,13 @@ GPUS = {g.name: g for g in (
     Gpu("a10-24gb", "24 GB GDDR6", _NV + "products/a10-gpu/", 23_028, NVML_TABLE),
     Gpu("rtx4090-24gb", "24 GB GDDR6X", "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/",
         24_564, NVML_TABLE),
+    Gpu("b200-180gb", "180 GB HBM3e per GPU (DGX B200: 1,440 GB over 8 GPUs)", _NV + "dgx-b200/", 183_359,
+        "nvidia-smi on an idle B200 reads 183359MiB: https://github.com/NVIDIA/TensorRT-LLM/issues/10278"),
+    Gpu("h100-nvl-94gb", "94 GB HBM3 (H100 NVL)", _NV + "h100/", 95_830,
+        "nvidia-smi on an idle H100 NVL reads 95830MiB: https://github.com/NVIDIA/gpu-admin-tools/issues/4"),
+    Gpu("mi300x-192gb", "192 GB HBM3", "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html",
+        196_592, "rocminfo on an MI300X lists its global memory pool as 201310208 KB (196,592 MiB): "
+        "https://github.com/ROCm/legacy-rocm-build/issues/4414; ROCm's HIP context stands in for CUDA's"),
+    Gpu("rtx-a6000-48gb", "48 GB GDDR6 with ECC", "https://www.nvidia.com/en-us/design-visualization/rtx-a6000/",
+        49_140, NVML_TABLE),
 )}

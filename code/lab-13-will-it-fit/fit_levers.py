@@ -1,10 +1,13 @@
 """Lab 13 - the levers that make a step fit, cheapest first, each re-traced.
 
-A lever is one change to the configuration. ``LEVERS`` lists them in the order of what they cost,
-stated for each: first what costs nothing (the same math, a better kernel), then a little
-recomputation or communication, then a slower step, then numerics, then PCIe traffic every step.
-That order is a judgement, written down once here; the savings are not: :func:`search` traces the
-step with each lever pulled alone and reports the bytes it saved at the per-rank peak.
+A lever is one change to the configuration. ``LEVERS`` lists first the **exact** levers, which leave
+the step's numbers what they were (the same loss and gradients, up to the order of a sum), in the
+order of what they cost, stated for each: what costs nothing (a better kernel), then a little
+recomputation or communication, then a slower step, then PCIe traffic every step. Then the levers
+that **change the numerics** (bf16 matmuls, bf16 weights and moments), which a run should not get
+silently while an exact one would do. That order is a judgement, written down once here; the savings
+are not: :func:`search` traces the step with each lever pulled alone and reports the bytes it saved
+at the per-rank peak.
 
 One saving is derived rather than traced, and says so: a lever that changes only some phases
 (fused AdamW only the optimizer step; checkpointing and the micro-batch only forward and backward)
@@ -35,6 +38,11 @@ class Lever:
     phases: tuple[str, ...] | None  # the phases it changes (None: all of them)
     pull: Callable  # config -> the fields it changes, or None where it does not apply
     repeats: bool = False  # pulled again while it applies and saves bytes (a halving)
+    exact: bool = True  # the same numbers (False: it changes the numerics, as bf16 weights do)
+
+    @property
+    def numerics(self) -> str:
+        return "exact" if self.exact else "numerics-changing"
 
     def cost_for(self, task: str) -> str:
         """What pulling it costs for ``task`` (inference has no accumulation to make up a smaller batch)."""
@@ -45,14 +53,20 @@ def _adam(c) -> bool:
     return c.optimizer in ("adamw", "adamw-foreach")
 
 
+def _full_loss(c) -> bool:
+    """The loss is the model's own (every logit at once), on a zoo model (a Hugging Face config's model has its
+    own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's)."""
+    return c.loss == "full" and getattr(c.spec, "family", None) != "hf" and getattr(c, "method", "full") == "full"
+
+
 # --8<-- [start:levers]
-LEVERS = (
+LEVERS = (  # exact first, cheapest first; then those that change the numerics
     Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
           ("optimizer",), lambda c: {"optimizer": "adamw-fused"} if _adam(c) and c.offload == "none" else None),
-    Lever("mixed precision", "precision", "none on tensor cores (faster): autocast's bf16 matmuls, fp32 weights",
-          INFER, None, lambda c: {"precision": "mixed"} if c.precision == "fp32" else None),
     Lever("selective checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
           TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "selective"} if c.checkpointing == "none" else None),
+    Lever("chunked loss", "loss", "one more head matmul per token, in backward (each chunk recomputed)",
+          TRAIN, ("forward", "backward"), lambda c: {"loss": "chunked"} if _full_loss(c) else None),
     Lever("ZeRO-1", "zero", "no more communication than DDP: each rank updates its share of the state", TRAIN, None,
           lambda c: {"zero_stage": 1} if c.dp > 1 and c.zero_stage < 1 and c.offload == "none" else None),
     Lever("ZeRO-2", "zero", "DDP's communication volume, as reduce-scatter and all-gather", TRAIN, None,
@@ -67,14 +81,16 @@ LEVERS = (
           None, lambda c: {"zero_stage": 3} if c.dp > 1 and c.zero_stage < 3 and c.offload == "none" else None),
     Lever("full checkpointing", "checkpointing", "one more forward per step: about a third more compute", TRAIN,
           ("forward", "backward"), lambda c: {"checkpointing": "full"} if c.checkpointing != "full" else None),
-    Lever("bf16 weights and state", "precision", "numerics: bf16 weights and moments lose small updates "
-          "(stochastic rounding or Kahan summation make up for it)", INFER, None,
-          lambda c: {"precision": "bf16"} if c.precision != "bf16" else None),
     Lever("optimizer offload", "offload", "PCIe: every gradient down and every parameter back, each step; AdamW on "
           "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer in (
               "sgd", "adamw8bit") else c.optimizer} if c.offload == "none" and c.method == "full" else None),
     Lever("parameter offload", "offload", "PCIe: every parameter up in forward and again in backward", INFER, None,
           lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 else None),
+    Lever("mixed precision", "precision", "numerics: bf16 matmuls under autocast (faster on tensor cores), fp32 "
+          "weights", INFER, None, lambda c: {"precision": "mixed"} if c.precision == "fp32" else None, exact=False),
+    Lever("bf16 weights and state", "precision", "numerics: bf16 weights and moments lose small updates "
+          "(stochastic rounding or Kahan summation make up for it)", INFER, None,
+          lambda c: {"precision": "bf16"} if c.precision != "bf16" else None, exact=False),
 )
 # --8<-- [end:levers]
 
@@ -104,7 +120,8 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
         if not every and lever.name not in ladder:
             continue
         alone, how = _pulled(lever, changes, base, lambda ch: traced(ch, known_only=not every))
-        rows.append({"name": lever.name, "kind": lever.kind, "cost": lever.cost_for(base.config.task), "changes": changes,
+        rows.append({"name": lever.name, "kind": lever.kind, "numerics": lever.numerics,
+                     "cost": lever.cost_for(base.config.task), "changes": changes,
                      "flags": _flags(replace(base.config, **changes)),
                      "alone": None if alone is None else {**_bytes(base, alone), "how": how},
                      "together": ladder.get(lever.name)})

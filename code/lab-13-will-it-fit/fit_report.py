@@ -12,10 +12,14 @@ from labkit.config import summary_of
 from labkit.table import Table, format_bytes
 from fit_gap import DEVICE_CATEGORIES, WEIGHT_CASTS, predicted, reasons
 from fit_gpus import ALLOCATOR_HEADROOM, CUDA_CONTEXT_BYTES, CUDA_CONTEXT_SOURCE, GPUS, HEADROOM_SOURCE
+from labkit import labs
+
+lab16 = labs.load(16, "reserved_bytes")  # the CUDA context, and where its size comes from
 
 TRACED_ON = ("traced on fake tensors (labkit.fake): every storage of the step counted and rounded to the CUDA "
              "allocator's 512-byte blocks, nothing allocated; CPU dispatch (CPU autocast, CPU flash attention); not "
-             "in the trace: CUDA context, cuBLAS workspaces, NCCL buffers, allocator fragmentation")
+             "in the trace: CUDA context, cuBLAS workspaces, NCCL buffers, allocator fragmentation (the verdict adds "
+             "them as Lab 16 simulates them, NCCL's buffers aside)")
 
 
 def summary(result) -> dict:
@@ -25,6 +29,7 @@ def summary(result) -> dict:
     return {"model": c.model, "params": d["params"], "per_rank_peak_bytes": t.per_rank_peak_bytes,
             "by_category": {k: d["peak"][k] for k in DEVICE_CATEGORIES}, "predicted": predicted(t),
             "gpu": c.gpu, "capacity_bytes": gpu.capacity_bytes, "fits": t.fits, "levers": result.levers,
+            "reserved": t.reserved,
             "config": summary_of(c), "spec": asdict(c.spec), "peak_phase": d["peak_phase"], "by_phase": d["by_phase"],
             "category_max": d["category_max"], "weight_casts": d["weight_casts"], "sources": d["sources"], "reasons": reasons(t),
             "host_peak_bytes": d["host_peak_bytes"], "gpu_detail": gpu_detail(c.gpu), "trace_seconds": t.seconds,
@@ -78,19 +83,20 @@ def gap_table(trace) -> Table:
 
 
 def gpu_table(result) -> Table:
-    """What the GPU leaves the step: each row's bytes (a deduction is negative), what kind of figure it
-    is, and its source."""
+    """What the GPU holds for the step: its total, the CUDA context, and the step in reserved bytes (Lab 16)."""
     g, t = GPUS[result.config.gpu], result.trace
-    headroom = g.total_bytes - CUDA_CONTEXT_BYTES - g.capacity_bytes
-    return Table(["", ("bytes", "bytes"), "kind", "source"], [
-        [f"{g.name}: stated {g.stated}", None, "cited", g.datasheet],
-        ["total the driver reports (NVML)", g.total_bytes, "assumed", g.total_source],
-        ["less the CUDA context and the driver's share", -CUDA_CONTEXT_BYTES, "assumed", CUDA_CONTEXT_SOURCE],
-        [f"less {ALLOCATOR_HEADROOM:.0%} allocator headroom (fragmentation)", -headroom, "assumed", HEADROOM_SOURCE],
-        ["usable by the step's tensors (capacity_bytes)", g.capacity_bytes, "derived",
-         "(total - context) x (1 - headroom)"],
-        ["the step's per-rank peak", t.per_rank_peak_bytes, "traced" + (" + derived" if any(
-            s != "traced" for s in t.derived["sources"].values()) else ""), "this trace"]], unit="GiB")
+    r = t.reserved
+    rows = [[f"{g.name}: stated {g.stated}", None, "cited", g.datasheet],
+            ["total the driver reports (NVML)", g.total_bytes, "assumed", g.total_source],
+            ["the CUDA context, outside the allocator", r["cuda_context_bytes"], "cited",
+             lab16.CUDA_CONTEXT_SOURCE],
+            ["the step's reserved peak (Lab 16's model of the caching allocator)", r["reserved_bytes"], "simulated",
+             "the trace replayed, two steps, cuBLAS's workspaces first"],
+            ["of which live tensors at the peak", t.per_rank_peak_bytes, "traced", "this trace"]]
+    if r["derived_bytes"]:
+        rows.append(["derived beside the trace (KV cache, DDP buckets, offload)", r["derived_bytes"], "derived", "fit_gap"])
+    rows.append(["what the GPU must hold: reserved + derived + context", r["need_bytes"], "simulated", "Lab 16"])
+    return Table(["", ("bytes", "bytes"), "kind", "source"], rows, unit="GiB")
 
 
 def levers_table(levers: list[dict]) -> Table:
@@ -101,9 +107,10 @@ def levers_table(levers: list[dict]) -> Table:
         kept = None if not up else f"replaced by {up['replaced_by']}" if up.get("replaced_by") else \
             "yes" if up["kept"] else "no: saves nothing there"
         rows.append([r["name"], kept, up.get("saves_bytes"), up.get("per_rank_peak_bytes"), up.get("fits"),
-                     alone.get("saves_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0], r["cost"]])
+                     alone.get("saves_bytes"), alone.get("fits"), (alone.get("how") or "-").split(":")[0],
+                     r["numerics"], r["cost"]])
     return Table(["lever", "on the ladder: kept", ("saves there", "bytes"), ("peak with those kept", "bytes"),
-                  ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "costs"], rows,
+                  ("fits", "yes"), ("alone: saves", "bytes"), ("fits alone", "yes"), "how (alone)", "numerics", "costs"], rows,
                  unit="GiB")
 
 
@@ -114,27 +121,31 @@ def to_fit(levers: list[dict]) -> list[str] | None:
 
 def fits_table(traces: list[tuple[str, object]], gpus: list[str]) -> Table:
     """One row per traced step (``traces``: (label, Trace) pairs): its per-rank peak, where that peak
-    is, and on which of ``gpus`` it fits."""
-    return Table(["model", "step", ("per-rank peak", "bytes"), "peak in",
+    is, its simulated reserved peak (Lab 16), and on which of ``gpus`` it fits."""
+    return Table(["model", "step", ("per-rank peak", "bytes"), "peak in", ("reserved (simulated)", "bytes"),
                   *((g, "yes") for g in gpus)],
-                 [[t.config.model, label, t.per_rank_peak_bytes, t.derived["peak_phase"],
-                   *(t.per_rank_peak_bytes <= GPUS[g].capacity_bytes for g in gpus)] for label, t in traces],
+                 [[t.config.model, label, t.per_rank_peak_bytes, t.derived["peak_phase"], t.reserved["reserved_bytes"],
+                   *(t.reserved["need_bytes"] <= GPUS[g].total_bytes for g in gpus)] for label, t in traces],
                  unit="GiB")
 
 
 def verdict(result) -> str:
+    """In reserved bytes: the simulated reserved peak, what is derived beside it and the CUDA context,
+    against the total the GPU's driver reports."""
     t, g = result.trace, GPUS[result.config.gpu]
-    need, have = t.per_rank_peak_bytes, g.capacity_bytes
+    need, have = t.reserved["need_bytes"], g.total_bytes
     if t.fits:
-        return f"fits: {format_bytes(need)} of {format_bytes(have)} usable on {g.name} ({need / have:.0%})"
-    return f"does not fit: {format_bytes(need)} needed, {format_bytes(have)} usable on {g.name}, " \
+        return f"fits: {format_bytes(need)} of {format_bytes(have)} on {g.name} ({need / have:.0%}), in reserved bytes"
+    return f"does not fit: {format_bytes(need)} needed in reserved bytes, {format_bytes(have)} on {g.name}, " \
            f"{format_bytes(need - have)} short"
 
 
 def report(result) -> None:
     c, t = result.config, result.trace
     d = t.derived
-    print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, batch {c.batch} x {c.seq} tokens"
+    size = (f"batch {c.batch}, {c.new_tokens} new token(s) each against a KV cache of {c.kv_len or c.seq:,}"
+            if c.task == "decode" else f"batch {c.batch} x {c.seq} tokens")
+    print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, {size}"
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
           + (f"{c.method} rank {c.lora_rank} on {','.join(c.lora_targets)}, " if c.method != "full" else "")
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
@@ -147,8 +158,9 @@ def report(result) -> None:
     print("\n" + gpu_table(result).text())
     print(f"\n{verdict(result)}")
     if result.levers:
-        print("\nLevers, cheapest first, pulled one after another (kept when they save bytes) until it fits; alone "
-              "where that needs no other trace (--levers all traces each):")
+        print("\nLevers, exact ones first (the same numbers), cheapest first, then those that change the numerics, "
+              "pulled one after another (kept when they save bytes) until it fits; alone where that needs no other "
+              "trace (--levers all traces each):")
         print(levers_table(result.levers).text())
         flags = to_fit(result.levers)
         print("\nTo fit: " + (" ".join(flags) if flags else "no combination of these levers fits; more ranks (--dp) "

@@ -29,65 +29,93 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: How each --kv-dtype is stored: the element type, and the largest magnitude a scaled value may take
-#: (None: stored as is, no scale).
-KV_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
-             "fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
-SCALE_DTYPE = torch.float32  # one scale per token and KV head, for fp8 and int8
+#: How each --kv-dtype is stored: the element type, the largest magnitude a scaled value may take (None:
+#: stored as is), and what one float32 scale covers. ``tensor``: all of one layer's keys (and one for its
+#: values), vLLM's default for fp8; ``head``: one layer's KV head, vLLM's other fp8 scheme (both set once,
+#: from the first keys and values written, as vLLM's ``calculate_kv_scales`` does, or from a checkpoint);
+#: ``token``: each token's KV head, stored beside it in the pool (this lab's first choice, kept to compare).
+KV_DTYPES = {"fp32": (torch.float32, None, None), "bf16": (torch.bfloat16, None, None),
+             "fp8": (torch.float8_e4m3fn, 448.0, "tensor"), "fp8-per-head": (torch.float8_e4m3fn, 448.0, "head"),
+             "fp8-per-token": (torch.float8_e4m3fn, 448.0, "token"), "int8": (torch.int8, 127.0, "token")}
+SCALE_DTYPE = torch.float32
+FP8_SCALES = ("https://docs.vllm.ai/en/v0.25.0/features/quantization/quantized_kvcache/ (per-tensor, one scale "
+              "per Q, K and V; per-attention-head); scales set once from the first batch: vllm/attention/layer.py "
+              "calc_kv_scales (https://github.com/vllm-project/vllm/pull/22758)")
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str, latent: bool = False) -> int:
     """Bytes one token's keys and values take in the pool: a key and a value per layer and KV head,
-    ``head_dim`` elements each, plus one float32 scale per head for a quantized cache."""
-    element, qmax = KV_DTYPES[kv_dtype]
-    per_head = head_dim * element.itemsize + (SCALE_DTYPE.itemsize if qmax else 0)
-    return 2 * layers * kv_heads * per_head
+    ``head_dim`` elements each, plus a float32 scale per head when the scales are per token. ``latent``:
+    one vector per layer instead (multi-head latent attention caches its compressed KV, not K and V)."""
+    element, qmax, per = KV_DTYPES[kv_dtype]
+    per_head = head_dim * element.itemsize + (SCALE_DTYPE.itemsize if per == "token" else 0)
+    return (1 if latent else 2) * layers * kv_heads * per_head
+
+
+def fixed_scale_bytes(layers: int, kv_heads: int, kv_dtype: str, latent: bool = False) -> int:
+    """Bytes of the scales that do not grow with the tokens: per tensor or per head, for K and for V."""
+    per = KV_DTYPES[kv_dtype][2]
+    count = {"tensor": 1, "head": kv_heads}.get(per, 0)
+    return (1 if latent else 2) * layers * count * SCALE_DTYPE.itemsize
 
 
 # --8<-- [start:store]
 class KVStore:
     """The preallocated pools: per layer, a key pool and a value pool of ``slots`` rows, each row one
     token's (kv_heads, head_dim) in the cache's dtype. Allocated once; a cache only decides which
-    rows a sequence owns."""
+    rows a sequence owns. A quantized pool keeps its scales beside it: per row, or per layer (and head)."""
 
     def __init__(self, *, layers: int, slots: int, kv_heads: int, head_dim: int, kv_dtype: str = "fp32",
-                 device: str | torch.device = "cpu", allocate: bool = True) -> None:
+                 device: str | torch.device = "cpu", allocate: bool = True, latent: bool = False) -> None:
         self.slots, self.kv_dtype = slots, kv_dtype
-        element, self.qmax = KV_DTYPES[kv_dtype]
+        element, self.qmax, self.per = KV_DTYPES[kv_dtype]
         self.rounds = not element.is_floating_point  # int8 rounds to whole steps; fp8's cast rounds itself
-        self.bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
+        self.bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype, latent)
+        self.fixed_bytes = fixed_scale_bytes(layers, kv_heads, kv_dtype, latent)
         self.allocate = allocate  # False: bookkeeping only (no tensors; a cache's slot counts still hold)
 
         def pool(dtype, *shape):
-            return [torch.zeros(slots, kv_heads, *shape, dtype=dtype, device=device) for _ in range(layers)]
+            return [torch.zeros(*shape, dtype=dtype, device=device) for _ in range(layers)]
         self.keys = self.values = self.key_scales = self.value_scales = None
+        self.calibrated = [set() for _ in range(layers)]  # which of K and V have their per-layer scale set
         if allocate:
-            self.keys, self.values = pool(element, head_dim), pool(element, head_dim)
-            if self.qmax:
-                self.key_scales, self.value_scales = pool(SCALE_DTYPE, 1), pool(SCALE_DTYPE, 1)
+            self.keys, self.values = pool(element, slots, kv_heads, head_dim), pool(element, slots, kv_heads, head_dim)
+            scale_shape = {"token": (slots, kv_heads, 1), "head": (kv_heads, 1), "tensor": (1, 1)}.get(self.per)
+            if scale_shape:  # (1)!
+                self.key_scales, self.value_scales = pool(SCALE_DTYPE, *scale_shape), pool(SCALE_DTYPE, *scale_shape)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' keys and values, (n, kv_heads, head_dim) each, in rows ``slots`` (n,)."""
-        for pool, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+        for name, pool, scales, x in (("k", self.keys, self.key_scales, k), ("v", self.values, self.value_scales, v)):
             if self.qmax is None:
                 pool[layer][slots] = x.to(pool[layer].dtype)
                 continue
-            scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / self.qmax  # (1)!
-            q = x.float() / scale
-            pool[layer][slots] = (q.round().clamp(-self.qmax, self.qmax) if self.rounds else q).to(pool[layer].dtype)
-            scales[layer][slots] = scale
+            if self.per == "token":  # each row's own scale: its largest element meets the format's largest
+                scales[layer][slots] = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / self.qmax
+                scale = scales[layer][slots]
+            else:  # (2)!
+                if name not in self.calibrated[layer]:  # once: from the first keys (values) this layer sees
+                    dims = (0, 2) if self.per == "head" else (0, 1, 2)
+                    scales[layer][:] = x.abs().amax(dim=dims).float().clamp_min(1e-12).reshape(-1, 1) / self.qmax
+                    self.calibrated[layer].add(name)
+                scale = scales[layer]
+            q = (x.float() / scale).clamp(-self.qmax, self.qmax)  # beyond the calibrated range: saturate
+            pool[layer][slots] = (q.round() if self.rounds else q).to(pool[layer].dtype)
 
     def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of rows ``index`` (any shape), as ``dtype``: (*index.shape, kv_heads, head_dim)."""
-        k, v = self.keys[layer][index].to(dtype), self.values[layer][index].to(dtype)  # (2)!
+        k, v = self.keys[layer][index].to(dtype), self.values[layer][index].to(dtype)  # (3)!
         if self.qmax is not None:
-            k, v = k * self.key_scales[layer][index].to(dtype), v * self.value_scales[layer][index].to(dtype)
+            ks, vs = ((s[layer][index] if self.per == "token" else s[layer]).to(dtype)
+                      for s in (self.key_scales, self.value_scales))
+            k, v = k * ks, v * vs
         return k, v
 # --8<-- [end:store]
 
     def copy_rows(self, src: range, dst: range) -> None:
         """Copy the rows of range ``src`` to range ``dst`` in every layer (copy-on-write, a region moved)."""
-        for pool in self.tensors():
+        rows = [self.keys, self.values] + ([self.key_scales, self.value_scales] if self.per == "token" else [])
+        for pool in (t for pools in rows for t in pools or []):
             pool[dst.start:dst.stop] = pool[src.start:src.stop]
 
     def tensors(self) -> list[torch.Tensor]:
@@ -96,8 +124,8 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pools: ``slots`` x bytes per token (allocated or not)."""
-        return self.slots * self.bytes_per_token
+        """Bytes of the pools: ``slots`` x bytes per token, and the per-layer scales (allocated or not)."""
+        return self.slots * self.bytes_per_token + self.fixed_bytes
 
 
 # --8<-- [start:allocator]

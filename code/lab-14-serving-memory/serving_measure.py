@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import quantize
 import serving_budget
 import torch
-from paged_kv import KVStore, PagedKVCache, kv_bytes_per_token
+from paged_kv import KV_DTYPES, KVStore, PagedKVCache, kv_bytes_per_token
 from serve_memory import CACHES, kv_store, serve
 
 from labkit import marks
@@ -107,7 +108,7 @@ def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llam
     ref_out, ref_logits = decode_run("fp32", None)
     forced = ref_logits.argmax(-1).tolist()
     rows = []
-    for kind in ("fp32", "bf16", "fp8", "int8"):
+    for kind in KV_DTYPES:
         out, logits = decode_run(kind, forced)
         error = max(float((a - b).norm() / b.norm()) for a, b in zip(out, ref_out))
         agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
@@ -117,27 +118,60 @@ def kv_dtype_errors(model, prompt: list[int], steps: int = 16, real: str = "llam
                   ("logits, max difference", "sci:1"), ("greedy tokens agreeing", "pct:0")], rows)
 
 
-def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9,
-            non_torch_bytes: int = serving_budget.NON_TORCH_BYTES, short: int = 2048) -> tuple[Table, list]:
-    """The serving budget of each ``(model name, tp, kv_dtype, context, prefill chunk)`` in ``cases`` on one
-    ``gpu``: traced weights and the peak of a prefill of the whole context (in chunks, if one is given),
-    cited non-torch memory, the KV pool and what it holds: sequences of that context (paged, whole blocks;
-    a static cache reserving the context holds as many) and of ``short`` tokens. Each row's pool is sized
-    for its own context. Returns the table and the :class:`serving_budget.Budget` of each case."""
-    plans, rows = [], []
-    for name, tp, kv_dtype, context, chunk in cases:
+def budgets(cases, *, gpu: str = "h100-80gb", utilization: float = 0.9) -> tuple[Table, Table, list]:
+    """The serving budget of each ``(model name, tp, weights, kv_dtype, context, prefill chunk)`` in ``cases``
+    on one ``gpu``, as vLLM sizes it: weights (counted per tensor), the peak of a prefill of the whole context
+    (in chunks, if one is given) and the CUDA graphs traced, cited non-torch memory, the KV pool and what it
+    holds: sequences of that context (paged, whole blocks; a static cache reserving the context holds as many);
+    beside it the decode bound, one sequence and the pool's worth (derived). Each row's pool is sized for its
+    own context. Two tables with the same rows, to fit a page: the budget, then what its pool holds and how
+    fast it decodes. Returns both and the :class:`serving_budget.Budget` of each case."""
+    from serving_report import decode_bounds
+
+    plans, rows, speeds = [], [], []
+    for name, tp, weights, kv_dtype, context, chunk in cases:
         b = serving_budget.plan(zoo_spec(name), gpu=gpu, tp=tp, utilization=utilization, kv_dtype=kv_dtype,
-                                seq_len=context, chunk=chunk, non_torch_bytes=non_torch_bytes)
+                                seq_len=context, chunk=chunk, weights=weights)
         plans.append(b)
         fits = b.kv_pool_bytes > 0
-        rows.append([name, tp, kv_dtype, context, chunk, b.weights_bytes, b.prefill_peak_bytes,
-                     b.kv_pool_bytes if fits else None, b.kv_bytes_per_token,
-                     b.max_tokens_in_flight if fits else None, b.sequences(context) if fits else None,
-                     b.sequences(short) if fits else None])
-    return Table(["model", ("TP", "int"), "KV dtype", ("context", "int"), ("prefill chunk", "int"),
-                  ("weights / GPU", "size"), ("prefill peak", "size"), ("KV pool / GPU", "size"),
-                  ("KV / token / GPU", "size"), ("tokens in flight", "int"), ("sequences of the context", "int"),
-                  (f"sequences of {short // 1024}k", "int")], rows), plans
+        one, full = decode_bounds(b) if fits else (None, None)
+        rows.append([name, tp, weights, kv_dtype, context, chunk, b.weights_bytes, b.prefill_peak_bytes,
+                     b.cuda_graph_bytes, b.kv_pool_bytes if fits else None])
+        speeds.append([name, tp, weights, kv_dtype, context, chunk, b.kv_bytes_per_token,
+                       b.sequences(context) if fits else None, one, full])
+    config = ["model", ("TP", "int"), "weights", "KV dtype", ("context", "int"), ("prefill chunk", "int")]
+    return (Table([*config, ("weights / GPU", "size"), ("prefill peak", "size"), ("CUDA graphs", "size"),
+                   ("KV pool / GPU", "size")], rows),
+            Table([*config, ("KV / token / GPU", "size"), ("sequences of the context", "int"),
+                   ("decode tokens/s, one", "float:0"), ("decode tokens/s, all", "float:0")], speeds), plans)
+
+
+def weight_formats(name: str = "llama-3-8b", gpu: str = "h100-80gb", context: int = 8192) -> tuple[Table, list]:
+    """One model's weights in every ``--weights`` format (counted per tensor, scales and zeros included), the
+    KV pool each leaves on ``gpu`` and the sequences of ``context`` it holds, with an fp8 KV cache too."""
+    rows, plans = [], []
+    for weights in quantize.FORMATS:
+        b, b8 = (serving_budget.plan(zoo_spec(name), gpu=gpu, seq_len=context, weights=weights, kv_dtype=kv)
+                 for kv in ("bf16", "fp8"))
+        plans.append((b, b8))
+        rows.append([weights, quantize.FORMATS[weights].bits, b.weights_bytes, b.kv_pool_bytes, b.sequences(context),
+                     b8.sequences(context)])
+    return Table(["weights", ("bits a weight", "int"), ("weights", "size"), ("KV pool", "size"),
+                  (f"sequences of {context // 1024}k, bf16 KV", "int"), (f"sequences of {context // 1024}k, fp8 KV",
+                                                                       "int")], rows), plans
+
+
+def quantizer_checks(out: int = 512, inp: int = 1024, tokens: int = 16, seed: int = 0) -> Table:
+    """The lab's int4 and int8 quantizers on a real random matrix: stored bytes against the format's, the
+    largest error in half-steps, and the group-wise product against F.linear on the dequantized matrix."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(out, inp, generator=g), torch.randn(tokens, inp, generator=g)
+    rows = []
+    for fmt in quantize.QUANTIZERS:
+        r = quantize.check_linear(w, x, fmt)
+        rows.append([fmt, r["bytes"], r["format_bytes"], r["worst_error_over_half_step"], r["output_difference"]])
+    return Table(["format", ("bytes stored", "B"), ("bytes the format lists", "B"), ("worst error / half step", "float:3"),
+                  ("product vs F.linear, relative", "sci:1")], rows)
 
 
 def prefill_peaks(name: str = "llama-3.1-8b", lengths=(8192, 32768), chunks=(None, 2048), decode_batch: int = 256) -> Table:

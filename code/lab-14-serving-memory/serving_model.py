@@ -35,10 +35,10 @@ class ServingLlama:
         self.attention = attend  # the attention over what the cache holds (a measurement may wrap it)
 
     @torch.no_grad()
-    def forward(self, cache, seqs: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, cache, seqs: list[int], tokens: torch.Tensor, logits: bool = True) -> torch.Tensor:
         """Run ``tokens`` (B, T), the newest T tokens of each sequence in ``seqs`` (the cache has
         already grown to hold them: one sequence's prompt, or one token for each of B sequences).
-        Returns the logits of each sequence's last token, (B, vocab)."""
+        Returns the logits of each sequence's last token, (B, vocab) (``logits=False``: the hidden states)."""
         b, t = tokens.shape
         device = tokens.device
         lengths = [cache.lengths[s] for s in seqs]
@@ -59,7 +59,7 @@ class ServingLlama:
             keys, values = cache.store.read(layer, index, x.dtype)  # (3)!
             x = x + attn.o_proj(self.attention(q, keys, values, valid))
             x = x + block.mlp(block.mlp_norm(x))
-        return self.model.head(self.model.norm(x[:, -1]))  # (4)!
+        return self.model.head(self.model.norm(x[:, -1])) if logits else x  # (4)!
 
     def prefill(self, cache, seq: int, tokens: list[int], cached: int = 0) -> int:
         """The prompt's tokens after the ``cached`` ones; returns the first new token (greedy)."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import quantize
 import serving_budget
+import serving_speed
 import torch
 
 from labkit import labs, provenance
@@ -105,7 +107,7 @@ class Result:
 
     def identical_tokens(self) -> bool | None:
         """Did every cache generate the same tokens for every request all of them served? (None: no model ran.)"""
-        if self.config.fake or len(self.served) < 2:
+        if self.config.real_size or len(self.served) < 2:
             return None
         runs = [s.outputs for s in self.served.values()]
         common = set.intersection(*(set(o) for o in runs))
@@ -113,7 +115,7 @@ class Result:
 
     def summary(self) -> dict:
         b = self.budget
-        return {"lab": labs.slug(__file__), "device": str(self.device), "model": self.spec.name, "fake": self.config.fake,
+        return {"lab": labs.slug(__file__), "device": str(self.device), "model": self.spec.name, "fake": self.config.real_size,
                 "budget_model": b.model, "kv_bytes_per_token": b.kv_bytes_per_token, "weights_bytes": b.weights_bytes,
                 "prefill_peak_bytes": b.prefill_peak_bytes, "kv_pool_bytes": b.kv_pool_bytes,
                 "max_tokens_in_flight": b.max_tokens_in_flight, "budget": b.summary(),
@@ -135,32 +137,57 @@ def caches_table(result: Result) -> Table:
                   ("peak held", "bytes")], rows)
 
 
+def decode_bounds(b) -> tuple[float, float]:
+    """Tokens per second the budget's GPU can decode at most (derived, ``serving_speed.bound``): one sequence
+    of the profiled context, and as many as the pool holds at once, in aggregate. A step reads the weights
+    (a mixture of experts: at least its routed experts; a draft's too) and every sequence's cache."""
+    one = serving_speed.bound(b.gpu, b.read_bytes, b.kv_bytes_per_token, b.seq_len)
+    full = serving_speed.bound(b.gpu, b.read_bytes, b.kv_bytes_per_token, b.seq_len, max(b.sequences(b.seq_len), 1))
+    return one, full
+
+
 def budget_table(b) -> Table:
     """The serving budget of one GPU, each line labelled by where its number comes from."""
-    return Table(["", ("bytes", "bytes"), "how", "source"], [
+    graphs = (f"CUDA graphs: {b.cuda_graphs}, the first of {b.largest_graph} tokens" if b.cuda_graphs
+              else "CUDA graphs: none (--enforce-eager)")
+    rows = [
         [f"{b.gpu} x {b.utilization:g} (--gpu-memory-utilization)", b.usable_bytes, "Lab 13's driver total x flag",
          serving_budget.FIT_GPUS.GPUS[b.gpu].total_source],
-        [f"weights, bf16, 1/{b.tp} of {b.model}", b.weights_bytes, "traced", "on fake tensors, at the published size"],
+        [f"weights, {b.weights}, 1/{b.tp} of {b.model}", b.weights_bytes,
+         *(("traced", "on fake tensors, at the published size") if b.weights == "bf16"
+           else ("counted per matrix", quantize.SOURCES[b.weights]))]]
+    if b.draft:
+        rows.append([f"draft model {b.draft}, {b.weights}", b.draft_weights_bytes, "traced" if b.weights == "bf16"
+                     else "counted per matrix", "speculative decoding: the draft stays resident"])
+    rows += [
         [f"prefill peak, {b.seq_len:,} tokens" + (f" in chunks of {b.chunk:,}" if b.chunk else ""),
          b.prefill_peak_bytes, "traced", "this lab's serving forward on fake tensors"],
-        ["CUDA context, cuBLAS, NCCL (non-torch)", b.non_torch_bytes,
-         *((serving_budget.NON_TORCH_HOW, serving_budget.NON_TORCH_SOURCE)
-           if b.non_torch_bytes == serving_budget.NON_TORCH_BYTES else ("--non-torch-gib", "your flag"))],
-        ["KV pool", b.kv_pool_bytes, "derived", "the first row less the three above"],
-        [f"KV per token ({b.kv_heads_per_gpu} KV heads, {b.kv_dtype})", b.kv_bytes_per_token, "from the config", ""]])
+        ["non-torch growth (cuBLAS workspaces)", b.non_torch_bytes,
+         *(("cited", serving_budget.NON_TORCH_SOURCE) if b.non_torch_bytes == serving_budget.NON_TORCH_BYTES
+           else ("--non-torch-gib", "your flag"))],
+        [graphs, b.cuda_graph_bytes, "traced + vLLM's 1 MiB a graph" if b.cuda_graphs else "",
+         serving_budget.GRAPH_SOURCE if b.cuda_graphs else ""],
+        ["KV pool", b.kv_pool_bytes, "derived", "the first row less the rows between"],
+        [f"KV per token ({b.kv_layout}, {b.kv_dtype}" + (f", + {b.draft}'s" if b.draft else "") + ")",
+         b.kv_bytes_per_token, "from the config", ""],
+        ["outside the budget: CUDA context, NCCL", b.outside_bytes, "not subtracted", serving_budget.CONTEXT_HOW]]
+    return Table(["", ("bytes", "bytes"), "how", "source"], rows)
 
 
 def budget_line(b) -> str:
     """The budget in one sentence: the line a run ends with."""
+    one, full = decode_bounds(b)
     return (f"{b.model} on one {b.gpu}{f' of TP {b.tp}' if b.tp > 1 else ''}, traced: "
             f"{b.max_tokens_in_flight:,} tokens in flight, {b.sequences(b.seq_len):,} requests of "
-            f"{b.seq_len:,} tokens at once")
+            f"{b.seq_len:,} tokens at once; decode at most {one:,.0f} tokens/s for one, {full:,.0f} for all "
+            "(bandwidth / bytes read per step)")
 
 
 def report(result: Result) -> None:
     b, c = result.budget, result.config
-    mode = "bookkeeping only (--fake: no tensors, no tokens)" if c.fake else f"{result.spec.name} on {result.device}"
-    where = f" per GPU of TP {c.tp}" if c.fake and c.tp > 1 else ""
+    mode = ("bookkeeping only (real size: no tensors, no tokens)" if c.real_size
+            else f"{result.spec.name} on {result.device}")
+    where = f" per GPU of TP {c.tp}" if c.real_size and c.tp > 1 else ""
     print(f"Lab 14: {len(result.requests)} requests, a KV pool of {result.pool_tokens:,} tokens "
           f"({format_bytes(result.pool_bytes)}{where}), {mode}")
     print(caches_table(result).text())

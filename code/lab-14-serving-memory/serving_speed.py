@@ -102,6 +102,31 @@ CHIPS = {c.name: c for c in (
 )}
 
 
+_NV = "https://www.nvidia.com/en-us/data-center/"
+#: Every card of Lab 13's table: its memory bandwidth, as its maker states it (cited); the three above from
+#: their chips, the others from their product pages (SXM figures for the A100s, per GPU for HGX B200).
+BANDWIDTHS = {c.name: c.bandwidth for c in CHIPS.values()} | {
+    "a100-80gb": Cited(2039e9, "2,039 GB/s", (_NV + "a100/",)),
+    "a100-40gb": Cited(1555e9, "1,555 GB/s", (_NV + "a100/",)),
+    "l40s-48gb": Cited(864e9, "864 GB/s", (_NV + "l40s/",)),
+    "l4-24gb": Cited(300e9, "300 GB/s", (_NV + "l4/",)),
+    "a10-24gb": Cited(600e9, "600 GB/s", (_NV + "products/a10-gpu/",)),
+    "h100-nvl-94gb": Cited(3.9e12, "3.9 TB/s", (_NV + "h100/",)),
+    "b200-180gb": Cited(8e12, "8 TB/s", (_NV + "hgx/",)),
+    "rtx-a6000-48gb": Cited(768e9, "768 GB/s", ("https://www.nvidia.com/en-us/design-visualization/rtx-a6000/",)),
+    "mi300x-192gb": Cited(5.3e12, "5.3 TB/s",
+                          ("https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html",)),
+}
+
+
+def bound(gpu: str, weight_bytes: int, kv_bytes_per_token: int, context: int, batch: int = 1) -> float:
+    """The most tokens per second ``batch`` sequences of ``context`` tokens can decode on one ``gpu``
+    (derived): each step reads every resident weight once (``weight_bytes``: as stored, quantized or not)
+    and each sequence's keys and values, and makes one token per sequence, so
+    tokens/s <= bandwidth x batch / (weights + batch x context x KV bytes per token)."""
+    return batch * BANDWIDTHS[gpu].value / (weight_bytes + batch * context * kv_bytes_per_token)
+
+
 def matmul(tokens: int, d_in: int, d_out: int, element_bytes: int = 2) -> tuple[int, int]:
     """(FLOPs, bytes) of ``Y = X W^T``, X (tokens, d_in), W (d_out, d_in): a multiply and an add per
     weight per token; X and W read once, Y written once."""

@@ -14,9 +14,10 @@ spaces; ``--json`` is printed whole. Bad input of any kind, a :class:`UsageError
 an out-of-memory error (sizes the machine cannot hold) are one line on stderr and exit code 2, never
 a traceback.
 
-Also here: :func:`pick_device` (``auto|cpu|cuda``; it only resolves, it launches nothing) and
-:func:`progress`, a bar that appears only on runs longer than two seconds and never under
-``--json``.
+Also here: :func:`pick_device` (``auto|cpu|cuda``; it only resolves, it launches nothing), which
+on the CPU also settles how many intra-op threads the run uses (:func:`cpu_threads`, the one rule
+every lab follows), and :func:`progress`, a bar that appears only on runs longer than two seconds
+and never under ``--json``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 from labkit.config import UsageError, choices_of, fields_of, flag, split_optional
 from labkit.table import terminal_width, wrap
 
-__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "progress", "emit_json",
+__all__ = ["UsageError", "main", "parser", "parse", "argv", "pick_device", "cpu_threads", "progress", "emit_json",
            "fitted_stdout"]
 
 
@@ -166,8 +167,8 @@ def main(config_cls, run: Callable, report: Callable | None = None, argv: list[s
         config, as_json = parse(config_cls, argv, name)
         _quiet = as_json
         device = getattr(config, "device", None)
-        if isinstance(device, str) and device.startswith("cuda"):
-            pick_device(device)  # no GPU here: one line before anything runs (a notebook kernel, a rank)
+        if isinstance(device, str):  # before anything runs: no GPU is one line (a notebook kernel, a rank),
+            pick_device(device)  # and a CPU run has its thread count, whichever path the lab takes
         if as_json or report is None:
             result = run(config)
             emit_json(result.summary() if hasattr(result, "summary") else result)
@@ -262,12 +263,15 @@ def pick_device(name: str):
     """Resolve ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device``; UsageError if impossible.
 
     It only resolves: nothing runs on the GPU here (the ledger and ``labkit.cuda.reset_peak`` warm
-    the GPU up when a measurement begins)."""
+    the GPU up when a measurement begins). When the answer is the CPU, the run's thread count is
+    settled here by :func:`cpu_threads`: every lab's ``run``, its command line, a notebook's
+    ``labkit.notebook.setup`` and ``labs.load(N).run(Config(...))`` all pass through this door."""
     import torch
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
+        cpu_threads()
         return torch.device("cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -278,6 +282,45 @@ def pick_device(name: str):
             raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
         return torch.device("cuda", index)
     raise UsageError(f"unknown device {name!r}: choose auto, cpu or cuda")
+
+
+#: environment variables through which a reader sets PyTorch's intra-op thread count at start
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_torch_threads: int | None = None  # PyTorch's count before labkit first chose one (None: not yet)
+
+
+def cpu_threads(threads: int | None = None) -> int:
+    """Settle the intra-op thread count of a CPU run, by the rule every lab follows; returns it.
+
+    Why: the labs' CPU configurations are tiny, each op a few microseconds to a few milliseconds.
+    PyTorch starts one intra-op thread per core and splits an op over them, and the op ends when
+    its slowest thread does. When other processes keep a core busy (a test suite, a browser, a
+    second lab), a thread waits its turn for that core, and a few-millisecond step can take about a
+    second (``bench/cpu_threads_bench.py`` measures it; the performance page shows it). On one
+    thread the same step waits for no one. So a CPU run of a lab uses:
+
+    * ``threads``, when a lab's own option asks for a count (Lab 08's ``--threads``); 0 asks for
+      PyTorch's own count, the one the process started with (one per core, or the environment's);
+    * else, if ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` is set, the count PyTorch read from it:
+      the reader asked for it (torchrun, and ``labkit.dist`` for its ranks, set 1 per rank);
+    * else one thread, chosen once per process: the first CPU run picks it, and afterwards the
+      count is the reader's (``torch.set_num_threads(4)`` in a notebook holds for later runs).
+
+    A GPU run is left alone: its host-side work (Lab 07's CPU AdamW) keeps every core.
+    """
+    import torch
+
+    global _torch_threads
+    first = _torch_threads is None
+    if first:
+        _torch_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 0:
+            raise UsageError(f"threads must be 0 (PyTorch's own count) or more, got {threads}")
+        torch.set_num_threads(threads or _torch_threads)
+    elif first and not any(os.environ.get(name) for name in THREAD_VARIABLES):
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 def emit_json(obj: Any) -> None:

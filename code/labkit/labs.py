@@ -46,6 +46,7 @@ STARTERS = {
     13: "fit.py",
     14: "serve_memory.py",
     15: "finetune.py",
+    16: "caching_allocator.py",
 }
 
 _SLUG = re.compile(r"^lab-(\d\d)-[a-z0-9-]+$")

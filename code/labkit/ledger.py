@@ -48,6 +48,9 @@ accounts can be compared on the same run.
 Storages resized in place with ``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded
 parameters that way) are followed: the ledger wraps ``resize_`` while it is entered. Tensor
 subclasses such as DTensor are looked through: their local tensors are what is counted.
+Streams (:func:`labkit.marks.stream`, ``on_stream``, ``record_stream``): each storage remembers the
+CUDA stream it was allocated on (``None``: the default stream) and the other streams it was used
+on, for Lab 16's model of the caching allocator, which keeps a pool per stream.
 With ``stacks=True`` every storage also remembers the line of code that allocated it and, when
 that line is in labkit's own model code, the lab line that called the model
 (:mod:`labkit.stacks`, whose ``live_by_origin`` lists what is alive by category and by both).
@@ -112,6 +115,8 @@ class StorageRecord:
     alive: bool = True
     where: str | None = None  # "file.py:123 in fn: code", with stacks=True
     called_from: str | None = None  # the lab line that called labkit's model code, when ``where`` is in it
+    stream: str | None = None  # the CUDA stream it was allocated on (None: the default stream)
+    uses: frozenset = frozenset()  # other streams it was used on (record_stream)
 
 
 class Ledger(TorchDispatchMode):
@@ -151,6 +156,7 @@ class Ledger(TorchDispatchMode):
         self._phase_count = 0
         self._step: int | None = None
         self._category_stack: list[str] = []
+        self._stream_stack: list[str] = []
         self._modules: list[weakref.ref] = []  # weak: a ledger must not keep a model alive
         self._optimizers: list[weakref.ref] = []
         self._handles: list = []
@@ -202,6 +208,32 @@ class Ledger(TorchDispatchMode):
             yield
         finally:
             self._category_stack.pop()
+
+    @contextlib.contextmanager
+    def stream(self, name: str) -> Iterator[None]:
+        """Storages allocated inside this block are on stream ``name`` (``marks.stream`` calls it)."""
+        self._stream_stack.append(name)
+        try:
+            yield
+        finally:
+            self._stream_stack.pop()
+
+    def on_stream(self, tensors, name: str) -> None:
+        """The storages of ``tensors`` were allocated on stream ``name`` (``marks.on_stream``)."""
+        for rec in self._records_of(tensors):
+            rec.stream = name
+
+    def record_stream(self, tensors, name: str) -> None:
+        """The storages of ``tensors`` are used on stream ``name`` too (``marks.record_stream``)."""
+        for rec in self._records_of(tensors):
+            if name != (rec.stream or "default"):
+                rec.uses = rec.uses | {name}
+
+    def _records_of(self, tensors) -> list[StorageRecord]:
+        flat, _ = tree_flatten(tensors)
+        sids = {self.storage_id(t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t)
+                for t in flat if isinstance(t, torch.Tensor)}
+        return [self.records[sid] for sid in sorted(s for s in sids if s is not None)]
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
@@ -270,9 +302,8 @@ class Ledger(TorchDispatchMode):
             # lift_fresh: a real run never sees that storage born, and a fake trace (where lift_fresh
             # makes a new fake storage) must not either, or the two would differ by Adam's step counters.
             return out
-        flat_out, _ = tree_flatten(out)
         inputs_ptrs = None
-        for t in flat_out:
+        for t in _tensors(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
@@ -333,6 +364,7 @@ class Ledger(TorchDispatchMode):
                 op=op,
                 label=label,
                 explicit=label is not None,
+                stream=self._stream_stack[-1] if self._stream_stack else None,
                 **(stacks.origin() if self.stacks else {}),
             )
             self.records.append(rec)
@@ -560,10 +592,21 @@ def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
     return (t.device, st.data_ptr())
 
 
-def _storage_ptrs(tree) -> set[tuple]:
-    flat, _ = tree_flatten(tree)
-    out = set()
-    for t in flat:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            out.add(_storage_key(t, t.untyped_storage()))
+def _tensors(tree, out: list | None = None) -> list:
+    """The tensors in an op's arguments or result, in order: an aten op takes and returns tensors
+    alone or inside tuples (named ones too), lists and dicts, which is all this walks; it is
+    ``tree_flatten``'s answer for them at a fraction of its cost, paid on every op the ledger sees."""
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for leaf in tree:
+            _tensors(leaf, out)
+    elif isinstance(tree, dict):
+        for leaf in tree.values():
+            _tensors(leaf, out)
     return out
+
+
+def _storage_ptrs(tree) -> set[tuple]:
+    return {_storage_key(t, t.untyped_storage()) for t in _tensors(tree) if t.device.type != "meta"}

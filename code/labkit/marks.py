@@ -20,7 +20,17 @@ The marks:
 * ``category(name)``: storages allocated inside the block belong to ``name`` (a device buffer an
   offload engine fills with weights is ``parameters``);
 * ``event(kind, unit, lane, nbytes, stream)``: a point of a residency schedule (a prefetch starts,
-  a copy lands, a block computes, a block is evicted).
+  a copy lands, a block computes, a block is evicted);
+* ``stream(name)``: storages allocated inside the block are allocated on CUDA stream ``name`` (the
+  code inside runs under ``torch.cuda.stream(s)`` on a GPU; a CPU has no streams, so the mark says
+  which one); ``on_stream(tensors, name)`` says it of storages made already (an instrument that
+  sees a collective's output after the op, as ``labkit.traffic`` does for FSDP2);
+* ``record_stream(tensors, name)``: ``tensor.record_stream(s)``, explicit or done by a library
+  (NCCL does it for every collective's tensors): once freed, the storage is not reused before the
+  work queued on stream ``name`` has finished.
+
+Lab 16 replays the ledger through a model of the CUDA caching allocator, which keeps one pool of
+free blocks per stream: these two marks are what it needs to know, and all it needs to know.
 
 Who is watching is process-wide, not a context variable: autograd runs backward on its own threads
 on a GPU, and a mark made from a backward hook there must reach the ledger entered on the main
@@ -63,6 +73,28 @@ def phase(name: str, step: int | None = None):
 def category(name: str):
     """Storages allocated inside this block belong to category ``name``."""
     return _each("category", name)
+
+
+def stream(name: str):
+    """Storages allocated inside this block are allocated on CUDA stream ``name``."""
+    return _each("stream", name)
+
+
+def on_stream(tensors, name: str) -> None:
+    """The storages of ``tensors`` (a tensor or any nest of them) were allocated on stream ``name``."""
+    _tell("on_stream", tensors, name)
+
+
+def record_stream(tensors, name: str) -> None:
+    """The storages of ``tensors`` are used on stream ``name`` too (``tensor.record_stream``)."""
+    _tell("record_stream", tensors, name)
+
+
+def _tell(method: str, *args) -> None:
+    for instrument in watching():
+        call = getattr(instrument, method, None)
+        if call is not None:
+            call(*args)
 
 
 def event(kind: str, unit: str, lane: str = "compute", nbytes: int = 0, stream=None) -> None:

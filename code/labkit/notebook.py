@@ -1,12 +1,18 @@
-"""The first and the last cell of every notebook: :func:`setup` and :func:`publish`.
+"""The first and the last cell of every notebook, :func:`setup` and :func:`publish`, and :func:`show`.
 
-A notebook is thin. It calls its lab's ``run(Config(...))``, draws what the ledger recorded, and
-publishes numbers, tables and figures; the lab holds the formulas, the tests hold the asserts, and
-the site's build hook turns the published numbers into a page's tables and sentences. ::
+A notebook is thin. It calls its lab's ``run(Config(...))``, draws what the ledger recorded, shows
+each figure with its alt text, and publishes numbers, tables and figures; the lab holds the formulas,
+the tests hold the asserts, and the site's build hook turns the published numbers into a page's
+tables and sentences. ::
 
     nb = notebook.setup(2)                       # the lab, the device, where results go
     result = nb.lab.run(nb.lab.Config(device=nb.device.type, steps=3))
+    notebook.show(fig, alt="Stacked memory timeline of three steps by category")  # SVG, the site's palette
     notebook.publish(nb, tables={"peaks": ...}, figures={"timeline": fig}, growth=...)
+
+A figure reaches the page the way the lab pages' figures do (:func:`labkit.plot.page_svgs`): SVG,
+laid out for the page, in the site's palette, with alt text; a cell that leaves a figure for pyplot
+to show fails.
 
 ``scripts/run_notebooks.py`` executes the notebooks with ``INFRALAB_DEVICE`` and
 ``INFRALAB_RESULTS_DIR`` set; a reader running one by hand gets the defaults (device auto, results
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,8 +36,10 @@ from labkit import labs
 from labkit.provenance import REPO_ROOT, collect
 from labkit.table import Table
 
-#: Pixels per inch of the figures a notebook shows inline (its page embeds them as PNG).
-INLINE_DPI = 72
+#: A figure's alt text says what it shows, for a reader who cannot see it: a sentence, not a label.
+ALT_MIN_WORDS = 6
+#: What nbconvert writes when an image has no alt text; never ours.
+NO_ALT = "No description has been provided for this image"
 
 
 @dataclass
@@ -62,39 +71,95 @@ def setup(lab: int | str) -> Notebook:
     out.mkdir(parents=True, exist_ok=True)
     record = collect(lab, device)
     _display_markdown(provenance_table(record).markdown())
-    _page_layout_inline_figures()
+    _check_figures_after_each_cell()
     return Notebook(module, slug, device, out, record, time.perf_counter())
 
 
-def _page_layout_inline_figures() -> None:
-    """Figures a cell shows are laid out as the pages show them (:func:`labkit.plot.page_layout`:
-    one column, phone-sized, readable text), just before the inline backend draws them."""
-    try:
+def show(fig, alt: str, caption: str | None = None) -> None:
+    """Show a figure in the notebook as a page shows it on a phone: SVG in one column of plots with
+    their legends under them (:data:`labkit.plot.PHONE`: at its natural width, 499 CSS px, it fits a
+    notebook page's column; scaled to a phone, its text stays legible), every colour in the site's
+    palette, so that it follows the page's light or dark palette, with ``alt`` (what the figure
+    shows, for a reader who cannot see it) and an optional ``caption`` (what to notice) under it.
+    The lab page shows the same figure laid out for the content column as well (:func:`publish`).
+
+    Every figure a cell draws must go through here: a cell that leaves a figure unshown fails
+    (:func:`setup` makes it so), and ``alt`` must be a sentence of ``ALT_MIN_WORDS`` words or more.
+    """
+    import base64
+    from html import escape
+
+    from labkit import plot
+
+    check_alt(alt)
+    phone = plot.page_svgs(fig)[1]  # laid out once: publish() writes both from the same drawing
+    uri = "data:image/svg+xml;base64," + base64.b64encode(phone.encode("utf-8")).decode("ascii")
+    html = f'<figure class="il-figure"><img alt="{escape(alt)}" src="{uri}">'
+    if caption:
+        html += f"<figcaption>{escape(caption)}</figcaption>"
+    _SHOWN.add(fig)
+    _display({"text/html": html + "</figure>", "text/plain": f"[figure: {alt}]"})
+
+
+def check_alt(alt: str) -> str:
+    """``alt``, if it describes a figure (a sentence of ALT_MIN_WORDS words or more); else ValueError."""
+    words = str(alt or "").split()
+    if len(words) < ALT_MIN_WORDS or " ".join(words).rstrip(".") == NO_ALT:
+        raise ValueError(f"a figure's alt text must say what it shows in {ALT_MIN_WORDS} words or more, got {alt!r}")
+    return alt
+
+
+_SHOWN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _figures_need_alt_text() -> None:
+    """Every figure a cell drew went through :func:`show`, or the cell fails: pyplot's own display
+    (an inline PNG) would carry no alt text and ignore the site's palette. Run after each cell."""
+    import matplotlib.pyplot as plt
+
+    try:  # pyplot's inline backend registers its own display when it loads: it draws nothing here
         from IPython import get_ipython
         from matplotlib_inline.backend_inline import flush_figures
+
+        get_ipython().events.unregister("post_execute", flush_figures)
+    except (ImportError, AttributeError, ValueError):
+        pass
+    unshown = []
+    for number in plt.get_fignums():
+        figure = plt.figure(number)
+        if figure not in _SHOWN:
+            unshown.append(number)
+        plt.close(figure)  # shown or refused: never drawn again by pyplot
+    if unshown:
+        raise ValueError(f"this cell drew {len(unshown)} figure(s) without alt text: show each with "
+                         "notebook.show(fig, alt='what it shows', caption='what to notice')")
+
+
+def _check_figures_after_each_cell() -> None:
+    try:
+        from IPython import get_ipython
     except ImportError:  # not in a kernel: nothing is drawn inline
         return
     shell = get_ipython()
     if shell is None:
         return
+    try:
+        shell.events.unregister("post_execute", _figures_need_alt_text)
+    except ValueError:
+        pass
+    shell.events.register("post_execute", _figures_need_alt_text)
 
-    def page_layout_open_figures() -> None:
-        import matplotlib.pyplot as plt
 
-        from labkit.plot import page_layout
-
-        for number in plt.get_fignums():
-            figure = plt.figure(number)
-            page_layout(figure)
-            figure.set_dpi(INLINE_DPI)  # a notebook page stays light: what it shows is the page's figure
-
-    for callback in (page_layout_open_figures, flush_figures):  # ours first, then the drawing
-        try:
-            shell.events.unregister("post_execute", callback)
-        except ValueError:
-            pass
-    shell.events.register("post_execute", page_layout_open_figures)
-    shell.events.register("post_execute", flush_figures)
+def _display(bundle: dict) -> None:
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:  # outside Jupyter: plain text
+        print(bundle["text/plain"])
+        return
+    display(bundle, raw=True)
 
 
 def provenance_table(record: dict) -> Table:
@@ -145,12 +210,4 @@ def publish(nb: Notebook, tables: dict[str, Table] | None = None, figures: dict[
 
 
 def _display_markdown(text: str) -> None:
-    try:
-        from IPython import get_ipython
-        from IPython.display import Markdown, display
-    except ImportError:
-        get_ipython = None
-    if get_ipython is None or get_ipython() is None:  # outside Jupyter: plain text
-        print(text)
-        return
-    display(Markdown(text))
+    _display({"text/markdown": text, "text/plain": text})

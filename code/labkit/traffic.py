@@ -19,6 +19,16 @@ so enter ``Traffic`` inside the ledger. Not labelled: a reduce-scatter's output 
 sharded gradient) and a broadcast's buffer (``ZeroRedundancyOptimizer`` broadcasts into the
 parameters themselves).
 
+Streams, for Lab 16's model of the caching allocator (:func:`labkit.marks.on_stream`): on a GPU,
+FSDP2 allocates each all-gather's output inside ``torch.cuda.stream(all_gather_copy_in_stream)`` in
+forward and pre-backward (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``
+``foreach_all_gather``, with ``_fsdp_param_group.py`` ``get_all_gather_streams``) and each
+reduce-scatter's output, which becomes the sharded gradient, inside
+``torch.cuda.stream(reduce_scatter_stream)`` (``foreach_reduce``): those storages are marked as on
+the streams ``fsdp_all_gather`` and ``fsdp_reduce_scatter``. And NCCL records every collective's
+tensors on its own stream (``record_stream``; ``ProcessGroupNCCL.hpp``: unless
+``TORCH_NCCL_AVOID_RECORD_STREAMS`` is set): marked as used on ``nccl``.
+
 Not seen: what a backend allocates on its own, outside the dispatcher (gloo's copies, NCCL's
 buffers).
 """
@@ -41,6 +51,7 @@ except ImportError:  # pragma: no cover
 #: which argument of a collective is a buffer that exists only to be communicated
 BUFFER_ARG = {"_allgather_base_": 0, "allreduce_": 0, "_reduce_scatter_base_": 1}
 COMMUNICATION = "communication"
+ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, NCCL_STREAM = "fsdp_all_gather", "fsdp_reduce_scatter", "nccl"
 
 
 def nbytes(tensors) -> int:
@@ -73,8 +84,13 @@ class Traffic(TorchDispatchMode):
             row["in_bytes"], row["largest_in_bytes"] = row["in_bytes"] + sent, max(row["largest_in_bytes"], sent)
             if name in BUFFER_ARG:
                 label(args[BUFFER_ARG[name]])  # (1)!
+            if name == "_reduce_scatter_base_":
+                marks.on_stream(args[0], REDUCE_SCATTER_STREAM)
+            marks.record_stream(args[:2], NCCL_STREAM)
         elif func.namespace == "fsdp":  # FSDP2's copy-in / copy-out around its collectives
             label((out, kwargs.get("out")))  # (2)!
+            if name == "all_gather_copy_in":
+                marks.on_stream(out, ALL_GATHER_STREAM)
         elif name in ("_to_copy", "copy_") and _host_to_device(name, args, out):
             self.h2d_bytes += nbytes(out if name == "_to_copy" else args[0])
         return out

@@ -17,7 +17,7 @@ GPT-2's 50,257-token vocabulary), 0.23 % under the rounded figure::
     logits, loss = model(idx, targets)    # the causal LMs share TinyGPT's forward and its run_blocks seam
 
 Families: ``llama`` (Llama 3, 3.1, 3.2), ``mixtral`` (Mixtral's sparse mixture of experts on the
-same decoder), ``gpt`` (GPT-2/GPT-3 shape), ``flux`` (the Flux.1 diffusion transformer) and ``hf``
+same decoder), ``deepseek`` (DeepSeek-V2's multi-head latent attention and DeepSeekMoE), ``gpt`` (GPT-2/GPT-3 shape), ``flux`` (the Flux.1 diffusion transformer) and ``hf``
 (any Hugging Face causal-LM ``config.json``: ``zoo.get("path/to/config.json")`` builds
 transformers' own model behind the same forward). ``small-*`` entries are the same code at toy
 size, for tests and CPU runs.
@@ -31,7 +31,7 @@ What the zoo follows, and where it does not:
   nothing but ``x`` (the ``run_blocks`` seam stays ``run_blocks(blocks, x)``) at the price of a
   copy of the two tables per layer, saved for backward (4 MiB a layer at 4k tokens and head_dim 128:
   0.25 % of Llama-3-8B's activations; a test holds the difference to Hugging Face's to the byte). Llama 3.1/3.2's "llama3" frequency scaling is left out: it changes
-  the values of those tables, not their sizes. After ``to_empty`` the buffer holds garbage, like the
+  the values of those tables, not their sizes; so is DeepSeek-V2-Lite's YaRN scaling. After ``to_empty`` the buffer holds garbage, like the
   weights: a real run fills both.
 * MoE routing on fake or meta tensors has no data to route by: every expert then gets an equal
   share of the tokens (the balance the router's auxiliary loss aims at). On real tensors it routes.
@@ -61,7 +61,7 @@ from labkit.config import MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WID
 from labkit.models import Block as GPTBlock
 from labkit.models import GPTConfig, _init_weights, gpt_param_count, run_in_order
 
-FAMILIES = ("llama", "mixtral", "gpt", "flux", "hf")
+FAMILIES = ("llama", "mixtral", "deepseek", "gpt", "flux", "hf")
 
 
 # ============================================================================ the specification
@@ -85,6 +85,14 @@ class ModelSpec:
     rope_theta: float = 0.0
     source: str = ""  # where the configuration is published
     head_dim: int = 0  # 0: width // heads
+    # deepseek only (multi-head latent attention, DeepSeekMoE); head_dim is the per-head size without RoPE
+    kv_lora_rank: int = 0  # the compressed KV (the latent) each token caches, per layer
+    q_lora_rank: int = 0  # 0: queries are not compressed (DeepSeek-V2-Lite)
+    rope_dim: int = 0  # the per-head query/key part that carries RoPE (shared by all heads for the key)
+    v_head_dim: int = 0  # the per-head size of a value
+    shared_experts: int = 0  # experts every token goes through
+    dense_layers: int = 0  # the first blocks keep a dense MLP of width ffn
+    moe_ffn: int = 0  # each expert's hidden size
     # flux only
     single_layers: int = 0  # single-stream blocks
     in_channels: int = 0  # packed latent channels (in and out)
@@ -107,12 +115,16 @@ class ModelSpec:
         """Bytes of KV cache per token: a key and a value per layer, per KV head."""
         if self.family == "flux":
             raise ValueError(f"{self.name} is a diffusion transformer: it keeps no KV cache")
+        if self.kv_lora_rank:  # latent attention caches one compressed vector and the RoPE key, per layer
+            return self.layers * (self.kv_lora_rank + self.rope_dim) * dtype_bytes
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def param_count(self) -> int:
         """Parameters of ``build()``'s model, from the closed form of its family (``hf``: counted on meta)."""
         if self.family in ("llama", "mixtral"):
             return llama_param_count(self)
+        if self.family == "deepseek":
+            return deepseek_param_count(self)
         if self.family == "gpt":
             return gpt_param_count(_gpt_config(self)) - self.vocab * self.width  # the head is tied
         if self.family == "flux":
@@ -124,6 +136,8 @@ class ModelSpec:
         """The model, on the current default device (build under ``torch.device("meta")`` for no memory)."""
         if self.family in ("llama", "mixtral"):
             return Llama(self)
+        if self.family == "deepseek":
+            return DeepSeek(self)
         if self.family == "gpt":
             return GPT(self)
         if self.family == "flux":
@@ -155,8 +169,12 @@ class CausalLM(nn.Module):
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed(idx)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None, head_loss=None):
+        """``head_loss(hidden, head, targets) -> loss``, with targets: a loss that applies the head itself
+        (chunked, fused with it) and returns no logits; the default is the head, then the loss."""
         x = (run_blocks or run_in_order)(self.blocks, self.embed_tokens(idx))
+        if head_loss is not None and targets is not None:
+            return None, head_loss(self.norm(x), self.head, targets)
         logits = self.head(self.norm(x))
         return logits, causal_lm_loss(logits, targets)
 
@@ -258,16 +276,17 @@ class MoE(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.top_k = spec.top_k
+        self.top_k, self.normalize = spec.top_k, spec.family != "deepseek"  # DeepSeek-V2 keeps the raw top-k weights
         self.router = nn.Linear(spec.width, spec.experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(spec.width, spec.ffn) for _ in range(spec.experts))
+        self.experts = nn.ModuleList(SwiGLU(spec.width, spec.moe_ffn or spec.ffn) for _ in range(spec.experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         x = x.reshape(-1, c)
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (tokens, top_k)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = self.routed_to(e, chosen)
@@ -332,6 +351,100 @@ def llama_param_count(spec: ModelSpec) -> int:
     per_block = attention + mlp + 2 * w  # two RMSNorms
     embeddings = spec.vocab * w * (1 if spec.tied else 2)
     return embeddings + spec.layers * per_block + w  # + the final norm
+
+
+# ---------------------------------------------------------------------------- DeepSeek-V2 (latent attention)
+class LatentAttention(nn.Module):
+    """DeepSeek-V2's multi-head latent attention (https://arxiv.org/abs/2405.04434, section 2.1), as Hugging
+    Face's DeepseekV2Attention: each token's keys and values come from one compressed vector of
+    ``kv_lora_rank`` (the *latent*, what a server caches) and a ``rope_dim`` key shared by all heads, which
+    carries the position (RoPE on interleaved pairs); ``kv_b_proj`` expands the latent to each head's key
+    (without position) and value. This training-style forward expands them for every token, as a prefill does,
+    and pads each value to the key's size so that one flash-attention kernel takes them (vLLM's
+    ``vllm/v1/attention/backends/mla/common.py``, ``_flash_attn_varlen_diff_headdims``; unpadded, PyTorch's
+    CPU attention falls back to the math kernel and holds every score)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim, self.rank = (spec.heads, spec.head_dim, spec.rope_dim,
+                                                                    spec.v_head_dim, spec.kv_lora_rank)
+        q_out = spec.heads * (spec.head_dim + spec.rope_dim)
+        if spec.q_lora_rank:  # DeepSeek-V2 compresses the queries too; V2-Lite does not
+            self.q_a_proj = nn.Linear(spec.width, spec.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(spec.width, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(spec.width, spec.kv_lora_rank + spec.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(spec.kv_lora_rank, spec.heads * (spec.head_dim + spec.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(spec.heads * spec.v_head_dim, spec.width, bias=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(spec.rope_dim, spec.rope_theta), persistent=False)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on interleaved pairs (x[2i], x[2i+1]) of x (B, T, H, rope_dim), in float32, as HF's apply_rotary_emb."""
+        angles = torch.arange(x.size(1), device=x.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # (T, 1, rope_dim / 2)
+        even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(b, t, self.heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_pe = self.rotate(k_pe[:, :, None, :]).expand(-1, -1, self.heads, -1)
+        q, k = torch.cat((q_nope, self.rotate(q_pe)), -1), torch.cat((k_nope, k_pe), -1)
+        v = F.pad(v, [0, q.size(-1) - self.v_dim])  # one flash kernel takes all three: V zero-padded, as vLLM's MLA prefill
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(y[..., :self.v_dim].transpose(1, 2).reshape(b, t, -1))
+
+
+class DeepSeekMoE(MoE):
+    """DeepSeekMoE: the routed experts (top-k of a softmax, weights not renormalised) plus shared experts
+    every token goes through, one SwiGLU of ``shared_experts`` x ``moe_ffn``, as HF's DeepseekV2Moe."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec)
+        self.shared_experts = SwiGLU(spec.width, spec.shared_experts * spec.moe_ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_experts(x)
+
+
+class DeepSeekBlock(LlamaBlock):
+    """A Llama block with latent attention; the MLP is dense in the first ``dense_layers`` blocks."""
+
+    def __init__(self, spec: ModelSpec, index: int) -> None:
+        nn.Module.__init__(self)
+        self.attn_norm = RMSNorm(spec.width, spec.norm_eps)
+        self.attn = LatentAttention(spec)
+        self.mlp_norm = RMSNorm(spec.width, spec.norm_eps)
+        self.mlp = SwiGLU(spec.width, spec.ffn) if index < spec.dense_layers else DeepSeekMoE(spec)
+
+
+class DeepSeek(CausalLM):
+    """DeepSeek-V2 (https://arxiv.org/abs/2405.04434): latent attention, DeepSeekMoE after ``dense_layers``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(spec.vocab, spec.width)
+        self.blocks = nn.ModuleList(DeepSeekBlock(spec, i) for i in range(spec.layers))
+        self.norm = RMSNorm(spec.width, spec.norm_eps)
+        self.head = nn.Linear(spec.width, spec.vocab, bias=False)
+        self.finish(spec)
+
+
+def deepseek_param_count(spec: ModelSpec) -> int:
+    w, h, r, rope = spec.width, spec.heads, spec.kv_lora_rank, spec.rope_dim
+    q_out = h * (spec.head_dim + rope)
+    q = (w * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * q_out) if spec.q_lora_rank else w * q_out
+    attention = q + w * (r + rope) + r + r * h * (spec.head_dim + spec.v_head_dim) + h * spec.v_head_dim * w
+    moe = spec.experts * 3 * w * spec.moe_ffn + w * spec.experts + 3 * w * spec.shared_experts * spec.moe_ffn
+    blocks = spec.layers * (attention + 2 * w) + spec.dense_layers * 3 * w * spec.ffn + (spec.layers - spec.dense_layers) * moe
+    return blocks + spec.vocab * w * (1 if spec.tied else 2) + w
 
 
 # ---------------------------------------------------------------------------- GPT-2 / GPT-3
@@ -769,7 +882,9 @@ class HFCausalLM(nn.Module):
         owner, name = self._stack()
         return getattr(owner, name)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, run_blocks=None, head_loss=None):
+        if head_loss is not None:  # transformers' model applies its own head and loss
+            raise ValueError("a Hugging Face model computes its own loss: head_loss must be None")
         with _one_sequence_per_row(idx):
             if run_blocks is None:
                 logits = self.hf(input_ids=idx, use_cache=False).logits
@@ -847,7 +962,7 @@ _HF_NAMES = {
             ("transformer.ln_f.", "norm."), ("lm_head.", "head."), (".ln_1.", ".ln1."), (".ln_2.", ".ln2."),
             (".c_attn.", ".qkv."), (".attn.c_proj.", ".attn.proj."), (".c_fc.", ".up."), (".mlp.c_proj.", ".mlp.down.")),
 }
-_HF_NAMES["mixtral"] = _HF_NAMES["llama"]
+_HF_NAMES["mixtral"] = _HF_NAMES["deepseek"] = _HF_NAMES["llama"]
 
 
 def from_hf_state_dict(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -902,6 +1017,10 @@ _ZOO = {spec.name: spec for spec in (
     ModelSpec("mixtral-8x7b", "mixtral", layers=32, width=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000,
               context=32768, experts=8, top_k=2, norm_eps=1e-5, rope_theta=1e6,
               source=_hf("mistralai/Mixtral-8x7B-v0.1")),
+    ModelSpec("deepseek-v2-lite", "deepseek", layers=27, width=2048, heads=16, kv_heads=16, head_dim=128, ffn=10944,
+              vocab=102400, context=163840, experts=64, top_k=6, kv_lora_rank=512, rope_dim=64, v_head_dim=128,
+              shared_experts=2, dense_layers=1, moe_ffn=1408, norm_eps=1e-6, rope_theta=10000.0,
+              source=_hf("deepseek-ai/DeepSeek-V2-Lite")),
     ModelSpec("gpt-3-175b", "gpt", layers=96, width=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=50257,
               context=2048, tied=True, norm_eps=1e-5, source="https://arxiv.org/abs/2005.14165"),
     ModelSpec("flux-dev", "flux", layers=19, single_layers=38, width=3072, heads=24, kv_heads=24, ffn=4 * 3072,
@@ -913,6 +1032,9 @@ _ZOO = {spec.name: spec for spec in (
               norm_eps=1e-5, rope_theta=10000.0, source="labkit: a Llama at toy size"),
     ModelSpec("small-mixtral", "mixtral", layers=2, width=64, heads=4, kv_heads=2, ffn=128, vocab=256, context=128,
               experts=4, top_k=2, norm_eps=1e-5, rope_theta=10000.0, source="labkit: a Mixtral at toy size"),
+    ModelSpec("small-deepseek", "deepseek", layers=2, width=64, heads=4, kv_heads=4, head_dim=16, ffn=128, vocab=256,
+              context=128, experts=4, top_k=2, kv_lora_rank=32, rope_dim=8, v_head_dim=16, shared_experts=2,
+              dense_layers=1, moe_ffn=32, norm_eps=1e-6, rope_theta=10000.0, source="labkit: a DeepSeek-V2 at toy size"),
     ModelSpec("small-gpt", "gpt", layers=2, width=64, heads=4, kv_heads=4, ffn=256, vocab=256, context=128,
               tied=True, norm_eps=1e-5, source="labkit: a GPT-3 at toy size"),
     ModelSpec("small-flux", "flux", layers=2, single_layers=2, width=64, heads=4, kv_heads=4, ffn=256,

@@ -49,6 +49,8 @@
       a.value > b.value ? a.value : b.value, false);
   };
   const ZERO = new Expr("0", "0", 0n, false);
+  /** Python: fit_expr.total: the sum of the terms that are not ZERO. */
+  const total = (...terms) => terms.filter((t) => t !== ZERO).reduce((a, t) => (a === null ? t : a.add(t)), null) || ZERO;
   const n = (x) => lift(x);  // a literal
 
   // ---------------------------------------------------------------------------- the model (labkit.zoo's closed forms)
@@ -164,6 +166,9 @@
     if (s.family === "gpt" && (d.ffn !== 4 * d.hidden || d.kv_heads !== d.heads)) {
       say("ffn", `--model ${x.model}: a GPT block has ffn = 4 * width and one KV head per head`);
     }
+    if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
+      say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
+    }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
       const [name, text] = sharding(x) || fineTuning(x, s) || [];
@@ -172,12 +177,22 @@
         say("method", `--method ${x.method} on a mixture of experts: the formulas count dense blocks (Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)`);
       }
     }
+    if (x.task === "decode") {
+      if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
+        say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
+      } else if (x.new_tokens > (x.kv_len || x.seq)) {
+        say("new_tokens", `--new-tokens ${x.new_tokens} is more than the cache holds, --kv-len ${x.kv_len || x.seq}`);
+      }
+    }
     return err;
   }
 
   /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
   function fineTuning(x, s) {
     if (x.method === "full") return null;
+    if (x.loss !== "full") {
+      return ["loss", `--loss ${x.loss} with --method ${x.method}: a frozen head's chunked loss is not traced yet; use --loss full`];
+    }
     if (!["llama", "mixtral", "hf"].includes(s.family)) {
       return ["method", `--method ${x.method} puts adapters on Llama's q, k, v, o, gate, up and down projections: ${x.model} is a ${s.family} model, which has none`];
     }
@@ -233,13 +248,14 @@
       if (x.precision === "fp32") return [null, `${script} serves bf16 weights: it has no --precision fp32`];
       if (!c.gpus.includes(gpu)) return [null, `${script} sizes a budget for ${c.gpus.join(", ")}: not ${gpu}`];
       if (x.context > p.context) return [null, `${script} serves at most ${x.model}'s context of ${p.context} tokens`];
-      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, kv_dtype: x.kv_dtype,
+      values = { model: x.model, gpu, tp: x.tp, gpu_memory_utilization: x.gpu_memory_utilization, weights: x.weights,
+        kv_dtype: x.kv_dtype,
         block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
     } else {
       if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
-      let y = x;
-      if (x.task === "infer") {  // what a prefill does not use, as the formulas read it: left out (fit.py refuses it)
-        y = Object.assign({}, x, { accumulation: 1, optimizer: "adamw", checkpointing: "none", method: "full",
+      let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
+      if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full", method: "full",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -321,12 +337,17 @@
     const r = fsdpMixed(x) || loraStep(x) ? c0 : r0;  // bf16 weights (FSDP2's gathers, a LoRA's base): a bf16 stream
     const w = x.task !== "serve" ? D.constants.recipes[recipe].param : (x.precision === "fp32" ? 4 : 2);
     const p = Math.min(x.prefill_chunk || x.context, x.context);
+    const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
       P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
-      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p, b: D.constants.frozen[x.precision],
-      Pc: z.nf4[0], Nb: z.nf4[1], Ns: z.nf4[2], Nq: z.nf4[3], Pk: z.opt8[0], Nk: z.opt8[1], Ps: z.opt8[2], Cw: z.opt8[3] };
+      B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
+      Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
+      so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
+      u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
+      wb: D.constants.frozen[x.precision], Pc: z.nf4[0], Nb: z.nf4[1], Ns: z.nf4[2], Nq: z.nf4[3], Pk: z.opt8[0],
+      Nk: z.opt8[1], Ps: z.opt8[2], Cw: z.opt8[3] };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (x.method === "full") S.Pt = S.P;  // every weight is trained: the formulas say P
@@ -362,14 +383,14 @@
     return checkpointing === "selective" ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
   }
 
-  /** fit_formula.lora_layer: one block under LoRA (PEFT's order of operations). */
+  /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
   function loraLayer(S, x) {
     const targets = new Set(x.lora_targets), mixed = x.precision === "mixed";
     const outputs = n(targets.size).mul(S.c).mul(S.R);
     if (x.checkpointing === "full") return layer(S, "full");
     if (x.checkpointing === "selective") {
       const out = { q: S.q, k: S.g, v: S.g, o: S.h, gate: S.f, up: S.f, down: S.h };
-      return layer(S, "selective").add(S.T.mul(outputs.add(S.c.mul(sumOf(D.lora_targets.filter((t) => targets.has(t)).map((t) => out[t]))))));
+      return layer(S, "selective").add(S.T.mul(outputs.add(S.c.mul(total(...D.lora_targets.filter((t) => targets.has(t)).map((t) => out[t]))))));
     }
     const reads = [["q", "k", "v"], ["gate", "up"]].map((ts) => ts.filter((t) => targets.has(t)).length);
     let inputs = reads.filter((k) => k).map((k) => n(mixed ? k : Math.min(k, 1)).mul(S.c).mul(S.h));
@@ -377,13 +398,7 @@
     if (targets.has("down")) inputs.push(S.c.mul(S.f));
     const kept = n(2).mul(n(4).mul(S.h).add(K().row)).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a))
       .add(n(3).mul(S.c).mul(S.f)).add(outputs);
-    return S.T.mul(inputs.length ? kept.add(sumOf(inputs)) : kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
-  }
-
-  function sumOf(terms) {
-    let out = ZERO;
-    for (const t of terms) out = out === ZERO ? t : out.add(t);
-    return out;
+    return S.T.mul(inputs.length ? kept.add(total(...inputs)) : kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
   }
 
   function loraActivations(x, S) {
@@ -410,10 +425,40 @@
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed ? S.c.mul(S.Pm) : ZERO;
     let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
-    if (mixed) kept = kept.add(head);
+    if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
+    if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none") kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO, loss: mixed ? loss.add(head) : loss };
+    return { kept, cache: mixed && x.checkpointing !== "none" ? casts : ZERO,
+      loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
+  }
+
+  /** Python: fit_formula.chunked_loss (--loss chunked and fused-linear, Lab 13's fit_loss.py). */
+  function chunkedLoss(x, S, held, act) {
+    const cast = act.autocast ? S.c.mul(S.V).mul(S.h) : ZERO;
+    const wide = act.autocast ? S.c.mul(S.u).mul(S.h) : ZERO;
+    const pending = S.T.sub(S.u).mul(S.r).mul(S.h);
+    const frame = S.r.value < 4n ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.loss === "fused-linear") {
+      const logits = S.c.value < 4n ? n(4).mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.V)) : n(4).mul(S.u).mul(S.V);
+      const step = total(act.cache, cast, S.T.mul(S.r).mul(S.h), logits, S.c.mul(S.V).mul(S.h), wide, frame);
+      const head = (fsdpMixed(x) ? S.c : S.w).mul(S.V).mul(S.h);
+      return { forward_end: Object.assign({}, held, { gradients: total(held.gradients, head), activations: act.kept,
+        temporaries: step }) };
+    }
+    const logits = S.c.value < 4n ? S.c.add(8).mul(S.u).mul(S.V) : n(8).mul(S.u).mul(S.V);
+    const several = S.T.value > S.u.value;
+    const buffer = several ? S.c.mul(S.V).mul(S.h) : ZERO;
+    let headGradient;
+    if (act.autocast) headGradient = total(pending, S.c.mul(S.u).mul(S.V), cast, buffer, n(2).mul(wide), S.c.mul(S.V).mul(S.h));
+    else if (several) headGradient = total(pending, n(3).mul(S.c).mul(S.V).mul(S.h));
+    else headGradient = S.c.mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.h)).add(S.c.mul(S.V).mul(S.h));
+    return {
+      forward_end: Object.assign({}, held, { activations: act.kept, temporaries: total(act.cache, cast, logits, frame) }),
+      backward_start: Object.assign({}, held, { activations: act.kept,
+        temporaries: total(pending, n(12).mul(S.u).mul(S.V), cast, buffer, wide) }),
+      head_gradient: Object.assign({}, held, { activations: act.kept, temporaries: headGradient }),
+    };
   }
 
   function modelState(x, S) {
@@ -427,7 +472,7 @@
     const out = { parameters: S.w.mul(share("parameters", S.Pt, fsdp)), gradients: S.w.mul(share("gradients", S.Pt)),
       optimizer_state: state };
     if (loraStep(x)) {  // the frozen base beside the adapters (QLoRA: the blocks' linears in NF4)
-      out.frozen_weights = x.method === "lora" ? S.b.mul(S.P) : S.b.mul(S.P.sub(S.Pm)).add(S.Pc);
+      out.frozen_weights = x.method === "lora" ? S.wb.mul(S.P) : S.wb.mul(S.P.sub(S.Pm)).add(S.Pc);
       if (x.method === "qlora") out.quant_constants = S.Nb.add(n(4).mul(S.Ns)).add(n(4).mul(S.Nq));
     }
     if (x.offload === "params") return { parameters: ZERO, gradients: ZERO, optimizer_state: ZERO };  // (no LoRA here)
@@ -496,7 +541,10 @@
     if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
       out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
     }
-    if (x.zero_stage <= 1 && !loraStep(x)) {
+    if (x.loss !== "full") {
+      delete out.backward_start;
+      Object.assign(out, chunkedLoss(x, S, held, act));
+    } else if (x.zero_stage <= 1 && !loraStep(x)) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
         activations: act.kept.sub(act.loss), temporaries: n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h)) });
@@ -544,10 +592,27 @@
     return alive.add(larger(n(8).mul(S.p).mul(S.h), mlp)).add(read);
   }
 
+  // Python: fit_serve.weights. The blocks' matrices as --weights stores them, the rest in w bytes.
+  function weights(x, S) {
+    if (x.weights === "bf16") return S.w.mul(S.P);
+    const Q = S.L.mul(S.Pq), rest = S.w.mul(S.P.sub(Q));
+    if (x.weights === "fp8") return rest.add(Q).add(n(4).mul(S.L).mul(S.nq));
+    if (x.weights === "int8") return rest.add(Q).add(n(4).mul(S.L).mul(S.so));
+    if (x.weights === "nvfp4") return rest.add(ceilDiv(Q, n(2))).add(ceilDiv(Q, n(16))).add(n(8).mul(S.L).mul(S.nq));
+    const groups = ceilDiv(Q, n(128));
+    const int4 = rest.add(ceilDiv(Q, n(2))).add(n(2).mul(groups)).add(ceilDiv(groups, n(2)));
+    return x.weights === "int4-gptq" ? int4.add(n(4).mul(S.L).mul(S.si)) : int4;
+  }
+
   function inference(x, S) {
     if (x.task === "serve") {
       const kv = S.N.mul(ceilDiv(S.C, S.B)).mul(S.B).mul(kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]));
-      return { parameters: S.w.mul(S.P), activations: prefill(S), kv_cache: kv };
+      return { parameters: weights(x, S), activations: prefill(S), kv_cache: kv };
+    }
+    if (x.task === "decode") {  // Lab 13's decode step: the preallocated cache, and a prefill's work over b × j tokens
+      const step = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.b).mul(S.j),
+        S.b.mul(S.j).mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
+      return { parameters: S.w.mul(S.P), kv_cache: n(2).mul(S.L).mul(S.b).mul(S.D).mul(S.g).mul(S.c), temporaries: step };
     }
     let work = larger(S.c.mul(S.V).add(n(4).mul(S.h)).mul(S.T), S.T.mul(n(3).mul(S.c).mul(S.f).add(n(3).mul(S.c).mul(S.h))));
     if (x.precision === "mixed" && !fsdpMixed(x)) work = S.c.mul(S.Pm.add(S.V.mul(S.h))).add(work);
@@ -565,7 +630,7 @@
     const g = D.gpus[gpu], all = moments(x), [moment, cats, total] = peakOf(all);
     const out = { moment, cats, total, all };
     if (x.task !== "serve") return Object.assign(out, { capacity: BigInt(g.capacity_bytes), fits: total <= BigInt(g.capacity_bytes) });
-    const usable = BigInt(Math.trunc(x.gpu_memory_utilization * g.total_bytes)) - BigInt(D.cuda_context_bytes);
+    const usable = BigInt(Math.trunc(x.gpu_memory_utilization * g.total_bytes)) - BigInt(D.serve_non_torch_bytes);
     const pool = usable - cats.parameters.value - cats.activations.value;
     const S = symbols(x, sizes(x));
     const perBlock = BigInt(x.block_size) * kvPerToken(S, K().kv_dtypes[x.kv_dtype][1]).value;
@@ -580,6 +645,7 @@
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
     "selective checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "selective" } : null),
+    "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
     "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" ? { zero_stage: 1 } : null),
     "ZeRO-2": (c) => (c.dp > 1 && c.zero_stage < 2 && c.offload === "none" ? { zero_stage: 2 } : null),
     "half the micro-batch": (c) => (c.batch > 1 ? { batch: Math.floor(c.batch / 2), accumulation: c.task === "train" ? c.accumulation * 2 : 1 } : null),
@@ -590,6 +656,7 @@
       ? { offload: "optimizer", optimizer: c.optimizer === "sgd" || c.optimizer === "adamw8bit" ? "adamw" : c.optimizer } : null),
     "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 ? { offload: "params", zero_stage: 3 } : null),
     "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
+    "int4 weights": (c) => (["bf16", "fp8", "int8"].includes(c.weights) ? { weights: "int4-awq" } : null),
     "chunked prefill": (c) => (c.context > 2048 && !c.prefill_chunk ? { prefill_chunk: 2048 } : null),
     "tensor parallelism x2": (c) => (c.tp < 64 ? { tp: c.tp * 2 } : null),
   };
@@ -669,13 +736,15 @@
       const label = Object.entries(t.inputs).filter(([k]) => k !== "model").map(([k, v]) => `${keyOf(field(k))}=${v}`).join(" ") || "defaults";
       body.append(h("tr", {}, h("td", {}, h("a", { href: q, text: t.inputs.model || "llama-3-8b" })), h("td", { text: label }),
         h("td", { class: "il-fit__num", text: bytes(t.bytes) }), h("td", { class: "il-fit__num", text: bytes(t.formula) }),
-        h("td", { class: "il-fit__num", text: percent(t.gap) })));
+        h("td", { class: "il-fit__num", text: percent(t.gap) }),
+        h("td", { class: "il-fit__num", text: t.reserved ? bytes(t.reserved) : "-" })));
     }
     el.textContent = "";
     el.append(h("table", { class: "il-fit__table" },
       h("thead", {}, h("tr", {}, h("th", { text: "model" }), h("th", { text: "configuration" }),
         h("th", {}, "traced ", h("span", { class: "il-tag il-tag--traced", text: "traced" })),
-        h("th", {}, "formula ", h("span", { class: "il-tag il-tag--derived", text: "derived" })), h("th", { text: "gap" }))),
+        h("th", {}, "formula ", h("span", { class: "il-tag il-tag--derived", text: "derived" })), h("th", { text: "gap" }),
+        h("th", {}, "reserved ", h("span", { class: "il-tag il-tag--simulated", text: "simulated" })))),
       body));
   }
 
@@ -864,10 +933,10 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
     tp: "Tensor-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
-    requests: "Concurrent requests", kv_dtype: "KV dtype", block_size: "KV block size",
+    requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
   // A choice's words where its value alone misleads: "bf16" here is pure bf16, with no fp32 master copy.
@@ -877,18 +946,20 @@
   const GROUPS = [
     ["The model", null, ["model"]],
     ["The task", null, ["task", "precision"]],
-    ["The step", "train infer", ["batch", "seq"]],
-    ["", "train", ["accumulation", "checkpointing", "optimizer"]],
+    ["The step", "train infer decode", ["batch", "seq"]],
+    ["", "decode", ["kv_len", "new_tokens"]],
+    ["", "train", ["accumulation", "checkpointing", "loss", "optimizer"]],
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
-    ["Serving", "serve", ["context", "requests", "kv_dtype", "block_size", "gpu_memory_utilization", "prefill_chunk"]],
+    ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
+      "prefill_chunk"]],
   ];
   const MOMENTS = {
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
-    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", serve: "the serving budget",
+    backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
   function h(tag, attrs, ...kids) {
@@ -969,15 +1040,19 @@
     UI.capacity = h("span", { id: "fit-capacity" });
     UI.moment = h("p", { class: "il-fit__line", id: "fit-moment" });
     UI.bar = h("div", { class: "il-fit__bar", role: "img", id: "fit-bar" });
+    UI.capLabel = h("span", { class: "il-fit__cap-label", id: "fit-cap-label", "aria-hidden": "true" });
     UI.status = h("p", { class: "il-fit__status", role: "status" });
+    // What stays in view while the inputs change (sticky, small enough to leave a phone's inputs usable):
+    // the verdict and the bar, its marker labelled; the totals and the moment follow it, and scroll.
     const summary = h("section", { class: "il-fit__summary", id: "fit-result", "aria-live": "polite", "aria-label": "Result" },
-      UI.verdict, h("p", { class: "il-fit__line" }, "Per rank ", UI.total, " · can use ", UI.capacity), UI.moment, UI.bar,
-      UI.status);
+      UI.verdict, UI.bar, h("p", { class: "il-fit__scale" }, UI.capLabel), UI.status);
+    const lines = h("div", { class: "il-fit__lines", "aria-live": "polite" },
+      h("p", { class: "il-fit__line" }, "Per rank ", UI.total, " · can use ", UI.capacity), UI.moment);
     UI.rows = {};
     const body = h("tbody");
     for (const cat of D.categories) {
       const tr = h("tr", { "data-category": cat },
-        h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${D.colors[cat]}` }), cat.replace("_", " ")),
+        h("th", { scope: "row" }, h("span", { class: "il-fit__swatch", style: `--c:${color(cat)}` }), cat.replace("_", " ")),
         h("td", { class: "il-fit__num" }), h("td", { class: "il-fit__num" }), h("td", {}));
       UI.rows[cat] = tr;
       body.append(tr);
@@ -991,7 +1066,7 @@
     UI.traced = h("div", { id: "fit-traced", class: "il-fit__traced" });
     UI.levers = h("div", { id: "fit-levers" });
     UI.symbols = h("div", { id: "fit-symbols" });
-    el.append(summary, h("div", { class: "il-fit__scroll" }, table), form,
+    el.append(summary, lines, h("div", { class: "il-fit__scroll" }, table), form,
       h("section", { class: "il-fit__details", "aria-label": "How it is computed" },
         h("h3", { text: "Traced beside the formula" }), UI.traced,
         h("h3", { text: "Levers, cheapest first" }), UI.levers,
@@ -1046,6 +1121,9 @@
   }
 
   // ---------------------------------------------------------------------------- drawing a result
+  /** A category's colour: labkit.plot's, as the site's CSS variable (assets/palette.css), so that it
+   *  follows the light or dark palette as the figures do. */
+  const color = (cat) => `var(--il-cat-${cat.replace(/_/g, "-")})`;
   const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
   function bytes(v) {
     const x = Number(v);
@@ -1075,7 +1153,8 @@
     UI.verdict.className = `il-fit__verdict il-fit__verdict--${v.fits ? "yes" : "no"}`;
     UI.total.textContent = bytes(total);
     UI.total.dataset.bytes = total.toString();
-    UI.capacity.textContent = bytes(v.capacity) + (x.task === "serve" ? ` (${x.gpu_memory_utilization} × ${bytes(g.total_bytes)} less the CUDA context)` : "");
+    UI.capacity.textContent = bytes(v.capacity) + (x.task === "serve"
+      ? ` (${x.gpu_memory_utilization} × ${bytes(g.total_bytes)} less ${bytes(BigInt(D.serve_non_torch_bytes))} outside PyTorch; Lab 14 adds CUDA graphs)` : "");
     UI.capacity.dataset.bytes = v.capacity.toString();
     if (x.task === "serve") {
       UI.moment.textContent = v.pool > 0n
@@ -1113,11 +1192,16 @@
       const b = Number(v.cats[cat].value);
       if (!b) continue;
       UI.bar.append(h("span", { class: "il-fit__seg", "data-category": cat,
-        style: `width:${(100 * b / scale).toFixed(3)}%;--c:${D.colors[cat]}` }));
+        style: `width:${(100 * b / scale).toFixed(3)}%;--c:${color(cat)}` }));
       parts.push(`${cat.replace("_", " ")} ${bytes(b)}`);
     }
-    UI.bar.append(h("span", { class: "il-fit__cap", style: `left:${(100 * Number(v.capacity) / scale).toFixed(3)}%` }));
+    const at = 100 * Number(v.capacity) / scale;
+    UI.bar.append(h("span", { class: "il-fit__cap", style: `left:${at.toFixed(3)}%` }));
     UI.bar.setAttribute("aria-label", `${parts.join(", ")}; the GPU can use ${bytes(v.capacity)}`);
+    // The marker's label, under it: from the marker rightwards, or leftwards when it sits past the middle.
+    UI.capLabel.textContent = `can use ${bytes(v.capacity)}`;
+    UI.capLabel.dataset.side = at > 50 ? "left" : "right";
+    UI.capLabel.style.setProperty("--at", `${at.toFixed(3)}%`);
   }
 
   function drawFormulas(x, v) {
@@ -1183,6 +1267,9 @@
     UI.traced.append(h("p", {}, "Traced on fake tensors ", h("span", { class: "il-tag il-tag--traced", text: "traced" }), ": ",
       h("strong", { text: bytes(hit.bytes) }), ` (peak in ${hit.phase}); the formulas `,
       h("span", { class: "il-tag il-tag--derived", text: "derived" }), `: ${bytes(hit.formula)}; gap ${percent(hit.gap)}.`),
+    hit.reserved ? h("p", { id: "fit-reserved" }, "Reserved by the caching allocator for that step ",
+      h("span", { class: "il-tag il-tag--simulated", text: "simulated" }), ": ", h("strong", { text: bytes(hit.reserved) }),
+      " (Lab 16 replays the trace through its model of the allocator; a GPU runs out at reserved bytes).") : "",
     h("p", { class: "il-fit__source" }, "From ", h("code", { text: hit.source }),
       hit.compared ? ` (compared: ${hit.compared.join(" and ")})` : ". A trace also holds small tensors no formula counts (the batch's token ids)."),
     how);
@@ -1207,7 +1294,7 @@
         "data-pulls": String(s.pulls) },
         h("strong", {}, h("a", { href: "?" + q.toString(), text: s.lever.name + times })),
         s.kept ? ` saves ${bytes(s.saves)}: ${bytes(s.total)}${s.fits ? " — fits" : ""}` : " saves nothing here",
-        h("br"), h("small", {}, `cost: ${s.lever.cost[x.task]}`,
+        h("br"), h("small", {}, `${s.lever.numerics}; cost: ${s.lever.cost[x.task]}`,
           s.lever.lab[x.task] ? h("span", {}, " · ", labLink(s.lever.lab[x.task])) : null)));
     }
     UI.levers.append(list);

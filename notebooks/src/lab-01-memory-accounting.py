@@ -53,7 +53,7 @@ display(recipes)
 
 # %%
 stages = sweeps.zero_stages()
-colors = {**plot.CATEGORY_COLORS, "master_weights": "#64B5CD"}
+colors = {**plot.CATEGORY_COLORS, "master_weights": plot.SERIES[9]}
 fig_zero, ax = plt.subplots(figsize=(8, 4), dpi=110, layout="constrained")
 bottom = [0.0] * len(stages)
 for cat in sweeps.STATE:
@@ -69,6 +69,9 @@ ax.grid(axis="y", alpha=0.3)
 zero_table = sweeps.zero_stage_table(stages)
 per_rank = sweeps.model_state_per_rank(stages)
 display(zero_table)
+notebook.show(fig_zero, alt="Stacked bars of model-state bytes per rank for ZeRO stages 0 to 3 of a 7B model "
+                            "with mixed-precision AdamW on 8 ranks, falling from 112 GB at stage 0 to 14 GB at "
+                            "stage 3")
 
 # %% [markdown]
 # ## Activations against sequence length (derived)
@@ -84,7 +87,7 @@ act = sweeps.activations_by_sequence(seqs)
 fig_act, ax = plt.subplots(figsize=(8, 4.2), dpi=110, layout="constrained")
 for policy, style in zip(sweeps.POLICIES, ("-o", "-s", "-^")):
     ax.plot(seqs, [v / GB for v in act[policy]], style, label=f"recompute={policy}", ms=4)
-ax.axhline(sweeps.model_state_of() / GB, color="#8172B3", ls="--", lw=1.2, label="model state, mixed AdamW (16 B x P)")
+ax.axhline(sweeps.model_state_of() / GB, color=plot.CATEGORY_COLORS["optimizer_state"], ls="--", lw=1.2, label="model state, mixed AdamW (16 B x P)")
 ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="activation bytes (GB, 1e9)",
        title="Activations of a 7B-class model, batch 1, mixed precision (derived)")
 ax.set_xticks(seqs, [str(s) for s in seqs])
@@ -92,6 +95,8 @@ ax.legend(fontsize=8, frameon=False)
 ax.grid(alpha=0.3, which="both")
 act_table = sweeps.activations_table(seqs, act)
 display(act_table)
+notebook.show(fig_act, alt="Activation bytes of a 7B-class model against sequence length for three recomputation"
+                           " policies on log-log axes, with the model state drawn as a dashed line")
 
 # %% [markdown]
 # ## KV cache for inference (derived)
@@ -172,6 +177,8 @@ tl = result.measurement.ledger.timeline()
 fig_timeline = plot.plot_timeline(
     tl, title=f"Lab 01 · one AdamW step of TinyGPT on {nb.device.type} (measured by the ledger)",
     overlay={label: [level] * len(tl) for label, level in tables.derived_levels(result).items()})
+notebook.show(fig_timeline, alt="Stacked memory timeline of one AdamW step of TinyGPT by category, with phase "
+                                "bands and two dashed derived levels")
 
 # %% [markdown]
 # ## Measured activations against sequence length (TinyGPT)
@@ -188,7 +195,7 @@ sweep_seqs = [256, 512, 1024, 2048] if nb.on_gpu else [64, 128, 256, 512]
 curves = {dropout: [sweeps.sweep_point(lab.run(replace(small, seq=s, dropout=dropout))) for s in sweep_seqs]
           for dropout in (0.1, 0.0)}
 fig_sweep, ax = plt.subplots(figsize=(8, 4.2), dpi=110, layout="constrained")
-for (dropout, points), color in zip(curves.items(), ("#C44E52", "#4C72B0")):
+for (dropout, points), color in zip(curves.items(), (plot.SERIES[3], plot.SERIES[0])):
     seq, _, measured, listed, paper = zip(*points)
     label = "dropout 0.1: scores kept" if dropout else "dropout 0: flash, no scores"
     ax.plot(seq, [v / 2**20 for v in measured], "o", color=color, ms=7, label=f"measured, {label}")
@@ -203,6 +210,9 @@ ax.legend(fontsize=7.5, frameon=False)
 ax.grid(alpha=0.3, which="both")
 sweep = sweeps.sweep_table([p for points in curves.values() for p in points])
 display(sweep)
+notebook.show(fig_sweep, alt="Measured activation bytes of TinyGPT against sequence length, with and without "
+                             "dropout, on log-log axes, with the derived TinyGPT list and the paper's formula as"
+                             " lines")
 
 # %% [markdown]
 # ## Real architectures (derived, from exact parameter counts)

@@ -54,7 +54,8 @@ print(f"{result.params:,} parameters in {result.tensors} tensors; {len(tl)} ledg
 fig = plot.plot_timeline(
     tl, title=f"Lab 02 · 3 training steps on {nb.device.type} (measured by the ledger)",
     overlay={"derived: params + grads + AdamW state": lab.predicted_model_state(tl, result.params, result.tensors)})
-fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
+notebook.show(fig, alt="Stacked memory timeline of three training steps by category, with phase bands and a "
+                       "dashed line for the derived model state")
 
 # %% [markdown]
 # ## Peaks: per phase, per step, and the formulas against the ledger (measured)
@@ -100,6 +101,8 @@ def lowest_after_step0(timeline):
 zero_grad = Table(["--zero-grad", ("loss after 12 steps", "float:4"), ("lowest gradient bytes after step 0", "bytes")],
                   [[m, r.losses[-1], lowest_after_step0(r.ledger.timeline())] for m, r in modes.items()])
 display(zero_grad)
+notebook.show(fig2, alt="Two panels for the three zero_grad modes: gradient bytes over the run, and the training"
+                        " loss per step")
 
 # %% [markdown]
 # ## Exact resume
@@ -159,8 +162,9 @@ fit = Table(["model", ("peak of the two steps", "bytes"), ("fits 80 GiB", "yes")
 big = traced["llama-3-8b"].ledger.timeline()
 fig3 = plot.plot_timeline(big, title="Llama-3-8B, fp32 AdamW, 4,096 tokens (traced)", show_allocator=False,
                           overlay={"80 GiB: an H100's memory": [CARD] * len(big)})
-fig3.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 display(real_scale, fit)
+notebook.show(fig3, alt="Stacked memory timeline of two fp32 AdamW steps of Llama-3-8B at 4,096 tokens, traced "
+                        "on fake tensors, under a dashed 80 GiB line")
 
 # %% [markdown]
 # ## Which AdamW, at 8B

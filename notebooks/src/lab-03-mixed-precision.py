@@ -31,7 +31,7 @@ harness = labs.load(3, "precision_report")  # the lab's formulas and tables, nex
 # the lab's default model on a CPU; GPU-sized on a GPU (the same code either way)
 size = dict(width=1024, layers=8, heads=16, seq_len=512, batch_size=16) if nb.on_gpu else {}
 config = lab.Config(device=nb.device.type, steps=50 if nb.on_gpu else 20, **size)
-COLORS = {"fp32": "#4C72B0", "fp16": "#DD8452", "bf16": "#55A868"}
+COLORS = {"fp32": plot.SERIES[0], "fp16": plot.SERIES[1], "bf16": plot.SERIES[2]}
 
 # %% [markdown]
 # ## Three recipes, one model, the same batches
@@ -62,13 +62,15 @@ for name, r in runs.items():
     if name != "fp32":  # drawn on a log axis; a step where the losses are equal sits on the floor
         rel = [max(100 * d, FLOOR) for d in harness.loss_differences(r.losses, runs["fp32"].losses)]
         ax_diff.plot(range(len(rel)), rel, label=name, color=COLORS[name], marker="o", ms=3)
-ax_diff.axhline(100 * lab.LOSS_RTOL, color="#d62728", ls="--", lw=1, label="tolerance (2 %)")
+ax_diff.axhline(100 * lab.LOSS_RTOL, color=plot.SERIES[3], ls="--", lw=1, label="tolerance (2 %)")
 ax_loss.set(title="training loss (measured)", xlabel="step", ylabel="loss")
 ax_diff.set(title="|loss - fp32 loss| / fp32 loss (measured)", xlabel="step", ylabel="% (log scale)",
             yscale="log", ylim=(FLOOR, 10))
 for ax in (ax_loss, ax_diff):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+notebook.show(fig_loss, alt="Training loss of the fp32, fp16 and bf16 recipes over the same steps, and each "
+                            "one's relative difference from fp32 against the 2 % tolerance")
 
 # %% [markdown]
 # ## What each recipe keeps in memory
@@ -95,6 +97,8 @@ top = max(max(r.ledger.timeline().device_total()) for r in runs.values())
 for i, (ax, (name, r)) in enumerate(zip(axes, runs.items())):
     plot.plot_timeline(r.ledger.timeline(), ax=ax, max_points=300, ymax_bytes=top, legend=i == 0,
                        title=f"{name}: 2 training steps on {nb.device.type} (ledger, measured)")
+notebook.show(fig_timelines, alt="Stacked memory timelines of two training steps for fp32, fp16 and bf16 on one "
+                                 "scale, by category, with phase bands")
 
 # %% [markdown]
 # ## Where the bytes go, by category and by saved tensor
@@ -107,8 +111,8 @@ for i, (ax, (name, r)) in enumerate(zip(axes, runs.items())):
 
 # %%
 cats = ["parameters", "optimizer_state", "activations", "temporaries"]  # no gradient is alive at the peak
-kind_colors = {"float32": "#4C72B0", "float16": "#DD8452", "bfloat16": "#55A868",
-               "16-bit weight copies": "#C44E52", "int64": "#8C8C8C"}
+kind_colors = {"float32": plot.SERIES[0], "float16": plot.SERIES[1], "bfloat16": plot.SERIES[2],
+               "16-bit weight copies": plot.SERIES[3], "int64": plot.SERIES[7]}
 peaks = {n: r.ledger.timeline().peak() for n, r in runs.items()}
 unit, scale = pick_unit(max(p[c] for p in peaks.values() for c in cats))
 fig_bytes, (ax_cat, ax_saved) = plt.subplots(2, 1, figsize=(7, 7.5), dpi=110, layout="constrained")  # stacked: phones
@@ -131,6 +135,8 @@ ax_saved.set(title="saved for backward in one forward, by kind (measured)", ylab
 ax_saved.legend(fontsize=8, loc="upper right")
 for ax in (ax_cat, ax_saved):
     ax.grid(axis="y", alpha=0.3)
+notebook.show(fig_bytes, alt="Bars of bytes by ledger category at each recipe's peak, and stacked bars of the "
+                             "bytes saved for backward by dtype")
 
 # %%
 saved = harness.saved_table(result)
@@ -199,11 +205,13 @@ fig_scale, ax = plt.subplots(figsize=(10, 3.4), dpi=110, layout="constrained")
 ax.step([s["step"] for s in dynamics.steps], [math.log2(s["scale_before"]) for s in dynamics.steps], where="post",
         color=COLORS["fp16"], label="log2(scale) used at the step")
 skips = [s for s in dynamics.steps if s["skipped"]]
-ax.scatter([s["step"] for s in skips], [math.log2(s["scale_before"]) for s in skips], color="#d62728", zorder=3,
+ax.scatter([s["step"] for s in skips], [math.log2(s["scale_before"]) for s in skips], color=plot.SERIES[3], zorder=3,
            label="overflow: step skipped, scale × 0.5")
 ax.set(title="GradScaler's scale under real fp16 overflows (measured)", xlabel="step", ylabel="log2(scale)")
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
+notebook.show(fig_scale, alt="The loss scale, log2, over 24 fp16 steps started at 2^24, with each overflow "
+                             "marked: a staircase down, then a sawtooth")
 
 # %% [markdown]
 # ## Allocated against reserved, and speed (CUDA only)

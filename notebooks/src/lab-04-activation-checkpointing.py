@@ -71,11 +71,13 @@ for ax, s in zip(axes, names):
     for area in marked:  # white hatching (matplotlib >= 3.10 colours hatches on their own)
         area.set_hatch("///")
         if hasattr(area, "set_hatchcolor"):
-            area.set_hatchcolor("white")
+            area.set_hatchcolor(plot.PAPER)
         else:
-            area.set_edgecolor("white")
+            area.set_edgecolor(plot.PAPER)
     if ax is not axes[0]:
         legend.remove()
+notebook.show(timelines, alt="Stacked memory timelines of one training step for each checkpointing strategy on "
+                             "one scale, by category, with forward and backward bands")
 
 # %% [markdown]
 # ## Memory and recompute per strategy (measured)
@@ -91,9 +93,9 @@ display(strategies, gpu_targets)
 
 # %%
 cost, (ax_mem, ax_flop, ax_time) = plt.subplots(3, 1, figsize=(6.5, 8.5), dpi=110, layout="constrained")
-colors = ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868"]
+colors = [plot.SERIES[7], plot.SERIES[0], plot.SERIES[1], plot.SERIES[2]]
 ax_mem.bar(names, [R[s]["activation_peak_bytes"] / 2**20 for s in names], color=colors)
-ax_mem.bar(names, [R[s]["kept_bytes"] / 2**20 for s in names], color="white", alpha=0.45, hatch="//",
+ax_mem.bar(names, [R[s]["kept_bytes"] / 2**20 for s in names], color=plot.PAPER, alpha=0.45, hatch="//",
            label="kept after forward")
 ax_mem.set(title="activation peak (measured)", ylabel="MiB")
 ax_mem.legend(fontsize=8)
@@ -104,6 +106,8 @@ ax_time.set(title=f"step time ({nb.device.type} wall clock)", ylabel="ms, median
 for ax in (ax_mem, ax_flop, ax_time):
     ax.grid(axis="y", alpha=0.3)
     ax.tick_params(axis="x", labelsize=8)
+notebook.show(cost, alt="Three bar charts, one bar per strategy: activation peak with the bytes kept after "
+                        "forward hatched, recompute FLOPs as a share of the forward, and step time")
 
 # %% [markdown]
 # ## Formula against measurement
@@ -171,21 +175,21 @@ for ax, (name, r) in zip(axes3, rules.items()):
     mem, K_blk, I_blk = r["measured"], r["per_block_bytes"], r["block_input_bytes"]
     unit, unit_size = pick_unit(max(m["activation_peak_bytes"] for m in mem.values()))
     derived = [seg.predict(L, k, K_blk, I_blk, r["outside_bytes"], r["backward_extra_bytes"]) for k in grid]
-    ax.plot(grid, [p / unit_size for _, p in derived], color="#d62728", lw=1.4, ls="--",
+    ax.plot(grid, [p / unit_size for _, p in derived], color=plot.SERIES[3], lw=1.4, ls="--",
             label="derived peak (segments.predict)")
-    ax.plot(ks, [mem[k]["activation_peak_bytes"] / unit_size for k in ks], "o", color="#d62728", ms=7,
+    ax.plot(ks, [mem[k]["activation_peak_bytes"] / unit_size for k in ks], "o", color=plot.SERIES[3], ms=7,
             label="measured activation peak")
-    ax.plot(grid, [kept / unit_size for kept, _ in derived], color="#4C72B0", lw=1.2, ls=":",
+    ax.plot(grid, [kept / unit_size for kept, _ in derived], color=plot.SERIES[0], lw=1.2, ls=":",
             label="derived kept after forward (C + ⌈L/k⌉·I_blk)")
-    ax.plot(ks, [mem[k]["kept_bytes"] / unit_size for k in ks], "s", color="#4C72B0", ms=6,
+    ax.plot(ks, [mem[k]["kept_bytes"] / unit_size for k in ks], "s", color=plot.SERIES[0], ms=6,
             label="measured kept after forward")
-    ax.axhline(r["none"]["activation_peak_bytes"] / unit_size, color="#8C8C8C", lw=1,
+    ax.axhline(r["none"]["activation_peak_bytes"] / unit_size, color=plot.SERIES[7], lw=1,
                label="none: activation peak (measured)")
     best = r["best_k_measured"]
-    ax.plot([best], [mem[best]["activation_peak_bytes"] / unit_size], "o", mfc="none", mec="black", mew=1.4, ms=15,
+    ax.plot([best], [mem[best]["activation_peak_bytes"] / unit_size], "o", mfc="none", mec=plot.INK, mew=1.4, ms=15,
             label="lowest measured peak")
     if r["k_star"] >= 1:
-        ax.axvline(r["k_star"], color="black", lw=1, ls=":", label="derived k* = √(L·I_blk/K_blk)")
+        ax.axvline(r["k_star"], color=plot.INK, lw=1, ls=":", label="derived k* = √(L·I_blk/K_blk)")
     ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel=unit,
            title=f"{L}-block {'chain of Linear + ReLU' if name == 'chain' else name}: K_blk = {K_blk / I_blk:.2f}·I_blk, "
                  f"so k* = √(L·I_blk/K_blk) = {r['k_star']:.2f} ({nb.device.type})")
@@ -193,6 +197,9 @@ for ax, (name, r) in zip(axes3, rules.items()):
     ax.set_ylim(0, max(m["activation_peak_bytes"] for m in mem.values()) / unit_size * 1.08)
     ax.grid(alpha=0.3)
 legend = segments.legend(*axes3[1].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=8)
+notebook.show(segments, alt="Two panels: measured activation peak and kept bytes against segment size k, with "
+                            "derived curves, for a 16-block TinyGPT and a 16-block chain of Linear and ReLU "
+                            "blocks")
 
 # %% [markdown]
 # ## Allocated against the ledger (CUDA only)
@@ -251,19 +258,22 @@ K70, I70, C70, G70, S70 = (rule70[k] for k in ("per_block_bytes", "block_input_b
 grid70 = range(1, 17)
 window, head = zip(*(seg.two_peaks(L70, k, K70, I70, C70, G70, S70) for k in grid70))
 window, head = [w / 2**30 for w in window], [h / 2**30 for h in head]
-ax.plot(grid70, window, color="#4C72B0", lw=1.2, ls=":", label="derived: recompute window, C + G + (L/k)·I_blk + k·K_blk")
-ax.plot(grid70, head, color="#DD8452", lw=1.2, ls=":", label="derived: head's peak, C + ⌈L/k⌉·I_blk + S")
-ax.plot(grid70, [max(w, h) for w, h in zip(window, head)], color="#d62728", lw=1.6, ls="--",
+ax.plot(grid70, window, color=plot.SERIES[0], lw=1.2, ls=":", label="derived: recompute window, C + G + (L/k)·I_blk + k·K_blk")
+ax.plot(grid70, head, color=plot.SERIES[1], lw=1.2, ls=":", label="derived: head's peak, C + ⌈L/k⌉·I_blk + S")
+ax.plot(grid70, [max(w, h) for w, h in zip(window, head)], color=plot.SERIES[3], lw=1.6, ls="--",
         label="derived peak: the higher of the two")
 traced_ks = list(rule70["measured"])
-ax.plot(traced_ks, [rule70["measured"][k]["activation_peak_bytes"] / 2**30 for k in traced_ks], "o", color="#d62728",
+ax.plot(traced_ks, [rule70["measured"][k]["activation_peak_bytes"] / 2**30 for k in traced_ks], "o", color=plot.SERIES[3],
         ms=7, label="traced activation peak")
-ax.axvline(k70, color="black", lw=1, ls="-.", label="textbook k = round(√L)")
+ax.axvline(k70, color=plot.INK, lw=1, ls="-.", label="textbook k = round(√L)")
 ax.set(xscale="log", xlabel="k: blocks per checkpointed segment", ylabel="GiB", ylim=(0, 40),
        title="Llama-3-70B, 80 blocks, 8,192 tokens, bf16 (traced on fake tensors)")
 ax.set_xticks([1, 2, 3, 4, 9, 16], ["1", "2", "3", "4", "9", "16"])
 ax.grid(alpha=0.3)
 ax.legend(fontsize=7.5, loc="upper left")
+notebook.show(real_segments, alt="Activation peak against segment size k for Llama-3-70B at 8,192 tokens: traced"
+                                 " points on the derived curve, the higher of a recompute-window curve and a "
+                                 "head's-peak curve")
 
 # %%
 notebook.publish(

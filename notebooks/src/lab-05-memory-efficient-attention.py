@@ -95,7 +95,7 @@ display(backends)
 # %%
 xs, slopes = [float(s) for s in SEQ], fwd.slopes()
 fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110, layout="constrained")
-styles = {"naive": ("#C44E52", "o"), "chunked": ("#4C72B0", "s"), "sdpa": ("#55A868", "^")}
+styles = {"naive": (plot.SERIES[3], "o"), "chunked": (plot.SERIES[0], "s"), "sdpa": (plot.SERIES[2], "^")}
 for impl, (color, marker) in styles.items():
     ax.loglog(xs, [by[impl, s]["peak_bytes"] for s in SEQ], marker, color=color, ms=7,
               label=f"{impl} measured (slope {slopes[impl]:.2f})")
@@ -105,14 +105,16 @@ for impl, (color, marker) in styles.items():
         ax.loglog(xs, [by[impl, s]["cuda_peak_bytes"] for s in SEQ], marker, mfc="none", color=color, ms=11,
                   label=f"{impl} max_memory_allocated")
 if "math" in pinned:
-    ax.loglog(xs, [r["peak_bytes"] for r in pinned["math"].rows], "x", color="#8172B3", ms=9,
+    ax.loglog(xs, [r["peak_bytes"] for r in pinned["math"].rows], "x", color=plot.SERIES[4], ms=9,
               label=f"sdpa pinned to MATH (slope {pinned['math'].slopes()['sdpa']:.2f})")
-ax.loglog(xs, [by["naive", s]["scores_bytes"] for s in SEQ], ":", color="#555555", label="one s x s matrix, b a s² e")
+ax.loglog(xs, [by["naive", s]["scores_bytes"] for s in SEQ], ":", color=plot.INK_MUTED, label="one s x s matrix, b a s² e")
 ax.set(xlabel="sequence length s (log)", ylabel="peak bytes the attention allocated (log)",
        title=f"Forward peak against s on {nb.device.type}: {config.dtype}, b={config.batch}, a={config.heads}, "
              f"d_head={config.head_dim}, c={config.chunk}, not causal")
 ax.legend(fontsize=7.5, loc="upper left")
 ax.grid(which="both", alpha=0.25)
+notebook.show(fig, alt="Forward peak bytes against sequence length on log-log axes for naive, chunked and SDPA "
+                       "attention, measured points with the derived formulas as lines")
 
 # %%
 expected = {"naive": "2 (quadratic)", "chunked": "1 (linear)", "sdpa": "1 (linear)"}
@@ -166,6 +168,8 @@ for ax, (name, res) in zip(axes, series.items()):
     tl = res.timelines[name.split(" ")[0], S_TL]
     plot.plot_timeline(tl, ax=ax, title=f"{name}: forward + backward at s={S_TL} (measured by the ledger)",
                        overlay={"one s x s matrix (derived)": [get[name][S_TL]["scores_bytes"]] * len(tl)})
+notebook.show(fig_tl, alt="Ledger timelines of one forward and backward pass for naive, chunked, chunked with "
+                          "recompute, and SDPA attention, each with a dashed line for one s by s matrix")
 
 # %% [markdown]
 # ## Forward + backward: what forward keeps for backward
@@ -193,10 +197,10 @@ display(backward, backward_peak, backward_slopes)
 # %%
 fig_bwd, (ax_k, ax_p) = plt.subplots(2, 1, figsize=(7, 8.5), dpi=110, layout="constrained")  # stacked: phones
 # wide pale lines under thin dashed ones, so that series which coincide stay visible
-looks = {"naive": dict(color="#C44E52", marker="o", lw=5, ms=10, alpha=0.55),
-         "chunked": dict(color="#4C72B0", marker="s", ls="--", lw=1.5, ms=5),
-         "chunked + recompute": dict(color="#8172B3", marker="D", lw=5, ms=10, alpha=0.55),
-         "sdpa": dict(color="#55A868", marker="^", ls="--", lw=1.5, ms=6)}
+looks = {"naive": dict(color=plot.SERIES[3], marker="o", lw=5, ms=10, alpha=0.55),
+         "chunked": dict(color=plot.SERIES[0], marker="s", ls="--", lw=1.5, ms=5),
+         "chunked + recompute": dict(color=plot.SERIES[4], marker="D", lw=5, ms=10, alpha=0.55),
+         "sdpa": dict(color=plot.SERIES[2], marker="^", ls="--", lw=1.5, ms=6)}
 bxs = [float(s) for s in BSEQ]
 for name in series:
     ax_k.loglog(bxs, [get[name][s]["kept_bytes"] for s in BSEQ], label=f"{name} (slope {kept_slopes[name]:.2f})",
@@ -204,11 +208,13 @@ for name in series:
     ax_p.loglog(bxs, [get[name][s]["peak_bytes"] for s in BSEQ], label=f"{name} (slope {peak_slopes[name]:.2f})",
                 **looks[name])
 for ax, title in ((ax_k, "kept after forward, for backward (measured)"), (ax_p, "peak of forward + backward (measured)")):
-    ax.loglog(bxs, [get["naive"][s]["scores_bytes"] for s in BSEQ], ":", color="#555555",
+    ax.loglog(bxs, [get["naive"][s]["scores_bytes"] for s in BSEQ], ":", color=plot.INK_MUTED,
               label="one s x s matrix (derived)")
     ax.set(title=title, xlabel="sequence length s (log)", ylabel="bytes (log)")
     ax.legend(fontsize=7.5)
     ax.grid(which="both", alpha=0.25)
+notebook.show(fig_bwd, alt="Bytes kept for backward and peak bytes of forward plus backward against sequence "
+                           "length, log-log, for the four attention implementations")
 
 # %% [markdown]
 # ## Causal masking
@@ -274,14 +280,16 @@ real_series = {"naive": (real_bwd, "naive"), "chunked": (real_bwd, "chunked"),
 for name, (res, impl) in real_series.items():
     ax.loglog(RSEQ, [r["peak_bytes"] for r in res.rows if r["impl"] == impl], marker=looks[name]["marker"],
               color=looks[name]["color"], label=f"{name}: forward + backward peak (traced)")
-ax.loglog(RSEQ, [r["scores_bytes"] for r in real_fwd.rows if r["impl"] == "naive"], ":", color="#555555",
+ax.loglog(RSEQ, [r["scores_bytes"] for r in real_fwd.rows if r["impl"] == "naive"], ":", color=plot.INK_MUTED,
           label="one s x s score matrix, 32 heads, bf16")
-ax.axhline(80e9, color="black", lw=1, ls="-.", label="80 GB: one H100's memory")
+ax.axhline(80e9, color=plot.INK, lw=1, ls="-.", label="80 GB: one H100's memory")
 ax.set(xlabel="sequence length s (log)", ylabel="bytes (log)",
        title="Llama-3-8B attention, one layer, bf16 (traced on fake tensors)")
 ax.set_xticks(RSEQ, [f"{int(s):,}" for s in RSEQ])
 ax.legend(fontsize=7.5)
 ax.grid(which="both", alpha=0.25)
+notebook.show(fig_real, alt="Peak bytes of forward plus backward against sequence length for Llama-3-8B's "
+                            "attention, log-log, against one H100's 80 GB")
 
 # %%
 notebook.publish(

@@ -57,16 +57,18 @@ display(equivalence, forgot_1_over_k)
 # %%
 fig_gap, ax = plt.subplots(figsize=(7.5, 3.8), dpi=110, layout="constrained")
 ks = [g["k"] for g in gaps[1:]]
-ax.semilogy(ks, [derived.relative_gap(g) for g in gaps[1:]], "o-", color="#4C72B0", label="loss / k (measured)")
-ax.semilogy(ks, [derived.relative_gap(g) for g in unscaled], "s--", color="#C44E52", label="without 1/k (measured)")
-ax.axhline(lab.TOLERANCE, color="#333333", lw=1, ls=":", label=f"tolerance {lab.TOLERANCE:g} (asserted)")
-ax.axhline(2.0 ** -23, color="#55A868", lw=1, ls="-.", label="fp32 machine epsilon, 2^-23")
+ax.semilogy(ks, [derived.relative_gap(g) for g in gaps[1:]], "o-", color=plot.SERIES[0], label="loss / k (measured)")
+ax.semilogy(ks, [derived.relative_gap(g) for g in unscaled], "s--", color=plot.SERIES[3], label="without 1/k (measured)")
+ax.axhline(lab.TOLERANCE, color=plot.INK, lw=1, ls=":", label=f"tolerance {lab.TOLERANCE:g} (asserted)")
+ax.axhline(2.0 ** -23, color=plot.SERIES[2], lw=1, ls="-.", label="fp32 machine epsilon, 2^-23")
 ax.set_xscale("log", base=2)
 ax.set_xticks(ks, [str(k) for k in ks])
 ax.set(xlabel="micro-batches k (16 samples in all)", ylabel="max |g_acc - g_large| / max |g_large|")
 ax.set_title("Accumulated against large-batch gradients (k = 1 is bit-exact: not drawn on a log axis)", fontsize=9)
 ax.legend(fontsize=8, loc="center right")
 ax.grid(alpha=0.3, which="both")
+notebook.show(fig_gap, alt="Relative gradient difference against the number of micro-batches k, for accumulation"
+                           " with and without the 1/k, with the tolerance and fp32 machine epsilon drawn")
 
 # %% [markdown]
 # ## 2 · Peak memory against the effective batch
@@ -100,14 +102,14 @@ display(flat)
 # %%
 fig_batch, ax = plt.subplots(figsize=(8, 4.2), dpi=110, layout="constrained")
 unit, unit_bytes = pick_unit(max(large_peak[k]["total"] for k in KS))
-ax.plot(B, [large_peak[k]["total"] / unit_bytes for k in KS], "s", color="#C44E52", ms=7,
+ax.plot(B, [large_peak[k]["total"] / unit_bytes for k in KS], "s", color=plot.SERIES[3], ms=7,
         label="one large batch (measured)")
-ax.plot(B, [v / unit_bytes for v in large_line], "--", color="#C44E52", lw=1,
+ax.plot(B, [v / unit_bytes for v in large_line], "--", color=plot.SERIES[3], lw=1,
         label="derived: linear in B (slope from the first two points)")
-ax.plot(B, [acc_peak[k]["total"] / unit_bytes for k in KS], "o", color="#4C72B0", ms=7,
+ax.plot(B, [acc_peak[k]["total"] / unit_bytes for k in KS], "o", color=plot.SERIES[0], ms=7,
         label=f"accumulation, micro-batch {MICRO} (measured)")
-ax.axhline(acc_peak[2]["total"] / unit_bytes, color="#4C72B0", lw=1.2, ls="-.", label="derived: flat at the k = 2 peak")
-ax.axhline(floor / unit_bytes, color="#8172B3", lw=1, ls=":", label="derived: model state, 16 B/param + 4 B/tensor")
+ax.axhline(acc_peak[2]["total"] / unit_bytes, color=plot.SERIES[0], lw=1.2, ls="-.", label="derived: flat at the k = 2 peak")
+ax.axhline(floor / unit_bytes, color=plot.CATEGORY_COLORS["optimizer_state"], lw=1, ls=":", label="derived: model state, 16 B/param + 4 B/tensor")
 ax.set_xticks(B, [str(b) for b in B])
 ax.set_xlim(0, B[-1] * 1.05)
 ax.set_ylim(0, None)
@@ -115,6 +117,8 @@ ax.set(xlabel="effective batch (samples per optimizer step)", ylabel=f"peak live
 ax.set_title(f"Peak against effective batch on {nb.device.type} (ledger, 2 AdamW steps each)", fontsize=10)
 ax.legend(fontsize=8, loc="upper left")
 ax.grid(alpha=0.3)
+notebook.show(fig_batch, alt="Peak bytes against effective batch: flat for accumulation, linear for one large "
+                             "batch, above the model-state floor")
 
 # %% [markdown]
 # What sits under the accumulation peak, against the large batch's peak at the same effective
@@ -177,7 +181,8 @@ fig_budget = plot.plot_timeline(
     tl, title=(f"Lab 06 · budget {format_bytes(pick.config.budget)}: {pick.accum_steps} micro-batches of "
                f"{pick.micro_batch}, checkpointing {'on' if pick.checkpoint else 'off'} ({nb.device.type}, ledger)"),
     overlay={f"budget {format_bytes(pick.config.budget)}": [pick.config.budget] * len(tl)})
-fig_budget.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
+notebook.show(fig_budget, alt="Ledger timeline of a budgeted run: micro-batches under a horizontal budget line, "
+                              "by category, with phase bands")
 
 # %% [markdown]
 # ## Allocated against reserved (CUDA only)
@@ -220,6 +225,8 @@ for i, (ax, (name, r)) in enumerate(zip(axes, traced.items())):
     plot.plot_timeline(tl_big, ax=ax, ymax_bytes=top, show_allocator=False, legend=i == 0,
                        title=f"Llama-3-8B, fp32: {name} (traced)",
                        overlay={"80 GiB: an H100's memory": [CARD] * len(tl_big)})
+notebook.show(fig_scale, alt="Two stacked timelines on one scale of two fp32 AdamW steps of Llama-3-8B: one "
+                             "batch of four sequences, and four accumulated micro-batches of one")
 
 # %%
 large_8b, acc_8b = (r.ledger.peak() for r in traced.values())

@@ -89,6 +89,8 @@ def draw_timelines(timelines, modes, unit, evidence=""):
 
 timelines = {m: r.ledger.timeline() for m, r in runs.items()}
 fig, _ = draw_timelines(timelines, modes, "MiB")
+notebook.show(fig, alt="Six memory timelines on one scale: device and host bytes for device AdamW, optimizer "
+                       "offload and gradient offload")
 
 # %% [markdown]
 # ## Bytes per parameter: derived against measured
@@ -102,25 +104,27 @@ fig, _ = draw_timelines(timelines, modes, "MiB")
 # %%
 bytes_per_param = accounting.bytes_per_param(modes)
 fig2, ax = plt.subplots(figsize=(9, 2.8), dpi=110, layout="constrained")
-parts = [("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer_state", "#8172B3")]
+parts = [(cat, plot.CATEGORY_COLORS[cat]) for cat in ("parameters", "gradients", "optimizer_state")]
 for y, s in enumerate(modes.values()):
     left, host = 0.0, s["host_bytes"] / P
     for cat, color in parts:
         width = s["device_after_step"][cat] / P
         ax.barh(y, width, left=left, color=color, label=cat.replace("_", " ") if y == 0 else None)
         left += width
-    ax.barh(y, host, left=-host, color="#937860", label="host copies: master,\ngradients, AdamW state" if y == 1 else None)
+    ax.barh(y, host, left=-host, color=plot.CATEGORY_COLORS["host_copies"], label="host copies: master,\ngradients, AdamW state" if y == 1 else None)
     ax.text(left + 0.3, y, f"device {left:.2f}", va="center", fontsize=8)
     if host:
         ax.text(-host - 0.3, y, f"host {host:.2f}", va="center", ha="right", fontsize=8)
-ax.axvline(0, color="black", lw=0.8)
+ax.axvline(0, color=plot.INK, lw=0.8)
 ax.set_yticks(range(3), [accounting.TITLES[m] for m in modes])
 ax.invert_yaxis()
-ax.set_xlim(-22, 22)
+ax.set_xlim(-30, 30)  # room for each bar's total beside it, at the page's text size
 ax.set_xticks(range(-16, 20, 4), [str(abs(v)) for v in range(-16, 20, 4)])
 ax.set_xlabel("bytes per parameter between steps (measured by the ledger): host to the left, device to the right")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 display(bytes_per_param)
+notebook.show(fig2, alt="Horizontal bars of bytes per parameter between steps for the three modes: device bytes "
+                        "by category to the right, host copies to the left")
 
 # %% [markdown]
 # ## The same figures as exact bytes
@@ -186,12 +190,12 @@ fig3, ax = plt.subplots(figsize=(9, 3.2), dpi=110, layout="constrained")
 impls = list(lab.IMPLS)
 for k, s in enumerate(adam_run["sets"]):
     goal = s["impls"]["forloop"]["ns_per_param"] / bench.TARGET
-    ax.hlines(goal, k * (len(impls) + 1) - 0.45, k * (len(impls) + 1) + 0.45, colors="black", linestyles="--",
+    ax.hlines(goal, k * (len(impls) + 1) - 0.45, k * (len(impls) + 1) + 0.45, colors=plot.INK, linestyles="--",
               label=f"target: {bench.TARGET:.0f}x faster than the for-loop" if k == 0 else None, zorder=3)
     for j, name in enumerate(impls):
         r = s["impls"][name]
         x = k * (len(impls) + 1) + j
-        ax.bar(x, r["ns_per_param"], color=("#55A868", "#DD8452", "#C44E52")[j], label=name if k == 0 else None)
+        ax.bar(x, r["ns_per_param"], color=(plot.SERIES[2], plot.SERIES[1], plot.SERIES[3])[j], label=name if k == 0 else None)
         top = max(r["ns_per_param"], goal if j == 0 else 0)  # above the target mark, not on it
         ax.text(x, top * 1.03, f"{r['speedup_vs_forloop']:.1f}x", ha="center", va="bottom", fontsize=8)
 ax.set_xticks([k * (len(impls) + 1) + 1 for k in range(len(adam_run["sets"]))],
@@ -203,6 +207,8 @@ ax.set_title(f"CPU AdamW on {adam_run['provenance']['cpu']}, {adam_run['threads'
              loc="left", fontsize=9)
 ax.legend(fontsize=8, frameon=False)
 ax.grid(axis="y", alpha=0.3)
+notebook.show(fig3, alt="Bars of nanoseconds per parameter per AdamW step for fused, foreach and for-loop CPU "
+                        "AdamW at three model sizes, with the target marked")
 
 # %% [markdown]
 # ## Step time with and without overlap (GPU only)
@@ -244,8 +250,10 @@ real_scale = accounting.real_scale_table(real_numbers)
 display(real_scale)
 fig4, real_axes = draw_timelines({r.mode: r.ledger.timeline() for r in real.runs}, real_modes, "GiB", " (traced)")
 for ax in real_axes[:, 0]:
-    ax.axhline(80, color="#C44E52", lw=1.0, ls="--", zorder=5)
-    ax.text(0, 80, " 80 GiB: one H100", color="#C44E52", fontsize=8, va="bottom")
+    ax.axhline(80, color=plot.SERIES[3], lw=1.0, ls="--", zorder=5)
+    ax.text(0, 80, " 80 GiB: one H100", color=plot.SERIES[3], fontsize=8, va="bottom")
+notebook.show(fig4, alt="Device and host timelines of device AdamW, optimizer offload and gradient offload for "
+                        "Llama-3-8B, traced, against one H100's 80 GiB")
 
 # %%
 notebook.publish(

@@ -71,13 +71,15 @@ for ax, (mode, run) in zip(axes.flat, runs.items()):
     tl = run.ledger.timeline().window("encode", "denoise", "decode")
     copies = [span.start for span in tl.spans if span.name == "transfer"]
     bands = dataclasses.replace(tl, spans=[span for span in tl.spans if span.name != "transfer"])
-    ax.vlines(copies, 0.0, 0.05, transform=ax.get_xaxis_transform(), color="#2b6a2b", lw=0.8, zorder=5,
+    ax.vlines(copies, 0.0, 0.05, transform=ax.get_xaxis_transform(), color=plot.SERIES[2], lw=0.8, zorder=5,
               label="a copy in (ledger phase: transfer)")  # drawn first, so the legend lists it
     plot.plot_timeline(bands, ax=ax, legend=(mode == "model"), max_points=160, unit="MiB",
                        ymax_bytes=runs["none"].summary["peak_device_bytes"],
                        title=f"{mode}: peak {format_bytes(run.summary['peak_device_bytes'])}, "
                              f"{len(copies)} copies in")
     ax.set_xlabel("ledger events")
+notebook.show(fig, alt="Four memory timelines on one scale, one per offload mode, by category, with each copy to"
+                       " the device ticked along the bottom")
 
 # %% [markdown]
 # ## The residency schedule of every mode
@@ -108,6 +110,8 @@ copy_ms = {m: runs[m].schedule.bar_ms(lane="copy") for m in overlap_ms}
 overlap = Table(["mode", ("copy-stream transfer time (ms)", "float:3"), ("of it under compute (ms)", "float:3")],
                 [[m, copy_ms[m], overlap_ms[m]] for m in overlap_ms])
 display(overlap)
+notebook.show(fig2, alt="Gantt chart of the compute stream against the copy stream during the denoising steps, "
+                        "for sequential and layerwise offload")
 
 # %% [markdown]
 # ## Prefetch depth: memory against depth
@@ -136,6 +140,8 @@ depth = Table([("depth k", "int"), ("blocks resident", "int"), ("peak while deno
               [[k, sweep[k]["max_resident_blocks"], m, d, sweep[k]["h2d_bytes"]]
                for k, m, d in zip(depths, measured, derived)])
 display(depth)
+notebook.show(fig3, alt="Peak device bytes while denoising against prefetch depth: measured points on the "
+                        "derived dashed line")
 
 # %% [markdown]
 # ## At real scale: Flux.1-dev, traced on fake tensors
@@ -161,6 +167,8 @@ for ax, mode in zip(axes4, ("none", "layerwise")):
                        max_points=400, unit="GiB", ymax_bytes=traced["none"].summary["peak_device_bytes"],
                        title=f"Flux.1-dev, {mode}: two denoising steps (traced on fake tensors)")
     ax.set_xlabel("ledger events")
+notebook.show(fig4, alt="Device bytes of Flux.1-dev over two denoising steps, traced on fake tensors, all "
+                        "resident and with layerwise offload")
 
 # %%
 weights = plan.flat_bytes(config)

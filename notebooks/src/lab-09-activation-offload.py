@@ -85,6 +85,8 @@ def draw_timelines(result, evidence):
 
 
 timelines = draw_timelines(result, f"measured, {nb.device.type}")
+notebook.show(timelines, alt="Stacked memory timelines of one step per activation-offload mode on one scale, "
+                             "with the host copies as a dashed line")
 
 # %% [markdown]
 # ## Formula against measurement
@@ -131,26 +133,29 @@ display(depth)
 depths, sweep = list(depth_rule["measured"]), depth_rule["measured"]
 grid = list(range(depths[0], depths[-1] + 1))
 depth_figure, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 3.8), dpi=110, layout="constrained")
-ax.plot(grid, [derived.depth_peak(depth_rule, L) / 2**20 for L in grid], color="#4C72B0", lw=1.2, ls="--",
+ax.plot(grid, [derived.depth_peak(depth_rule, L) / 2**20 for L in grid], color=plot.SERIES[0], lw=1.2, ls="--",
         label="derived: C′ + L·I_blk")
-ax.plot(depths, [sweep[L]["checkpoint"] / 2**20 for L in depths], "o", color="#4C72B0", label="checkpoint")
-ax.plot(grid, [derived.depth_peak(depth_rule, L, held) / 2**20 for L in grid], color="#55A868", lw=1.2, ls="--",
+ax.plot(depths, [sweep[L]["checkpoint"] / 2**20 for L in depths], "o", color=plot.SERIES[0], label="checkpoint")
+ax.plot(grid, [derived.depth_peak(depth_rule, L, held) / 2**20 for L in grid], color=plot.SERIES[2], lw=1.2, ls="--",
         label="derived: C′ + (k_keep + k_ahead)·I_blk")
-ax.plot(depths, [sweep[L]["checkpoint+streamed"] / 2**20 for L in depths], "s", color="#55A868",
+ax.plot(depths, [sweep[L]["checkpoint+streamed"] / 2**20 for L in depths], "s", color=plot.SERIES[2],
         label="checkpoint+streamed")
 ax.set(xlabel="blocks L", ylabel="activation peak (MiB)", title=f"points measured ({nb.device.type}), lines derived",
        ylim=(0, None))
 ax.legend(fontsize=8)
 ax2.plot(grid, [100 * (1 - derived.depth_peak(depth_rule, L, held) / derived.depth_peak(depth_rule, L)) for L in grid],
-         color="#55A868", lw=1.4, label="derived reduction")
+         color=plot.SERIES[2], lw=1.4, label="derived reduction")
 ax2.plot(depths, [100 * (1 - sweep[L]["checkpoint+streamed"] / sweep[L]["checkpoint"]) for L in depths], "s",
-         color="#55A868", label="measured")
-ax2.axhline(50, color="#8C8C8C", lw=1, ls=":", label="50 %: the GPU run's target")
+         color=plot.SERIES[2], label="measured")
+ax2.axhline(50, color=plot.SERIES[7], lw=1, ls=":", label="50 %: the GPU run's target")
 ax2.set(xlabel="blocks L", ylabel="% lower than checkpoint alone", title="activation peak: reduction vs depth",
         ylim=(0, 100))
 ax2.legend(fontsize=8, loc="lower right")
 for a in (ax, ax2):
     a.grid(alpha=0.3)
+notebook.show(depth_figure, alt="Left: activation peak against depth for checkpoint and checkpoint+streamed, "
+                                "measured points on derived lines. Right: the reduction against checkpointing "
+                                "alone, with the 50 % line")
 
 # %% [markdown]
 # ## The two knobs: keep-last and min-bytes
@@ -200,8 +205,10 @@ display(real_scale)
 longest = max(traced)
 real_timelines = draw_timelines(traced[longest], f"traced, Llama-3-8B, {longest:,} tokens")
 for ax in real_timelines.axes:  # GiB: the largest value picks the unit
-    ax.axhline(80, color="#C44E52", lw=1.0, ls="--", zorder=5)
-    ax.text(0, 80, " 80 GiB: one H100", color="#C44E52", fontsize=8, va="bottom")
+    ax.axhline(80, color=plot.SERIES[3], lw=1.0, ls="--", zorder=5)
+    ax.text(0, 80, " 80 GiB: one H100", color=plot.SERIES[3], fontsize=8, va="bottom")
+notebook.show(real_timelines, alt="Device timelines with host copies of the five modes for Llama-3-8B at the "
+                                  "longest sequence, traced, against one H100's 80 GiB")
 
 # %%
 notebook.publish(

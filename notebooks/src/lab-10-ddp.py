@@ -70,6 +70,8 @@ for ax, (rank, tl) in zip(axes, timelines.items()):
     plot.plot_timeline(tl, ax=ax, title=f"rank {rank} of {len(timelines)} on {nb.device.type} (measured by its own ledger)",
                        overlay={"derived: params + buckets + grads + AdamW": lab.predicted_model_state(tl, P, T)},
                        legend=rank == 0)
+notebook.show(fig, alt="Two stacked memory timelines, one per rank, by category, with phase bands and a dashed "
+                       "model-state prediction")
 
 # %% [markdown]
 # ## Memory per rank, by category
@@ -97,6 +99,8 @@ for ax, (mode, bars) in zip(axes2, moments.items()):
     ax.grid(axis="y", alpha=0.3)
 axes2[0].set_ylabel(f"device bytes per rank ({unit})")
 legend = axes2[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+notebook.show(fig2, alt="Stacked bars of device bytes per rank by category, at the peak and in the optimizer "
+                        "phase, for gradients copied into buckets and as bucket views")
 
 # %% [markdown]
 # The optimizer phase of each rank, byte for byte, under the formulas (**derived**; P parameters
@@ -120,7 +124,7 @@ display(memory, peaks)
 
 # %%
 b = result["buckets"]
-groups = {"embeddings, head": "#4C72B0", "attention": "#DD8452", "MLP": "#55A868", "norms": "#C44E52"}
+groups = dict(zip(("embeddings, head", "attention", "MLP", "norms"), plot.SERIES))
 
 
 def group(name: str) -> str:
@@ -134,9 +138,9 @@ for row, bucket in enumerate(b["buckets"]):
     left = 0
     for name in bucket["params"]:
         width = b["param_bytes"][name]
-        ax3.barh(row, width / unit3_bytes, left=left / unit3_bytes, color=groups[group(name)], edgecolor="white", lw=0.6)
+        ax3.barh(row, width / unit3_bytes, left=left / unit3_bytes, color=groups[group(name)], edgecolor=plot.PAPER, lw=0.6)
         left += width
-ax3.axvline(b["cap_bytes"] / unit3_bytes, color="black", ls="--", lw=1.2,
+ax3.axvline(b["cap_bytes"] / unit3_bytes, color=plot.INK, ls="--", lw=1.2,
             label=f"cap: --bucket-cap-mb {result['bucket_cap_mb']}")
 ax3.set_yticks(range(len(b["buckets"])), [f"bucket {x['index']}" for x in b["buckets"]])
 ax3.invert_yaxis()
@@ -148,6 +152,8 @@ ax3.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in groups.values()] + ax3
 ax3.grid(axis="x", alpha=0.3)
 buckets, bucket_checks = ddp_report.buckets_table(result), ddp_report.bucket_checks_table(result)
 display(buckets, bucket_checks)
+notebook.show(fig3, alt="Horizontal bars, one per DDP bucket, split into the parameters it holds, coloured by "
+                        "layer group, with the bucket cap as a dashed line")
 
 # %% [markdown]
 # ## Identical replicas, every step
@@ -223,6 +229,8 @@ ax.invert_yaxis()
 ax.set(xlabel="GiB on rank 0 of 64", title="Llama-3-8B under DDP, each phase's peak (traced)")
 ax.grid(axis="x", alpha=0.3)
 legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+notebook.show(fig_real, alt="Horizontal stacked bars of rank 0's peak by category in the forward, backward and "
+                            "optimizer phases of Llama-3-8B under DDP on 64 ranks, traced")
 
 # %%
 notebook.publish(

@@ -64,12 +64,14 @@ for ax, cat in zip(axes, categories):
         ax.bar([n + (r - N / 2) * width for n in stages], [stages[n]["ranks"][r]["at_end"][cat] / 2**20 for n in stages],
                width, color=plot.CATEGORY_COLORS[cat], alpha=1.0 - 0.35 * r, label=f"rank {r} (measured)")
     ax.bar([n + (N / 2) * width for n in stages], [stages[n]["lab01"][cat] / 2**20 for n in stages], width,
-           facecolor="white", edgecolor="black", hatch="///", label="Lab 01 (derived)")
+           facecolor=plot.PAPER, edgecolor=plot.INK, hatch="///", label="Lab 01 (derived)")
     ax.set_title(cat.replace("_", " "), loc="left", fontsize=10)
     ax.set_xticks(list(stages), [f"stage {n}" for n in stages])
     ax.grid(axis="y", alpha=0.3)
 axes[0].set_ylabel("MiB per rank")
 legend = axes[-1].legend(fontsize=8, loc="upper right")
+notebook.show(fig_state, alt="Three panels of bars: parameters, gradients and optimizer state per rank for ZeRO "
+                             "stages 0 to 3, measured on each rank, beside Lab 01's derived bars")
 
 # %% [markdown]
 # ## The peak of a training step, per stage
@@ -96,6 +98,8 @@ ax.set(ylabel="MiB on rank 0", title="peak of the last training step, by categor
 ax.tick_params(axis="x", labelsize=8)
 legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 ax.grid(axis="y", alpha=0.3)
+notebook.show(fig_peak, alt="Stacked bars of rank 0's peak in the last training step for each ZeRO stage, by "
+                            "category")
 
 # %% [markdown]
 # ## One training step, stage by stage
@@ -111,6 +115,8 @@ for ax, (n, s) in zip(axes, stages.items()):
                        ymax_bytes=max(p["total"] for p in peaks.values()),
                        title=f"stage {n}: {s['name']} (rank 0, last step, measured)")
     ax.set_xlabel("ledger events")
+notebook.show(fig_steps, alt="Four memory timelines on one scale, one training step each for ZeRO stages 0 to 3 "
+                             "on rank 0")
 
 # %% [markdown]
 # ## Bytes through the collectives
@@ -151,11 +157,11 @@ display(inference_rows)
 names = [v["name"].replace(" (", "\n(") for v in per_gpu.values()]
 mib = {key: [v[key] / 2**20 for v in per_gpu.values()] for key in ("device", "host", "h2d", "received")}
 fig_infer, (ax_mem, ax_move) = plt.subplots(1, 2, figsize=(12, 3.8), dpi=110, layout="constrained")
-ax_mem.barh(names, mib["device"], color="#4C72B0", label="peak device bytes")
-ax_mem.barh(names, mib["host"], left=mib["device"], color="#937860", alpha=0.6, label="weights kept on the host")
+ax_mem.barh(names, mib["device"], color=plot.SERIES[0], label="peak device bytes")
+ax_mem.barh(names, mib["host"], left=mib["device"], color=plot.CATEGORY_COLORS["host_copies"], alpha=0.6, label="weights kept on the host")
 ax_mem.set(xlabel="MiB per GPU (measured)", title="where the bytes live")
-ax_move.barh(names, mib["h2d"], color="#55A868", label="host to device")
-ax_move.barh(names, mib["received"], left=mib["h2d"], color="#DA8BC3", label="received from other GPUs (all-gather)")
+ax_move.barh(names, mib["h2d"], color=plot.SERIES[2], label="host to device")
+ax_move.barh(names, mib["received"], left=mib["h2d"], color=plot.CATEGORY_COLORS["communication"], label="received from other GPUs (all-gather)")
 ax_move.set(xlabel="MiB per image per GPU",
             title=f"what moves (host to device of FSDP+offload: {per_gpu['offload']['h2d_is']})")
 ax_move.tick_params(axis="y", labelleft=False)
@@ -163,6 +169,8 @@ for ax in (ax_mem, ax_move):
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+notebook.show(fig_infer, alt="Bars of device and host bytes per GPU, and bytes moved per image per GPU, for FSDP"
+                             " sharded, FSDP with CPU offload, Lab 08 resident and Lab 08 layerwise")
 
 # %% [markdown]
 # ## Inference timelines: gathered unit by unit, or streamed block by block
@@ -183,6 +191,8 @@ plot.plot_timeline(layer_tl, ax=axes[1], ymax_bytes=top, unit="MiB" if nb.on_gpu
                    title="Lab 08 layerwise offload, one device (measured)")
 units = inference_report.units_table(infer)
 display(units)
+notebook.show(fig_infer_steps, alt="Two memory timelines of one pipeline run: FSDP with CPU offload on rank 0, "
+                                   "and Lab 08 layerwise offload on one device")
 
 # %% [markdown]
 # ## What runs where
@@ -233,12 +243,14 @@ for cat in [c for c in plot.CATEGORY_COLORS if any(st["peak_last_step"].get(c) f
     widths = [st["peak_last_step"][cat] / 2**30 for _, _, st in rows]
     ax.barh(labels, widths, left=left, color=plot.CATEGORY_COLORS[cat], label=cat.replace("_", " "))
     left = [a + b for a, b in zip(left, widths)]
-ax.scatter([st["lab01_model_state"] / 2**30 for _, _, st in rows], labels, marker="|", s=250, color="black",
+ax.scatter([st["lab01_model_state"] / 2**30 for _, _, st in rows], labels, marker="|", s=250, color=plot.INK,
            zorder=3, label="Lab 01 model state (derived)")
 ax.invert_yaxis()
 ax.set(xlabel="GiB on rank 0 at its peak", title="Llama 3, one rank of N (traced)")
 ax.grid(axis="x", alpha=0.3)
 legend = ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+notebook.show(fig_real, alt="Horizontal stacked bars of rank 0's peak by category for Llama-3-8B on 8 and 64 "
+                            "ranks and Llama-3-70B on 64 ranks, traced, with Lab 01's model state marked")
 
 # %%
 unit_name, unit_bytes = inference_report.largest_unit(infer)

@@ -13,8 +13,9 @@
 #    shapes. On CPU they are equal to the byte.
 # 3. The live-tensor table: what grew in the last step, by the line of code that allocated it
 #    (inside the model) and by the line of the lab that called the model.
-# 4. On a GPU only: allocated against reserved with and without `expandable_segments`, and real
-#    `torch.OutOfMemoryError` messages read number by number. On a CPU their cells read `-`.
+# 4. Allocated against reserved with and without `expandable_segments`, and
+#    `torch.OutOfMemoryError` messages read number by number: measured on a GPU; on a CPU,
+#    simulated by Lab 16's model of the caching allocator.
 
 # %%
 import matplotlib.pyplot as plt
@@ -53,6 +54,8 @@ fig, axes = plt.subplots(len(leaks), 1, figsize=(10, 9), dpi=110, layout="constr
 for i, (ax, (name, leak)) in enumerate(zip(axes, leaks.items())):
     plot.plot_timeline(leak.timeline, ax=ax, ymax_bytes=ymax, legend=(i == 0),
                        title=f"{name}: {config.steps} steps on {nb.device.type} (measured by the ledger)")
+notebook.show(fig, alt="Three stacked memory timelines on one scale: leak-losses climbs every step, leak-"
+                       "activations climbs slightly, fixed stays level")
 
 # %% [markdown]
 # ## Growth per step: measured against derived
@@ -72,16 +75,18 @@ for i, (ax, (name, leak)) in enumerate(zip(axes, leaks.items())):
 growth = tables.growth_table(result)
 display(growth)
 fig2, ax = plt.subplots(figsize=(8, 3.8), dpi=110, layout="constrained")
-colors = {"leak-losses": "#C44E52", "leak-activations": "#DD8452", "fixed": "#4C72B0"}
+colors = {"leak-losses": plot.SERIES[3], "leak-activations": plot.SERIES[1], "fixed": plot.SERIES[0]}
 for name, leak in leaks.items():
     steps = range(len(leak.after_step))
     ax.plot(steps, [b / 2**20 for b in leak.live_after_step], marker="o", color=colors[name], label=f"{name} (measured)")
     if (derived := leak.derived_after_step()) is not None:
-        ax.plot(steps, [b / 2**20 for b in derived], ls="--", lw=1, color="black",
+        ax.plot(steps, [b / 2**20 for b in derived], ls="--", lw=1, color=plot.INK,
                 label="derived" if name == "leak-losses" else None)
 ax.set(xlabel="step", ylabel="live device MiB after the step", title="Live bytes after each step")
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
+notebook.show(fig2, alt="Live device bytes after each step for the three training loops, measured, with the "
+                        "derived growth as dashed lines")
 
 # %% [markdown]
 # ## The tool: what grew, by the line that allocated it
@@ -107,12 +112,13 @@ alive_fixed = tables.origin_table(leaks["fixed"].after_step[-1], config.top)
 display(alive_losses, alive_fixed)
 
 # %% [markdown]
-# ## Fragmentation: allocated against reserved (GPU only)
+# ## Fragmentation: allocated against reserved
 #
 # `cuda_scenarios.changing_batch` grows the batch by one sample per iteration, once with the default
 # caching allocator and once with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, each in a
-# fresh process (the allocator reads the setting when CUDA starts). A CPU has no caching
-# allocator: the table's cells read `-`, and there is no figure.
+# fresh process (the allocator reads the setting when CUDA starts). A CPU has no caching allocator:
+# there, `cuda_scenarios.simulated` traces the same function on fake tensors and replays it through
+# Lab 16's model of the allocator (`result.simulated` says so).
 
 # %%
 fragmentation = scenarios.fragmentation_table(result.fragmentation)
@@ -128,16 +134,18 @@ if nb.on_gpu:
         ax3.set(title=r["alloc_conf"], xlabel="batch size", ylabel="GiB")
         ax3.grid(alpha=0.3)
         ax3.legend(fontsize=8)
+    notebook.show(figures["fragmentation"], alt="Allocated and reserved GiB against batch size under two "
+                                                "allocator settings, measured on a GPU")
 
 # %% [markdown]
-# ## An out-of-memory error, caught and read (GPU only)
+# ## An out-of-memory error, caught and read
 #
 # `cuda_scenarios.oom_experiments` caps the allocator with `set_per_process_memory_fraction` (so
 # the error is cheap on a big GPU) and, in fresh processes: fills it with live buffers; fragments
 # it so that half is free but not in one piece; and repeats the fragmented pattern with
 # expandable segments. Every `torch.OutOfMemoryError` message is read by `oom_reader.read_oom`,
-# and `oom_reader.next_levers` names the pattern. On CPU there is no such error to catch, and
-# none is invented here: the cells read `-`.
+# and `oom_reader.next_levers` names the pattern. On a CPU the messages are the ones Lab 16's model
+# of the allocator gives for the same allocations (simulated).
 
 # %%
 oom = scenarios.oom_table(result.oom)
@@ -169,6 +177,8 @@ for ax, (name, leak) in zip(axes4, (("fixed", step_8b), ("leak-losses", leak_8b)
     plot.plot_timeline(leak.timeline, ax=ax, ymax_bytes=ymax_8b, unit="GiB", legend=(name == "fixed"),
                        title=f"Llama-3-8B, {name}: 2 steps (traced on fake tensors)")
 figures["real_scale"] = fig4
+notebook.show(fig4, alt="Two memory timelines of Llama-3-8B training, traced, on one scale: the fixed loop, and "
+                        "one that keeps a monitoring loss")
 
 # %%
 notebook.publish(

@@ -11,7 +11,8 @@
 # CUDA caching allocator's 512-byte blocks. Nothing is allocated, so a 70B step traces on this
 # laptop. The trace takes CPU dispatch (CPU autocast, CPU flash attention; `labkit/fake.py` says
 # where that differs from CUDA) and does not see the CUDA context, cuBLAS workspaces, NCCL buffers
-# or fragmentation: `fit_gpus.py` deducts an assumed allowance for those from each GPU.
+# or fragmentation: Lab 16 replays the trace through its model of the caching allocator, and the
+# verdict holds the reserved bytes (simulated) plus the CUDA context against the GPU's total.
 #
 # What to look for:
 #
@@ -20,7 +21,8 @@
 # 2. Lab 01's formulas against the trace, category by category, and why each differs (Megatron's
 #    mixed precision is not torch AMP's; a Llama block is not a GPT block). Under torch AMP a third of
 #    the "activations" are bf16 casts of the weights that autocast saves for backward: their own line.
-# 3. Levers are pulled cheapest first; the first rung that fits is the cheapest way found.
+# 3. Levers are pulled exact ones first (the same loss and gradients), each cheapest first, then those that
+#    change the numerics; the first rung that fits is the cheapest way found.
 
 # %%
 import contextlib
@@ -64,11 +66,12 @@ display(twin)
 llama8b = lab.run(lab.Config(model="llama-3-8b", seq=4096, gpu="h100-80gb"))
 step = llama8b.trace.timeline.step_window(1)
 fig = plot.plot_timeline(step, title="Llama-3-8B, AMP + AdamW, 4,096 tokens (traced)")
-fig.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 phases8b, gap8b, gpu8b = tables.phases_table(llama8b.trace), tables.gap_table(llama8b.trace), tables.gpu_table(llama8b)
 levers8b = tables.levers_table(llama8b.levers)
 display(phases8b, gpu8b)
 print(tables.verdict(llama8b))
+notebook.show(fig, alt="Stacked memory timeline of one traced Llama-3-8B training step by category, with "
+                       "forward, backward, optimizer and zero_grad bands")
 
 # %% [markdown]
 # ## The trace against Lab 01's formulas
@@ -85,7 +88,7 @@ fp32_8b = lab.trace(lab.Config(model="llama-3-8b", seq=4096, precision="fp32", l
 print("activations, fp32:", tables.format_bytes(fp32_8b.derived["category_max"]["activations"]))
 
 # %% [markdown]
-# ## The levers, cheapest first
+# ## The levers, exact ones first, each cheapest first
 #
 # Each lever is one change of configuration. The ladder pulls them in order of what they cost
 # (`fit_levers.LEVERS` states each cost), keeps a lever when it lowers the peak, re-traces after each,
@@ -108,10 +111,11 @@ print("to fit: " + " ".join(to_fit or ["nothing fits"]))
 # %%
 llama70b = lab.run(lab.Config(model="llama-3-70b", seq=4096, dp=8, zero_stage=3, levers="none"))
 fig70 = plot.plot_timeline(llama70b.trace.timeline.step_window(1), title="Llama-3-70B, ZeRO-3 over 8, rank 0 (traced)")
-fig70.set_layout_engine("none")  # no layout engine: on the page the legend goes under the plot
 phases70b = tables.phases_table(llama70b.trace)
 display(phases70b)
 print(tables.verdict(llama70b))
+notebook.show(fig70, alt="Stacked memory timeline of one traced Llama-3-70B ZeRO-3 step on rank 0 of 8, by "
+                         "category, with phase bands")
 
 # %% [markdown]
 # ## Which zoo model fits which GPU
@@ -162,18 +166,37 @@ display(zoo)
 # %%
 two_gpus = lab.trace(lab.Config(model="llama-3-8b", seq=4096, dp=2, zero_stage=3, optimizer="adamw-fused",
                                 checkpointing="full", levers="none"))
-print(f"two GPUs: {tables.format_bytes(two_gpus.per_rank_peak_bytes)} per rank, peak in {two_gpus.derived['peak_phase']}")
+print(f"two GPUs: {tables.format_bytes(two_gpus.per_rank_peak_bytes)} per rank, peak in {two_gpus.derived['peak_phase']}; "
+      f"{tables.format_bytes(two_gpus.reserved['need_bytes'])} with the reserved bytes and the CUDA context, fits: {two_gpus.fits}")
+assert two_gpus.fits, "the page says ZeRO-3 over two H100s fits in reserved bytes"
 zoo_peaks = {(model, label): t.per_rank_peak_bytes
              for (model, label), (_, t) in zip([(m, x) for m, xs in ROWS.items() for x in xs], traced)}
 bf16_fused_full_8b = zoo_peaks["llama-3-8b", FUSED]
 adam8bit_8b = bf16_fused_full_8b - 2 * llama8b.trace.derived["params"]  # two moments: 2 B -> 1 B per parameter each
 print(f"8-bit Adam on bf16 weights, full checkpointing (derived): {tables.format_bytes(adam8bit_8b)}")
 
+# %% [markdown]
+# ## The loss at 32k tokens: full, chunked, fused with the head
+#
+# Llama-3-8B at 32,768 tokens, AMP, fused AdamW, full checkpointing, traced three times with `--loss`
+# (`fit_loss.py`): the model's own loss (every token's logits, their float32 copy and their gradient
+# at once), the chunked loss (8 chunks, each recomputed in backward) and the fused linear +
+# cross-entropy (gradients taken chunk by chunk in forward). `tests/test_lab13.py` holds both to the
+# full loss's value and gradients.
+
+# %%
+LOSSES = ("full", "chunked", "fused-linear")
+loss_traces = {loss: lab.trace(lab.Config(model="llama-3-8b", seq=32768, optimizer="adamw-fused", checkpointing="full",
+                                          loss=loss, levers="none")) for loss in LOSSES}
+loss_32k = tables.fits_table([(f"--loss {loss}", t) for loss, t in loss_traces.items()], ["h100-80gb", "h200-141gb",
+                                                                                       "b200-180gb", "mi300x-192gb"])
+display(loss_32k)
+
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo},
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
@@ -183,7 +206,11 @@ notebook.publish(
     activations_less_casts_8b=d8["category_max"]["activations"] - d8["weight_casts"]["at_activations_max"],
     activations_formula_8b=summary8b["predicted"]["activations"],
     activations_fp32_8b=fp32_8b.derived["category_max"]["activations"], zoo_rows=len(traced),
-    capacity_h100=summary8b["capacity_bytes"], two_gpus_8b=two_gpus.per_rank_peak_bytes,
+    capacity_h100=summary8b["capacity_bytes"], reserved_8b=summary8b["reserved"]["reserved_bytes"],
+    total_h100=summary8b["gpu_detail"]["total_bytes"], two_gpus_8b=two_gpus.per_rank_peak_bytes,
+    two_gpus_need_8b=two_gpus.reserved["need_bytes"], two_gpus_fits_8b=two_gpus.fits,
     two_gpus_phase_8b=two_gpus.derived["peak_phase"], bf16_fused_full_8b=bf16_fused_full_8b, adam8bit_8b=adam8bit_8b,
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
+    **{f"loss_{loss.replace('-', '_')}_32k": t.per_rank_peak_bytes for loss, t in loss_traces.items()},
+    loss_peak_phase_full_32k=loss_traces["full"].derived["peak_phase"],
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))

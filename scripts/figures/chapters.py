@@ -36,12 +36,14 @@ LIGHT = 0.45  # fill opacity behind text: black text on it reads in light mode, 
 
 
 # ---------------------------------------------------------------------------------------- drawing kit
-def canvas(height: float):
+def canvas(height: float, width: float = WIDTH):
     """A figure one page column wide, ``height`` inches tall, whose one axes is measured in inches
-    from its bottom-left corner: a diagram places its boxes and words where it wants them."""
+    from its bottom-left corner: a diagram places its boxes and words where it wants them. A
+    narrower ``width`` draws on the left part only, and the SVG is cut to what is drawn: a phone
+    scales every figure to its column, so the narrower the drawing, the larger its text there."""
     fig = plt.figure(figsize=(WIDTH, height))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, WIDTH)
+    ax = fig.add_axes((0, 0, width / WIDTH, 1))
+    ax.set_xlim(0, width)
     ax.set_ylim(0, height)
     ax.set_aspect("equal")
     ax.axis("off")
@@ -633,9 +635,9 @@ def paged_block_table():
     for seq, table in cache.tables.items():
         for block in table:
             owners.setdefault(block, []).append(seq)
-    slot = 0.095
+    slot = 0.088
     bw = 4 * slot
-    fig, ax = canvas(3.9)
+    fig, ax = canvas(3.9, width=4.8)  # the pool's 12 blocks set the width; narrower, the text reads at 12 px on a phone
     # the block tables: logical block i -> physical block table[i]
     say(ax, 0.1, 3.62, "block tables (logical → physical)")
     for r, (seq, table) in enumerate(cache.tables.items()):
@@ -659,8 +661,8 @@ def paged_block_table():
         say(ax, x0 + bw / 2, y0 - 0.2, str(block), ha="center")
     key = [("shared prefix", CAT["kv_cache"]), *((names[s], colors[s]) for s in sorted(names))]
     for m, (label, color) in enumerate(key):
-        kx = 0.1 + (m % 2) * 2.5
-        ky = 0.42 - (m // 2) * 0.3 + 0.0
+        kx = 0.1 + (m % 2) * 2.3
+        ky = 0.42 - (m // 2) * 0.3
         box(ax, kx, ky - 0.08, 0.16, 0.16, color, 1.0, outline=False)
         say(ax, kx + 0.24, ky, label)
     return trim(fig, ax)

@@ -31,10 +31,10 @@ def consumers():
     rows = [(name, {c: phases[phase].get(c, 0) for c in categories})
             for name, phase in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer"))]
     rows.append(("serving", {"parameters": serve.weights_bytes, "activations": serve.prefill_peak_bytes,
-                           "other": serve.non_torch_bytes, "kv_cache": serve.kv_pool_bytes,
-                           "free": serve.gpu_bytes - serve.usable_bytes}))
+                           "other": serve.non_torch_bytes + serve.cuda_graph_bytes, "kv_cache": serve.kv_pool_bytes,
+                           "free": serve.outside_bytes}))
     labels = {"optimizer_state": "optimizer state (AdamW)", "kv_cache": "KV cache (the pool)",
-              "other": "CUDA context, libraries", "free": "left free (vLLM's 10 %)",
+              "other": "CUDA graphs, libraries", "free": "left out (vLLM's 10 %: the CUDA context)",
               "activations": "activations (serving: a prefill)", "parameters": "weights"}
     colors = CATEGORY_COLORS | {"free": PHASE_COLORS["zero_grad"]}
 
