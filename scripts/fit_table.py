@@ -358,7 +358,7 @@ BAD = [
     ({"method": "lora", "model": "llama-3.2-1b", "lora_rank": "1024"}, "lora_rank"),
     ({"method": "lora", "lora_targets": "q,x"}, "lora_targets"), ({"method": "qlora", "precision": "fp32"}, "method"),
     ({"method": "lora", "model": "gpt-3-175b"}, "method"), ({"method": "lora", "dp": "8"}, "method"),
-    ({"optimizer": "adamw8bit", "dp": "8", "zero_stage": "1"}, "optimizer"),
+    ({"optimizer": "adamw8bit", "dp": "8", "zero_stage": "1"}, "optimizer"), ({"method": "lora", "loss": "fused-linear"}, "loss"),
     # a field the task does not show: the page shows it while it is wrong, and the task's result
     ({"task": "serve", "seq": "-1"}, "seq"), ({"task": "serve", "dp": "two"}, "dp"),
     ({"task": "infer", "lora_rank": "-8"}, "lora_rank"), ({"task": "train", "context": "0"}, "context"),

@@ -369,7 +369,7 @@ def test_results_table_is_what_the_python_computes_now():
     ({"method": "lora", "lora_rank": 0}, "--lora-rank"), ({"method": "lora", "lora_rank": 1025}, "--lora-rank 1025"),
     ({"method": "lora", "lora_targets": ("q", "w")}, "--lora-targets"), ({"method": "qlora", "precision": "fp32"}, "--precision"),
     ({"method": "lora", "model": "gpt-3-175b"}, "--method lora"), ({"method": "lora", "dp": 8}, "--dp"),
-    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"),
+    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"), ({"method": "qlora", "loss": "chunked"}, "--loss chunked"),
     ({"optimizer": "adamw8bit", "dp": 8, "zero_stage": 1}, "--zero-stage"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
