@@ -18,6 +18,7 @@
 # %%
 import importlib.util
 import sys
+import warnings
 
 from IPython.display import display
 
@@ -25,6 +26,7 @@ from labkit import labs, notebook, plot
 from labkit.provenance import REPO_ROOT
 from labkit.table import Table
 
+warnings.filterwarnings("ignore", message="IProgress not found")  # transformers' tqdm.auto, in a kernel without widgets
 nb = notebook.setup(15)
 lab = nb.lab
 scale = labs.load(15, "finetune_scale")
