@@ -8,8 +8,9 @@ property of the machine that runs it, measured here and reported as such. Each c
 Python process, as a reader's ``fit.py`` command would: the seconds of the trace itself (model built
 on the meta device, fake storages, one steady-state step under the ledger), the wall time of the
 whole process (imports included) and its peak resident memory (``ru_maxrss`` of the child).
-Targets (issue 13): Llama-3-8B at 4k tokens in 15 s or less, Llama-3-70B at 8 ranks in 45 s or less,
-each within 2 GiB of RAM, on a 2-core machine.
+Targets (issues 13 and 28): Llama-3-8B at 4k tokens in 15 s or less, Llama-3-70B at 8 ranks in 45 s or
+less, one rank of Llama-3.1-405B under TP 8 x PP 16 x DP 8 (1F1B's first stage, 16 micro-batches in
+flight) in 60 s or less, each within 2 GiB of RAM, on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ RSS_TARGET_MIB = 2048
 CASES = {
     "Llama-3-8B train step, 4k tokens, mixed, AdamW": (dict(model="llama-3-8b", seq=4096), 15),
     "Llama-3-70B train step, 4k tokens, ZeRO-3 over 8 ranks": (dict(model="llama-3-70b", seq=4096, dp=8, zero_stage=3), 45),
+    "Llama-3.1-405B, one rank of TP 8 (SP) x PP 16 x DP 8 (ZeRO-3), 4k tokens": (
+        dict(model="llama-3.1-405b", seq=4096, tp=8, sp=True, pp=16, accumulation=16, dp=8, zero_stage=3), 60),
 }
 
 CHILD = """

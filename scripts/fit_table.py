@@ -153,7 +153,8 @@ def clis() -> dict:
         return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
-    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout"}  # the calculator has no dropout
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout", "compile"}  # the calculator
+    # has no dropout; --compile: traced only
     serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
              "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
@@ -188,12 +189,15 @@ def command(x: Inputs, gpu: str) -> list:
                   "prefill_chunk": x.prefill_chunk,
                   "seq_len": None if x.context == zoo.get(x.model).context else x.context}
     else:
-        if x.tp > 1:
-            return [None, f"{script} traces data parallelism only: it has no --tp"]
+        if x.tp > 1 and x.task != "train":
+            return [None, f"{script} traces tensor parallelism for training: --task {x.task} splits over GPUs in Lab 14"]
+        if x.tp > 1 and zoo.get(x.model).family != "llama":
+            return [None, f"{script} splits a zoo Llama's modules under --tp, not {x.model}'s"]
         if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
             x = replace(x, kv_len=None, new_tokens=1)
         if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
             x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", loss="full", method="full",
+                        float8="none",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
             try:
@@ -204,7 +208,7 @@ def command(x: Inputs, gpu: str) -> list:
     args = [PYTHON, c["script"]]
     for name, flag_, default in c["flags"]:
         if values[name] is not None and values[name] != default:
-            args += [flag_, _text(values[name])]
+            args += [flag_] if values[name] is True else [flag_, _text(values[name])]  # a switch: its flag alone
         if name == "model":
             args += c["fixed"]
     return [" ".join(args), None]
@@ -337,10 +341,18 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd")),
                   "method": rng.choice(("full", "full", "lora", "qlora"))}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
+            f["float8"] = rng.choice(("none", "none", "none", "tensorwise"))
+            f["sp"] = f["tp"] > 1 and rng.random() < 0.5
+            f["pp"] = rng.choice((1, 1, 1, 2, 4))
+            if f["zero_stage"] >= 2 and f["dp"] > 2:
+                f["replicate"] = rng.choice((1, 2))
+            if f["pp"] > 1:
+                f["accumulation"] = f["pp"] * rng.choice((2, 4))
             if f["method"] != "full":  # a rank and targets only where adapters read them (the page's address too),
                 f |= {"lora_rank": rng.choice((8, 16, 64)), "loss": "full", "offload": "none",  # on one GPU, the
                       "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),  # model's loss
-                                                  ("gate", "up", "down"))), "dp": 1, "zero_stage": 0}
+                                                  ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
+                      "sp": False, "pp": 1, "replicate": 1, "float8": "none"}  # eager, unsplit (Lab 15's traces)
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -351,7 +363,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
 BAD = [
     ({"layers": "-4"}, "layers"), ({"heads": "32.5"}, "heads"), ({"kv_heads": "5"}, "kv_heads"),
     ({"kv_heads": "0"}, "kv_heads"), ({"seq": "-1"}, "seq"), ({"batch": "1e3"}, "batch"), ({"dp": "two"}, "dp"),
-    ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"zero_stage": "2"}, "zero_stage"),
+    ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"sp": "true"}, "sp"), ({"pp": "4"}, "pp"), ({"replicate": "2"}, "replicate"), ({"zero_stage": "2"}, "zero_stage"),
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
     ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"), ({"lora_rank": "0"}, "lora_rank"),
@@ -366,6 +378,7 @@ BAD = [
     # a choice no control offers: marked beside the control, computed with its default
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
+    ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '
@@ -444,7 +457,7 @@ def calculator(traced: list[dict]) -> dict:
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
                       "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS, "frozen": f.FROZEN,
-                      "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8},
+                      "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8, "max_ranks": lab01_inputs.MAX_RANKS},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(), "lora_targets": list(lora_targets.ALL),
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
                     "numerics": lv.numerics,

@@ -98,10 +98,28 @@ def assert_clean_usage_error(proc: subprocess.CompletedProcess, *fragments: str)
 
 @pytest.fixture(scope="session")
 def built_site(tmp_path_factory):
-    """Build the site once per test session with `mkdocs build --strict`, as the README does."""
+    """The site built once per run with `mkdocs build --strict`, as the README does. Under xdist the
+    first process to need it builds it, in a folder common to this run's processes, and the other
+    waits on a lock and reads the same build (a second build would repeat the first byte for byte)."""
+    import fcntl
+    import json
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _build_site(tmp_path_factory.mktemp("site"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's folder, above each process's own
+    with open(shared / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / "site.json"
+        if not record.exists():
+            built = _build_site(shared / "site")
+            record.write_text(json.dumps({**built, "dir": str(built["dir"])}), encoding="utf-8")
+        built = json.loads(record.read_text(encoding="utf-8"))
+    return {**built, "dir": Path(built["dir"])}
+
+
+def _build_site(out: Path) -> dict:
     import time
 
-    out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     t0 = time.perf_counter()
     proc = subprocess.run(

@@ -124,9 +124,10 @@ def test_an_unusable_out_is_refused_before_the_benchmark_runs(script, target, tm
 
 def test_trace_bench_times_each_case_in_a_fresh_process(tmp_path, monkeypatch):
     """The benchmark's mechanics on a small model: each case's trace seconds, process seconds and
-    peak RSS, written with provenance and targets; the 8B and 70B cases are what it runs by default."""
+    peak RSS, written with provenance and targets; the 8B, 70B and 405B (one rank of TP x PP x DP) cases are
+    what it runs by default."""
     bench = load_bench("trace_bench")
-    assert {c[0]["model"] for c in bench.CASES.values()} == {"llama-3-8b", "llama-3-70b"}
+    assert {c[0]["model"] for c in bench.CASES.values()} == {"llama-3-8b", "llama-3-70b", "llama-3.1-405b"}
     monkeypatch.setattr(bench, "CASES", {"small Llama": (dict(model="small-llama", seq=64), 15)})
     result = bench.run(bench.Config(out=tmp_path / "trace.json"))
     case = result["cases"]["small Llama"]

@@ -186,9 +186,34 @@ def collect(cuda: bool) -> list[Block]:
                     continue
                 seen.add(c.text)
                 keep.commands.append(c)
-            if keep.commands:
-                out.append(keep)
+            out += split(keep)
     return out
+
+
+SCRATCH = re.compile(r"(?<![\w./])/tmp/[^\s'\"]+")
+
+
+def split(block: Block) -> list[Block]:
+    """A block's commands as the runs that can go apart: commands that share a ``/tmp/`` file (one
+    writes it, a later one reads it) stay together, in order; every other command is a run of its
+    own, so that the suite's two processes share a long block and no test runs many commands."""
+    groups: list[tuple[set[str], list[Command]]] = []
+    for c in block.commands:
+        files = set(SCRATCH.findall(c.text))
+        joined = [g for g in groups if g[0] & files]
+        if joined:
+            first = joined[0]
+            for g in joined[1:]:  # a command that reads two earlier groups' files joins them
+                first[0].update(g[0])
+                first[1].extend(g[1])
+                groups.remove(g)
+            first[0].update(files)
+            first[1].append(c)
+        else:
+            groups.append((files, [c]))
+    if len(groups) == 1:
+        return [Block(block.where, groups[0][1])]
+    return [Block(f"{block.where}#{i + 1}", commands) for i, (_, commands) in enumerate(groups)]
 
 
 def clean_env(tmp_path: Path) -> dict:

@@ -46,8 +46,20 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "chunked", "checkpointing": "full"},
     {"loss": "fused-linear", "precision": "bf16", "accumulation": 2},
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
+    {"float8": "tensorwise"},
+    {"float8": "tensorwise", "precision": "bf16", "checkpointing": "full", "accumulation": 2},
+    {"float8": "tensorwise", "dp": 2, "zero_stage": 3},
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
+    {"compile": True},
+    {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
+     "loss": "chunked"},
+    {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
+    {"tp": 2, "sp": True, "checkpointing": "selective"},
+    {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
+    {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
+    {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
+    {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -87,6 +99,62 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision):
+    """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python. The
+    loss and every gradient equal eager's (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
+    rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as
+    it runs, are the same on fake tensors as on real ones; the activations the ledger counts at the end of
+    forward are more than zero and fewer than eager's (the partitioner recomputes some)."""
+    from types import SimpleNamespace
+
+    from labkit import marks
+    from labkit.ledger import Ledger
+    fit_compile = load_lab(13, "fit_compile")
+
+    def step(tensors, compile_blocks):
+        with tensors():
+            torch.manual_seed(0)
+            model = zoo.get("small-llama").build()
+            idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
+            ledger = Ledger("cpu").track_module(model)
+            with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, accumulation=1), 1) as backend:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
+                    loss = model(idx, idx)[1]
+                loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            return loss, grads, backend, ledger.timeline().peaks_by_phase()["forward"]["activations"]
+
+    want, want_grads, _, eager_saved = step(contextlib.nullcontext, False)
+    got, got_grads, real, compiled_saved = step(contextlib.nullcontext, True)
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+    traced = step(functools.partial(fake.tensors, block=None), True)[2]
+    assert real.graphs == 1 and real.calls == 2 and traced.saved == real.saved
+    assert 0 < compiled_saved < eager_saved
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    ({"task": "infer"}, "no backward to partition"), ({"dp": 2, "zero_stage": 3}, "FSDP2's hooks"),
+    ({"offload": "params", "dp": 2, "zero_stage": 3}, "FSDP2's hooks"), ({"model": "small-mixtral"}, "dense zoo Llama")])
+def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
+    with pytest.raises(lab13.UsageError, match=fragment):
+        lab13.Config(**{"model": "small-llama", "compile": True, **fields})
+
+
+def test_the_ladder_under_compile_offers_only_levers_it_can_trace(lab13):
+    """Checkpointing is refused with --compile, so the ladder leaves it out rather than stop at it."""
+    levers = load_lab(13, "fit_levers")
+    config = small(lab13, compile=True)
+    assert not levers._traceable(config, {"checkpointing": "full"})
+    assert levers._traceable(config, {"optimizer": "adamw-fused"})
+    names = {lever.name for lever, changes in ((lv, lv.pull(config)) for lv in levers.LEVERS) if changes
+             and levers._traceable(config, changes)}
+    assert names and not any("checkpointing" in name for name in names)
 
 
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
@@ -336,10 +404,24 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--loss", "fused-linear"],
      "a Hugging Face config's"),
     (["--model", "flux-dev"], "not a causal LM"),
+    (["--model", "small-llama", "--compile", "--checkpointing", "full"], "--checkpointing none"),
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
     (["--model", "small-llama", "--dp", "65536", "--zero-stage", "3"], "up to 1024"),
+    (["--model", "small-llama", "--sp"], "give --tp N"),
+    (["--model", "small-llama", "--tp", "3"], "does not split 4 heads"),
+    (["--model", "small-llama", "--tp", "4"], "does not split 4 heads, 2 KV heads"),
+    (["--model", "small-llama", "--tp", "2", "--loss", "chunked"], "with --tp is not traced"),
+    (["--model", "small-llama", "--tp", "2", "--dp", "2", "--zero-stage", "1"], "with --tp is not traced"),
+    (["--model", "llama-3.1-405b", "--tp", "8", "--dp", "1048576"], "GPUs: more than"),
+    (["--model", "small-llama", "--tp", "2", "--task", "infer"], "traced for training"),
+    (["--model", "small-mixtral", "--tp", "2"], "a zoo Llama's modules"),
+    (["--model", "small-llama", "--pp", "2"], "needs --accumulation 2 or more"),
+    (["--model", "small-llama", "--dp", "4", "--replicate", "2"], "is HSDP: it needs --zero-stage 2 or 3"),
+    (["--model", "small-llama", "--pp", "3", "--accumulation", "3"], "more pipeline stages than"),
+    (["--model", "small-llama", "--pp", "2", "--task", "infer"], "traced for training"),
+    (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)

@@ -274,3 +274,35 @@ def test_copies_counts_copies_of_fake_host_buffers():
             host[1][:1024].copy_(dev)  # into one: 4 KiB
             dev.copy_(dev * 2)  # neither
     assert (copies.out_of, copies.into) == (4096, 4096)
+
+
+def _dtensor_step(tensors) -> Ledger:
+    """A DTensor forward and backward on rank 0 of 2 (the fake process group): a column- then a row-split
+    linear, the loss under loss_parallel, whose handlers learn output shapes by running ops on fake tensors."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+    from labkit import dist
+
+    with dist.fake_group(2) as mesh, tensors():
+        model = parallelize_module(fake.materialize(lambda: torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                                                                torch.nn.Linear(16, 8),
+                                                                                torch.nn.Linear(8, 6))),
+                                   mesh, {"0": ColwiseParallel(), "1": RowwiseParallel(),
+                                          "2": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        ledger = Ledger("cpu").track_module(model)
+        with ledger, loss_parallel():
+            with marks.phase("forward", 0):
+                loss = torch.nn.functional.cross_entropy(model(torch.ones(4, 8)), torch.zeros(4, dtype=torch.long))
+            with marks.phase("backward", 0):
+                loss.backward()
+        return ledger
+
+
+def test_a_dtensor_step_traces_as_it_runs_on_real_tensors():
+    """The ledger looks through a functional collective's AsyncCollectiveTensor, takes a collective's wait as
+    the input it returns on real tensors (the fake kernel makes a new tensor), and counts nothing while DTensor's
+    sharding propagation runs ops on fake tensors to learn shapes: a fake trace is the real step, to the byte."""
+    real, traced = _dtensor_step(contextlib.nullcontext), _dtensor_step(functools.partial(fake.tensors, block=None))
+    assert max(traced.timeline().device["activations"]) > 0
+    assert_same_timeline(real, traced)

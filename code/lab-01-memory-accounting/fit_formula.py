@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
-from fit_lora import (  # noqa: F401 (NF4_BLOCKS: the calculator's constants read it here)
-    FROZEN, NF4_BLOCKS, OPT8, adam8bit_state, counts, frozen_state, lora_activations, lora_step,
-)
+from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
+    FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
 from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
@@ -78,12 +78,13 @@ def rank_spec(spec, tp: int):
 def sizes(x: Inputs) -> Sizes:
     """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
     s = rank_spec(x.spec(), x.tp)
+    s = replace(s, layers=-(-s.layers // x.pp))  # --pp: the first stage of 1F1B (fit_split.first_stage)
     P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
-    Pt, n, codes, state = counts(x, s, P, n)  # LoRA's adapters, QLoRA's NF4 base, 8-bit AdamW (fit_lora.py)
-    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width), codes,
-                 state)
+    P, n = (P - s.width - (0 if s.tied else s.vocab * s.width), n - 1 - (not s.tied)) if x.pp > 1 else (P, n)
+    Pt, n, *lab15 = counts(x, s, P, n)  # LoRA's adapters, QLoRA's NF4 base, 8-bit AdamW (fit_lora.py)
+    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width), *lab15)
 
 
 def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
@@ -97,42 +98,46 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                      so=q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si=3 * s.width + q + (2 * s.width + s.ffn) * E)
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
                   g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
-                  P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp, w=w,
+                  P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp // x.replicate, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
-                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, **quantized, wb=FROZEN[x.precision], Pc=z.nf4[0],
-                  Nb=z.nf4[1], Ns=z.nf4[2], Nq=z.nf4[3], Pk=z.opt8[0], Nk=z.opt8[1], Ps=z.opt8[2], Cw=z.opt8[3])
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, t=x.tp, pp=x.pp, **quantized, **fine_tune_symbols(x, z))
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
-    if x.method == "full":
-        S.Pt = S.P  # every weight is trained: the formulas say P
+    S.Pt = S.P if x.method == "full" else S.Pt  # every weight is trained: the formulas say P
     return S
 
 
 # --8<-- [start:activations]
-def norm(S, readers: int) -> Expr:
+def norm(S, readers: int, sp: bool = False) -> Expr:
     """Bytes per token an RMSNorm keeps: its float32 input, 1/rms, the normalised stream, and what the
-    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast)."""
+    matmuls reading it keep (one copy; under autocast, each reader its own bf16 cast); ``sp``: the readers' alone."""
     kept = S.c * S.h if S.c.value == S.r.value else readers * S.c * S.h
-    return 4 * S.h + ROW + S.r * S.h + kept
+    return kept if sp else own(S) + kept
 
 
-def layer(S, checkpointing: str) -> Expr:
-    """Bytes one Llama (or Mixtral) block keeps for backward."""
+def own(S) -> Expr:  # an RMSNorm's own tensors per token: its float32 input, 1/rms, the normalised stream
+    return 4 * S.h + ROW + S.r * S.h
+
+
+def layer(S, checkpointing: str, sp: bool = False) -> Expr:
+    """Bytes one Llama (or Mixtral) block keeps for backward (``sp``: its norms and stream on T / t tokens,
+    the gathered inputs of its matmuls whole, as PyTorch's SequenceParallel saves them)."""
     moe = S.E.value > 0
     if checkpointing == "full":
-        return S.T * S.r * S.h  # the block's input; the rest is recomputed in backward
+        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h  # the block's input; the rest is recomputed
     if checkpointing == "selective":  # Lab 04's save-matmuls: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
         kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
     else:
-        attention = norm(S, 3) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
+        attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
             rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
             mlp = norm(S, 1) + (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
         else:
-            mlp = norm(S, 2) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
+            mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
-    return S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    kept = S.T * kept if checkpointing == "selective" else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
 
 def gpt_layer(S, checkpointing: str) -> Expr:
@@ -148,13 +153,15 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     if lora_step(x):  # a frozen base (fit_lora.py)
         return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
-    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing)
+    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
-    casts = S.c * S.Pm if mixed else ZERO  # every block's: kept without checkpointing, else cached
+    casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's: kept without checkpointing, else
+    # cached; a float8 linear casts its fp32 weight to float8 itself, and saves the weight, not a cast
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
         kept = S.L * per + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
-        kept = S.L * per + S.T * (norm(S, 1) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = S.L * per + S.T * (norm(S, 1, x.sp) + 4 * S.V)  # + the final norm and the loss's fp32 log-softmax
+        kept = kept + ceil_div(S.T, S.t) * own(S) if x.sp else kept
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" else kept
     return {"kept": kept, "cache": casts if mixed and x.checkpointing != "none" else ZERO,
@@ -207,12 +214,9 @@ def model_state(x: Inputs, S) -> dict[str, Expr]:
     state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
     if kind == "adamw":
         state = state + STEP_COUNTER * S.n
-    if x.optimizer == "adamw8bit":  # Lab 15: 8-bit codes in blocks (fit_lora.py)
-        state = adam8bit_state(S)
     out = {"parameters": S.w * share("parameters", S.Pt, fsdp), "gradients": S.w * share("gradients", S.Pt),
            "optimizer_state": state}
-    if lora_step(x):  # the frozen base beside the adapters: weights only (QLoRA: the blocks' linears in NF4)
-        out |= frozen_state(x, S)
+    out = fine_tune_state(x, S, out)  # Lab 15: the 8-bit AdamW's blocks; a frozen base beside the adapters
     if x.offload == "params":  # FSDP2's CPU offload: shards, their gradients and the optimizer on the host
         return dict.fromkeys(out, ZERO)
     if x.offload == "optimizer":  # ZeRO-Offload: the state on the host; Lab 07 moves each gradient there too
@@ -225,12 +229,11 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     """Buffers of data-parallel training at each moment: DDP's gradient buckets (a copy of every
     gradient, Lab 10), or what FSDP2 holds gathered (Lab 11's wrap: a unit per block, the root's own)."""
     fwd = bwd = gather = opt = ZERO
-    weights = S.P
     gathered = S.c if fsdp_mixed(x) else S.w  # MixedPrecisionPolicy gathers bf16 weights
     if x.dp > 1 and x.zero_stage <= 1:
         fwd = bwd = gather = opt = S.w * S.Pt
     elif x.zero_stage == 2:  # no resharding after forward: every weight stays gathered until backward ends
-        fwd, bwd = gathered * (weights + S.Pb), gathered * weights
+        fwd, bwd = gathered * (S.P + S.Pb), gathered * S.P
     elif x.zero_stage == 3:  # the root and one block gathered; backward gathers the root again (buffer + copy)
         fwd = bwd = gathered * (S.Pr + S.Pb)
         gather = 2 * gathered * S.Pr
@@ -253,19 +256,22 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if x.task != "train":
         return {x.task: _full(inference(x, S))}
     state, comm, act = model_state(x, S), communication(x, S), activations(x, S)
-    carried = state["gradients"] if x.accumulation > 1 else ZERO  # earlier micro-batches' gradients
+    if x.pp > 1:
+        return fit_split.first_stage(x, S, state, comm)
+    carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
     held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
     out = {
         "forward_end": held | {"activations": act["kept"],
                                "temporaries": logits if act["cache"] is ZERO else act["cache"] + logits},
-        "backward_start": held | {"activations": act["kept"], "temporaries": 8 * S.T * S.V},  # fp32 gradients
+        "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }
     if x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
-    if x.optimizer == "adamw8bit":  # Lab 15's chunk: its float32 working copies
-        out["optimizer"]["temporaries"] = OPT8["working"][S.w.value] * S.Cw + 4 * ceil_div(S.Cw, OPT8["block"])
+    out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
+    if x.tp > 1 and x.zero_stage == 0:
+        out |= fit_split.embedding(x, S, state, held)
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)
@@ -282,7 +288,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
-    return {k: _full(v | {"communication": comm[k]}) for k, v in out.items()}
+    return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:

@@ -25,6 +25,7 @@ HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
 ITEMS = {"lora_targets": lora.ALL}
 CUSTOM = "custom"
+MAX_RANKS = 2**20  # GPUs in one run, all parallel degrees multiplied (the largest runs have about 10**5)
 
 
 def presets() -> list[str]:
@@ -45,17 +46,31 @@ class FineTuning:
                             min=1, max=MAX_WIDTH)
     lora_targets: tuple[str, ...] = option(lora.ALL, f"the projections that get an adapter, some of {','.join(lora.ALL)}")
 
-    def check_fine_tuning(self, spec) -> None:
-        """The rules of --method, --lora-rank and --lora-targets for ``spec`` (UsageError naming the flag)."""
-        if self.method == "full":
-            return
-        if getattr(self, "loss", "full") != "full":
-            raise UsageError(f"--loss {self.loss} with --method {self.method}: a frozen head's chunked loss is not "
-                             "traced yet; use --loss full")
+    def __post_init__(self) -> None:  # a lab's Config: its fields' checks, then the targets' names, whatever --method
+        super().__post_init__()
+        self.check_targets()
+
+    def check_targets(self) -> None:
+        """--lora-targets: names of Lab 15's projections, each at most once (UsageError)."""
         unknown = [t for t in self.lora_targets if t not in lora.TARGETS]
         if unknown or len(set(self.lora_targets)) < len(self.lora_targets):
             raise UsageError(f"--lora-targets {','.join(self.lora_targets)}: each at most once, from "
                              f"{','.join(lora.ALL)}" + (f" (unknown: {','.join(unknown)})" if unknown else ""))
+
+    def check_fine_tuning(self, spec) -> None:
+        """The rules of --method, --lora-rank and --lora-targets for ``spec`` (UsageError naming the flag)."""
+        self.check_targets()
+        if self.method == "full":
+            return
+        split = [f for f, on in (("--tp", getattr(self, "tp", 1) > 1), ("--pp", getattr(self, "pp", 1) > 1),
+                                 ("--float8", getattr(self, "float8", "none") != "none"),
+                                 ("--compile", getattr(self, "compile", False))) if on]
+        if split:  # Lab 15's step was traced on one GPU, eager, in bf16 matmuls: these were not traced with it
+            raise UsageError(f"{' and '.join(split)} with --method {self.method} is not traced together (Lab 15 traces "
+                             "adapters on one GPU, eager, without float8): train every weight, or leave them out")
+        if getattr(self, "loss", "full") != "full":
+            raise UsageError(f"--loss {self.loss} with --method {self.method}: a frozen head's chunked loss is not "
+                             "traced yet; use --loss full")
         if spec.family not in ("llama", "mixtral", "hf"):
             raise UsageError(f"--method {self.method} puts adapters on Llama's q, k, v, o, gate, up and down "
                              f"projections: {spec.name} is a {spec.family} model, which has none")
@@ -92,11 +107,26 @@ class TrainingRun(FineTuning):
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "
         "fused-linear: the head and the loss in one function that takes the gradients chunk by chunk in forward "
         "and keeps only them (Liger Kernel's method, in plain PyTorch); all three give the same loss and gradients")
+    float8: Literal["none", "tensorwise"] = option(
+        "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
+        "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
+        "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
+        "(mixed or bf16)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
     offload: Literal["none", "optimizer", "params"] = option(
         "none", "optimizer: AdamW and its state on the host (Lab 07); params: FSDP2's CPU offload (ZeRO-3)")
+    tp: int = option(1, "tensor-parallel ranks: heads, KV heads, MLP and vocabulary split the Megatron way (training: "
+                     "DTensor's plan, Lab 13; serving: Lab 14); with --dp, a --dp x --tp mesh", min=1, max=1024)
+    sp: bool = option(False, "sequence parallelism over the --tp ranks: the norms and the residual stream between "
+                      "sublayers split along the sequence, each sublayer's input gathered once")
+    replicate: int = option(1, "HSDP: FSDP2 over a --replicate x (--dp / --replicate) mesh, each parameter sharded over "
+                            "the dp / replicate ranks of its group and replicated across the groups (ZeRO-2/3)",
+                            min=1, max=2**20)
+    pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
+                     "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
+                     "(needs --accumulation ≥ --pp)", min=1, max=1024)
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -111,6 +141,36 @@ class TrainingRun(FineTuning):
             raise UsageError("--optimizer adamw8bit is traced on whole tensors: leave --zero-stage at 0")
         if self.method != "full" and (self.dp > 1 or self.offload != "none"):
             raise UsageError(f"--method {self.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none")
+        if self.sp and self.tp == 1:
+            raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
+        if self.sp and self.seq % self.tp:
+            raise UsageError(f"--sp splits --seq {self.seq} over --tp {self.tp} ranks: give a multiple of {self.tp}")
+        if self.tp * self.pp * self.dp > MAX_RANKS:
+            raise UsageError(f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} is {self.tp * self.pp * self.dp:,} GPUs: "
+                             f"more than {MAX_RANKS:,}")
+        if self.replicate > 1 and (self.zero_stage < 2 or self.dp % self.replicate or self.dp == self.replicate):
+            raise UsageError(f"--replicate {self.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides "
+                             f"into groups of two or more, got --dp {self.dp}")
+        if self.pp > self.accumulation:
+            raise UsageError(f"--pp {self.pp} needs --accumulation {self.pp} or more: 1F1B keeps a micro-batch in flight "
+                             "per stage (PyTorch's Schedule1F1B refuses fewer)")
+        for flag, bad in (("--loss chunked or fused-linear", self.loss != "full"), ("--offload", self.offload != "none")):
+            if bad and self.pp > 1:
+                raise UsageError(f"{flag} with --pp is not traced: the trace is the first stage's (no loss; its own "
+                                 "optimizer on the device)")
+        for flag, bad in (("--zero-stage 1", self.zero_stage == 1), ("--offload", self.offload != "none"),
+                          ("--loss chunked or fused-linear", self.loss != "full")):
+            if bad and self.tp > 1:
+                raise UsageError(f"{flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the "
+                                 "split weights")
+        if self.float8 != "none" and self.precision == "fp32":
+            raise UsageError(f"--float8 {self.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+        if self.float8 != "none" and (self.tp > 1 or self.pp > 1):
+            raise UsageError(f"--float8 {self.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
+                             "swapped in before DTensor's plan would split them")
+        if self.float8 != "none" and self.checkpointing == "selective":
+            raise UsageError(f"--float8 {self.float8}: selective checkpointing saves aten.mm outputs, not float8's "
+                             "_scaled_mm: --checkpointing none or full")
 
 
 @dataclass
@@ -143,7 +203,7 @@ class Inputs(TrainingRun, Subject):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
-    tp: int = option(1, "tensor-parallel ranks (heads, KV heads, MLP and vocabulary split)", min=1, max=1024)
+
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
     requests: int = option(32, "serve: requests in flight at once", min=1, max=MAX_BATCH)
     weights: Literal["bf16", "fp8", "int8", "int4-awq", "int4-gptq", "nvfp4"] = option(
@@ -186,6 +246,11 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--model {self.model}: {err}") from None
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
+        head = d["head_dim"] or d["hidden"] // d["heads"]
+        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or any(
+                v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):
+            raise UsageError(f"--float8 {self.float8} converts a dense Llama's block linears, each dimension a multiple of "
+                             "16 (torchao's rule): no --experts or GPT preset")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
         if self.task == "train":
@@ -194,6 +259,11 @@ class Inputs(TrainingRun, Subject):
             if self.method != "full" and d["experts"]:
                 raise UsageError(f"--method {self.method} on a mixture of experts: the formulas count dense blocks "
                                  "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
+            if t > 1 and kv % t:
+                raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
+            self.check_pipeline(family, d["layers"])
+        if self.task != "train" and self.pp > 1:
+            raise UsageError(f"--pp {self.pp} is traced for training (Lab 13): --task {self.task} has no pipeline here")
         if self.task == "decode":
             if family == "gpt" or self.precision == "mixed" or self.dp > 1 or t > 1 or self.zero_stage \
                     or self.offload != "none":
@@ -202,6 +272,20 @@ class Inputs(TrainingRun, Subject):
             if self.new_tokens > (self.kv_len or self.seq):
                 raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
                                  f"{self.kv_len or self.seq}")
+
+    def check_pipeline(self, family: str, layers: int) -> None:
+        """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
+        if self.pp == 1:
+            return
+        if self.pp > layers:
+            raise UsageError(f"--pp {self.pp} is more pipeline stages than {layers} layers")
+        if family == "gpt":
+            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages")
+        for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
+                          ("--checkpointing selective", self.checkpointing == "selective"),
+                          ("--zero-stage 2 or 3", self.zero_stage >= 2)):
+            if bad:
+                raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

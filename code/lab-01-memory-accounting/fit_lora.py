@@ -6,7 +6,7 @@ base with its quantization constants, and the 8-bit AdamW's state. ``fit_formula
 
 from __future__ import annotations
 
-from fit_expr import ZERO, Expr, total
+from fit_expr import ZERO, Expr, ceil_div, total
 from fit_inputs import Inputs
 from fit_symbols import LSE, ROW
 
@@ -110,6 +110,27 @@ def frozen_state(x: Inputs, S) -> dict[str, Expr]:
     if x.method == "lora":
         return {"frozen_weights": S.wb * S.P}
     return {"frozen_weights": S.wb * (S.P - S.Pm) + S.Pc, "quant_constants": S.Nb + 4 * S.Ns + 4 * S.Nq}
+
+
+def fine_tune_symbols(x: Inputs, z) -> dict[str, int]:
+    """Lab 15's symbols' values: a frozen weight's bytes, QLoRA's NF4 counts, the 8-bit AdamW's (``z``: the Sizes)."""
+    return dict(wb=FROZEN[x.precision], Pc=z.nf4[0], Nb=z.nf4[1], Ns=z.nf4[2], Nq=z.nf4[3], Pk=z.opt8[0],
+                Nk=z.opt8[1], Ps=z.opt8[2], Cw=z.opt8[3])
+
+
+def fine_tune_state(x: Inputs, S, out: dict[str, Expr]) -> dict[str, Expr]:
+    """``out``, the model state, with the 8-bit AdamW's codes in blocks for its state and, under LoRA, the
+    frozen base beside the adapters: weights only (QLoRA: the blocks' linears in NF4)."""
+    if x.optimizer == "adamw8bit":
+        out["optimizer_state"] = adam8bit_state(S)
+    return out | frozen_state(x, S) if lora_step(x) else out
+
+
+def adam8bit_chunk(x: Inputs, S) -> dict[str, Expr]:
+    """The 8-bit AdamW's chunk at the optimizer step: its float32 working copies (nothing for another optimizer)."""
+    if x.optimizer != "adamw8bit":
+        return {}
+    return {"temporaries": OPT8["working"][S.w.value] * S.Cw + 4 * ceil_div(S.Cw, OPT8["block"])}
 
 
 def adam8bit_state(S) -> Expr:

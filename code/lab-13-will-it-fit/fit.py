@@ -12,11 +12,14 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, or selective (its op-level save-matmuls policy)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
+    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
+    --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
+    --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
     --method        lora or qlora: Lab 15's adapters on a frozen base, NF4 under qlora (``fit_finetune.py``)
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
@@ -48,9 +51,13 @@ from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
 from labkit.traffic import Traffic
+from fit_compile import check_compile, compiled
 from fit_gap import derive
-from fit_decode import StaticCache, decode_step
+from fit_decode import check_decode, decode
 from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
+import fit_float8 as float8
+import fit_parallel
+import fit_pipeline
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -121,19 +128,24 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu", strategy: s
     weights = base_dtype(config, weights)  # under LoRA, the frozen base's (Lab 15)
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
-    with fake_process_group(config.dp if config.zero_stage else None, device) as mesh, tensors():
-        model = build(config.spec, weights, device)  # (1)!
+    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp, config.replicate) as mesh, \
+            tensors():
+        model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
-        optimizer = shard(model, config, mesh)  # (2)!
+        if config.float8 != "none":
+            float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
+        mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
+        with fit_parallel.real_meshes():
+            optimizer = shard(model, config, mesh)  # (2)!
         idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic(), WeightCasts(ledger) as casts:  # (4)!
+        with ledger, Traffic(), WeightCasts(ledger) as casts, split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                train_step(model, optimizer, idx, recipe=recipe,
+                fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
                            strategy=strategy or CHECKPOINTING[config.checkpointing],
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
             elif config.task == "decode":
@@ -158,7 +170,7 @@ def shard(model, config: Config, mesh):
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task != "train":
         return None
-    if config.zero_stage >= 2:
+    if config.zero_stage >= 2 or config.tp > 1:
         return ShardOptimizer(model.parameters(), partial(make, **kwargs), host=config.offload == "params")
     if config.zero_stage == 1:  # (7)!
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **kwargs)
@@ -167,15 +179,6 @@ def shard(model, config: Config, mesh):
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
     return make([p for p in model.parameters() if p.requires_grad], **kwargs)  # under LoRA, the adapters alone
-
-
-def decode(model, ledger: Ledger, config: Config, dtype: torch.dtype, device: str) -> None:
-    """``--task decode`` (``fit_decode.py``): the cache allocated for ``--kv-len`` tokens per sequence and
-    labelled, then one step of ``--new-tokens`` per sequence."""
-    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
-    ledger.track(cache.keys + cache.values, "kv_cache")
-    with marks.phase("decode", 0):
-        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -209,6 +212,9 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
+    compile: bool = option(False, "train: every block torch.compile'd, AOTAutograd's graphs run as Python (fit_compile.py): "
+                           "what its partitioner saves is traced; inductor's fused kernels and buffer reuse are not, "
+                           "so temporaries are an upper bound; not with a MoE, checkpointing or FSDP2")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
 
@@ -217,6 +223,8 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
         spec, z = self.spec, self.zero_stage
         if spec.family == "flux":
             raise UsageError(f"--model {self.model} is a diffusion transformer, not a causal LM: nothing to tokenise")
+        if (broken := fit_parallel.check(self)) is not None:
+            raise UsageError(broken)
         self.check_sharding()
         self.check_adapters()
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
@@ -228,11 +236,13 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
                              "not a Hugging Face config's")
         if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
             raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        float8.check(self)
         if self.task == "decode":
-            self.check_decode()
+            check_decode(self)
+        check_compile(self)
         if self.task != "train":
             for flag, bad in (("--checkpointing", self.checkpointing != "none"), ("--accumulation", self.accumulation > 1),
-                              ("--loss chunked or fused-linear", self.loss != "full"),
+                              ("--loss chunked or fused-linear", self.loss != "full"), ("--float8", self.float8 != "none"),
                               ("--zero-stage 1 or 2", z in (1, 2)), ("--offload optimizer", self.offload == "optimizer")):
                 if bad:
                     raise UsageError(f"{flag} needs a backward or an optimizer: --task {self.task} has neither")
@@ -240,17 +250,6 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
         if logits > INT64_MAX:
             raise UsageError(f"--batch {self.batch} x --seq {self.seq} x {spec.vocab:,} logits x 4 bytes is {logits:.3g} "
                              "bytes: more than a 64-bit integer counts")
-
-    def check_decode(self) -> None:
-        if self.spec.family not in ("llama", "mixtral"):
-            raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {self.model}'s")
-        if self.precision == "mixed":
-            raise UsageError("--task decode runs the weights' own dtype, as a server does: --precision bf16 or fp32")
-        if self.dp > 1:
-            raise UsageError("--task decode traces one GPU: Lab 14 sizes a server split over GPUs")
-        if self.new_tokens > (self.kv_len or self.seq):
-            raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
-                             f"{self.kv_len or self.seq}")
 
     @cached_property
     def spec(self):

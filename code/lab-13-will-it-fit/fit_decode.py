@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from labkit import labs
+from labkit import labs, marks
+from labkit.config import UsageError
 from labkit.zoo import rotate_half
 
 rotary_at = labs.load(14, "serving_model").rotary_at  # cos, sin of the zoo's rotary tables at given positions
@@ -53,4 +54,26 @@ def decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor
         x = x + attn.o_proj(y.transpose(1, 2).flatten(2))
         x = x + block.mlp(block.mlp_norm(x))
     return model.head(model.norm(x))
+
+
+def decode(model, ledger, config, dtype: torch.dtype, device: str) -> None:
+    """``fit.py --task decode``: the cache allocated for ``--kv-len`` tokens per sequence and labelled in
+    ``ledger``, then one step of ``--new-tokens`` per sequence."""
+    cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
+    ledger.track(cache.keys + cache.values, "kv_cache")
+    with marks.phase("decode", 0):
+        decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
 # --8<-- [end:decode]
+
+
+def check_decode(config) -> None:
+    """``--task decode``'s refusals (Lab 13's Config calls it): one line, exit 2."""
+    if config.spec.family not in ("llama", "mixtral"):
+        raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {config.model}'s")
+    if config.precision == "mixed":
+        raise UsageError("--task decode runs the weights' own dtype, as a server does: --precision bf16 or fp32")
+    if config.dp > 1:
+        raise UsageError("--task decode traces one GPU: Lab 14 sizes a server split over GPUs")
+    if config.new_tokens > (config.kv_len or config.seq):
+        raise UsageError(f"--new-tokens {config.new_tokens} is more than the cache holds, --kv-len "
+                         f"{config.kv_len or config.seq}")

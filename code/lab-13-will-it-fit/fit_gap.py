@@ -43,6 +43,7 @@ def derive(trace) -> dict:
     lives on the host, and where each category's figure comes from (traced or derived)."""
     c, tl = trace.config, trace.timeline
     params = c.spec.param_count()
+    local = rank_params(trace) if c.tp > 1 or c.pp > 1 else params  # --tp, --pp: what the rank holds
     columns = {k: list(tl.device[k]) for k in tl.device if k != HOST_COPIES}
     host = list(tl.host_total())
     sources = {k: "traced" for k in columns}
@@ -53,7 +54,7 @@ def derive(trace) -> dict:
         columns[KV_CACHE] = [kv_cache_bytes(c)] * n
         sources[KV_CACHE] = "derived: 2 x layers x batch x seq x kv_heads x head_dim x element (no cache is returned)"
     if c.dp > 1 and c.zero_stage <= 1:
-        buckets = params * WEIGHT[c.precision]
+        buckets = local * WEIGHT[c.precision]
         columns["communication"] = [v + buckets for v in columns["communication"]]
         sources["communication"] = "derived: DDP's gradient buckets, one copy of every gradient (Lab 10)"
     if c.offload == "params":
@@ -80,7 +81,12 @@ def derive(trace) -> dict:
                              if n else 0},
             "category_max": {k: max(v, default=0) for k, v in view.device.items()},
             "host_peak_bytes": max(host, default=0), "sources": {k: sources.get(k, "traced") for k in DEVICE_CATEGORIES},
-            "params": params}
+            "params": params, "rank_params": local}
+
+
+def rank_params(trace) -> int:
+    """Parameters of the rank's slices (a DTensor's local shard; a whole norm weight), of the traced model."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in trace.keep[0].parameters()) if trace.keep else 0
 
 
 def weight_casts(trace, n: int) -> list[int]:
@@ -163,6 +169,8 @@ def reasons(trace) -> dict[str, str]:
                         f"{s.family} block keeps a {s.ffn:,}-wide SwiGLU, fp32 RMSNorm inputs, RoPE'd q and k and "
                         f"SDPA's output and log-sum-exp, no scores; plus the loss's fp32 log-softmax, "
                         f"{format_bytes(logits)}" + ("; plus autocast's bf16 weight casts (next line)" if amp else "")
+                        + ("; --compile: what AOTAutograd's partitioner saves, cheap pointwise ops recomputed in backward"
+                           if getattr(c, "compile", False) else "")
                         if c.checkpointing != "full" else
                         "full checkpointing keeps each block's input in the residual stream's dtype "
                         f"({'fp32 under autocast' if amp else c.precision}); plus the loss's fp32 log-softmax, "

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from labkit import cli
+from labkit.config import UsageError
 
 TRAIN, INFER = ("train",), ("train", "infer")
 
@@ -95,6 +96,15 @@ LEVERS = (  # exact first, cheapest first; then those that change the numerics
 # --8<-- [end:levers]
 
 
+def _traceable(config, changes: dict) -> bool:
+    """The configuration a lever makes is one Lab 13 traces (``--compile`` refuses checkpointing, for one)."""
+    try:
+        replace(config, **changes)
+    except UsageError:
+        return False
+    return True
+
+
 def search(base, trace: Callable, every: bool = False) -> list[dict]:
     """The levers for ``base`` (a traced step), cheapest first, as rows.
 
@@ -113,7 +123,8 @@ def search(base, trace: Callable, every: bool = False) -> list[dict]:
         same = traces[_key(config)]  # the same step; only what is derived from it may differ (0 s: not traced again)
         return same if same.config == config else type(same)(config, same.timeline, 0.0, same.ledger, same.keep)
 
-    applicable = [(lv, ch) for lv in LEVERS if base.config.task in lv.tasks and (ch := lv.pull(base.config))]
+    applicable = [(lv, ch) for lv in LEVERS if base.config.task in lv.tasks and (ch := lv.pull(base.config))
+                  and _traceable(base.config, ch)]
     ladder = {} if base.fits else climb(base, applicable, traced)
     rows = []
     for lever, changes in applicable:

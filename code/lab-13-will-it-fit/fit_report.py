@@ -149,7 +149,7 @@ def report(result) -> None:
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
           + (f"{c.method} rank {c.lora_rank} on {','.join(c.lora_targets)}, " if c.method != "full" else "")
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
-          + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}")
+          + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}" + (", every block torch.compile'd" if c.compile else ""))
     print(f"{TRACED_ON}; traced in {t.seconds:.1f} s.\n")
     print(f"Rank 0's bytes at each phase's peak (the step's peak is in {d['peak_phase']}):")
     print(phases_table(t).text())

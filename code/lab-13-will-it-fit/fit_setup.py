@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import dist as dist_kit
@@ -41,7 +42,7 @@ def create_state(optimizer) -> None:
 
 
 class ShardOptimizer:
-    """The optimizer of rank 0's local shards of FSDP2's parameters.
+    """The optimizer of rank 0's local shards of FSDP2's (or tensor parallelism's) parameters.
 
     DTensor's own optimizer step runs exactly these local ops; it also propagates the sharding
     (global shapes, metadata only), which on fake tensors is slow and, under an ambient fake mode,
@@ -50,12 +51,14 @@ class ShardOptimizer:
 
     def __init__(self, params, make, host: bool = False) -> None:
         self.params = list(params)
-        self.local = [p._local_tensor for p in self.params]
+        self.local = [getattr(p, "_local_tensor", p) for p in self.params]  # a plain tensor is its own shard
         self.inner, self.host = make(self.local), host
 
     def step(self) -> None:
         for p, local in zip(self.params, self.local):
-            local.grad = None if p.grad is None else p.grad._local_tensor
+            if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)  # as DTensor's own step would, first
+            local.grad = None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad)
         with marks.category("host_copies") if self.host else contextlib.nullcontext():
             self.inner.step()
 
@@ -65,14 +68,17 @@ class ShardOptimizer:
 
 
 @contextlib.contextmanager
-def fake_process_group(world: int | None, device: str):
+def fake_process_group(world: int | None, device: str, tp: int = 1, replicate: int = 1):
     """``world`` ranks that exchange nothing (labkit.dist.fake_group: collectives return at once),
-    and their device mesh; no group at all for ``None``."""
-    if world is None:
+    and their device mesh; no group at all for ``None``. With ``tp`` > 1 or ``replicate`` > 1: ``world`` x
+    ``tp`` ranks, as a 3-D mesh whose dimensions are named ``replicate``, ``shard`` (``world`` / ``replicate``
+    ranks each) and ``tp`` (``world`` None: one data-parallel rank)."""
+    if world is None and tp == 1:
         yield None
         return
-    with dist_kit.fake_group(world, device=device) as mesh:
-        yield mesh
+    with dist_kit.fake_group((world or 1) * tp, device=device) as mesh:
+        yield mesh if tp == replicate == 1 else init_device_mesh(
+            torch.device(device).type, (replicate, (world or 1) // replicate, tp), mesh_dim_names=("replicate", "shard", "tp"))
 
 
 def build(spec, dtype: torch.dtype, device: str):
@@ -89,6 +95,10 @@ class WeightCasts(TorchDispatchMode):
     def __init__(self, ledger: Ledger) -> None:
         super().__init__()
         self.ledger, self.sids = ledger, set()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # under torch.compile: off while it compiles, on for the compiled code (as Ledger)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(getattr(t, "__name__", "") == "DTensor" for t in types):

@@ -72,6 +72,7 @@ buffers), and tensors created before the ledger was entered unless you register 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -231,7 +232,7 @@ class Ledger(TorchDispatchMode):
 
     def _records_of(self, tensors) -> list[StorageRecord]:
         flat, _ = tree_flatten(tensors)
-        sids = {self.storage_id(t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t)
+        sids = {self.storage_id(t._local_tensor if _is_dtensor(t) else t)
                 for t in flat if isinstance(t, torch.Tensor)}
         return [self.records[sid] for sid in sorted(s for s in sids if s is not None)]
 
@@ -258,11 +259,19 @@ class Ledger(TorchDispatchMode):
                 self._phase = outer
 
     # ------------------------------------------------------------------ mode plumbing
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Under ``torch.compile`` the ledger is off while Dynamo and AOTAutograd trace and compile, and on
+        again for the compiled code (``torch.utils._python_dispatch``): it counts what the compiled step
+        runs, not the compiler's own tensors. Without this, Dynamo runs every frame eager under a mode."""
+        return True
+
     def __enter__(self):
         if self._depth == 0:
             from labkit.cuda import warm_up
 
             self._fake = self._fake or fake.active()
+            _watch_propagation()  # DTensor's shape propagation, if DTensor is in use: not the step's
             if self._fake is None:
                 warm_up(self.device)  # cuBLAS takes its workspaces now, before anything is recorded
             self._patch_resize()
@@ -294,8 +303,13 @@ class Ledger(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTensor is not None and any(t is _DTensor for t in types):
+        dtensor = dtensor_type()
+        if dtensor is not None and any(t is dtensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops, then count those
+        if _PROPAGATING.depth:  # DTensor learning an output's shape on fake tensors: no storage of the step
+            return func(*args, **(kwargs or {}))
+        if func is _WAIT_TENSOR and self._counts_fake(args[0]):
+            return args[0]  # a collective's wait returns its input (the fake kernel would make a new tensor)
         out = func(*args, **(kwargs or {}))
         if func is _LIFT_FRESH:
             # torch.tensor(data) builds its storage outside the dispatcher and hands it over through
@@ -388,7 +402,7 @@ class Ledger(TorchDispatchMode):
         return freed
 
     def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
-        if _DTensor is not None and isinstance(t, _DTensor):
+        if _is_dtensor(t):
             t = t._local_tensor  # this rank's shard is what occupies its memory
         if t.device.type == "meta" or t.untyped_storage().device.type == "meta" and not self._counts_fake(t):
             return
@@ -576,13 +590,51 @@ _AUTO_RANK = {
 }
 
 
-try:  # DTensor is public from torch 2.5; a build without it has none to look through
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
+def dtensor_type():
+    """DTensor's class once ``torch.distributed.tensor`` is imported (public from torch 2.5), else None:
+    no DTensor exists before that import, and a command line that needs none skips its cost (about
+    half a second: sympy and DTensor's op tables)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(t) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+class _Propagation:
+    """DTensor's sharding propagation runs an op on fake tensors of the fake mode in force to learn its
+    output's shape (``ShardingPropagator._propagate_tensor_meta_non_cached``, under its ``_fake_mode_lock``).
+    Under a fake trace those would be the trace's own storages: while it runs, a ledger counts nothing."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth = contextlib.nullcontext(), 0
+
+    def __enter__(self):
+        self.lock.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self.lock.__exit__(*exc)
+
+
+_PROPAGATING = _Propagation()
+
+
+def _watch_propagation() -> None:
+    """Once DTensor is imported (a ledger never imports it): its sharding propagation enters ``_PROPAGATING``."""
+    propagator = getattr(sys.modules.get("torch.distributed.tensor._sharding_prop"), "ShardingPropagator", None)
+    if propagator is not None and propagator._fake_mode_lock is not _PROPAGATING:
+        _PROPAGATING.lock, propagator._fake_mode_lock = propagator._fake_mode_lock, _PROPAGATING
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WAIT_TENSOR = getattr(getattr(torch.ops._c10d_functional, "wait_tensor", None), "default", None)  # (C++ op)
 
 
 def _storage_key(t: torch.Tensor, st: torch.UntypedStorage) -> tuple:
@@ -598,7 +650,11 @@ def _tensors(tree, out: list | None = None) -> list:
     ``tree_flatten``'s answer for them at a fraction of its cost, paid on every op the ledger sees."""
     out = [] if out is None else out
     if isinstance(tree, torch.Tensor):
-        out.append(tree)
+        if type(tree) not in _PLAIN and hasattr(type(tree), "__tensor_flatten__"):  # a wrapper (a functional
+            for name in tree.__tensor_flatten__()[0]:  # collective's AsyncCollectiveTensor): its inner tensors
+                _tensors(getattr(tree, name), out)
+        else:
+            out.append(tree)
     elif isinstance(tree, (tuple, list)):
         for leaf in tree:
             _tensors(leaf, out)

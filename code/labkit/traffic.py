@@ -42,11 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from labkit import marks
+from labkit.ledger import dtensor_type
 
-try:  # DTensor is public from torch 2.5
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
 
 #: which argument of a collective is a buffer that exists only to be communicated
 BUFFER_ARG = {"_allgather_base_": 0, "allreduce_": 0, "_reduce_scatter_base_": 1}
@@ -71,7 +68,8 @@ class Traffic(TorchDispatchMode):
         self.h2d_bytes = 0  # host-to-device copies (CPU offload on a GPU)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor is not None and any(issubclass(t, DTensor) for t in types):
+        dtensor = dtensor_type()  # the ledger's: DTensor once something imported it
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             return NotImplemented  # DTensor runs local ops; those come back through here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -97,6 +95,10 @@ class Traffic(TorchDispatchMode):
 
     def summary(self) -> dict:
         return {"collectives": {k: dict(v) for k, v in sorted(self.ops.items())}, "h2d_bytes": self.h2d_bytes}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # under torch.compile: off while it compiles, on for the compiled code (as Ledger)
 
 
 def label(tensors) -> None:

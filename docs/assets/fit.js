@@ -169,6 +169,11 @@
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
     }
+    const head = d.head_dim || Math.floor(d.hidden / d.heads);
+    if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts
+        || [d.hidden, d.ffn, d.heads * head, d.kv_heads * head].some((v) => v % 16))) {
+      say("float8", `--float8 ${x.float8} converts a dense Llama's block linears, each dimension a multiple of 16 (torchao's rule): no --experts or GPT preset`);
+    }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
     if (x.task === "train") {
       const [name, text] = sharding(x) || fineTuning(x, s) || [];
@@ -176,7 +181,11 @@
       else if (x.method !== "full" && d.experts) {
         say("method", `--method ${x.method} on a mixture of experts: the formulas count dense blocks (Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)`);
       }
+      if (t > 1 && kv % t) say("tp", `--tp ${t} does not split ${kv} KV heads: training splits whole KV heads (Lab 13)`);
+      const [pname, ptext] = pipelineRule(x, s.family, d.layers) || [];
+      if (pname) say(pname, ptext);
     }
+    if (x.task !== "train" && x.pp > 1) say("pp", `--pp ${x.pp} is traced for training (Lab 13): --task ${x.task} has no pipeline here`);
     if (x.task === "decode") {
       if (s.family === "gpt" || x.precision === "mixed" || x.dp > 1 || t > 1 || x.zero_stage || x.offload !== "none") {
         say("task", "--task decode traces a Llama or Mixtral on one GPU with its weights on it, in their own dtype: --precision bf16 or fp32, no --dp, --tp, --zero-stage or --offload");
@@ -190,6 +199,10 @@
   /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
   function fineTuning(x, s) {
     if (x.method === "full") return null;
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
+    if (split.length) {
+      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, eager, without float8): train every weight, or leave them out`];
+    }
     if (x.loss !== "full") {
       return ["loss", `--loss ${x.loss} with --method ${x.method}: a frozen head's chunked loss is not traced yet; use --loss full`];
     }
@@ -203,6 +216,18 @@
     const low = Math.min(smallest[1], smallest[2]);
     if (x.lora_rank > low) {
       return ["lora_rank", `--lora-rank ${x.lora_rank} is larger than min(in, out) = ${low} of the ${smallest[0]} projection (${smallest[1]} -> ${smallest[2]}): a rank-r product cannot have r above either side`];
+    }
+    return null;
+  }
+
+  /** Inputs.check_pipeline: [the field, the message], or null. */
+  function pipelineRule(x, family, layers) {
+    if (x.pp === 1) return null;
+    if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
+    if (family === "gpt") return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages`];
+    for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
+      ["checkpointing", "--checkpointing selective", x.checkpointing === "selective"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
     }
     return null;
   }
@@ -230,6 +255,25 @@
     if (x.method !== "full" && (x.dp > 1 || x.offload !== "none")) {
       return ["method", `--method ${x.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none`];
     }
+    if (x.sp && x.tp === 1) return ["sp", "--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)"];
+    if (x.sp && x.seq % x.tp) return ["sp", `--sp splits --seq ${x.seq} over --tp ${x.tp} ranks: give a multiple of ${x.tp}`];
+    if (x.tp * x.pp * x.dp > D.constants.max_ranks) {
+      return ["tp", `--tp ${x.tp} x --pp ${x.pp} x --dp ${x.dp} is ${(x.tp * x.pp * x.dp).toLocaleString("en-US")} GPUs: more than ${D.constants.max_ranks.toLocaleString("en-US")}`];
+    }
+    if (x.replicate > 1 && (x.zero_stage < 2 || x.dp % x.replicate || x.dp === x.replicate)) {
+      return ["replicate", `--replicate ${x.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides into groups of two or more, got --dp ${x.dp}`];
+    }
+    if (x.pp > x.accumulation) return ["pp", `--pp ${x.pp} needs --accumulation ${x.pp} or more: 1F1B keeps a micro-batch in flight per stage (PyTorch's Schedule1F1B refuses fewer)`];
+    for (const [name, flag, bad] of [["loss", "--loss chunked or fused-linear", x.loss !== "full"], ["offload", "--offload", x.offload !== "none"]]) {
+      if (bad && x.pp > 1) return [name, `${flag} with --pp is not traced: the trace is the first stage's (no loss; its own optimizer on the device)`];
+    }
+    for (const [name, flag, bad] of [["zero_stage", "--zero-stage 1", x.zero_stage === 1], ["offload", "--offload", x.offload !== "none"],
+      ["loss", "--loss chunked or fused-linear", x.loss !== "full"]]) {
+      if (bad && x.tp > 1) return [name, `${flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the split weights`];
+    }
+    if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
+    if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
+    if (x.float8 !== "none" && x.checkpointing === "selective") return ["float8", `--float8 ${x.float8}: selective checkpointing saves aten.mm outputs, not float8's _scaled_mm: --checkpointing none or full`];
     return null;
   }
 
@@ -252,10 +296,12 @@
         kv_dtype: x.kv_dtype,
         block_size: x.block_size, prefill_chunk: x.prefill_chunk, seq_len: x.context === p.context ? null : x.context };
     } else {
-      if (x.tp > 1) return [null, `${script} traces data parallelism only: it has no --tp`];
+      if (x.tp > 1 && x.task !== "train") return [null, `${script} traces tensor parallelism for training: --task ${x.task} splits over GPUs in Lab 14`];
+      if (x.tp > 1 && D.presets[x.model].family !== "llama") return [null, `${script} splits a zoo Llama's modules under --tp, not ${x.model}'s`];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
         y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", loss: "full", method: "full",
+          float8: "none",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -266,7 +312,7 @@
     const args = [D.python, c.script];
     for (const [name, flag, byDefault] of c.flags) {
       const v = values[name];
-      if (v !== null && v !== undefined && String(v) !== String(byDefault)) args.push(flag, String(v));
+      if (v !== null && v !== undefined && String(v) !== String(byDefault)) args.push(...(v === true ? [flag] : [flag, String(v)]));
       if (name === "model") args.push(...c.fixed);
     }
     return [args.join(" "), null];
@@ -274,12 +320,17 @@
 
   // ---------------------------------------------------------------------------- the formulas (fit_formula.py)
   function sizes(x) {
-    const s = rankSpec(spec(x), x.tp);
-    const P = paramCount(s);
+    let s = rankSpec(spec(x), x.tp);
+    if (x.pp > 1) s = Object.assign({}, s, { layers: Math.ceil(s.layers / x.pp) });  // 1F1B's first stage
+    let P = paramCount(s);
     const block = paramCount(Object.assign({}, s, { layers: 2 })) - paramCount(Object.assign({}, s, { layers: 1 }));
     const gpt = s.family === "gpt";
     const L = BigInt(s.layers), E = BigInt(s.experts);
     let nt = gpt ? 12n * L + 4n : L * (9n + (s.experts ? 3n * E - 2n : 0n)) + 2n + (s.tied ? 0n : 1n);
+    if (x.pp > 1) {  // no final norm, no head
+      P -= BigInt(s.width) + (s.tied ? 0n : BigInt(s.vocab) * BigInt(s.width));
+      nt -= 1n + (s.tied ? 0n : 1n);
+    }
     let Pt = P, trained = tensors(s);
     const R = BigInt(x.lora_rank);
     if (loraStep(x)) {  // adapters A (R x in) and B (out x R) on each targeted projection of every block
@@ -340,12 +391,13 @@
     const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
       g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
-      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp, w,
+      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp / x.replicate, w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
       u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
+      t: x.tp, pp: x.pp,
       wb: D.constants.frozen[x.precision], Pc: z.nf4[0], Nb: z.nf4[1], Ns: z.nf4[2], Nq: z.nf4[3], Pk: z.opt8[0],
       Nk: z.opt8[1], Ps: z.opt8[2], Cw: z.opt8[3] };
     const S = {};
@@ -356,31 +408,35 @@
 
   const K = () => D.constants;
 
-  function norm(S, readers) {
+  function norm(S, readers, sp) {
     const kept = S.c.value === S.r.value ? S.c.mul(S.h) : n(readers).mul(S.c).mul(S.h);
-    return n(4).mul(S.h).add(K().row).add(S.r.mul(S.h)).add(kept);
+    return sp ? kept : own(S).add(kept);
   }
 
-  function layer(S, checkpointing) {
+  const own = (S) => n(4).mul(S.h).add(K().row).add(S.r.mul(S.h));  // an RMSNorm's own tensors per token
+
+  function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
-    if (checkpointing === "full") return S.T.mul(S.r).mul(S.h);
+    if (checkpointing === "full") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
     if (checkpointing === "selective") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
       kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
     } else {
-      const attention = norm(S, 3).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
+      const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
       if (moe) {
         const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
           .add(S.c.mul(S.h)).add(K().slot);
         mlp = norm(S, 1).add(S.c.add(4).mul(S.E)).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
       } else {
-        mlp = norm(S, 2).add(n(4).mul(S.c).mul(S.f));
+        mlp = norm(S, 2, sp).add(n(4).mul(S.c).mul(S.f));
       }
       kept = attention.add(mlp);
     }
-    return checkpointing === "selective" ? S.T.mul(kept) : S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+    if (checkpointing === "selective") return S.T.mul(kept);
+    kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+    return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
 
   /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
@@ -421,10 +477,11 @@
   function activations(x, S, family) {
     if (loraStep(x)) return loraActivations(x, S);
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
-    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing);
+    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
-    const casts = mixed ? S.c.mul(S.Pm) : ZERO;
-    let kept = S.L.mul(per).add(S.T.mul(norm(S, 1).add(n(4).mul(S.V))));
+    const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
+    let kept = S.L.mul(per).add(S.T.mul(norm(S, 1, x.sp).add(n(4).mul(S.V))));
+    if (x.sp) kept = kept.add(ceilDiv(S.T, S.t).mul(own(S)));
     if (x.loss !== "full") kept = S.L.mul(per).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(2).mul(S.r).mul(S.h))));
     if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none") kept = kept.add(casts);
@@ -501,9 +558,36 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end };
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
+      pipeline_forward: fwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    return out;
+  }
+
+  /** Python: fit_formula.pipeline (--pp, Lab 13's fit_pipeline.py): 1F1B's first stage. */
+  function pipeline(x, S, state) {
+    const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
+    const mixed = x.precision === "mixed" && !fsdpMixed(x);
+    let micro = S.L.mul(layer(S, x.checkpointing, x.sp)).add(tokens.mul(S.r).mul(S.h));
+    if (mixed && x.checkpointing === "none") micro = micro.add(S.c.mul(S.Pm));
+    const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
+    const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
+    const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
+    const out = {
+      pipeline_backward: Object.assign({}, held, { activations: S.pp.mul(micro), temporaries }),
+      embedding_backward: Object.assign({}, held, { activations: S.pp.sub(1).mul(micro).add(tokens.mul(S.r).mul(S.h)),
+        temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
+      optimizer: Object.assign({}, state),
+    };
+    const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
+    if (x.sp) {  // a steady forward's last reduce-scatter
+      out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
+        temporaries: total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h)) });
+    }
+    if (x.optimizer === "adamw" || x.optimizer === "adamw-foreach") {
+      out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
+    }
     return out;
   }
 
@@ -527,12 +611,18 @@
     const z = sizes(x), S = symbols(x, z);
     if (x.task !== "train") return { [x.task]: full(inference(x, S)) };
     const state = modelState(x, S), comm = communication(x, S), act = activations(x, S, z.spec.family);
-    const carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.pp > 1) {
+      const res = {}, all = pipeline(x, S, state);
+      for (const k of Object.keys(all)) res[k] = full(Object.assign(all[k], { communication: total(comm[k], all[k].communication || ZERO) }));
+      return res;
+    }
+    let carried = x.accumulation > 1 ? state.gradients : ZERO;
+    if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
     const held = Object.assign({}, state, { gradients: carried });
     const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
     const out = {
       forward_end: Object.assign({}, held, { activations: act.kept, temporaries: act.cache === ZERO ? logits : act.cache.add(logits) }),
-      backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(8).mul(S.T).mul(S.V) }),
+      backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
     if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
@@ -540,6 +630,11 @@
     }
     if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
       out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
+    }
+    if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
+      const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
+      out.embedding_gradient = Object.assign({}, state, { gradients: state.gradients.add(whole) });
+      if (x.accumulation > 1) out.embedding_backward = Object.assign({}, held, { temporaries: whole.add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.loss !== "full") {
       delete out.backward_start;
@@ -933,8 +1028,8 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
+    optimizer: "Optimizer", checkpointing: "Checkpointing", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -948,16 +1043,21 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "loss", "optimizer"]],
+    ["", "train", ["accumulation", "checkpointing", "loss", "float8", "optimizer"]],
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload"]],
     ["", null, ["tp"]],
+    ["", "train", ["sp", "pp", "replicate"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
   ];
   const MOMENTS = {
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
+    embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
+    embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
+    pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
+    pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };

@@ -192,11 +192,61 @@ loss_32k = tables.fits_table([(f"--loss {loss}", t) for loss, t in loss_traces.i
                                                                                        "b200-180gb", "mi300x-192gb"])
 display(loss_32k)
 
+# %% [markdown]
+# ## torch.compile: what AOTAutograd's partitioner saves
+#
+# Llama-3-8B at 4,096 tokens, AMP, fused AdamW (so the peak is the turn from forward to backward), traced
+# eager and with `--compile` (`fit_compile.py`): every block compiled, its joint graph split by inductor's
+# partitioner, both graphs run as Python on fake tensors. The saved activations are the compiled step's;
+# inductor's fused kernels would allocate fewer temporaries than this trace does.
+
+# %%
+compile_traces = {c: lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimizer="adamw-fused", compile=c,
+                                          levers="none")) for c in (False, True)}
+for c, t in compile_traces.items():
+    print("--compile" if c else "eager    ", "activations", tables.format_bytes(t.derived["category_max"]["activations"]),
+          "peak", tables.format_bytes(t.per_rank_peak_bytes), "at", t.derived["peak_phase"])
+# ## float8 linears, torchao's tensorwise recipe
+#
+# torchao's `Float8Linear` with dynamic tensorwise scaling, in plain PyTorch (`fit_float8.py`): Llama-3-8B
+# at 4,096 tokens with fused AdamW, under AMP and in pure bf16, each with and without float8 linears
+# (traced). torchao saves the high-precision operands for backward, so a float8 linear keeps what a bf16
+# one keeps; under AMP it keeps no bf16 cast of its weight. Then FSDP2's float8 all-gather, derived: one
+# block's gathered weights on 8 ranks, and what each rank receives per step.
+
+# %%
+fit_float8 = labs.load(13, "fit_float8")
+float8_8b = {(precision, f8): lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimizer="adamw-fused", precision=precision,
+                                                   float8=f8, levers="none")).per_rank_peak_bytes
+             for precision in ("mixed", "bf16") for f8 in ("none", "tensorwise")}
+gather_8b = fit_float8.fsdp_float8_all_gather(llama8b.config.spec, dp=8)
+for (precision, f8), peak in float8_8b.items():
+    print(f"{precision:5} --float8 {f8:10} peak {tables.format_bytes(peak)} (traced)")
+print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16, {tables.format_bytes(gather_8b['block_float8'])} "
+      f"with float8 all-gather; received per step per rank: {tables.format_bytes(gather_8b['received_bf16'])} -> "
+      f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
+# ## One rank of a split model: tensor, sequence and pipeline parallelism
+#
+# `--tp` splits every block the Megatron way through DTensor's plan (`fit_parallel.py`), on a `--dp` x
+# `--tp` mesh of the fake process group; `--sp` also splits the norms and the stream between sublayers
+# along the sequence. `--pp` traces 1F1B's first stage (`fit_pipeline.py`): its blocks, and `--pp`
+# micro-batches in flight. Llama-3-8B at 4,096 tokens, AMP; then one rank of Llama-3.1-405B as
+# torchtitan would lay it out on 512 GPUs: TP 8 with SP, PP 16, ZeRO-3 over 8 data-parallel ranks.
+
+# %%
+SPLITS = {"--tp 8 --sp": dict(model="llama-3-8b", tp=8, sp=True),
+          "--pp 4 (8 micro-batches)": dict(model="llama-3-8b", pp=4, accumulation=8),
+          "405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3": dict(model="llama-3.1-405b", tp=8, sp=True, pp=16,
+                                                                  accumulation=16, dp=8, zero_stage=3)}
+split_traces = {label: lab.trace(lab.Config(seq=4096, levers="none", **f)) for label, f in SPLITS.items()}
+parallel = tables.fits_table(list(split_traces.items()), ["h100-80gb", "h200-141gb"])
+display(parallel)
+
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k},
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
     peak_8b=llama8b.trace.per_rank_peak_bytes, peak_70b=llama70b.trace.per_rank_peak_bytes,
@@ -213,4 +263,10 @@ notebook.publish(
     seconds_8b=llama8b.trace.seconds, seconds_70b=llama70b.trace.seconds,
     **{f"loss_{loss.replace('-', '_')}_32k": t.per_rank_peak_bytes for loss, t in loss_traces.items()},
     loss_peak_phase_full_32k=loss_traces["full"].derived["peak_phase"],
+    **{f"{'compiled' if c else 'eager'}_{what}_8b": t.derived["category_max"]["activations"] if what == "activations"
+       else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
+    **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
+    float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
+    tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
+    rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))

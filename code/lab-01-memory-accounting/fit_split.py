@@ -1,0 +1,60 @@
+"""Lab 01 - will it fit? The moments a split model adds (``fit_formula.py`` calls them): tensor parallelism's
+embedding gradient and pipeline parallelism's first stage, as Lab 13 traces them (``fit_parallel.py``,
+``fit_pipeline.py``). ``tests/test_fit_formula.py`` holds both to real-scale traces within 0.1 %."""
+
+from __future__ import annotations
+
+import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
+from fit_expr import ZERO, Expr, ceil_div, total
+
+
+def carried(x, S, grads: Expr) -> Expr:
+    """Earlier micro-batches' gradients ``grads``; under --tp at ZeRO-0, the embedding's whole (:func:`embedding`)."""
+    return grads + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 and x.zero_stage == 0 and x.accumulation > 1 else grads
+
+
+def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
+    """--tp at ZeRO-0: DTensor (torch 2.13) has no vocabulary-split rule for the embedding's backward, so each rank
+    makes the embedding's whole gradient and, before the step, copies its rows out of it (both alive); with
+    accumulation, the embedding's backward makes a whole new gradient beside the one accumulated."""
+    whole = S.w * S.t * S.V * S.h
+    out = {"embedding_gradient": dict(state) | {"gradients": state["gradients"] + whole}}
+    if x.accumulation > 1:
+        out["embedding_backward"] = held | {"temporaries": whole + S.T * S.r * S.h}
+    return out
+
+
+def first_stage(x, S, state: dict, comm: dict) -> dict[str, dict[str, Expr]]:
+    """The first stage's moments, DDP's buckets (``comm``) added: each category, 0 where it holds none."""
+    return {k: f._full(v | {"communication": total(comm.get(k, comm["optimizer"]), v.get("communication", ZERO))})
+            for k, v in pipeline(x, S, state).items()}
+
+
+def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
+    """--pp (Lab 13's fit_pipeline.py): the first stage of 1F1B (L here is its ⌈L / pp⌉ blocks). At the start of a
+    steady backward it holds pp micro-batches in flight (each its blocks' activations, its output, sent on and kept
+    for its backward, and under autocast its own casts of the weights), every gradient, the buffer the gradient from
+    the next stage is received into, and the last block's first backward matmuls: the gradients of the MLP's
+    down-projection input (c × T × f) and weight (c × f × h), beside the received gradient's cast (autocast). Or at
+    the end of that backward, the embedding's: its whole new gradient made beside the one accumulated, and the
+    gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
+    steady forward (output, its copy for the collective, the rank's share)."""
+    tokens = ceil_div(S.T, S.t) if x.sp else S.T
+    mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
+    micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
+    micro = micro + S.c * S.Pm if mixed and x.checkpointing == "none" else micro
+    temporaries = total(S.c * tokens * S.h if mixed else ZERO, S.c * S.T * S.f, S.c * S.f * S.h)
+    grads = state["gradients"] + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 else state["gradients"]  # DTensor's whole
+    held = dict(state) | {"gradients": grads, "communication": tokens * S.r * S.h}  # embedding gradient (moments)
+    out = {"pipeline_backward": held | {"activations": S.pp * micro, "temporaries": temporaries},
+           "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
+                                         "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
+           "optimizer": dict(state)}
+    gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
+    if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
+        out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
+                                                 "temporaries": total(gathered, tokens * S.r * S.h,
+                                                                      (2 * S.T + tokens) * S.c * S.h)}
+    if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment
+        out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
+    return out

@@ -1,0 +1,120 @@
+"""Lab 13 - torch.compile's training step: what AOTAutograd's partitioner saves for backward.
+
+``torch.compile(block)`` hands each block to AOTAutograd. It traces forward and backward into one joint
+graph and splits it in two. The split is inductor's own: its joint-graph passes, then
+``min_cut_rematerialization_partition`` (``torch/_inductor/compile_fx.py: partition_fn``), which saves the
+cheapest set of tensors that backward can start from and recomputes cheap pointwise ops (casts, RMSNorm's
+scaling, SiLU, RoPE) in backward instead. The forward graph's outputs beyond the block's own output are
+what it saves.
+
+The backend here is that pipeline with one change: the compilers return the two FX graphs as they are,
+with no code generated. They run as Python, op by op, so on fake tensors and under the ledger like any
+eager step. Every block is compiled as torchtitan compiles it, ``torch.compile(block, fullgraph=True)`` per
+block (``apply_compile`` in https://github.com/pytorch/torchtitan/blob/81c1243395b46ce693a0681cfe1bb20e9b9433fb/torchtitan/models/llama3/infra/parallelize.py);
+the embedding, the head and the loss stay eager. ``tests/test_lab13.py`` holds the compiled step's loss and gradients to eager's and
+its trace to the real ledger.
+
+What inductor's generated code changes, which no graph run as Python can show:
+
+* **Fusion** (``torch/_inductor/scheduler.py``): a chain of pointwise ops becomes one kernel, so its
+  intermediate tensors are never allocated. The trace allocates each one, then frees it.
+* **Buffer reuse** (``torch/_inductor/codegen/wrapper.py``: ``ReuseLine``; ``codegen/memory_planning.py``):
+  a dead buffer of the same size is handed to the next op instead of a new allocation.
+* **CUDA graphs** (``mode="reduce-overhead"``, ``torch/_inductor/cudagraph_trees.py``): a private memory
+  pool that outlives the step. The default mode uses none.
+
+So the saved tensors are the compiled step's, to the byte. Its temporaries are an upper bound.
+
+Not traced: checkpointing with ``--compile``. torchtitan wraps each block in its checkpoint before compiling
+it; the compiled forward then calls the higher-order op ``run_and_save_rng_state``
+(``torch/_prims/rng_prims.py``), and a dispatch mode without a rule for it (the ledger) gets
+``NotImplementedError`` from ``torch/_ops.py``. Nor FSDP2 (its hooks inside the compiled block) or a MoE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from labkit.config import UsageError
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.compile_fx import partition_fn
+
+
+# --8<-- [start:compile]
+class Partitioned:
+    """A torch.compile backend: inductor's partition of the joint graph, the two graphs run as Python."""
+
+    def __init__(self) -> None:
+        self.graphs = 0  # forward graphs partitioned (every block has the same one: one, normally)
+        self.calls = 0  # compiled forwards run
+        self.saved: list[int] = []  # bytes each run saved for backward, beyond its inputs
+        self.backend = aot_autograd(fw_compiler=self.forward, bw_compiler=self.backward, partition_fn=self.partition)
+
+    def partition(self, joint, inputs, **kwargs):
+        self.user_outputs = kwargs["num_fwd_outputs"]  # the block's own outputs; the rest are saved
+        return partition_fn(joint, inputs, **kwargs)  # inductor's joint-graph passes, then its min-cut
+
+    def forward(self, graph, example_inputs):
+        self.graphs += 1
+        keep = self.user_outputs
+
+        def run(args):
+            inputs = {t.untyped_storage()._cdata for t in args if isinstance(t, torch.Tensor)}
+            outputs = graph(*args)  # the forward graph as Python: the ledger sees each op
+            self.calls += 1
+            self.saved.append(storage_bytes(outputs[keep:], inputs))
+            return outputs
+        run._boxed_call = True  # AOTAutograd passes the inputs as one list it may free early
+        return run
+
+    def backward(self, graph, example_inputs):
+        def run(args):
+            return graph(*args)
+        run._boxed_call = True
+        return run
+
+
+def storage_bytes(tensors, skip: set) -> int:
+    """Bytes of the distinct storages of ``tensors``, less those in ``skip`` (the inputs: weights, x)."""
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(n for key, n in seen.items() if key not in skip)
+
+
+@contextlib.contextmanager
+def compiled(model, config, steady: int):
+    """Every block of ``model`` compiled by :class:`Partitioned` (with ``config.compile``) for the step run
+    in the block; after it, an error unless each ran compiled in each of its micro-batches (``steady`` at
+    most): Dynamo falls back to eager silently when it cannot compile, and that must not pass."""
+    if not config.compile:
+        yield None
+        return
+    torch._dynamo.reset()  # a fresh cache: this trace's shapes, this backend
+    backend = Partitioned()
+    for block in model.blocks:
+        block.compile(backend=backend.backend, fullgraph=True)
+    yield backend
+    expected = len(model.blocks) * min(config.accumulation, steady)
+    if backend.calls != expected:
+        raise RuntimeError(f"--compile: {backend.calls} compiled block forwards ran, not {expected} (one per block and "
+                           "micro-batch): a block ran eager, or ran again")
+# --8<-- [end:compile]
+
+
+def check_compile(config) -> None:
+    """What ``--compile`` traces: a training step of a dense zoo Llama, its blocks neither checkpointed nor
+    wrapped by FSDP2."""
+    if not config.compile:
+        return
+    for bad, why in ((config.task != "train", f"--task {config.task} has no backward to partition: --task train"),
+                     (config.spec.family != "llama" or config.spec.experts, f"{config.model} is not a dense zoo Llama "
+                      "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
+                     (config.checkpointing != "none", "torchtitan checkpoints inside each compiled block, and there "
+                      "the compiled forward calls the higher-order op run_and_save_rng_state, which the ledger has no "
+                      "rule for (NotImplementedError in torch/_ops.py): not traced; give --checkpointing none"),
+                     (config.zero_stage >= 2 or config.offload == "params", "FSDP2's hooks would run inside each "
+                      "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params"),
+                     (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
+                      "compiled: --tp 1 --pp 1")):
+        if bad:
+            raise UsageError(f"--compile: {why}")
