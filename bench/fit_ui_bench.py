@@ -41,7 +41,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-b
 #: (field, a value, the value to go back to): every kind of change a reader makes, training then serving
 TRAIN = [("seq", "8192", "4096"), ("seq", "81920", "819"), ("precision", "bf16", "mixed"),
          ("checkpointing", "full", "none"), ("dp", "8", "1"), ("model", "mixtral-8x7b", "llama-3-70b"),
-         ("batch", "4", "1"), ("lora_rank", "16", "0"), ("task", "serve", "train"), ("gpu", "l4-24gb", "h100-80gb")]
+         ("batch", "4", "1"), ("method", "lora", "full"), ("task", "serve", "train"), ("gpu", "l4-24gb", "h100-80gb")]
 SERVE = [("context", "32768", "8192"), ("requests", "256", "32"), ("kv_dtype", "fp8", "bf16")]
 
 #: one change made as a reader makes it; returns the milliseconds to the laid-out answer

@@ -7,7 +7,7 @@
 the zoo's presets, Lab 13's GPU table, the constants the formulas use and the legend of every name in
 the formula code the page quotes (the build hook renders it there), the levers in Lab 13's order
 of cost, and every traced figure the labs have published for a preset configuration (Lab 13's
-steps and prefills; Lab 14's serving budgets once its results exist), each beside the formula's
+steps and prefills; Lab 14's serving budgets and Lab 15's fine-tunes once their results exist), each beside the formula's
 bytes and the gap. ``table.json`` is what the browser test loads: ``--count`` configurations, each
 with Python's bytes per category, moment, verdict and levers, that the page's JavaScript must
 reproduce within 0.1 %, and inputs the page must refuse next to the field that is wrong.
@@ -31,6 +31,7 @@ lab01_fit = labs.load(1, "fit_formula")
 lab01_inputs = labs.load(1, "fit_inputs")
 lab13_gpus = labs.load(13, "fit_gpus")
 lab13_levers = labs.load(13, "fit_levers")
+lora_targets = labs.load(15, "lora")
 Inputs, Lever, CUSTOM = lab01_inputs.Inputs, lab13_levers.Lever, lab01_inputs.CUSTOM
 
 SERVE = ("serve",)
@@ -51,11 +52,13 @@ SERVING_LEVERS = (
 LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
 #: The lab that measures each category, for each task, and the lab behind each lever (linked from the page).
-TRAIN_LABS = {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 4, "temporaries": 13,
-              "communication": 11, "kv_cache": 14}
+TRAIN_LABS = {"parameters": 2, "frozen_weights": 15, "quant_constants": 15, "gradients": 2, "optimizer_state": 2,
+              "activations": 4, "temporaries": 13, "communication": 11, "kv_cache": 14}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "decode": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
-               "serve": TRAIN_LABS | {"parameters": 14, "activations": 14}}
+               "serve": TRAIN_LABS | {"parameters": 14, "activations": 14},
+               # a LoRA step's adapters, their gradients and state, and 8-bit AdamW's state: Lab 15, to the byte
+               "lora": TRAIN_LABS | {"parameters": 15, "gradients": 15, "optimizer_state": 15}}
 #: Keyed by lever, not kind: fused AdamW is Lab 02's (foreach against fused), optimizer offload Lab 07's,
 #: parameter offload (FSDP2's CPUOffloadPolicy) the sharded-inference page of Lab 11; a smaller micro-batch
 #: is Lab 06's accumulation in training, Lab 13's traced prefills in inference.
@@ -151,7 +154,8 @@ def clis() -> dict:
         return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
-    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "compile"}  # --compile: traced only
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout", "compile"}  # the calculator
+    # has no dropout; --compile: traced only
     serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
              "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
@@ -190,12 +194,10 @@ def command(x: Inputs, gpu: str) -> list:
             return [None, f"{script} traces tensor parallelism for training: --task {x.task} splits over GPUs in Lab 14"]
         if x.tp > 1 and zoo.get(x.model).family != "llama":
             return [None, f"{script} splits a zoo Llama's modules under --tp, not {x.model}'s"]
-        if x.lora_rank and x.task == "train":
-            return [None, "no lab traces LoRA: --lora-rank is derived only"]
         if x.task != "decode":  # a decode step's sizes, which fit.py takes with --task decode only
             x = replace(x, kv_len=None, new_tokens=1)
         if x.task in ("infer", "decode"):  # what a prefill or decode does not use: left out (fit.py refuses it)
-            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", checkpoint_every=None, loss="full",
+            x = replace(x, accumulation=1, optimizer="adamw", checkpointing="none", checkpoint_every=None, loss="full", method="full",
                         optimizer_in_backward=False, offload_activations=False, float8="none",
                         zero_stage=0 if x.zero_stage in (1, 2) else x.zero_stage,
                         offload="none" if x.offload == "optimizer" else x.offload)
@@ -215,6 +217,8 @@ def command(x: Inputs, gpu: str) -> list:
 
 def _text(value) -> str:
     """A flag's value as the page writes it (JavaScript's String: 1.0 is "1")."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
@@ -267,6 +271,17 @@ def lab14_traced() -> list[dict]:
                     "free": ["requests", "block_size", "gpu_memory_utilization"],  # they change the KV, not these
                     "source": f"{path.relative_to(ROOT)}: table real_scale"})
     return out
+
+
+def lab15_traced() -> list[dict]:
+    """Lab 15's fine-tunes traced at real size (LoRA, QLoRA, the 8-bit AdamW), once its results exist."""
+    path = ROOT / "results" / labs.slug(15) / "summary.json"
+    if not path.is_file():
+        return []
+    return [{"inputs": _train_fields(r["inputs"]), "bytes": r["per_rank_peak_bytes"], "phase": r["peak_phase"],
+             "by_category": r["by_category"], "compared": None, "free": [],
+             "source": f"{path.relative_to(ROOT)}: numbers.real_scale[name={r['name']}]"}
+            for r in json.loads(path.read_text())["numbers"]["real_scale"]]
 
 
 def _dict_calls(node):
@@ -324,8 +339,8 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
         if task == "train":
             f |= {"accumulation": rng.choice((1, 1, 2, 4)), "checkpointing": rng.choice(CHECKPOINTING),
                   "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
-                  "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "sgd")),
-                  "lora_rank": rng.choice((0, 0, 0, 8, 64))}
+                  "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd")),
+                  "method": rng.choice(("full", "full", "lora", "qlora"))}
             f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
             f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
@@ -336,6 +351,11 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                 f["replicate"] = rng.choice((1, 2))
             if f["pp"] > 1:
                 f["accumulation"] = f["pp"] * rng.choice((2, 4))
+            if f["method"] != "full":  # a rank and targets only where adapters read them (the page's address too),
+                f |= {"lora_rank": rng.choice((8, 16, 64)), "loss": "full", "offload": "none",  # on one GPU, the
+                      "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),  # model's loss
+                                                  ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
+                      "sp": False, "pp": 1, "replicate": 1, "float8": "none"}  # eager, unsplit (Lab 15's traces)
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -349,7 +369,13 @@ BAD = [
     ({"heads": "7"}, "heads"), ({"tp": "3"}, "tp"), ({"sp": "true"}, "sp"), ({"pp": "4"}, "pp"), ({"replicate": "2"}, "replicate"), ({"zero_stage": "2"}, "zero_stage"),
     ({"task": "serve", "gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"task": "serve", "block_size": "0"}, "block_size"), ({"model": "custom", "layers": "4"}, "hidden"),
-    ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"),
+    ({"model": "mixtral-8x7b", "top_k": "9"}, "top_k"), ({"lora_rank": "-8"}, "lora_rank"), ({"lora_rank": "0"}, "lora_rank"),
+    ({"method": "lora", "model": "llama-3.2-1b", "lora_rank": "1024"}, "lora_rank"),
+    ({"method": "lora", "lora_targets": "q,x"}, "lora_targets"), ({"method": "qlora", "precision": "fp32"}, "method"),
+    ({"method": "lora", "model": "gpt-3-175b"}, "method"), ({"method": "lora", "dp": "8"}, "method"),
+    ({"optimizer": "adamw8bit", "dp": "8", "zero_stage": "1"}, "optimizer"), ({"method": "lora", "loss": "fused-linear"}, "loss"),
+    ({"method": "lora", "tp": "2"}, "method"), ({"method": "qlora", "float8": "tensorwise"}, "method"),
+    ({"method": "lora", "pp": "2", "accumulation": "4"}, "method"),  # Lab 15's step is not traced with them
     # a field the task does not show: the page shows it while it is wrong, and the task's result
     ({"task": "serve", "seq": "-1"}, "seq"), ({"task": "serve", "dp": "two"}, "dp"),
     ({"task": "infer", "lora_rank": "-8"}, "lora_rank"), ({"task": "train", "context": "0"}, "context"),
@@ -392,6 +418,8 @@ def _parse(name: str, text: str):
     field = next(f for f in lab01_inputs.fields() if f["name"] == name)
     kind = type(field["choices"][0]).__name__ if field["choices"] else field["type"]
     try:
+        if kind == "list":
+            return tuple(part.strip() for part in text.split(",") if part.strip())
         if kind == "int":
             return int(text) if text.lstrip("-").isdigit() else float(text)
         return float(text) if kind == "float" else text
@@ -433,9 +461,9 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS,
-                      "max_ranks": lab01_inputs.MAX_RANKS},
-        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(),
+                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS, "frozen": f.FROZEN,
+                      "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8, "max_ranks": lab01_inputs.MAX_RANKS},
+        "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(), "lora_targets": list(lora_targets.ALL),
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,
                     "numerics": lv.numerics,
                     "cost": {task: lv.cost_for(task) for task in lv.tasks},
@@ -451,9 +479,9 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py, fit_moments.py and fit_serve.py a page may quote (between snippet markers), by name."""
+    """The sections of fit_formula.py, fit_moments.py, fit_serve.py and fit_lora.py a page may quote (between snippet markers), by name."""
     text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
-                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py"))
+                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py", "fit_lora.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 
@@ -522,7 +550,7 @@ def run(config: Config) -> dict:
     for name in ("calculator.json", "table.json"):
         files.check_writable(config.out_dir / name, "--out-dir")
     rng = random.Random(config.seed)
-    traced = lab13_traced() + lab14_traced()
+    traced = lab13_traced() + lab14_traced() + lab15_traced()
     core = [(Inputs(**t["inputs"]), "h100-80gb") for t in traced]
     core += [(Inputs(model=m, task=task), "h100-80gb") for m in lab01_inputs.presets() for task in ("train", "serve")
              if not (task == "serve" and zoo.get(m).family == "gpt")]

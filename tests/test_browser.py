@@ -601,7 +601,8 @@ READ_FIT = """() => {
 def fit_query(fields: dict, gpu: str | None = None) -> str:
     """A configuration as the page's address carries it: each key a flag's spelling (``zero-stage``, as
     ``fit.py --zero-stage``; ``kv-dtype``, as ``serve_memory.py --kv-dtype``)."""
-    text = {k.replace("_", "-"): ("true" if v is True else "false" if v is False else str(v)) for k, v in fields.items()}
+    text = {k.replace("_", "-"): ("true" if v is True else "false" if v is False else ",".join(v) if isinstance(v, list)
+                                  else str(v)) for k, v in fields.items()}
     return "?" + urlencode(text | ({"gpu": gpu} if gpu else {}))
 
 
@@ -744,19 +745,15 @@ def test_fit_ladder_halves_the_batch_again_and_links_each_lever_to_its_lab(brows
     ctx.close()
 
 
-def test_fit_lora_is_labelled_derived_and_links_to_its_formula(browser, server):
-    """No lab measures LoRA: its input says "derived, not measured", and a LoRA step's parameters,
-    gradients and optimizer state link to their formula on the page, not to Lab 02."""
-    ctx, page, watch = open_fit(browser, server, "?lora-rank=16")
-    tag = page.locator("#fit-hint-lora_rank .il-tag--derived")  # under the input, where the rank is typed
-    assert tag.is_visible() and tag.text_content() == "derived, not measured"
-    for cat in ("parameters", "gradients", "optimizer_state"):
+def test_fit_lora_and_qlora_link_their_categories_to_lab_15(browser, server):
+    """Lab 13 traces LoRA and QLoRA with Lab 15's adapters and NF4 weights: a QLoRA step's adapters, their
+    gradients and optimizer state, the frozen weights and their constants say Lab 15 measures them; the
+    activations stay Lab 04's, and a full step's parameters are Lab 02's again."""
+    ctx, page, watch = open_fit(browser, server, "?method=qlora&precision=bf16&lora-rank=16")
+    for cat in ("parameters", "gradients", "optimizer_state", "frozen_weights", "quant_constants"):
         cell = page.locator(f"#fit-table tr[data-category={cat}] td:last-child")
-        assert "Lab" not in cell.inner_text(), cat
-        if page.get_attribute(f"#fit-table tr[data-category={cat}]", "data-bytes") == "0":
-            continue  # none at the peak: no formula shown to link to
-        assert cell.locator("a").get_attribute("href") == f"#fit-formula-{cat}", cat
-        assert page.locator(f"#fit-formula-{cat}").count() == 1 and "Lab 02" not in page.inner_text(f"#fit-formula-{cat}")
+        assert cell.inner_text() == "Lab 15", cat
+        assert "lab-15-fine-tuning" in cell.locator("a").get_attribute("href"), cat
     assert page.inner_text("#fit-table tr[data-category=activations] td:last-child") == "Lab 04"
     page.evaluate("q => InfraLabFit.load(q)", "")
     assert page.inner_text("#fit-table tr[data-category=parameters] td:last-child") == "Lab 02"
@@ -779,8 +776,8 @@ def test_fit_page_puts_the_calculator_first_and_its_code_behind_a_legend(browser
     assert block.count() == 1 and block.evaluate("d => d.open") is False
     assert not block.locator("pre").first.is_visible() and not block.locator("table").is_visible()
     codes = block.locator("pre code").evaluate_all("els => els.map(e => e.textContent)")
-    assert len(codes) == 6, len(codes)  # state, activations, moments, serve (fit_formula.py), flags (fit_moments.py),
-    # serve-terms (fit_serve.py)
+    assert len(codes) == 7, len(codes)  # state, activations, moments, serve (fit_formula.py), flags (fit_moments.py),
+    # lora (fit_lora.py), serve-terms (fit_serve.py)
     used = set(table_script().names_used("\n".join(codes)))
     named = set(block.locator("table tbody tr td:first-child").evaluate_all("tds => tds.map(t => t.textContent.trim())"))
     assert {"S.c", "S.Pt", "ROW", "SLOT", "LSE", "ceil_div", "x.zero_stage"} <= used, used

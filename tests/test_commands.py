@@ -63,7 +63,7 @@ OUT_FLAGS = {"bench/cpu_adam_bench.py": "--out {tmp}/cpu_adam_bench.json",
 SKIP = {
     "./scripts/serve": "serves the site until stopped (tests/test_site.py builds it)",
     "./scripts/test": "runs this whole suite (it would run itself)",
-    "scripts/run_notebooks.py --device cpu": "executes all 14 notebooks, many minutes (tests/test_notebooks.py does)",
+    "scripts/run_notebooks.py --device cpu": "executes all 16 notebooks, many minutes (tests/test_notebooks.py does)",
     "bench/offload_bench.py": "a GPU benchmark writing results/offload_bench.json, with no --out (gpu_campaign runs it)",
 }
 # Commands that need a CUDA GPU though their line names no --device: they run under `pytest -m cuda`.
@@ -95,6 +95,8 @@ SLOW: dict[str, float] = {
           "--steps 2 --stage 3": 36,
     _PY + "lab-13-will-it-fit/fit.py --model llama-3-70b --dp 8 --zero-stage 3 --json": 32,
     _PY + "lab-13-will-it-fit/fit.py --model llama-3-70b --dp 8 --zero-stage 3 --checkpointing full": 22,
+    _PY + "lab-13-will-it-fit/fit.py --model llama-3-8b --method qlora --precision bf16 --seq 2048 "
+          "--gpu rtx4090-24gb": 31,
 }
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from labkit import labs, zoo
 from labkit.config import UsageError
@@ -104,13 +105,43 @@ def test_tensor_parallel_ranks_split_all_but_the_norms(model, tp):
 
 
 def test_lora_trains_only_its_adapters_on_a_frozen_base():
-    full, lora = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", lora_rank=16)
+    """--method lora under mixed is PEFT's: fp32 adapters (4 B, AdamW's moments too) beside a bf16 base (2 B)."""
+    full, lora = Inputs(model="llama-3-8b"), Inputs(model="llama-3-8b", method="lora", lora_rank=16)
     z = fit.sizes(lora)
     h, q, g, f = 4096, 4096, 1024, 14336
     assert z.Pt == 32 * 16 * (2 * (h + q) + 2 * (h + g) + 3 * (h + f))
-    assert state_of(lora)["gradients"] == 4 * z.Pt
-    assert state_of(lora)["parameters"] == 4 * (z.P + z.Pt)
+    assert state_of(lora)["gradients"] == state_of(lora)["parameters"] == 4 * z.Pt
+    assert state_of(lora)["frozen_weights"] == 2 * z.P and state_of(lora)["optimizer_state"] == 8 * z.Pt + 4 * 32 * 14
     assert fit.estimate(lora)["optimizer_state"] < fit.estimate(full)["optimizer_state"] / 100
+    qv = fit.sizes(Inputs(model="llama-3-8b", method="lora", lora_rank=16, lora_targets=("q", "v")))
+    assert qv.Pt == 32 * 16 * ((h + q) + (h + g)) and qv.n == 32 * 4
+
+
+def test_qlora_keeps_the_blocks_linears_in_nf4_with_double_quantized_constants():
+    """Lab 15's bytes per weight: n / 2 of codes; an 8-bit absmax per 64, a float32 scale per 256 of those
+    and a float32 offset per linear; the embedding, the norms and the head stay bf16."""
+    nf4 = labs.load(15, "nf4")
+    x = Inputs(model="llama-3-8b", method="qlora", precision="bf16")
+    z, state = fit.sizes(x), state_of(x)
+    with torch.device("meta"):
+        model = zoo.get("llama-3-8b").build()
+    linears = [m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert z.matmuls == sum(linears) and z.nf4[3] == len(linears) == 32 * 7
+    want = [nf4.nf4_bytes(n) for n in linears]
+    assert state["frozen_weights"] == sum(w["codes"] for w in want) + 2 * (z.P - z.matmuls)
+    assert state["quant_constants"] == sum(w["constants"] for w in want)
+    assert state["quant_constants"] / sum(linears) == pytest.approx(1 / 64 + 4 / 64 / 256, rel=1e-3)
+
+
+def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
+    """Lab 15's state_bytes, tensor by tensor: 2 B per value and 2 x 4 B per 2,048 values; float32 moments
+    for a tensor under 4,096 values (Llama-3-8B has none: its norms are 4,096 wide)."""
+    adam8bit = labs.load(15, "adam8bit")
+    x = Inputs(model="llama-3-8b", precision="bf16", optimizer="adamw8bit")
+    with torch.device("meta"):
+        sizes = [p.numel() for p in zoo.get("llama-3-8b").build().parameters()]
+    assert state_of(x)["optimizer_state"] == sum(adam8bit.state_bytes(n) for n in sizes)
+    assert fit.sizes(x).opt8[2] == 0 and fit.sizes(x).opt8[3] == adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS
 
 
 # ---------------------------------------------------------------- against Lab 13's traces
@@ -129,6 +160,13 @@ def test_lora_trains_only_its_adapters_on_a_frozen_base():
     {"precision": "mixed", "offload": "optimizer"},
     {"precision": "mixed", "optimizer_in_backward": True}, {"precision": "bf16", "offload_activations": True},
     {"precision": "mixed", "task": "infer", "batch": 2},
+    # Lab 15's methods and optimizer, as Lab 13 traces them: within 0.5 % here (0.1 % at real size)
+    {"method": "lora", "precision": "bf16"}, {"method": "qlora", "precision": "mixed"},
+    {"method": "qlora", "precision": "bf16", "checkpointing": "full", "optimizer": "adamw8bit"},
+    {"method": "lora", "precision": "mixed", "checkpointing": "save-matmuls", "lora_targets": ("q", "v")},
+    # every weight through the 8-bit AdamW's chunks: a narrower model with a smaller vocabulary traces in seconds
+    {"precision": "bf16", "optimizer": "adamw8bit", "checkpointing": "full", "hidden": 1024, "heads": 8,
+     "kv_heads": 2, "ffn": 3584, "vocab": 32000},
     {"precision": "mixed", "optimizer": "adamw-fused", "float8": "tensorwise"},  # no weight casts kept
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
 ])
@@ -138,8 +176,11 @@ def test_formulas_follow_lab13s_trace_category_by_category(fields):
     sequences or a small vocabulary, FSDP2's buffers in the middle of backward can hold the peak: the
     formulas count the moments that hold it at real size.)"""
     lab13 = labs.load(13)
-    config = lab13.Config(model="llama-3-8b", seq=1024, levers="none", **fields)
-    config.__dict__["spec"] = dataclasses.replace(zoo.get("llama-3-8b"), layers=4)  # Lab 13's model, four blocks
+    dims = {k: v for k, v in fields.items() if k in ("hidden", "heads", "kv_heads", "ffn", "vocab")}
+    flags = {k: v for k, v in fields.items() if k not in dims}
+    config = lab13.Config(model="llama-3-8b", seq=1024, levers="none", **flags)
+    config.__dict__["spec"] = dataclasses.replace(  # Lab 13's model, four blocks
+        zoo.get("llama-3-8b"), layers=4, **{"width" if k == "hidden" else k: v for k, v in dims.items()})
     traced = lab13.trace(config).derived["peak"]
     mine = fit.estimate(Inputs(model="llama-3-8b", layers=4, seq=1024, **fields))
     assert sum(mine.values()) == pytest.approx(traced["total"], rel=0.005)
@@ -272,10 +313,10 @@ def test_dtensors_whole_embedding_gradient_holds_the_optimizers_peak(fields):
 
 
 def test_committed_real_scale_traces_agree():
-    """Every configuration Lab 13 and Lab 14 traced at real size (the categories each traced): Llama
-    within 0.1 %, everything within 5 %."""
+    """Every configuration Lab 13, Lab 14 and Lab 15 traced at real size (the categories each traced):
+    Llama within 0.1 % (Lab 15's LoRA, QLoRA and 8-bit AdamW steps among them), everything within 5 %."""
     script = table_script()
-    traced = script.lab13_traced() + script.lab14_traced()
+    traced = script.lab13_traced() + script.lab14_traced() + script.lab15_traced()
     assert len(traced) >= 18
     for t in traced:
         formula = fit.estimate(Inputs(**t["inputs"]))
@@ -395,7 +436,7 @@ def test_results_table_is_what_the_python_computes_now():
     assert len(rows) >= 500
     for row in rows[::25]:
         fields = {k: v for k, v in row["query"].items()}
-        again = script.row(Inputs(**fields), row["gpu"], with_formulas="formulas" in row)
+        again = json.loads(json.dumps(script.row(Inputs(**fields), row["gpu"], with_formulas="formulas" in row)))  # as saved
         assert again == {k: row[k] for k in again}, row["query"]
     assert {b["field"] for b in table["bad"]} >= {"layers", "heads", "kv_heads", "config_json", "precision", "model", "gpu",
                                                   "zero_stage", "offload", "context", "gpu_memory_utilization"}
@@ -419,6 +460,17 @@ def test_results_table_is_what_the_python_computes_now():
     ({"optimizer_in_backward": True, "dp": 2, "zero_stage": 1}, "--optimizer-in-backward steps and frees"),
     ({"offload_activations": True, "dp": 2, "zero_stage": 3}, "--offload-activations with --zero-stage 3"),
     ({"offload_activations": True, "model": "mixtral-8x7b"}, "dense Llama block"),
+    # Lab 15's rules: a rank of 0, a rank above min(in, out), an unknown target, QLoRA in fp32
+    ({"method": "lora", "lora_rank": 0}, "--lora-rank"), ({"method": "lora", "lora_rank": 1025}, "--lora-rank 1025"),
+    ({"method": "lora", "lora_targets": ("q", "w")}, "--lora-targets"), ({"method": "qlora", "precision": "fp32"}, "--precision"),
+    ({"method": "lora", "model": "gpt-3-175b"}, "--method lora"), ({"method": "lora", "dp": 8}, "--dp"),
+    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"), ({"method": "qlora", "loss": "chunked"}, "--loss chunked"),
+    ({"optimizer": "adamw8bit", "dp": 8, "zero_stage": 1}, "--zero-stage"),
+    # Lab 15's step beside Lab 13's split model and float8 linears: not traced together
+    ({"method": "lora", "tp": 2}, "--tp with --method lora"), ({"method": "qlora", "tp": 2, "sp": True}, "--tp with"),
+    ({"method": "lora", "pp": 2, "accumulation": 2}, "--pp with --method lora"),
+    ({"method": "qlora", "float8": "tensorwise"}, "--float8 with --method qlora"),
+    ({"method": "lora", "dp": 4, "zero_stage": 3, "replicate": 2}, "--method lora is traced on one GPU"),
     ({"float8": "tensorwise", "precision": "fp32"}, "--float8 tensorwise casts bf16"),
     ({"float8": "tensorwise", "model": "mixtral-8x7b"}, "--float8 tensorwise converts a dense Llama"),
     ({"float8": "tensorwise", "checkpointing": "save-alternate-matmuls"}, "save aten.mm outputs"),
@@ -508,10 +560,13 @@ def test_the_command_beside_each_configuration_is_the_labs_own():
             assert (config.seq_len or zoo.get(x.model).context) == x.context, cmd
         else:
             same = ["task", "batch", "seq", "precision", "dp"] + (["accumulation", "optimizer", "checkpointing", "zero_stage",
-                                                                   "offload", "tp", "sp"] if x.task == "train" else [])
+                                                                   "offload", "tp", "sp", "method"] if x.task == "train" else [])
+            if x.task == "train" and x.method != "full":
+                same += ["lora_rank", "lora_targets"]
+                seen["lora"] = seen.get("lora", 0) + 1
             assert all(getattr(config, n) == getattr(x, n) for n in same), cmd
-    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5, seen
-    assert {"fit.py traces tensor parallelism for training", "no lab traces LoRA"} <= seen["why"], seen["why"]
+    assert seen["fit.py"] > 20 and seen["serve_memory.py"] > 5 and seen.get("lora", 0) > 3, seen
+    assert {"fit.py traces tensor parallelism for training"} <= seen["why"], seen["why"]
     script = table_script()
     issue = Inputs(model="llama-3-8b", task="train", seq=4096, batch=1, precision="bf16", checkpointing="full")
     assert script.command(issue, "h100-80gb") == [

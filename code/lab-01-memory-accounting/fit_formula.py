@@ -26,6 +26,8 @@ from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
 from fit_moments import autocast_cache, block_backward, head_step, offloaded, segment_backward
+from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
+    FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
 from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
@@ -36,12 +38,13 @@ PRECISIONS = {  # fit.py's --precision: (Lab 01's recipe for the model state, c,
     "bf16": ("bf16", 2, 2),  # pure bf16 (no fp32 master): weights, gradients and AdamW's moments in bf16
     "mixed": ("fp32", 2, 4),  # torch AMP: fp32 weights and state (Lab 01's fp32 recipe), bf16 matmuls
 }  # under FSDP2 (ZeRO-2/3), mixed is its MixedPrecisionPolicy: bf16 gathers and stream (r = c), fp32 reduction
-OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "sgd": "momentum"}
+OPTIMIZERS = {"adamw": "adamw", "adamw-foreach": "adamw", "adamw-fused": "adamw", "adamw8bit": "adamw", "sgd": "momentum"}
 KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 0),  # element, fp32 scale per
              "fp8-per-token": (1, 4), "int8": (1, 4)}  # token and KV head (fp8's per-layer scales: a few bytes)
 LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 # --8<-- [end:recipes]
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "kv_cache")
+CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
+              "communication", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class Sizes:
     n: int  # trainable parameter tensors (AdamW keeps an fp32 step count for each)
     block: int  # parameters of one block
     root: int  # parameters outside the blocks: embedding, final norm, head
-    matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16
+    matmuls: int  # weights the blocks' matmuls read: autocast casts each to bf16; QLoRA stores them in NF4
+    nf4: tuple[int, int, int, int] = (0, 0, 0, 0)  # QLoRA: code bytes, absmax codes, their scales, linears
+    opt8: tuple[int, int, int, int] = (0, 0, 0, 0)  # adamw8bit: 8-bit values, their blocks, float32 values, chunk
 
 
 def fsdp_mixed(x: Inputs) -> bool:
@@ -72,12 +77,8 @@ def sizes(x: Inputs) -> Sizes:
     gpt = s.family == "gpt"
     n = 12 * s.layers + 4 if gpt else s.layers * (9 + (3 * s.experts - 2 if s.experts else 0)) + 2 + (not s.tied)
     P, n = (P - s.width - (0 if s.tied else s.vocab * s.width), n - 1 - (not s.tied)) if x.pp > 1 else (P, n)
-    Pt = P
-    if x.lora_rank:  # adapters A (in x R) and B (R x out) on every matmul of every block
-        h, q, g = s.width, s.heads * s.head_dim, s.kv_heads * s.head_dim
-        Pt = s.layers * x.lora_rank * (2 * (h + q) + 2 * (h + g) + 3 * (h + s.ffn) * max(s.experts, 1))
-        n = s.layers * 2 * (4 + 3 * max(s.experts, 1))
-    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width))
+    Pt, n, *lab15 = counts(x, s, P, n)  # LoRA's adapters, QLoRA's NF4 base, 8-bit AdamW (fit_lora.py)
+    return Sizes(s, P, Pt, n, block, P - s.layers * block, s.layers * (block - (13 if gpt else 2) * s.width), *lab15)
 
 
 def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
@@ -85,7 +86,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     s, (recipe, c, r) = z.spec, PRECISIONS[x.precision]
     w = RECIPES[recipe].param if x.task != "serve" else (4 if x.precision == "fp32" else 2)
     new = min(x.prefill_chunk or x.context, x.context)
-    r = c if fsdp_mixed(x) else r  # the bf16 weights make a bf16 residual stream
+    r = c if fsdp_mixed(x) or lora_step(x) else r  # bf16 weights (FSDP2's gathers, a LoRA's base): a bf16 stream
     q, g, E = s.heads * s.head_dim, s.kv_heads * s.head_dim, max(s.experts, 1)  # the matrices --weights stores
     quantized = dict(Pq=2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq=4 + 3 * E,
                      so=q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si=3 * s.width + q + (2 * s.width + s.ffn) * E)
@@ -94,10 +95,9 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp // x.replicate, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
-                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, t=x.tp, pp=x.pp, **quantized)
+                  b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, t=x.tp, pp=x.pp, **quantized, **fine_tune_symbols(x, z))
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
-    if not x.lora_rank:
-        S.Pt = S.P  # every weight is trained: the formulas say P
+    S.Pt = S.P if x.method == "full" else S.Pt  # every weight is trained: the formulas say P
     return S
 
 
@@ -113,7 +113,7 @@ def own(S) -> Expr:  # an RMSNorm's own tensors per token: its float32 input, 1/
     return 4 * S.h + ROW + S.r * S.h
 
 
-def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
+def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     """Bytes one Llama (or Mixtral) block keeps for backward (``sp``: its norms and stream on T / t tokens,
     the gathered inputs of its matmuls whole, as PyTorch's SequenceParallel saves them)."""
     moe = S.E.value > 0
@@ -133,8 +133,6 @@ def layer(S, checkpointing: str, lora: bool, sp: bool = False) -> Expr:
         else:
             mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
-    if lora:  # each LoRA adapter's A output: four in attention, three per routed MLP
-        kept = kept + S.c * S.R * (4 + 3 * S.K if moe else 7)
     kept = S.T * kept if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
     return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
@@ -149,8 +147,10 @@ def gpt_layer(S, checkpointing: str) -> Expr:
 
 def activations(x: Inputs, S) -> dict[str, Expr]:
     """What the forward keeps for backward, and autocast's bf16 weights, kept or cached."""
+    if lora_step(x):  # a frozen base (fit_lora.py)
+        return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
-    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.lora_rank > 0, x.sp)
+    per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
     # the weight itself, not a cast); every-k keeps a segment's input, offload what the hooks leave on the device
@@ -211,13 +211,12 @@ def model_state(x: Inputs, S) -> dict[str, Expr]:
 
     kind = OPTIMIZERS[x.optimizer]
     fsdp = 3 if x.zero_stage == 2 else x.zero_stage  # FSDP2 keeps shards between steps at ZeRO-2 too
-    params = S.w * share("parameters", S.Pt, fsdp)
-    if x.lora_rank:  # the frozen base: weights only
-        params = params + S.w * share("parameters", S.P, fsdp)
     state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
     if kind == "adamw":
         state = state + STEP_COUNTER * S.n
-    out = {"parameters": params, "gradients": S.w * share("gradients", S.Pt), "optimizer_state": state}
+    out = {"parameters": S.w * share("parameters", S.Pt, fsdp), "gradients": S.w * share("gradients", S.Pt),
+           "optimizer_state": state}
+    out = fine_tune_state(x, S, out)  # Lab 15: the 8-bit AdamW's blocks; a frozen base beside the adapters
     if x.offload == "params":  # FSDP2's CPU offload: shards, their gradients and the optimizer on the host
         return dict.fromkeys(out, ZERO)
     if x.offload == "optimizer":  # ZeRO-Offload: the state on the host; Lab 07 moves each gradient there too
@@ -230,12 +229,11 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     """Buffers of data-parallel training at each moment: DDP's gradient buckets (a copy of every
     gradient, Lab 10), or what FSDP2 holds gathered (Lab 11's wrap: a unit per block, the root's own)."""
     fwd = bwd = gather = opt = ZERO
-    weights = S.P + S.Pt if x.lora_rank else S.P
     gathered = S.c if fsdp_mixed(x) else S.w  # MixedPrecisionPolicy gathers bf16 weights
     if x.dp > 1 and x.zero_stage <= 1:
         fwd = bwd = gather = opt = S.w * S.Pt
     elif x.zero_stage == 2:  # no resharding after forward: every weight stays gathered until backward ends
-        fwd, bwd = gathered * (weights + S.Pb), gathered * weights
+        fwd, bwd = gathered * (S.P + S.Pb), gathered * S.P
     elif x.zero_stage == 3:  # the root and one block gathered; backward gathers the root again (buffer + copy)
         fwd = bwd = gathered * (S.Pr + S.Pb)
         gather = 2 * gathered * S.Pr
@@ -261,7 +259,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if x.pp > 1:
         return fit_split.first_stage(x, S, state, comm)
     carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
-    held = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"], "gradients": carried}
+    held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
     out = {
         "forward_end": held | {"activations": act["kept"],
@@ -273,12 +271,13 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         del out["optimizer"]["gradients"]
     elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
+    out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
     if x.tp > 1 and x.zero_stage == 0:
         out |= fit_split.embedding(x, S, state, held)
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)
-    elif x.zero_stage <= 1 and not x.lora_rank:  # the head's gradient arrives while the loss's are alive
+    elif x.zero_stage <= 1 and not lora_step(x):  # the head's gradient arrives while the loss's are alive
         head = S.w * S.V * S.h
         out["head_gradient"] = held | {"gradients": head if carried is ZERO else carried,
                                        "activations": act["kept"] - act["loss"],
@@ -288,12 +287,12 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params":
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if "block_backward" in comm and x.checkpointing == "none" and not x.lora_rank and not S.E.value \
+    if "block_backward" in comm and x.checkpointing == "none" and not lora_step(x) and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
         out["block_backward"] = block_backward(x, S, held, act)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
-    if fsdp_mixed(x) and not x.lora_rank:  # the root's backward done: its bf16 gradients, about to be reduced
+    if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced
         blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
         out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
     return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)

@@ -12,15 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from labkit import zoo
+import fit_rules
+from labkit import labs, zoo
 from labkit.config import (
     MAX_BATCH, MAX_COUNT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, UsageError,
     check_fields, choices_of, fields_of, option, split_optional,
 )
 
+lora = labs.load(15, "lora")  # TARGETS and the projections' shapes: where an adapter can go
+
 #: A Hugging Face config.json's keys for each dimension, first found wins (``zoo.hf_spec`` reads them so).
 HF_KEYS = zoo.HF_KEYS
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "top_k", "tied")
+ITEMS = {"lora_targets": lora.ALL}
 CUSTOM = "custom"
 MAX_RANKS = 2**20  # GPUs in one run, all parallel degrees multiplied (the largest runs have about 10**5)
 
@@ -32,7 +36,56 @@ def presets() -> list[str]:
 
 
 @dataclass
-class TrainingRun:
+class FineTuning:
+    """What a step trains: every weight, or LoRA adapters on a frozen base, in full precision or in 4-bit
+    NF4 (Lab 15). Lab 15's ``Config``, Lab 13's and the calculator's inputs share these flags."""
+
+    method: Literal["full", "lora", "qlora"] = option(
+        "full", "full: train every weight; lora: adapters on a frozen base; qlora: the frozen base in 4-bit NF4 "
+        "(Lab 15)")
+    lora_rank: int = option(16, "rank of each LoRA adapter (at most min(in, out) of every targeted projection)",
+                            min=1, max=MAX_WIDTH)
+    lora_targets: tuple[str, ...] = option(lora.ALL, f"the projections that get an adapter, some of {','.join(lora.ALL)}")
+
+    def __post_init__(self) -> None:  # a lab's Config: its fields' checks, then the targets' names, whatever --method
+        super().__post_init__()
+        self.check_targets()
+
+    def check_targets(self) -> None:
+        """--lora-targets: names of Lab 15's projections, each at most once (UsageError)."""
+        unknown = [t for t in self.lora_targets if t not in lora.TARGETS]
+        if unknown or len(set(self.lora_targets)) < len(self.lora_targets):
+            raise UsageError(f"--lora-targets {','.join(self.lora_targets)}: each at most once, from "
+                             f"{','.join(lora.ALL)}" + (f" (unknown: {','.join(unknown)})" if unknown else ""))
+
+    def check_fine_tuning(self, spec) -> None:
+        """The rules of --method, --lora-rank and --lora-targets for ``spec`` (UsageError naming the flag)."""
+        self.check_targets()
+        if self.method == "full":
+            return
+        split = [f for f, on in (("--tp", getattr(self, "tp", 1) > 1), ("--pp", getattr(self, "pp", 1) > 1),
+                                 ("--float8", getattr(self, "float8", "none") != "none"),
+                                 ("--compile", getattr(self, "compile", False))) if on]
+        if split:  # Lab 15's step was traced on one GPU, eager, in bf16 matmuls: these were not traced with it
+            raise UsageError(f"{' and '.join(split)} with --method {self.method} is not traced together (Lab 15 traces "
+                             "adapters on one GPU, eager, without float8): train every weight, or leave them out")
+        if getattr(self, "loss", "full") != "full":
+            raise UsageError(f"--loss {self.loss} with --method {self.method}: a frozen head's chunked loss is not "
+                             "traced yet; use --loss full")
+        if spec.family not in ("llama", "mixtral", "hf"):
+            raise UsageError(f"--method {self.method} puts adapters on Llama's q, k, v, o, gate, up and down "
+                             f"projections: {spec.name} is a {spec.family} model, which has none")
+        if self.method == "qlora" and getattr(self, "precision", "bf16") == "fp32":
+            raise UsageError("--method qlora reads its NF4 weights back in bf16 for every matmul: use --precision "
+                             "bf16 or mixed, not fp32")
+        name, i, o = min(lora.shapes(spec, self.lora_targets), key=lambda s: min(s[1:]))
+        if self.lora_rank > min(i, o):
+            raise UsageError(f"--lora-rank {self.lora_rank} is larger than min(in, out) = {min(i, o)} of the {name} "
+                             f"projection ({i} -> {o}): a rank-r product cannot have r above either side")
+
+
+@dataclass
+class TrainingRun(FineTuning):
     """How a step runs: its sizes, precision, optimizer, checkpointing and data-parallel sharding.
 
     Written once, for the calculator's :class:`Inputs` and Lab 13's ``fit.py`` ``Config`` (which mixes
@@ -45,8 +98,9 @@ class TrainingRun:
     precision: Literal["fp32", "bf16", "mixed"] = option(
         "mixed", "fp32: weights, gradients and AdamW state in fp32; bf16: pure bf16 (no fp32 master): weights, "
         "gradients and AdamW state in bf16; mixed: fp32 weights and state, bf16 autocast")
-    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "sgd"] = option(
-        "adamw", "adamw: CUDA's default implementation (foreach); sgd: with momentum")
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd"] = option(
+        "adamw", "adamw: CUDA's default implementation (foreach); adamw8bit: moments in 8-bit blocks (Lab 15); sgd: "
+        "with momentum")
     checkpointing: Literal["none", "full", "every-k", "save-matmuls", "save-alternate-matmuls"] = option(
         "none", "activation checkpointing (Lab 04), by what each block keeps for backward. none: everything; full: "
         "its input only; every-k: the input of each segment of --checkpoint-every blocks (a segment recomputed "
@@ -87,15 +141,7 @@ class TrainingRun:
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)
 
     def check_checkpointing(self, layers: int) -> None:
-        """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
-        k = self.checkpoint_every
-        if self.checkpointing == "every-k" and k is None:
-            raise UsageError("--checkpointing every-k needs --checkpoint-every K: the blocks per segment")
-        if self.checkpointing != "every-k" and k is not None:
-            raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k; "
-                             f"--checkpointing is {self.checkpointing}")
-        if k is not None and k > layers:
-            raise UsageError(f"--checkpoint-every {k} is more than the model's {layers} blocks")
+        fit_rules.check_checkpointing(self, layers)
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
@@ -103,6 +149,13 @@ class TrainingRun:
             raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
         if self.offload == "params" and self.zero_stage != 3:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")
+        if self.offload == "optimizer" and self.optimizer in ("sgd", "adamw8bit"):
+            raise UsageError("--offload optimizer runs PyTorch's AdamW on the host: choose adamw, adamw-foreach or "
+                             "adamw-fused")
+        if self.optimizer == "adamw8bit" and self.zero_stage:
+            raise UsageError("--optimizer adamw8bit is traced on whole tensors: leave --zero-stage at 0")
+        if self.method != "full" and (self.dp > 1 or self.offload != "none"):
+            raise UsageError(f"--method {self.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none")
         if self.sp and self.tp == 1:
             raise UsageError("--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
         if self.sp and self.seq % self.tp:
@@ -113,42 +166,7 @@ class TrainingRun:
         if self.replicate > 1 and (self.zero_stage < 2 or self.dp % self.replicate or self.dp == self.replicate):
             raise UsageError(f"--replicate {self.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides "
                              f"into groups of two or more, got --dp {self.dp}")
-        if self.pp > self.accumulation:
-            raise UsageError(f"--pp {self.pp} needs --accumulation {self.pp} or more: 1F1B keeps a micro-batch in flight "
-                             "per stage (PyTorch's Schedule1F1B refuses fewer)")
-        for flag, bad in (("--loss chunked or fused-linear", self.loss != "full"), ("--offload", self.offload != "none")):
-            if bad and self.pp > 1:
-                raise UsageError(f"{flag} with --pp is not traced: the trace is the first stage's (no loss; its own "
-                                 "optimizer on the device)")
-        for flag, bad in (("--zero-stage 1", self.zero_stage == 1), ("--offload", self.offload != "none"),
-                          ("--loss chunked or fused-linear", self.loss != "full")):
-            if bad and self.tp > 1:
-                raise UsageError(f"{flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the "
-                                 "split weights")
-        if self.offload == "optimizer" and self.optimizer == "sgd":
-            raise UsageError("--offload optimizer runs AdamW on the host: choose an adamw --optimizer")
-        if self.offload_activations and self.zero_stage >= 2:
-            raise UsageError(f"--offload-activations with --zero-stage {self.zero_stage}: FSDP2's gathered weights "
-                             "would be offloaded with the activations; traced with --zero-stage 0 or 1")
-        if self.optimizer_in_backward and (self.accumulation > 1 or self.zero_stage or self.offload != "none"):
-            raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
-                             "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
-                             "waits for every gradient's reduce-scatter) or --offload")
-        if self.checkpointing in ("every-k", "save-alternate-matmuls") and (self.tp > 1 or self.pp > 1):
-            raise UsageError(f"--checkpointing {self.checkpointing} with --tp or --pp is not traced together (Lab 13)")
-        for lever, on in (("--optimizer-in-backward", self.optimizer_in_backward),
-                          ("--offload-activations", self.offload_activations)):
-            if on and (self.tp > 1 or self.pp > 1 or self.float8 != "none"):
-                raise UsageError(f"{lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out")
-        if self.float8 != "none" and self.precision == "fp32":
-            raise UsageError(f"--float8 {self.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
-        if self.float8 != "none" and (self.tp > 1 or self.pp > 1):
-            raise UsageError(f"--float8 {self.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
-                             "swapped in before DTensor's plan would split them")
-        if self.float8 != "none" and self.checkpointing not in ("none", "full"):
-            raise UsageError(f"--float8 {self.float8} with --checkpointing {self.checkpointing}: "
-                             + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
-                                if self.checkpointing != "every-k" else "not traced together") + ": none or full")
+        fit_rules.check_combinations(self)
 
 
 @dataclass
@@ -181,8 +199,7 @@ class Inputs(TrainingRun, Subject):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
-    lora_rank: int = option(0, "LoRA adapters of this rank on a frozen base (0: train every weight)",
-                            min=0, max=MAX_WIDTH)
+
     context: int = option(8192, "serve: tokens of one request (prompt and output)", min=1, max=MAX_TOKENS)
     requests: int = option(32, "serve: requests in flight at once", min=1, max=MAX_BATCH)
     weights: Literal["bf16", "fp8", "int8", "int4-awq", "int4-gptq", "nvfp4"] = option(
@@ -225,29 +242,21 @@ class Inputs(TrainingRun, Subject):
             raise UsageError(f"--model {self.model}: {err}") from None
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
-        if self.offload_activations and (family == "gpt" or d["experts"] or self.lora_rank or d["layers"] < 2):
-            raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
-                             "last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)")
-        if self.optimizer_in_backward and self.lora_rank:
-            raise UsageError("--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight "
-                             "trained); leave one out")
-        if self.loss != "full" and self.lora_rank:
-            raise UsageError(f"--loss {self.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; "
-                             "use --loss full")
+        fit_rules.check_lever_formulas(self, family, d)
         head = d["head_dim"] or d["hidden"] // d["heads"]
-        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or self.lora_rank or any(
+        if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or any(
                 v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):
             raise UsageError(f"--float8 {self.float8} converts a dense Llama's block linears, each dimension a multiple of "
-                             "16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank")
+                             "16 (torchao's rule): no --experts or GPT preset")
         if family == "gpt" and t > 1:
             raise UsageError(f"--tp {t}: the GPT preset's closed form is for one rank; give a custom model to split")
-        if family == "gpt" and self.checkpointing == "save-alternate-matmuls" or \
-                self.lora_rank and self.checkpointing == "save-alternate-matmuls":
-            raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, "
-                             "no --lora-rank (its adapters' matmuls shift the count)")
         self.check_checkpointing(d["layers"])
         if self.task == "train":
             self.check_sharding()
+            self.check_fine_tuning(self.spec())
+            if self.method != "full" and d["experts"]:
+                raise UsageError(f"--method {self.method} on a mixture of experts: the formulas count dense blocks "
+                                 "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
             if t > 1 and kv % t:
                 raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
             self.check_pipeline(family, d["layers"])
@@ -268,8 +277,8 @@ class Inputs(TrainingRun, Subject):
             return
         if self.pp > layers:
             raise UsageError(f"--pp {self.pp} is more pipeline stages than {layers} layers")
-        if family == "gpt" or self.lora_rank:
-            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside")
+        if family == "gpt":
+            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages")
         for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
                           (f"--checkpointing {self.checkpointing}", self.checkpointing not in ("none", "full")),
                           ("--zero-stage 2 or 3", self.zero_stage >= 2)):
@@ -306,9 +315,11 @@ def fields() -> list[dict]:
     for f, kind in fields_of(Inputs):
         base, optional = split_optional(kind)
         m = f.metadata
+        items = ITEMS.get(f.name)  # a list of names (--lora-targets q,v), each one of these
         out.append({"name": f.name, "flag": f"--{f.name.replace('_', '-')}", "optional": optional,
-                    "type": "choice" if choices_of(base) else base.__name__, "default": f.default,
-                    "choices": list(choices_of(base) or ()), "help": m["help"],
+                    "type": "choice" if choices_of(base) else "list" if items else base.__name__,
+                    "default": list(f.default) if items else f.default, "choices": list(choices_of(base) or items or ()),
+                    "help": m["help"],
                     **{k: m[k] for k in ("min", "max", "above", "below") if m.get(k) is not None}})
     return out
 

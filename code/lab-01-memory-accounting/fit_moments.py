@@ -49,7 +49,7 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     gradient but the embedding's and the segment's is alive (with accumulation: all of them, carried, and the
     segment that comes back first, the last: every segment's input kept, L − G × (⌈L / G⌉ − 1) blocks). None where
     it is not traced: ZeRO, data parallelism, offload, LoRA, a MoE or a GPT block."""
-    if x.checkpointing != "every-k" or x.zero_stage or x.dp > 1 or x.offload != "none" or x.lora_rank \
+    if x.checkpointing != "every-k" or x.zero_stage or x.dp > 1 or x.offload != "none" or x.method != "full" \
             or S.E.value or x.spec().family == "gpt":
         return None
     n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"

@@ -51,7 +51,7 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     steady forward (output, its copy for the collective, the rank's share)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
-    micro = S.L * f.layer(S, x.checkpointing, False, x.sp) + tokens * S.r * S.h
+    micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
     micro = micro + S.c * S.Pm if mixed and x.checkpointing == "none" else micro
     temporaries = total(S.c * tokens * S.h if mixed else ZERO, S.c * S.T * S.f, S.c * S.f * S.h)
     grads = state["gradients"] + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 else state["gradients"]  # DTensor's whole

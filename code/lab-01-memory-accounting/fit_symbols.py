@@ -19,6 +19,11 @@ SYMBOLS = {
     "b": "sequences in the batch (decode)",
     "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "t": "tensor-parallel ranks (--tp)", "pp": "pipeline stages (--pp): L is then the first stage's ⌈L / pp⌉ blocks", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
     "G": "blocks per checkpointed segment (--checkpoint-every, every-k)",
+    "wb": "bytes of a frozen weight", "Pc": "bytes of the NF4 codes (⌈n / 2⌉ per linear)",
+    "Nb": "NF4 blocks (an 8-bit absmax code per 64 weights)", "Ns": "float32 scales of the absmax codes (one per 256)",
+    "Nq": "NF4 linears (a float32 offset each)", "Pk": "trained values with 8-bit moments (tensors of 4,096 or more)",
+    "Nk": "blocks of 2,048 of those (a float32 absmax per moment)", "Ps": "trained values with float32 moments",
+    "Cw": "values the 8-bit AdamW updates at once (its chunk, or the largest tensor)",
 }
 #: What every other name in the formula code the "Will it fit?" page quotes means (``scripts/fit_table.py``
 #: writes the page's legend from SYMBOLS, the inputs' help and this, and fails on a name none of them holds).
@@ -48,6 +53,18 @@ LEGEND = {
     "_full": "a moment's categories, 0 where it holds none",
     "total": "the sum of its terms, leaving out those that are 0",
     "LOSS_CHUNKS": "chunks of tokens of --loss chunked and fused-linear (torchtune's default)",
+    "FROZEN": "bytes of a frozen weight under --method lora or qlora, by --precision (the base PEFT loads)",
+    "NF4_BLOCKS": "NF4's blocks (Lab 15): weights per 8-bit absmax code, absmax codes per float32 scale",
+    "OPT8": "the 8-bit AdamW (Lab 15): values per absmax, the smallest tensor in 8 bits, values updated at once, "
+            "bytes of its working copies",
+    "lora": "Lab 15's lora.py: the projections an adapter can target (ALL), their shapes and adapter sizes",
+    "lora_step": "a LoRA or QLoRA training step (--method lora|qlora, --task train): the base frozen",
+    "lora_activations": "what a LoRA step's forward keeps (fit_lora.py, below)",
+    "frozen_state": "the frozen base and QLoRA's quantization constants (fit_lora.py, below)",
+    "adam8bit_state": "the 8-bit AdamW's state (fit_lora.py, below)",
+    "fine_tune_state": "the model state with the 8-bit AdamW's blocks and a LoRA's frozen base (fit_lora.py, below)",
+    "fine_tune_symbols": "Lab 15's symbols: wb, Pc, Nb, Ns, Nq, Pk, Nk, Ps, Cw (fit_lora.py)",
+    "adam8bit_chunk": "the 8-bit AdamW's chunk at the optimizer step: its float32 working copies (fit_lora.py, below)",
     "fit_split": "the moments a split model adds: --tp's whole embedding gradient, --pp's first stage (fit_split.py)",
     "own": "an RMSNorm's own tensors per token (fp32 input, 1/rms, the normalised stream); on T / t tokens under --sp",
 }

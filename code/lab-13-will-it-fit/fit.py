@@ -9,8 +9,7 @@ step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so 
 traces on a laptop in seconds.
 
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
-    checkpointing   Lab 04's run_blocks: full, every-k, or an op-level policy (save-matmuls, torchtitan's
-                    save-alternate-matmuls)
+    checkpointing   Lab 04's run_blocks: full, every-k, or op-level (save-matmuls, torchtitan's save-alternate-matmuls)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
@@ -22,6 +21,7 @@ traces on a laptop in seconds.
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
     --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
+    --method        lora or qlora: Lab 15's adapters on a frozen base, NF4 under qlora (``fit_finetune.py``)
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
 usable bytes (``fit_gpus.py``) and the levers that would make it fit, each re-traced
@@ -56,6 +56,7 @@ from fit_compile import check_compile, compiled
 from fit_gap import derive
 from fit_backward import OptimizerInBackward, check_levers
 from fit_decode import check_decode, decode
+from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
 import fit_float8 as float8
 import fit_parallel
 import fit_pipeline
@@ -84,6 +85,7 @@ OPTIMIZERS = {  # (3)!
     "adamw": (torch.optim.AdamW, fake.cuda_default_optimizer_kwargs("adamw")),  # CUDA's default: foreach
     "adamw-foreach": (torch.optim.AdamW, {"foreach": True}),
     "adamw-fused": (torch.optim.AdamW, {"fused": True}),
+    "adamw8bit": (AdamW8bit, {}),  # Lab 15's: moments as 8-bit codes in blocks of 2,048
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, **fake.cuda_default_optimizer_kwargs("sgd")}),
 }
 # --8<-- [end:recipes]
@@ -124,11 +126,13 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     ``tensors``: the context the step runs in (``fake.tensors``: fake storages rounded to the CUDA
     allocator's blocks; ``contextlib.nullcontext`` builds the real twin); ``device``: where."""
     weights, recipe = PRECISIONS[config.precision]
+    weights = base_dtype(config, weights)  # under LoRA, the frozen base's (Lab 15)
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
     with fake_process_group(config.dp if config.zero_stage else None, device, config.tp, config.replicate) as mesh, \
             tensors():
         model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
+        adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
         if config.float8 != "none":
             float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
@@ -178,7 +182,7 @@ def shard(model, config: Config, mesh):
         label_gradients(model)
         return lab07.install("gradients", model, lr=1e-3, weight_decay=0.0, overlap=False,
                              impl="fused" if kwargs.get("fused") else "foreach")
-    return make(model.parameters(), **kwargs)
+    return make([p for p in model.parameters() if p.requires_grad], **kwargs)  # under LoRA, the adapters alone
 
 
 def fsdp_mixed(config: Config) -> bool:
@@ -204,7 +208,7 @@ class Step:
 
 
 @dataclass
-class Config(TrainingRun, Step, LabConfig):
+class Config(TrainingRun, Step, Adapters, LabConfig):
     """Will this step fit this GPU? A real model traced at real size on fake tensors, per rank."""
 
     gpu: Literal[tuple(GPUS)] = option("h100-80gb", "the GPU to fit (its memory less a CUDA context and headroom)")
@@ -227,6 +231,7 @@ class Config(TrainingRun, Step, LabConfig):
             raise UsageError(broken)
         self.check_sharding()
         self.check_checkpointing(spec.layers)
+        self.check_adapters()
         if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
             raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
                              f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
@@ -234,11 +239,8 @@ class Config(TrainingRun, Step, LabConfig):
         if self.loss != "full" and spec.family == "hf":
             raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
                              "not a Hugging Face config's")
-        if self.task != "decode" and (self.kv_len is not None or self.new_tokens != 1):
-            raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
         float8.check(self)
-        if self.task == "decode":
-            check_decode(self)
+        check_decode(self)
         check_compile(self)
         check_levers(self)
         if self.task != "train":

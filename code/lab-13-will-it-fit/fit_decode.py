@@ -54,20 +54,24 @@ def decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch.Tensor
         x = x + attn.o_proj(y.transpose(1, 2).flatten(2))
         x = x + block.mlp(block.mlp_norm(x))
     return model.head(model.norm(x))
-# --8<-- [end:decode]
 
 
 def decode(model, ledger, config, dtype: torch.dtype, device: str) -> None:
-    """``--task decode`` as Lab 13 traces it: the cache allocated for ``--kv-len`` tokens per sequence and
-    labelled in ``ledger``, then one step of ``--new-tokens`` per sequence."""
+    """``fit.py --task decode``: the cache allocated for ``--kv-len`` tokens per sequence and labelled in
+    ``ledger``, then one step of ``--new-tokens`` per sequence."""
     cache = StaticCache(config.spec, config.batch, config.kv_len or config.seq, dtype, device)
     ledger.track(cache.keys + cache.values, "kv_cache")
     with marks.phase("decode", 0):
         decode_step(model, cache, torch.zeros(config.batch, config.new_tokens, dtype=torch.long, device=device))
+# --8<-- [end:decode]
 
 
 def check_decode(config) -> None:
-    """``--task decode``'s refusals (Lab 13's Config calls it): one line, exit 2."""
+    """``--task decode``'s refusals, and its flags' without it (Lab 13's Config calls it): one line, exit 2."""
+    if config.task != "decode":
+        if config.kv_len is not None or config.new_tokens != 1:
+            raise UsageError("--kv-len and --new-tokens size a decode step: give --task decode")
+        return
     if config.spec.family not in ("llama", "mixtral"):
         raise UsageError(f"--task decode runs a zoo Llama or Mixtral's modules, not {config.model}'s")
     if config.precision == "mixed":

@@ -27,12 +27,14 @@ from labkit.table import format_bytes
 from labkit.timeline import CATEGORIES, HOST_COPIES, Timeline
 
 lab01 = labs.load(1)  # zero_model_state, activation_bytes_per_layer, kv_cache_bytes, RECIPES
+lab15 = labs.load(15)  # model_state: a LoRA's adapters and frozen base, NF4's constants, 8-bit AdamW's state
 Shape = labs.load(1, "toy_gpt").Shape
 
 KV_CACHE = "kv_cache"
 WEIGHT_CASTS = "weight_casts"  # a part of activations (fit_setup.WeightCasts), reported on its own line
 DEVICE_CATEGORIES = tuple(c for c in dict.fromkeys((*CATEGORIES, KV_CACHE)) if c != HOST_COPIES)  # each once
 ELEMENT = {"fp32": 4, "bf16": 2, "mixed": 2}  # bytes of an activation (and a K or V) element
+WEIGHT_OF = {"fp32": "fp32 adapters", "bf16": "bf16 adapters", "mixed": "fp32 adapters, PEFT's"}
 WEIGHT = {"fp32": 4, "bf16": 2, "mixed": 4}  # bytes of a weight and of its gradient, as traced
 
 
@@ -132,10 +134,13 @@ def predicted(trace) -> dict[str, int | None]:
         out["parameters"] = lab01.RECIPES[c.precision].param * (-(-params // c.dp) if c.zero_stage == 3 else params)
         out[KV_CACHE] = kv_cache_bytes(c)
         return out
-    optimizer = "momentum" if c.optimizer == "sgd" else "adamw"
-    state = lab01.zero_model_state(params, c.precision, optimizer, c.zero_stage, c.dp)
-    out["parameters"] = state["parameters"] + state["master_weights"]
-    out["gradients"], out["optimizer_state"] = state["gradients"], state["optimizer_state"]
+    if c.method != "full" or c.optimizer == "adamw8bit":  # Lab 15's formulas, from the traced model's shapes
+        out |= {k: v for k, (_, v) in lab15.model_state(trace.keep[0], c.optimizer).items()}
+    else:
+        optimizer = "momentum" if c.optimizer == "sgd" else "adamw"
+        state = lab01.zero_model_state(params, c.precision, optimizer, c.zero_stage, c.dp)
+        out["parameters"] = state["parameters"] + state["master_weights"]
+        out["gradients"], out["optimizer_state"] = state["gradients"], state["optimizer_state"]
     out["activations"] = s.layers * lab01.activation_bytes_per_layer(
         c.seq, c.batch, s.width, s.heads, act=lab01.RECIPES[c.precision].act, mask=None, recompute=c.checkpointing)
     return out
@@ -186,6 +191,22 @@ def reasons(trace) -> dict[str, str]:
         "other": "the token ids of the batch",
         KV_CACHE: "derived from the shape: the same formula",
     }
+    if c.method != "full":
+        adapters = f"LoRA's A and B, rank {c.lora_rank}, on {','.join(c.lora_targets)} of every block"
+        out |= {"parameters": f"{adapters} (Lab 15's formula): equal, but for 512-byte rounding per tensor",
+                "gradients": f"the adapters' alone: the base is frozen ({WEIGHT_OF[c.precision]})",
+                "frozen_weights": ("NF4 codes, n / 2 B per linear of the blocks, and the embedding, norms and head in "
+                                   "bf16 (Lab 15)" if c.method == "qlora" else "the whole base, frozen (Lab 15)")
+                + ": equal, but for 512-byte rounding per tensor",
+                "quant_constants": "per NF4 linear: an 8-bit absmax per 64 weights, a float32 scale per 256 of those, a "
+                                   "float32 offset (Lab 15); each tensor rounded to 512 B",
+                "dequantized": "one linear's weight read back to bf16 for its matmul, and Lab 15's float32 working copies "
+                               "(32 MiB chunks); no formula in Lab 01"}
+    if c.method != "full" and c.optimizer != "adamw8bit":
+        out["optimizer_state"] = f"AdamW's two moments of the adapters alone, in their dtype ({WEIGHT_OF[c.precision]}; Lab 15)"
+    if c.optimizer == "adamw8bit":
+        out["optimizer_state"] = ("two 1-byte codes per value and a float32 absmax per 2,048 for each moment (Lab 15's "
+                                  "8-bit AdamW); float32 moments for tensors under 4,096 values")
     if c.offload == "optimizer":
         out["optimizer_state"] = "on the host (ZeRO-Offload): Lab 01 counts it on the device"
     if c.offload == "params":

@@ -65,13 +65,13 @@ def _offloadable(c) -> bool:
     if c.offload_activations or c.zero_stage >= 2:
         return False
     s = c.spec() if callable(c.spec) else None
-    return s is None or s.family != "gpt" and not s.experts and not c.lora_rank and s.layers >= 2
+    return s is None or s.family != "gpt" and not s.experts and c.method == "full" and s.layers >= 2
 
 
 def _full_loss(c) -> bool:
     """The loss is the model's own (every logit at once), on a zoo model (a Hugging Face config's model has its
     own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's)."""
-    return c.loss == "full" and getattr(c.spec, "family", None) != "hf" and not getattr(c, "lora_rank", 0)
+    return c.loss == "full" and getattr(c.spec, "family", None) != "hf" and getattr(c, "method", "full") == "full"
 
 
 # --8<-- [start:levers]
@@ -81,7 +81,7 @@ LEVERS = (  # exact first, cheapest first; then those that change the numerics
     Lever("optimizer step in backward", "gradients", "none in speed; no clipping by the global gradient norm, no "
           "accumulation: each gradient is gone once its parameter is stepped", TRAIN, None,
           lambda c: {"optimizer_in_backward": True} if _free(c) and c.accumulation == 1 and not c.zero_stage
-          and c.offload == "none" and not getattr(c, "lora_rank", 0) else None),
+          and c.offload == "none" and getattr(c, "method", "full") == "full" else None),
     Lever("save-matmuls checkpointing", "checkpointing", "recomputes the pointwise ops in backward: a few % of the step",
           TRAIN, ("forward", "backward"), lambda c: {"checkpointing": "save-matmuls"} if c.checkpointing == "none" else None),
     Lever("chunked loss", "loss", "one more head matmul per token, in backward (each chunk recomputed)",
@@ -104,8 +104,8 @@ LEVERS = (  # exact first, cheapest first; then those that change the numerics
           "comes back in backward (Lab 09: hidden behind compute when the link keeps pace)", TRAIN,
           ("forward", "backward"), lambda c: {"offload_activations": True} if _offloadable(c) else None),
     Lever("optimizer offload", "offload", "PCIe: every gradient down and every parameter back, each step; AdamW on "
-          "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer == "sgd"
-                                             else c.optimizer} if c.offload == "none" and _free(c) else None),
+          "the CPU", TRAIN, None, lambda c: {"offload": "optimizer", "optimizer": "adamw" if c.optimizer in (
+              "sgd", "adamw8bit") else c.optimizer} if c.offload == "none" and _free(c) and c.method == "full" else None),
     Lever("parameter offload", "offload", "PCIe: every parameter up in forward and again in backward", INFER, None,
           lambda c: {"offload": "params", "zero_stage": 3} if c.offload != "params" and c.dp > 1 and _free(c) else None),
     Lever("mixed precision", "precision", "numerics: bf16 matmuls under autocast (faster on tensor cores), fp32 "

@@ -147,6 +147,7 @@ def report(result) -> None:
             if c.task == "decode" else f"batch {c.batch} x {c.seq} tokens")
     print(f"Lab 13 · will it fit? {c.model} ({d['params']:,} parameters), {c.task}, {size}"
           f"{f' x {c.accumulation} micro-batches' if c.accumulation > 1 else ''}, {c.precision}, "
+          + (f"{c.method} rank {c.lora_rank} on {','.join(c.lora_targets)}, " if c.method != "full" else "")
           + (f"{c.optimizer}, checkpointing {c.checkpointing}, " if c.task == "train" else "")
           + f"dp {c.dp}, ZeRO {c.zero_stage}, offload {c.offload}" + (", every block torch.compile'd" if c.compile else "")
           + (", optimizer stepped in backward" if c.optimizer_in_backward else "")

@@ -17,6 +17,7 @@ from labkit import fake, labs, marks
 from labkit.ledger import Ledger
 
 lab07 = labs.load(7)  # OptimizerOffload: its host buffers and state are labelled host_copies
+lab15 = labs.load(15)  # frozen: a LoRA's frozen weights and NF4's quantization constants
 
 
 def holder(optimizer):
@@ -124,9 +125,12 @@ def label_gradients(model) -> None:
 
 def label(ledger: Ledger, model, optimizer) -> None:
     """Tell ``ledger`` the model state, from outside: parameters (under FSDP2, the local shards),
-    gradients and optimizer state; what lives on the host is ``host_copies``. Inside the ledger, so
-    that these storages are adopted as the timeline's first events."""
+    gradients and optimizer state; what lives on the host is ``host_copies``; under LoRA, the frozen
+    weights and the quantization constants (Lab 15). Inside the ledger, so that these storages are
+    adopted as the timeline's first events."""
     ledger.track_module(model)
+    for category, tensors in lab15.frozen(model).items():
+        ledger.track(tensors, category)
     if optimizer is None:
         return
     if hasattr(optimizer, "each"):  # fit_backward.OptimizerInBackward: an optimizer per parameter

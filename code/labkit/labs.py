@@ -45,6 +45,7 @@ STARTERS = {
     12: "memory_debugging.py",
     13: "fit.py",
     14: "serve_memory.py",
+    15: "finetune.py",
     16: "caching_allocator.py",
 }
 

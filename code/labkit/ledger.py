@@ -13,10 +13,15 @@ Each storage gets **one category for its whole life**, resolved when you read th
 category                  rule
 ========================  ===============================================================
 ``parameters``            a parameter of a module given to :meth:`Ledger.track_module`
+``frozen_weights``        labelled so by a fine-tuning lab (``ledger.track(weights, "frozen_weights")``):
+                          weights no gradient reaches, a LoRA's base, its NF4 codes
+``quant_constants``       labelled so likewise: what a quantized weight needs to be read back
 ``gradients``             became ``param.grad`` (post-accumulate-grad hook)
 ``optimizer_state``       found in ``optimizer.state`` after a ``step()`` (step post-hook)
 ``activations``           born in a ``forward`` phase and still alive when that phase ended,
                           i.e. kept for backward
+``dequantized``           born inside ``marks.category("dequantized")``: a quantized weight read back
+                          for one matmul
 ``temporaries``           born inside any phase and not one of the above
 ``host_copies``           labelled so from outside (``ledger.track(engine.host_tensors(),
                           "host_copies")``), or born inside ``marks.category("host_copies")``
@@ -81,8 +86,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit import fake, marks, stacks
 from labkit.timeline import (  # noqa: F401  (the categories are re-exported for the labs)
-    ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, HOST_COPIES, KV_CACHE, OPTIMIZER_STATE, OTHER, PARAMETERS, PHASES,
-    TEMPORARIES, PhaseSpan, Timeline)
+    ACTIVATIONS, CATEGORIES, COMMUNICATION, DEQUANTIZED, FROZEN_WEIGHTS, GRADIENTS, HOST_COPIES, KV_CACHE, OPTIMIZER_STATE,
+    OTHER, PARAMETERS, PHASES, QUANT_CONSTANTS, TEMPORARIES, PhaseSpan, Timeline)
 
 CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
@@ -571,12 +576,15 @@ def _alive(refs: list[weakref.ref]) -> list:
 
 _AUTO_RANK = {
     PARAMETERS: 0,
+    FROZEN_WEIGHTS: 0,
+    QUANT_CONSTANTS: 0,
     OPTIMIZER_STATE: 1,
     GRADIENTS: 2,
     HOST_COPIES: 3,
     KV_CACHE: 3,
     COMMUNICATION: 4,
     ACTIVATIONS: 5,
+    DEQUANTIZED: 6,
     TEMPORARIES: 6,
     OTHER: 7,
 }

@@ -52,6 +52,9 @@ PALETTE: dict[str, tuple[str, str]] = {
     "grey": ("#737373", "#a3a3a3"),
     "gold": ("#9c7c00", "#e0c04f"),
     "teal": ("#1a8a99", "#5cc8d6"),
+    "steel": ("#4f6f8f", "#9db7d1"),  # Lab 15's frozen weights
+    "indigo": ("#3d4ab8", "#9aa3f5"),  # Lab 15's quantization constants
+    "olive": ("#6f7f12", "#b8cc52"),  # Lab 15's dequantized weights
     "ink": ("#1f2328", "#e6e8ec"),  # text, axes, and every line that would be black
     "ink_muted": ("#5b616b", "#a7adb8"),  # secondary text, ticks, grid
     "paper": ("#ffffff", "#1e2129"),  # the page itself: legend frames, the ground under a hatch
@@ -66,10 +69,13 @@ _HUE = dict(zip(("blue", "orange", "green", "red", "purple", "brown", "pink", "g
 
 CATEGORY_COLORS = {
     "parameters": _HUE["blue"],
+    "frozen_weights": PALETTE["steel"][0],  # weights no gradient reaches (Lab 15): a greyed blue
+    "quant_constants": PALETTE["indigo"][0],
     "gradients": _HUE["orange"],
     "optimizer_state": _HUE["purple"],
     "kv_cache": _HUE["gold"],
     "activations": _HUE["green"],
+    "dequantized": PALETTE["olive"][0],
     "temporaries": _HUE["red"],
     "host_copies": _HUE["brown"],
     "communication": _HUE["pink"],

@@ -15,18 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PARAMETERS = "parameters"
+FROZEN_WEIGHTS = "frozen_weights"  # weights no gradient reaches: a LoRA's base, quantized or not (Lab 15)
+QUANT_CONSTANTS = "quant_constants"  # what a quantized weight needs to be read back: absmax, scales (Lab 15)
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
 KV_CACHE = "kv_cache"  # a serving engine's pool of keys and values (labelled by the lab that owns it)
 ACTIVATIONS = "activations"
+DEQUANTIZED = "dequantized"  # a quantized weight read back for one matmul, freed after it (Lab 15)
 TEMPORARIES = "temporaries"
 HOST_COPIES = "host_copies"
 COMMUNICATION = "communication"
 OTHER = "other"
 
 #: Plot and table order: long-lived state first, short-lived last.
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, KV_CACHE, ACTIVATIONS, TEMPORARIES, HOST_COPIES, COMMUNICATION,
-              OTHER)
+CATEGORIES = (PARAMETERS, FROZEN_WEIGHTS, QUANT_CONSTANTS, GRADIENTS, OPTIMIZER_STATE, KV_CACHE, ACTIVATIONS, DEQUANTIZED,
+              TEMPORARIES, HOST_COPIES, COMMUNICATION, OTHER)
 
 #: The phase names the labs use; any other name is allowed too.
 PHASES = ("forward", "backward", "optimizer", "transfer")

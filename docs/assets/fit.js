@@ -119,6 +119,16 @@
       return [null, `${f.flag} is a switch (true or false), got ${text}`];
     }
     if (f.type === "str") return [text, null];
+    if (f.type === "list") {  // --lora-targets q,v: names from f.choices, each once
+      const items = text.split(",").map((t) => t.trim()).filter((t) => t);
+      if (!items.length) return [null, `${f.flag} needs at least one value`];
+      const unknown = items.filter((t) => !f.choices.includes(t));
+      if (unknown.length || new Set(items).size < items.length) {
+        return [null, `${f.flag} ${items.join(",")}: each at most once, from ${f.choices.join(",")}` +
+          (unknown.length ? ` (unknown: ${unknown.join(",")})` : "")];
+      }
+      return [items, null];
+    }
     const num = Number(text);
     if (text === "" || !Number.isFinite(num)) return [null, `${f.flag} must be a number, got ${text}`];
     if (f.type === "int" && !/^-?\d+$/.test(text)) return [null, `${f.flag} must be a whole number, got ${text}`];
@@ -159,29 +169,26 @@
     if (s.family === "gpt" && x.weights !== "bf16" && x.task === "serve") {
       say("weights", `--weights ${x.weights}: the formula counts a Llama block's matrices; ${x.model} is a GPT`);
     }
-    if (x.offload_activations && (s.family === "gpt" || d.experts || x.lora_rank || d.layers < 2)) {
-      say("offload_activations", "--offload-activations: the formula counts what a dense Llama block of two or more saves last (no GPT preset, --experts or --lora-rank: Lab 13 traces Mixtral's)");
+    if (x.offload_activations && (s.family === "gpt" || d.experts || d.layers < 2)) {
+      say("offload_activations", "--offload-activations: the formula counts what a dense Llama block of two or more saves last (no GPT preset or --experts: Lab 13 traces Mixtral's)");
     }
-    if (x.optimizer_in_backward && x.lora_rank) {
-      say("optimizer_in_backward", "--optimizer-in-backward with --lora-rank: not traced (Lab 13 traces every weight trained); leave one out");
-    }
-    if (x.loss !== "full" && x.lora_rank) {
-      say("loss", `--loss ${x.loss} with --lora-rank: a frozen head's chunked loss is not traced yet; use --loss full`);
+    if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
+      say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
     const head = d.head_dim || Math.floor(d.hidden / d.heads);
-    if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts || x.lora_rank
+    if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts
         || [d.hidden, d.ffn, d.heads * head, d.kv_heads * head].some((v) => v % 16))) {
-      say("float8", `--float8 ${x.float8} converts a dense Llama's block linears, each dimension a multiple of 16 (torchao's rule), and trains them all: no --experts, GPT preset or --lora-rank`);
+      say("float8", `--float8 ${x.float8} converts a dense Llama's block linears, each dimension a multiple of 16 (torchao's rule): no --experts or GPT preset`);
     }
     if (s.family === "gpt" && t > 1) say("tp", `--tp ${t}: the GPT preset's closed form is for one rank; give a custom model to split`);
-    if ((s.family === "gpt" || x.lora_rank) && x.checkpointing === "save-alternate-matmuls") {
-      say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset, no --lora-rank (its adapters' matmuls shift the count)");
-    }
     const [segName, segText] = segments(x, d.layers) || [];
     if (segName) say(segName, segText);
     if (x.task === "train") {
-      const [name, text] = sharding(x) || [];
+      const [name, text] = sharding(x) || fineTuning(x, s) || [];
       if (name) say(name, text);
+      else if (x.method !== "full" && d.experts) {
+        say("method", `--method ${x.method} on a mixture of experts: the formulas count dense blocks (Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)`);
+      }
       if (t > 1 && kv % t) say("tp", `--tp ${t} does not split ${kv} KV heads: training splits whole KV heads (Lab 13)`);
       const [pname, ptext] = pipelineRule(x, s.family, d.layers) || [];
       if (pname) say(pname, ptext);
@@ -206,11 +213,35 @@
     return null;
   }
 
+  /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
+  function fineTuning(x, s) {
+    if (x.method === "full") return null;
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
+    if (split.length) {
+      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, eager, without float8): train every weight, or leave them out`];
+    }
+    if (x.loss !== "full") {
+      return ["loss", `--loss ${x.loss} with --method ${x.method}: a frozen head's chunked loss is not traced yet; use --loss full`];
+    }
+    if (!["llama", "mixtral", "hf"].includes(s.family)) {
+      return ["method", `--method ${x.method} puts adapters on Llama's q, k, v, o, gate, up and down projections: ${x.model} is a ${s.family} model, which has none`];
+    }
+    if (x.method === "qlora" && x.precision === "fp32") {
+      return ["method", "--method qlora reads its NF4 weights back in bf16 for every matmul: use --precision bf16 or mixed, not fp32"];
+    }
+    const smallest = loraShapes(s, x.lora_targets).reduce((a, t) => (a === null || Math.min(t[1], t[2]) < Math.min(a[1], a[2]) ? t : a), null);
+    const low = Math.min(smallest[1], smallest[2]);
+    if (x.lora_rank > low) {
+      return ["lora_rank", `--lora-rank ${x.lora_rank} is larger than min(in, out) = ${low} of the ${smallest[0]} projection (${smallest[1]} -> ${smallest[2]}): a rank-r product cannot have r above either side`];
+    }
+    return null;
+  }
+
   /** Inputs.check_pipeline: [the field, the message], or null. */
   function pipelineRule(x, family, layers) {
     if (x.pp === 1) return null;
     if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
-    if (family === "gpt" || x.lora_rank) return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages, LoRA aside`];
+    if (family === "gpt") return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages`];
     for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
       ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
       if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
@@ -218,10 +249,29 @@
     return null;
   }
 
+  /** Lab 15's lora.shapes: [name, in, out] of each targeted projection of one block (per expert in an MLP). */
+  function loraShapes(s, targets) {
+    const h = s.width, q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, f = s.ffn;
+    const dims = { q: [h, q], k: [h, g], v: [h, g], o: [q, h], gate: [h, f], up: [h, f], down: [f, h] };
+    const out = [];
+    for (const t of targets) {
+      const times = ["gate", "up", "down"].includes(t) ? Math.max(s.experts, 1) : 1;
+      for (let i = 0; i < times; i++) out.push([t, ...dims[t]]);
+    }
+    return out;
+  }
+
   /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
   function sharding(x) {
     if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
     if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
+    if (x.offload === "optimizer" && (x.optimizer === "sgd" || x.optimizer === "adamw8bit")) {
+      return ["offload", "--offload optimizer runs PyTorch's AdamW on the host: choose adamw, adamw-foreach or adamw-fused"];
+    }
+    if (x.optimizer === "adamw8bit" && x.zero_stage) return ["optimizer", "--optimizer adamw8bit is traced on whole tensors: leave --zero-stage at 0"];
+    if (x.method !== "full" && (x.dp > 1 || x.offload !== "none")) {
+      return ["method", `--method ${x.method} is traced on one GPU (Lab 15): leave --dp at 1 and --offload at none`];
+    }
     if (x.sp && x.tp === 1) return ["sp", "--sp splits the sequence over the tensor-parallel ranks: give --tp N (N > 1)"];
     if (x.sp && x.seq % x.tp) return ["sp", `--sp splits --seq ${x.seq} over --tp ${x.tp} ranks: give a multiple of ${x.tp}`];
     if (x.tp * x.pp * x.dp > D.constants.max_ranks) {
@@ -238,7 +288,6 @@
       ["loss", "--loss chunked or fused-linear", x.loss !== "full"]]) {
       if (bad && x.tp > 1) return [name, `${flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the split weights`];
     }
-    if (x.offload === "optimizer" && x.optimizer === "sgd") return ["offload", "--offload optimizer runs AdamW on the host: choose an adamw --optimizer"];
     if (x.offload_activations && x.zero_stage >= 2) {
       return ["offload_activations", `--offload-activations with --zero-stage ${x.zero_stage}: FSDP2's gathered weights would be offloaded with the activations; traced with --zero-stage 0 or 1`];
     }
@@ -251,6 +300,10 @@
     for (const [name, lever, on] of [["optimizer_in_backward", "--optimizer-in-backward", x.optimizer_in_backward],
       ["offload_activations", "--offload-activations", x.offload_activations]]) {
       if (on && (x.tp > 1 || x.pp > 1 || x.float8 !== "none")) return [name, `${lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out`];
+    }
+    for (const [lever, on] of [["--optimizer-in-backward", x.optimizer_in_backward], ["--offload-activations", x.offload_activations],
+      [`--checkpointing ${x.checkpointing}`, x.checkpointing === "every-k" || x.checkpointing === "save-alternate-matmuls"]]) {
+      if (on && x.method !== "full") return ["method", `${lever} with --method ${x.method} is not traced together (Lab 13 traces it with every weight trained): leave one out`];
     }
     if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
     if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
@@ -282,10 +335,9 @@
     } else {
       if (x.tp > 1 && x.task !== "train") return [null, `${script} traces tensor parallelism for training: --task ${x.task} splits over GPUs in Lab 14`];
       if (x.tp > 1 && D.presets[x.model].family !== "llama") return [null, `${script} splits a zoo Llama's modules under --tp, not ${x.model}'s`];
-      if (x.lora_rank && x.task === "train") return [null, "no lab traces LoRA: --lora-rank is derived only"];
       let y = x.task === "decode" ? x : Object.assign({}, x, { kv_len: null, new_tokens: 1 });
       if (x.task === "infer" || x.task === "decode") {  // what a prefill or decode does not use: left out (fit.py refuses it)
-        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full", float8: "none",
+        y = Object.assign({}, y, { accumulation: 1, optimizer: "adamw", checkpointing: "none", checkpoint_every: null, optimizer_in_backward: false, offload_activations: false, loss: "full", method: "full", float8: "none",
           zero_stage: x.zero_stage === 1 || x.zero_stage === 2 ? 0 : x.zero_stage,
           offload: x.offload === "optimizer" ? "none" : x.offload });
         const broken = sharding(y);
@@ -296,7 +348,7 @@
     const args = [D.python, c.script];
     for (const [name, flag, byDefault] of c.flags) {
       const v = values[name];
-      if (v !== null && v !== undefined && v !== byDefault) args.push(...(v === true ? [flag] : [flag, String(v)]));
+      if (v !== null && v !== undefined && String(v) !== String(byDefault)) args.push(...(v === true ? [flag] : [flag, String(v)]));
       if (name === "model") args.push(...c.fixed);
     }
     return [args.join(" "), null];
@@ -315,14 +367,53 @@
       P -= BigInt(s.width) + (s.tied ? 0n : BigInt(s.vocab) * BigInt(s.width));
       nt -= 1n + (s.tied ? 0n : 1n);
     }
-    let Pt = P;
-    if (x.lora_rank) {
-      const h = BigInt(s.width), q = BigInt(s.heads * s.head_dim), g = BigInt(s.kv_heads * s.head_dim);
-      const e1 = BigInt(Math.max(s.experts, 1));
-      Pt = L * BigInt(x.lora_rank) * (2n * (h + q) + 2n * (h + g) + 3n * (h + BigInt(s.ffn)) * e1);
-      nt = L * 2n * (4n + 3n * e1);
+    let Pt = P, trained = tensors(s);
+    const R = BigInt(x.lora_rank);
+    if (loraStep(x)) {  // adapters A (R x in) and B (out x R) on each targeted projection of every block
+      const shapes = loraShapes(s, x.lora_targets);
+      Pt = L * shapes.reduce((a, t) => a + R * BigInt(t[1] + t[2]), 0n);
+      nt = L * 2n * BigInt(shapes.length);
+      trained = shapes.map((t) => [R * BigInt(t[1]), L]).concat(shapes.map((t) => [R * BigInt(t[2]), L]));
     }
-    return { spec: s, P, Pt, n: nt, block, root: P - L * block, matmuls: L * (block - (gpt ? 13n : 2n) * BigInt(s.width)) };
+    const cd = (a, b) => (a + b - 1n) / b;
+    let nf4 = [0n, 0n, 0n, 0n], opt8 = [0n, 0n, 0n, 0n];
+    if (loraStep(x) && x.method === "qlora") {  // every linear of the blocks in NF4
+      const [b1, b2] = K().nf4_blocks.map(BigInt);
+      const weights = blockLinears(s).map(([i, o]) => [BigInt(i) * BigInt(o), L]);
+      const blocks = weights.map(([v, k]) => [cd(v, b1), k]);
+      nf4 = [weights.reduce((a, [v, k]) => a + cd(v, 2n) * k, 0n), blocks.reduce((a, [v, k]) => a + v * k, 0n),
+        blocks.reduce((a, [v, k]) => a + cd(v, b2) * k, 0n), weights.reduce((a, [, k]) => a + k, 0n)];
+    }
+    if (x.optimizer === "adamw8bit" && x.task === "train") {  // Lab 15's state_bytes, tensor by tensor
+      const o8 = K().opt8, min = BigInt(o8.min_8bit), blk = BigInt(o8.block);
+      const big = trained.filter(([v]) => v >= min);
+      const most = trained.reduce((a, [v]) => (v > a ? v : a), 0n), chunk = BigInt(o8.chunk);
+      opt8 = [big.reduce((a, [v, k]) => a + v * k, 0n), big.reduce((a, [v, k]) => a + cd(v, blk) * k, 0n),
+        trained.filter(([v]) => v < min).reduce((a, [v, k]) => a + v * k, 0n), most < chunk ? most : chunk];
+    }
+    return { spec: s, P, Pt, n: nt, block, root: P - L * block, matmuls: L * (block - (gpt ? 13n : 2n) * BigInt(s.width)), nf4, opt8 };
+  }
+
+  const loraStep = (x) => x.method !== "full" && x.task === "train";
+
+  /** fit_formula.block_linears: [in, out] of every linear of one block. */
+  function blockLinears(s) {
+    const h = s.width, q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, e = Math.max(s.experts, 1);
+    const out = [[h, q], [h, g], [h, g], [q, h]];
+    for (let i = 0; i < e; i++) out.push([h, s.ffn], [h, s.ffn], [s.ffn, h]);
+    if (s.experts) out.push([h, s.experts]);
+    return out;
+  }
+
+  /** fit_formula.tensors: every parameter tensor as [values, how many] (BigInt). */
+  function tensors(s) {
+    const h = BigInt(s.width), V = BigInt(s.vocab), L = BigInt(s.layers);
+    if (s.family === "gpt") {
+      const per = [h, h, 3n * h * h, 3n * h, h * h, h, h, h, 4n * h * h, 4n * h, 4n * h * h, h];
+      return [[V * h, 1n], [BigInt(s.context) * h, 1n], [h, 2n]].concat(per.map((v) => [v, L]));
+    }
+    const per = [h, h].concat(blockLinears(s).map(([i, o]) => BigInt(i) * BigInt(o)));
+    return [[V * h, s.tied ? 1n : 2n], [h, 1n]].concat(per.map((v) => [v, L]));
   }
 
   // Mixed under FSDP2 (ZeRO-2/3), as Lab 13 traces it: MixedPrecisionPolicy (bf16 gathers, fp32 reduction), no autocast.
@@ -330,7 +421,7 @@
 
   function symbols(x, z) {
     const s = z.spec, [recipe, c0, r0] = D.constants.precisions[x.precision];
-    const r = fsdpMixed(x) ? c0 : r0;  // the bf16 weights make a bf16 residual stream
+    const r = fsdpMixed(x) || loraStep(x) ? c0 : r0;  // bf16 weights (FSDP2's gathers, a LoRA's base): a bf16 stream
     const w = x.task !== "serve" ? D.constants.recipes[recipe].param : (x.precision === "fp32" ? 4 : 2);
     const p = Math.min(x.prefill_chunk || x.context, x.context);
     const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
@@ -342,10 +433,12 @@
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
       u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
-      G: x.checkpoint_every || 1, t: x.tp, pp: x.pp };
+      G: x.checkpoint_every || 1, t: x.tp, pp: x.pp,
+      wb: D.constants.frozen[x.precision], Pc: z.nf4[0], Nb: z.nf4[1], Ns: z.nf4[2], Nq: z.nf4[3], Pk: z.opt8[0],
+      Nk: z.opt8[1], Ps: z.opt8[2], Cw: z.opt8[3] };
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
-    if (!x.lora_rank) S.Pt = S.P;  // every weight is trained: the formulas say P
+    if (x.method === "full") S.Pt = S.P;  // every weight is trained: the formulas say P
     return S;
   }
 
@@ -358,7 +451,7 @@
 
   const own = (S) => n(4).mul(S.h).add(K().row).add(S.r.mul(S.h));  // an RMSNorm's own tensors per token
 
-  function layer(S, checkpointing, lora, sp) {
+  function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
     if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
@@ -381,10 +474,38 @@
       }
       kept = attention.add(mlp);
     }
-    if (lora) kept = kept.add(S.c.mul(S.R).mul(moe ? n(4).add(n(3).mul(S.K)) : n(7)));
     if (checkpointing.startsWith("save")) return S.T.mul(kept);
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
+  }
+
+  /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
+  function loraLayer(S, x) {
+    const targets = new Set(x.lora_targets), mixed = x.precision === "mixed";
+    const outputs = n(targets.size).mul(S.c).mul(S.R);
+    if (x.checkpointing === "full") return layer(S, "full");
+    if (x.checkpointing === "save-matmuls") {
+      const out = { q: S.q, k: S.g, v: S.g, o: S.h, gate: S.f, up: S.f, down: S.h };
+      return layer(S, "save-matmuls").add(S.T.mul(outputs.add(S.c.mul(total(...D.lora_targets.filter((t) => targets.has(t)).map((t) => out[t]))))));
+    }
+    const reads = [["q", "k", "v"], ["gate", "up"]].map((ts) => ts.filter((t) => targets.has(t)).length);
+    let inputs = reads.filter((k) => k).map((k) => n(mixed ? k : Math.min(k, 1)).mul(S.c).mul(S.h));
+    if (mixed && targets.has("o")) inputs.push(S.c.mul(S.q));
+    if (targets.has("down")) inputs.push(S.c.mul(S.f));
+    const kept = n(2).mul(n(4).mul(S.h).add(K().row)).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a))
+      .add(n(3).mul(S.c).mul(S.f)).add(outputs);
+    return S.T.mul(inputs.length ? kept.add(total(...inputs)) : kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
+  }
+
+  function loraActivations(x, S) {
+    const casts = x.precision === "mixed" ? S.c.mul(S.Pt) : ZERO;
+    let kept = S.L.mul(loraLayer(S, x)).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(4).mul(S.V))));
+    if (x.checkpointing === "none") kept = kept.sub(S.T.mul(n(4).mul(S.h).add(K().row)));
+    if (casts !== ZERO && x.checkpointing === "none") {
+      const first = ["q", "k", "v"].filter((t) => x.lora_targets.includes(t)).length;
+      kept = kept.add(first ? casts.sub(n(first).mul(S.c).mul(S.R).mul(S.h)) : casts);
+    }
+    return { kept, cache: x.checkpointing !== "none" ? casts : ZERO, loss: n(4).mul(S.T).mul(S.V) };
   }
 
   function gptLayer(S, checkpointing) {
@@ -394,8 +515,9 @@
   }
 
   function activations(x, S, family) {
+    if (loraStep(x)) return loraActivations(x, S);
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
-    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.lora_rank > 0, x.sp);
+    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
@@ -457,12 +579,16 @@
     const share = (what, count, stage) => ((stage === undefined ? x.zero_stage : stage) >= shards[what] ? ceilDiv(count, S.dp) : count);
     const kind = K().optimizers[x.optimizer];
     const fsdp = x.zero_stage === 2 ? 3 : x.zero_stage;
-    let params = S.w.mul(share("parameters", S.Pt, fsdp));
-    if (x.lora_rank) params = params.add(S.w.mul(share("parameters", S.P, fsdp)));
     let state = n(K().moments[kind]).mul(S.m).mul(share("optimizer_state", S.Pt));
     if (kind === "adamw") state = state.add(n(K().step_counter).mul(S.n));
-    const out = { parameters: params, gradients: S.w.mul(share("gradients", S.Pt)), optimizer_state: state };
-    if (x.offload === "params") return { parameters: ZERO, gradients: ZERO, optimizer_state: ZERO };
+    if (x.optimizer === "adamw8bit") state = n(2).mul(S.Pk).add(n(8).mul(S.Nk)).add(n(8).mul(S.Ps));
+    const out = { parameters: S.w.mul(share("parameters", S.Pt, fsdp)), gradients: S.w.mul(share("gradients", S.Pt)),
+      optimizer_state: state };
+    if (loraStep(x)) {  // the frozen base beside the adapters (QLoRA: the blocks' linears in NF4)
+      out.frozen_weights = x.method === "lora" ? S.wb.mul(S.P) : S.wb.mul(S.P.sub(S.Pm)).add(S.Pc);
+      if (x.method === "qlora") out.quant_constants = S.Nb.add(n(4).mul(S.Ns)).add(n(4).mul(S.Nq));
+    }
+    if (x.offload === "params") return { parameters: ZERO, gradients: ZERO, optimizer_state: ZERO };  // (no LoRA here)
     if (x.offload === "optimizer") {
       out.optimizer_state = ZERO;
       out.gradients = x.zero_stage ? out.gradients : ZERO;
@@ -472,7 +598,7 @@
 
   function communication(x, S) {
     let fwd = ZERO, bwd = ZERO, gather = ZERO, opt = ZERO;
-    const weights = x.lora_rank ? S.P.add(S.Pt) : S.P;
+    const weights = S.P;
     const gathered = fsdpMixed(x) ? S.c : S.w;  // MixedPrecisionPolicy gathers bf16 weights
     if (x.dp > 1 && x.zero_stage <= 1) {
       fwd = bwd = gather = opt = S.w.mul(S.Pt);
@@ -513,7 +639,7 @@
   function pipeline(x, S, state) {
     const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
     const mixed = x.precision === "mixed" && !fsdpMixed(x);
-    let micro = S.L.mul(layer(S, x.checkpointing, false, x.sp)).add(tokens.mul(S.r).mul(S.h));
+    let micro = S.L.mul(layer(S, x.checkpointing, x.sp)).add(tokens.mul(S.r).mul(S.h));
     if (mixed && x.checkpointing === "none") micro = micro.add(S.c.mul(S.Pm));
     const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
     const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
@@ -537,7 +663,7 @@
 
   // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_formula.block_backward).
   function blockBackward(x, S, held, act) {
-    const done = S.T.mul(norm(S, 1)).add(layer(S, "none", false))
+    const done = S.T.mul(norm(S, 1)).add(layer(S, "none"))
       .add(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
@@ -562,7 +688,7 @@
     }
     let carried = x.accumulation > 1 ? state.gradients : ZERO;
     if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
-    const held = { parameters: state.parameters, optimizer_state: state.optimizer_state, gradients: carried };
+    const held = Object.assign({}, state, { gradients: carried });
     const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
     const out = {
       forward_end: Object.assign({}, held, { activations: act.kept, temporaries: act.cache === ZERO ? logits : act.cache.add(logits) }),
@@ -574,6 +700,9 @@
     } else if ((x.optimizer === "adamw" || x.optimizer === "adamw-foreach") && x.offload === "none") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
+    if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
+      out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
+    }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
       const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
       out.embedding_gradient = Object.assign({}, state, { gradients: state.gradients.add(whole) });
@@ -582,7 +711,7 @@
     if (x.loss !== "full") {
       delete out.backward_start;
       Object.assign(out, chunkedLoss(x, S, held, act));
-    } else if (x.zero_stage <= 1 && !x.lora_rank) {
+    } else if (x.zero_stage <= 1 && !loraStep(x)) {
       const head = S.w.mul(S.V).mul(S.h);
       out.head_gradient = Object.assign({}, held, { gradients: carried === ZERO ? head : carried,
         activations: act.kept.sub(act.loss), temporaries: act.autocast ? n(8).mul(S.T).mul(S.V).add(n(4).mul(S.T).mul(S.h))
@@ -593,11 +722,11 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm.block_backward && x.checkpointing === "none" && !x.lora_rank && !S.E.value && z.spec.family !== "gpt"
+    if (comm.block_backward && x.checkpointing === "none" && !loraStep(x) && !S.E.value && z.spec.family !== "gpt"
         && x.offload === "none") out.block_backward = blockBackward(x, S, held, act);
-    if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !x.lora_rank
+    if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
-    if (fsdpMixed(x) && !x.lora_rank) {  // the root's backward done: its bf16 gradients, about to be reduced
+    if (fsdpMixed(x) && !loraStep(x)) {  // the root's backward done: its bf16 gradients, about to be reduced
       const blocks = x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
       out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried, temporaries: S.c.mul(S.Pr) });
     }
@@ -691,7 +820,7 @@
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
     "optimizer step in backward": (c) => (FREE(c) && c.accumulation === 1 && !c.zero_stage && c.offload === "none"
-      && !c.lora_rank ? { optimizer_in_backward: true } : null),
+      && c.method === "full" ? { optimizer_in_backward: true } : null),
     "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
     "chunked loss": (c) => (c.loss === "full" ? { loss: "chunked" } : null),
     "ZeRO-1": (c) => (c.dp > 1 && c.zero_stage < 1 && c.offload === "none" && FREE(c) ? { zero_stage: 1 } : null),
@@ -703,9 +832,10 @@
     "activation offload": (c) => {
       if (c.offload_activations || c.zero_stage >= 2) return null;
       const s = spec(c);
-      return s.family !== "gpt" && !s.experts && !c.lora_rank && s.layers >= 2 ? { offload_activations: true } : null;
+      return s.family !== "gpt" && !s.experts && c.method === "full" && s.layers >= 2 ? { offload_activations: true } : null;
     },
-    "optimizer offload": (c) => (c.offload === "none" && FREE(c) ? { offload: "optimizer", optimizer: c.optimizer === "sgd" ? "adamw" : c.optimizer } : null),
+    "optimizer offload": (c) => (c.offload === "none" && FREE(c) && c.method === "full"
+      ? { offload: "optimizer", optimizer: c.optimizer === "sgd" || c.optimizer === "adamw8bit" ? "adamw" : c.optimizer } : null),
     "parameter offload": (c) => (c.offload !== "params" && c.dp > 1 && FREE(c) ? { offload: "params", zero_stage: 3 } : null),
     "fp8 KV cache": (c) => (c.kv_dtype === "bf16" || c.kv_dtype === "fp32" ? { kv_dtype: "fp8" } : null),
     "int4 weights": (c) => (["bf16", "fp8", "int8"].includes(c.weights) ? { weights: "int4-awq" } : null),
@@ -937,7 +1067,7 @@
     q.set("model", x.model);
     q.set("task", x.task);
     for (const f of D.inputs) {
-      if (f.name === "model" || f.name === "task" || x[f.name] === null || x[f.name] === f.default) continue;
+      if (f.name === "model" || f.name === "task" || x[f.name] === null || String(x[f.name]) === String(f.default)) continue;
       q.set(keyOf(f), String(x[f.name]));
     }
     if (gpu !== "h100-80gb") q.set("gpu", gpu);
@@ -986,7 +1116,8 @@
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
     optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", lora_rank: "LoRA rank", context: "Tokens per request",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
+    lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
   };
@@ -999,7 +1130,8 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward", "lora_rank"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward"]],
+    ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
     ["", null, ["tp"]],
     ["", "train", ["sp", "pp", "replicate"]],
@@ -1048,14 +1180,11 @@
       const words = CHOICE_LABELS[f.name] || {};
       for (const v of f.choices) c.append(h("option", { value: String(v), text: words[v] || String(v) }));
     } else {
-      c = h("input", { id, name: f.name, type: "text", inputmode: f.type === "float" ? "decimal" : "numeric",
+      c = h("input", { id, name: f.name, type: "text", inputmode: f.type === "float" ? "decimal" : f.type === "list" ? "text" : "numeric",
         autocomplete: "off", spellcheck: "false", "aria-describedby": described });
     }
     UI[f.name] = c;
     const about = note(f.name, `${f.flag}: ${f.help}`);
-    if (f.name === "lora_rank") {  // no lab trains adapters: say so where the rank is typed
-      about.firstChild.prepend(h("span", { class: "il-tag il-tag--derived", text: "derived, not measured" }), " ");
-    }
     return h("div", { class: "il-fit__field", "data-field": f.name },
       h("label", { for: id, text: LABELS[f.name] || f.name }), c, about);
   }
@@ -1201,8 +1330,10 @@
     return `${p >= 0 ? "+" : "−"}${Math.abs(p).toFixed(digits)} %`;
   }
 
-  /** A LoRA step's weights, gradients and optimizer state: the adapters' formula, which no lab measures. */
-  const loraOnly = (x, cat) => x.task === "train" && x.lora_rank > 0 && ["parameters", "gradients", "optimizer_state"].includes(cat);
+  /** The lab that measures a category for these inputs: a LoRA step's adapters, gradients and state, and
+      8-bit AdamW's state, are Lab 15's (to the byte on its toy, traced at real size through Lab 13). */
+  const measuredIn = (x, cat) => D.measured_by[loraStep(x) || (x.task === "train" && x.optimizer === "adamw8bit"
+    && cat === "optimizer_state") ? "lora" : x.task][cat];
 
   const labLink = (link) => h("a", { href: `../${link.page}`, text: `Lab ${String(link.lab).padStart(2, "0")}` });
 
@@ -1233,13 +1364,11 @@
       tr.dataset.bytes = b.toString();
       tr.children[1].textContent = bytes(b);
       tr.children[2].textContent = total > 0n ? `${(100 * Number(b) / Number(total)).toFixed(1)} %` : "–";
-      const link = D.measured_by[x.task][cat], cell = tr.children[3], lora = loraOnly(x, cat);
-      const key = lora ? `lora ${b > 0n}` : String(link && link.lab);
-      if (cell.dataset.lab !== key) {  // the lab that measures it, for this task; LoRA's: its formula, derived
+      const link = measuredIn(x, cat), cell = tr.children[3], key = String(link && link.lab);
+      if (cell.dataset.lab !== key) {  // the lab that measures it, for this task
         cell.dataset.lab = key;
         cell.textContent = "";
-        cell.append(lora ? (b > 0n ? h("a", { href: `#fit-formula-${cat}`, text: "none: derived" }) : "none: derived")
-          : link ? labLink(link) : "–");
+        cell.append(link ? labLink(link) : "–");
       }
     }
     drawFormulas(x, v);
@@ -1283,11 +1412,10 @@
       const e = v.cats[cat];
       if (!e.value) continue;
       for (const m of e.text.matchAll(/\b[A-Za-z]+\b/g)) used.add(m[0]);
-      const link = D.measured_by[x.task][cat];
+      const link = measuredIn(x, cat);
       UI.formulas.append(h("div", { class: "il-fit__formula", "data-formula": cat, id: `fit-formula-${cat}` },
         h("p", {}, h("strong", { text: cat.replace("_", " ") }), " ", h("span", { class: "il-tag il-tag--derived", text: "derived" }),
-          loraOnly(x, cat) ? h("span", { text: " · LoRA adapters on a frozen base: no lab measures them" })
-            : link ? h("span", {}, " · measured in ", labLink(link)) : null),
+          link ? h("span", {}, " · measured in ", labLink(link)) : null),
         h("code", { class: "il-fit__text", text: e.text }), h("code", { class: "il-fit__filled", text: `= ${e.filled}` }),
         h("p", { class: "il-fit__value", text: `= ${fmt(e.value)} bytes (${bytes(e.value)})` })));
     }
@@ -1307,7 +1435,7 @@
   /** The inputs that differ from the defaults, as text (Python: fit_table._fields). */
   function nonDefault(x) {
     const out = {};
-    for (const f of D.inputs) if (x[f.name] !== f.default) out[f.name] = String(x[f.name]);
+    for (const f of D.inputs) if (String(x[f.name]) !== String(f.default)) out[f.name] = String(x[f.name]);
     return out;
   }
 

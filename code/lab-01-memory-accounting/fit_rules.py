@@ -1,0 +1,72 @@
+"""The refusals Lab 13 and the calculator share for flags traced apart (checkpointing policies, the
+levers, float8, tensor and pipeline parallelism): each a combination no twin test has traced, or one
+the formulas do not count; each one line (``UsageError``), as every bad input is."""
+
+from __future__ import annotations
+
+from labkit.config import UsageError
+
+
+def check_checkpointing(run, layers: int) -> None:
+    """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
+    k = run.checkpoint_every
+    if run.checkpointing == "every-k" and k is None:
+        raise UsageError("--checkpointing every-k needs --checkpoint-every K: the blocks per segment")
+    if run.checkpointing != "every-k" and k is not None:
+        raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k; "
+                         f"--checkpointing is {run.checkpointing}")
+    if k is not None and k > layers:
+        raise UsageError(f"--checkpoint-every {k} is more than the model's {layers} blocks")
+
+
+def check_combinations(run) -> None:
+    """What ``TrainingRun`` (Lab 13's Config and the calculator's Inputs alike) refuses together."""
+    if run.pp > run.accumulation:
+        raise UsageError(f"--pp {run.pp} needs --accumulation {run.pp} or more: 1F1B keeps a micro-batch in flight "
+                         "per stage (PyTorch's Schedule1F1B refuses fewer)")
+    for flag, bad in (("--loss chunked or fused-linear", run.loss != "full"), ("--offload", run.offload != "none")):
+        if bad and run.pp > 1:
+            raise UsageError(f"{flag} with --pp is not traced: the trace is the first stage's (no loss; its own "
+                             "optimizer on the device)")
+    for flag, bad in (("--zero-stage 1", run.zero_stage == 1), ("--offload", run.offload != "none"),
+                      ("--loss chunked or fused-linear", run.loss != "full")):
+        if bad and run.tp > 1:
+            raise UsageError(f"{flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the "
+                             "split weights")
+    if run.float8 != "none" and run.precision == "fp32":
+        raise UsageError(f"--float8 {run.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+    if run.float8 != "none" and (run.tp > 1 or run.pp > 1):
+        raise UsageError(f"--float8 {run.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
+                         "swapped in before DTensor's plan would split them")
+    if run.float8 != "none" and run.checkpointing not in ("none", "full"):
+        raise UsageError(f"--float8 {run.float8} with --checkpointing {run.checkpointing}: "
+                         + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
+                            if run.checkpointing != "every-k" else "not traced together") + ": none or full")
+    if run.offload_activations and run.zero_stage >= 2:
+        raise UsageError(f"--offload-activations with --zero-stage {run.zero_stage}: FSDP2's gathered weights "
+                         "would be offloaded with the activations; traced with --zero-stage 0 or 1")
+    if run.optimizer_in_backward and (run.accumulation > 1 or run.zero_stage or run.offload != "none"):
+        raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
+                         "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
+                         "waits for every gradient's reduce-scatter) or --offload")
+    if run.checkpointing in ("every-k", "save-alternate-matmuls") and (run.tp > 1 or run.pp > 1):
+        raise UsageError(f"--checkpointing {run.checkpointing} with --tp or --pp is not traced together (Lab 13)")
+    for lever, on in (("--optimizer-in-backward", run.optimizer_in_backward),
+                      ("--offload-activations", run.offload_activations)):
+        if on and (run.tp > 1 or run.pp > 1 or run.float8 != "none"):
+            raise UsageError(f"{lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out")
+    for lever, on in (("--optimizer-in-backward", run.optimizer_in_backward),
+                      ("--offload-activations", run.offload_activations),
+                      (f"--checkpointing {run.checkpointing}", run.checkpointing in ("every-k", "save-alternate-matmuls"))):
+        if on and run.method != "full":
+            raise UsageError(f"{lever} with --method {run.method} is not traced together (Lab 13 traces it with every "
+                             "weight trained): leave one out")
+
+
+def check_lever_formulas(inputs, family: str, dims: dict) -> None:
+    """What the calculator's formulas do not count (Lab 13 traces some of these)."""
+    if inputs.offload_activations and (family == "gpt" or dims["experts"] or dims["layers"] < 2):
+        raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
+                         "last (no GPT preset or --experts: Lab 13 traces Mixtral's)")
+    if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
+        raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
