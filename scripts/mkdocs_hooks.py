@@ -648,17 +648,26 @@ def phone_pictures(html: str, page_url: str, files: Files) -> str:
 TABLE = re.compile(r"<table\b.*?</table>", re.S)
 MARKUP = re.compile(r"(<[^>]*>)")
 BREAK_POINT = re.compile(r"(?<=\w_)(?=\w)|(?<=\w&#95;)(?=\w)|(?<=\w=)(?=\w)|(?<=[a-z])(?=[A-Z][a-z])")
+URL = re.compile(r"https?(?::|&#58;)//\S+")  # as escaped in a cell, its colon an entity
+URL_BREAK = re.compile(r"(?<=[/.-])(?=[^/.-])")  # a URL in a table's text breaks after a slash, a dot or a
+HASH = re.compile(r"[0-9a-f]{16,}")  # hyphen, as a printed one does, and a commit hash every 12 characters
 
 
 def table_break_points(html: str) -> str:
     """In a table's text, a line may break where a long name joins its words: after an underscore
     (``gradient_as_bucket_view``, written ``_`` or, escaped, ``&#95;``), after an ``=`` between words
     (``reshard_after_forward=False``) and before a capital that starts a word
-    (``ZeroRedundancyOptimizer``). A browser breaks there only when it breaks inside words, which the
+    (``ZeroRedundancyOptimizer``); a URL after each slash. A browser breaks there only when it breaks inside words, which the
     site's tables never do, so such a name would widen its column to its length."""
+    def text(part: str) -> str:
+        pieces = URL.split(part)
+        urls = [HASH.sub(lambda h: "<wbr>".join(h[0][i:i + 12] for i in range(0, len(h[0]), 12)), URL_BREAK.sub("<wbr>", u))
+                for u in URL.findall(part)]
+        return "".join(BREAK_POINT.sub("<wbr>", piece) + (urls[i] if i < len(urls) else "") for i, piece in enumerate(pieces))
+
     def cells(m: re.Match) -> str:
         parts = MARKUP.split(m.group(0))
-        return "".join(part if k % 2 else BREAK_POINT.sub("<wbr>", part) for k, part in enumerate(parts))
+        return "".join(part if k % 2 else text(part) for k, part in enumerate(parts))
 
     return TABLE.sub(cells, html)
 

@@ -527,13 +527,13 @@ def test_serve_refuses_a_busy_port_in_one_line_before_building():
 
 
 def test_page_weight_budgets(built_site):
-    """What a reader downloads: the search index every page loads <= 440 KB (400 KB held fifteen labs and the
-    handbook; Lab 16 and its validation page add 17 KB, Lab 15 14 KB) (no notebook outputs,
+    """What a reader downloads: the search index every page loads <= 450 KB (400 KB held fifteen labs and the
+    handbook; Lab 16 and its validation page add 17 KB, Lab 15 14 KB, Lab 13's runs people launch 6 KB) (no notebook outputs,
     no code listings or their tooltips, no tables), each notebook page <= 600 KB (the Jupyter styles
     in one shared stylesheet), each lab page <= 400 KB."""
     site = built_site["dir"]
     index = site / "search" / "search_index.json"
-    assert index.stat().st_size <= 440_000, f"search index {index.stat().st_size:,} B"
+    assert index.stat().st_size <= 450_000, f"search index {index.stat().st_size:,} B"
     text = index.read_text(encoding="utf-8")
     assert "Copied!" not in text and "data:image" not in text
     heavy = [f"{p.relative_to(site)}: {p.stat().st_size:,} B"
