@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli
+from conftest import assert_clean_usage_error, load_lab, run_cli_here
 
 from labkit import zoo
 from labkit.config import UsageError
@@ -116,7 +116,8 @@ def test_a_float8_linear_keeps_what_a_bf16_linear_keeps_and_under_autocast_no_we
      "dense zoo Llama"),
 ])
 def test_float8_bad_input_is_one_line_and_exit_2(args, fragment):
-    assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)
+    """In this process (test_lab13 runs fit.py's refusals in a fresh interpreter too)."""
+    assert_clean_usage_error(run_cli_here(SCRIPT, *args), fragment)
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, run_cli
+from conftest import assert_clean_usage_error, run_cli, run_cli_here
 
 from labkit import fake, labs, marks, zoo
 from labkit.ledger import Ledger
@@ -403,7 +403,9 @@ def test_the_default_run_reports_every_category_and_its_check():
     (["--optimizer-block", "0"], "--optimizer-block must be in [1,"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
-    assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", *args), fragment)
+    """The first case in a fresh interpreter, the rest in this process (conftest.run_cli_here)."""
+    run = run_cli if args == ["--lora-rank", "0"] else run_cli_here
+    assert_clean_usage_error(run(SCRIPT, "--device", "cpu", *args), fragment)
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -416,4 +418,4 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     (["--method", "lora", "--task", "infer"], "--task infer"),
 ])
 def test_lab13_refuses_the_same_in_one_line(args, fragment):
-    assert_clean_usage_error(run_cli("lab-13-will-it-fit/fit.py", "--model", "llama-3-8b", *args), fragment)
+    assert_clean_usage_error(run_cli_here("lab-13-will-it-fit/fit.py", "--model", "llama-3-8b", *args), fragment)

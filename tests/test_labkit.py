@@ -667,7 +667,7 @@ import os, signal, time, torch, torch.distributed as tdist
 from labkit import dist
 with dist.joined("cpu", "gloo", timeout_s=2):
     if tdist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # a rank that froze
+        time.sleep(600)  # a rank that hangs before the collective (a deadlock, a stuck loader)
     tdist.all_reduce(torch.ones(1))
 """
 
@@ -695,8 +695,9 @@ def _ranks_left(tmp_path) -> list[str]:
 
 def test_a_frozen_rank_ends_the_job_instead_of_hanging_for_30_minutes(tmp_path):
     proc = _torchrun(tmp_path, FROZEN)
-    # the collective gives up after timeout_s=2, torchrun then grants 30 s to stop; gloo's default would
-    # wait 30 minutes, and the wait below would raise TimeoutExpired
+    # rank 0's collective gives up after timeout_s=2 and torchrun stops the hung rank; gloo's default
+    # would wait 30 minutes, and the wait below would raise TimeoutExpired (a rank stopped by SIGSTOP,
+    # which ignores torchrun's SIGTERM, is labkit.dist's StoppedRankWatch's case: test_hostile.py)
     proc.wait(timeout=120)
     assert proc.returncode != 0 and not _ranks_left(tmp_path)
 

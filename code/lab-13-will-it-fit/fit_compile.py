@@ -37,8 +37,6 @@ import contextlib
 
 import torch
 from labkit.config import UsageError
-from torch._dynamo.backends.common import aot_autograd
-from torch._inductor.compile_fx import partition_fn
 
 
 # --8<-- [start:compile]
@@ -49,9 +47,13 @@ class Partitioned:
         self.graphs = 0  # forward graphs partitioned (every block has the same one: one, normally)
         self.calls = 0  # compiled forwards run
         self.saved: list[int] = []  # bytes each run saved for backward, beyond its inputs
+        from torch._dynamo.backends.common import aot_autograd  # here: inductor takes a second to import
+
         self.backend = aot_autograd(fw_compiler=self.forward, bw_compiler=self.backward, partition_fn=self.partition)
 
     def partition(self, joint, inputs, **kwargs):
+        from torch._inductor.compile_fx import partition_fn
+
         self.user_outputs = kwargs["num_fwd_outputs"]  # the block's own outputs; the rest are saved
         return partition_fn(joint, inputs, **kwargs)  # inductor's joint-graph passes, then its min-cut
 
