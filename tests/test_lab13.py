@@ -97,6 +97,21 @@ def test_ring_attention_over_cp_ranks_is_full_causal_attention(cp, balanced):
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
 
 
+def test_the_cp_trace_passes_every_chunk_round_the_ring(lab13, monkeypatch):
+    """Rank 0 of --cp 4, two blocks, one micro-batch: each attention passes its K/V on 3 times in forward,
+    and in backward K/V 3 times and the gradients 4 (home again); each pass receives into fresh buffers
+    (communication) shaped as what it sends: K and V of T / cp tokens, their gradients in float32."""
+    context = labs.load(13, "fit_context")
+    passes, plain = [], context.FakeGroupRing.pass_on
+    monkeypatch.setattr(context.FakeGroupRing, "pass_on", lambda self, t: passes.append(t) or plain(self, t))
+    config = small(lab13, cp=4, zero_stage=3, precision="bf16")
+    lab13.trace(config, tensors=EXACT)
+    assert len(passes) == config.spec.layers * (3 + 3 + 4) == 20
+    kv = (config.batch, config.spec.kv_heads, config.seq // 4, config.spec.head_dim)
+    assert {tuple(t.shape) for sent in passes for t in sent} == {kv}
+    assert {t.dtype for sent in passes for t in sent} == {torch.bfloat16, torch.float32}
+
+
 @pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision):

@@ -80,6 +80,7 @@ def check_context(run) -> None:
                              ("--offload-activations", run.offload_activations),
                              ("--optimizer-in-backward", run.optimizer_in_backward),
                              (f"--method {run.method}", run.method != "full"),
+                             (f"--checkpointing {run.checkpointing}", run.checkpointing not in ("none", "full")),
                              (f"--task {getattr(run, 'task', 'train')}", getattr(run, "task", "train") != "train")) if on]
     if split:
         raise UsageError(f"--cp {c} with {' and '.join(split)} is not traced together (Lab 13): leave one out")
@@ -90,5 +91,8 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.offload_activations and (family == "gpt" or dims["experts"] or dims["layers"] < 2):
         raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
                          "last (no GPT preset or --experts: Lab 13 traces Mixtral's)")
+    if inputs.cp > 1 and (inputs.task != "train" or family == "gpt"):
+        raise UsageError(f"--cp {inputs.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): "
+                         "--task train, no GPT preset")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")

@@ -71,7 +71,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, balanced: bool):
         acc = torch.promote_types(q.dtype, torch.float32)  # merged in fp32 (or fp64), as PyTorch's CP
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        b, heads, t, d = q.shape  # laid out (B, T, heads, head_dim), as the flash kernels return their output:
+        out = torch.zeros(b, t, heads, d, dtype=acc, device=q.device).transpose(1, 2)  # o_proj reads it as a view
         lse = torch.full(q.shape[:3], -torch.inf, dtype=acc, device=q.device)
         held = (k, v)
         for step in range(ring.size):
