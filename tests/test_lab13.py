@@ -556,6 +556,8 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--float8", "tensorwise"], "with --float8"),
     (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--task", "infer"], "with --task infer"),
     (["--model", "small-gpt", "--cp", "2", "--zero-stage", "3"], "rings a zoo Llama's"),
+    (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--checkpointing", "save-matmuls"],
+     "with --checkpointing save-matmuls is not traced"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)

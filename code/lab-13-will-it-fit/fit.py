@@ -20,7 +20,7 @@ traces on a laptop in seconds.
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
-    --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
+    --tp --sp --pp --cp  one rank of a split model: TP/SP, 1F1B, HSDP (``fit_parallel.py``), the ring (``fit_context.py``)
     --method        lora or qlora: Lab 15's adapters on a frozen base, NF4 under qlora (``fit_finetune.py``)
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
