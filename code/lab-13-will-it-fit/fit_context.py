@@ -25,6 +25,13 @@ holds chunks r and 2N-1-r, so every rank has early and late tokens and the same 
 rank attends its own two chunks with the causal mask (their concatenation is in order); from an
 earlier rank it needs only that rank's first chunk, every query against it unmasked; from a later
 rank only its own second chunk's queries, against both of that rank's chunks, unmasked.
+
+The trace (``--cp``) is rank 0 of the ring, head-tail split: the model runs on seq / cp tokens (RoPE's
+tables are as long; their positions would be the rank's own, which changes no byte), every causal
+attention is :class:`RingAttention`, and each pass is a real isend/irecv on the fake process group,
+received into fresh buffers (``communication``). Not traced with op-level checkpointing policies: a
+policy that saves attention's outputs would save each ring step's partial one here, where PyTorch's
+ring, running below DTensor's dispatch, shows the policy only the merged output.
 """
 
 from __future__ import annotations
