@@ -351,11 +351,15 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                 f["replicate"] = rng.choice((1, 2))
             if f["pp"] > 1:
                 f["accumulation"] = f["pp"] * rng.choice((2, 4))
+            if f["zero_stage"] >= 2 and rng.random() < 0.3:  # context parallelism (Lab 13's fit_context.py), with
+                f |= {"cp": rng.choice((2, 4)), "tp": 1, "sp": False, "pp": 1, "replicate": 1, "float8": "none",  # what
+                      "offload": "none", "offload_activations": False, "optimizer_in_backward": False,  # it is traced
+                      "checkpointing": rng.choice(("none", "full")), "checkpoint_every": None, "method": "full"}  # with
             if f["method"] != "full":  # a rank and targets only where adapters read them (the page's address too),
                 f |= {"lora_rank": rng.choice((8, 16, 64)), "loss": "full", "offload": "none",  # on one GPU, the
                       "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),  # model's loss
                                                   ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
-                      "sp": False, "pp": 1, "replicate": 1, "float8": "none"}  # eager, unsplit (Lab 15's traces)
+                      "sp": False, "pp": 1, "replicate": 1, "float8": "none", "cp": 1}  # eager, unsplit (Lab 15's traces)
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -384,6 +388,8 @@ BAD = [
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
+    ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
+    ({"cp": "2", "dp": "2", "zero_stage": "3", "tp": "2"}, "cp"), ({"cp": "2", "task": "infer"}, "cp"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '

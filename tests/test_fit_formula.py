@@ -284,13 +284,16 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
 
 @pytest.mark.parametrize("fields", [{"tp": 8, "sp": True}, {"tp": 2, "dp": 4, "zero_stage": 3, "precision": "bf16"},
                                     {"pp": 4, "accumulation": 8}, {"pp": 4, "accumulation": 8, "tp": 4, "sp": True},
-                                    {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"}],
+                                    {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},
+                                    {"seq": 32768, "cp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full"},
+                                    {"seq": 16384, "cp": 4, "dp": 2, "zero_stage": 3}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of
-    1F1B's first stage, or of HSDP: the peak, traced, and the formula's (the gathered inputs of the sequence-parallel
-    matmuls kept whole; --pp micro-batches in flight at the start of a steady backward, or at the embedding's
-    backward; HSDP's shards those of its --dp / --replicate group)."""
+    1F1B's first stage, or of HSDP, or of a context-parallel ring: the peak, traced, and the formula's (the gathered
+    inputs of the sequence-parallel matmuls kept whole; --pp micro-batches in flight at the start of a steady backward,
+    or at the embedding's backward; HSDP's shards those of its --dp / --replicate group; --cp: seq / cp tokens a rank,
+    FSDP over dp x cp ranks, the ring's chunks in flight never the peak's)."""
     lab13 = labs.load(13)
     traced = lab13.trace(lab13.Config(model="llama-3-8b", levers="none", **fields))
     mine = sum(fit.estimate(Inputs(model="llama-3-8b", **fields)).values())

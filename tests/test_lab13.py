@@ -65,6 +65,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
+    {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
+    {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -75,6 +77,39 @@ def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     assert_same_timeline(real.ledger, traced.ledger)
     assert real.derived == traced.derived
     assert traced.per_rank_peak_bytes > 0
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_over_cp_ranks_is_full_causal_attention(cp, balanced):
+    """N ranks (threads) passing K/V chunks round a ring give scaled_dot_product_attention's causal
+    output and gradients on the whole sequence (grouped-query heads), within float64's rounding."""
+    context = labs.load(13, "fit_context")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 32, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    expected.backward(dout)
+    out, grads = context.simulate(q, k, v, dout, cp, balanced)
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
+    for got, leaf in zip(grads, whole):
+        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
+
+
+def test_the_cp_trace_passes_every_chunk_round_the_ring(lab13, monkeypatch):
+    """Rank 0 of --cp 4, two blocks, one micro-batch: each attention passes its K/V on 3 times in forward,
+    and in backward K/V 3 times and the gradients 4 (home again); each pass receives into fresh buffers
+    (communication) shaped as what it sends: K and V of T / cp tokens, their gradients in float32."""
+    context = labs.load(13, "fit_context")
+    passes, plain = [], context.FakeGroupRing.pass_on
+    monkeypatch.setattr(context.FakeGroupRing, "pass_on", lambda self, t: passes.append(t) or plain(self, t))
+    config = small(lab13, cp=4, zero_stage=3, precision="bf16")
+    lab13.trace(config, tensors=EXACT)
+    assert len(passes) == config.spec.layers * (3 + 3 + 4) == 20
+    kv = (config.batch, config.spec.kv_heads, config.seq // 4, config.spec.head_dim)
+    assert {tuple(t.shape) for sent in passes for t in sent} == {kv}
+    assert {t.dtype for sent in passes for t in sent} == {torch.bfloat16, torch.float32}
 
 
 @pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
@@ -514,6 +549,15 @@ BAD = [
     (["--model", "small-llama", "--pp", "3", "--accumulation", "3"], "more pipeline stages than"),
     (["--model", "small-llama", "--pp", "2", "--task", "infer"], "traced for training"),
     (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),
+    (["--model", "small-llama", "--seq", "12", "--cp", "4", "--dp", "2", "--zero-stage", "3"], "not a multiple of 8"),
+    (["--model", "small-llama", "--cp", "2", "--dp", "2"], "give --zero-stage 2 or 3"),
+    (["--model", "small-llama", "--cp", "2", "--tp", "2", "--zero-stage", "3"], "--cp 2 with --tp is not traced"),
+    (["--model", "small-llama", "--cp", "2", "--pp", "2", "--accumulation", "2", "--zero-stage", "3"], "with --pp"),
+    (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--float8", "tensorwise"], "with --float8"),
+    (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--task", "infer"], "with --task infer"),
+    (["--model", "small-gpt", "--cp", "2", "--zero-stage", "3"], "rings a zoo Llama's"),
+    (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--checkpointing", "save-matmuls"],
+     "with --checkpointing save-matmuls is not traced"),
 ]
 
 

@@ -91,10 +91,10 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
     quantized = dict(Pq=2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq=4 + 3 * E,
                      so=q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si=3 * s.width + q + (2 * s.width + s.ffn) * E)
     values = dict(L=s.layers, h=s.width, a=s.heads, k=s.kv_heads, d=s.head_dim, q=s.heads * s.head_dim,
-                  g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq, T=x.batch * x.seq,
-                  P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp // x.replicate, w=w,
+                  g=s.kv_heads * s.head_dim, f=s.ffn, V=s.vocab, E=s.experts, K=s.top_k, s=x.seq // x.cp, T=x.batch * x.seq // x.cp,
+                  P=z.P, Pt=z.Pt, Pb=z.block, Pr=z.root, Pm=z.matmuls, n=z.n, R=x.lora_rank, dp=x.dp // x.replicate * x.cp, w=w,
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
-                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // LOSS_CHUNKS),
+                  B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // x.cp // LOSS_CHUNKS),
                   b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, t=x.tp, pp=x.pp, **quantized, **fine_tune_symbols(x, z))
     S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
     S.Pt = S.P if x.method == "full" else S.Pt  # every weight is trained: the formulas say P

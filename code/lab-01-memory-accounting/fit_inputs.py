@@ -139,13 +139,15 @@ class TrainingRun(FineTuning):
     pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
                      "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)
+    cp: int = option(1, "context-parallel ranks: each sequence split over them, attention a ring passing K/V chunks "
+                     "(training, Lab 13); FSDP then shards over --dp x --cp ranks, as torchtitan", min=1, max=1024)
 
     def check_checkpointing(self, layers: int) -> None:
         fit_rules.check_checkpointing(self, layers)
 
     def check_sharding(self) -> None:
         """The rules between the sharding flags (UsageError naming them)."""
-        if self.zero_stage and self.dp == 1:
+        if self.zero_stage and self.dp * self.cp == 1:
             raise UsageError(f"--zero-stage {self.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)")
         if self.offload == "params" and self.zero_stage != 3:
             raise UsageError("--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3")

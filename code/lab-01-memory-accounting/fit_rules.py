@@ -21,6 +21,7 @@ def check_checkpointing(run, layers: int) -> None:
 
 def check_combinations(run) -> None:
     """What ``TrainingRun`` (Lab 13's Config and the calculator's Inputs alike) refuses together."""
+    check_context(run)
     if run.pp > run.accumulation:
         raise UsageError(f"--pp {run.pp} needs --accumulation {run.pp} or more: 1F1B keeps a micro-batch in flight "
                          "per stage (PyTorch's Schedule1F1B refuses fewer)")
@@ -63,10 +64,35 @@ def check_combinations(run) -> None:
                              "weight trained): leave one out")
 
 
+def check_context(run) -> None:
+    """--cp: what it needs and what it is not traced with (Lab 13's fit_context.py)."""
+    c = run.cp
+    if c == 1:
+        return
+    if run.seq % (2 * c):
+        raise UsageError(f"--cp {c} cuts each sequence into {2 * c} chunks (torchtitan's head-tail split, two per rank): "
+                         f"--seq {run.seq} is not a multiple of {2 * c}")
+    if run.zero_stage < 2:
+        raise UsageError(f"--cp {c} shards the model with FSDP over --dp x --cp ranks, as torchtitan does: "
+                         "give --zero-stage 2 or 3")
+    split = [f for f, on in (("--tp", run.tp > 1), ("--pp", run.pp > 1), ("--replicate", run.replicate > 1),
+                             ("--float8", run.float8 != "none"), ("--offload", run.offload != "none"),
+                             ("--offload-activations", run.offload_activations),
+                             ("--optimizer-in-backward", run.optimizer_in_backward),
+                             (f"--method {run.method}", run.method != "full"),
+                             (f"--checkpointing {run.checkpointing}", run.checkpointing not in ("none", "full")),
+                             (f"--task {getattr(run, 'task', 'train')}", getattr(run, "task", "train") != "train")) if on]
+    if split:
+        raise UsageError(f"--cp {c} with {' and '.join(split)} is not traced together (Lab 13): leave one out")
+
+
 def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     """What the calculator's formulas do not count (Lab 13 traces some of these)."""
     if inputs.offload_activations and (family == "gpt" or dims["experts"] or dims["layers"] < 2):
         raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
                          "last (no GPT preset or --experts: Lab 13 traces Mixtral's)")
+    if inputs.cp > 1 and (inputs.task != "train" or family == "gpt"):
+        raise UsageError(f"--cp {inputs.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): "
+                         "--task train, no GPT preset")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")

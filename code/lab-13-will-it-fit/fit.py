@@ -20,7 +20,7 @@ traces on a laptop in seconds.
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
-    --tp --sp --pp  one rank of a split model: DTensor's TP/SP, 1F1B's first stage (``fit_parallel.py``), HSDP
+    --tp --sp --pp --cp  one rank of a split model: TP/SP, 1F1B, HSDP (``fit_parallel.py``), the ring (``fit_context.py``)
     --method        lora or qlora: Lab 15's adapters on a frozen base, NF4 under qlora (``fit_finetune.py``)
 
 Beside the trace: Lab 01's formulas per category and the gap explained (``fit_gap.py``), the GPU's
@@ -129,7 +129,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
     weights = base_dtype(config, weights)  # under LoRA, the frozen base's (Lab 15)
     recipe = "fp32" if fsdp_mixed(config) else recipe  # FSDP2 casts the weights itself: no autocast
     t0 = time.perf_counter()
-    with fake_process_group(config.dp if config.zero_stage else None, device, config.tp, config.replicate) as mesh, \
+    with fake_process_group(fit_parallel.world(config), device, config.tp, config.replicate) as mesh, \
             tensors():
         model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
@@ -138,7 +138,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():
             optimizer = shard(model, config, mesh)  # (2)!
-        idx = torch.zeros(config.batch, config.seq if config.task != "decode" else 1, dtype=torch.long, device=device)
+        idx = torch.zeros(config.batch, fit_parallel.local_tokens(config), dtype=torch.long, device=device)  # --cp
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
@@ -278,7 +278,7 @@ def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
     counters over the step (``max_memory_allocated``: every block as rounded, up to 512 B; the
     ``requested_bytes`` peak: what the tensors asked for). On ``cpu`` it rehearses the plumbing."""
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
-    if config.dp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
+    if config.dp * config.cp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
     if config.seq > config.spec.context > 0:
         return {"measured": False, "why": "a real step cannot run past the model's context", "free_bytes": free}

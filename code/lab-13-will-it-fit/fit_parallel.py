@@ -26,6 +26,7 @@ import contextlib
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+import fit_context
 import fit_pipeline
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
@@ -68,10 +69,19 @@ def apply(model, config, mesh):
     if config.pp > 1:
         fit_pipeline.first_stage(model)
     if mesh is None or mesh.ndim == 1:
-        return mesh, contextlib.nullcontext()
+        return mesh, fit_context.context_parallel(config)  # --cp: the ring, on a mesh of dp x cp ranks
     data = mesh["replicate", "shard"] if config.replicate > 1 else mesh["shard"]  # HSDP: replicate x shard
     step = tensor_parallel(model, mesh["tp"], config.sp) if config.tp > 1 else contextlib.nullcontext()
     return (data if config.dp > 1 else None), step
+
+
+def world(config) -> int | None:
+    """The ranks FSDP shards over, as torchtitan folds context parallelism into its FSDP mesh (dp_shard x cp);
+    None: no process group (no ZeRO)."""
+    return config.dp * config.cp if config.zero_stage else None
+
+
+local_tokens = fit_context.local_tokens
 
 
 @contextlib.contextmanager
@@ -96,7 +106,7 @@ def check(config) -> str | None:
     """What ``--tp`` cannot trace, in one line (None: it can); TrainingRun.check_sharding holds the rules it
     shares with the calculator (--sp needs --tp and a sequence it divides)."""
     s, t = config.spec, config.tp
-    if (broken := fit_pipeline.check(config)) is not None:
+    if (broken := fit_pipeline.check(config) or fit_context.check(config)) is not None:
         return broken
     if t == 1:
         return None

@@ -172,6 +172,9 @@
     if (x.offload_activations && (s.family === "gpt" || d.experts || d.layers < 2)) {
       say("offload_activations", "--offload-activations: the formula counts what a dense Llama block of two or more saves last (no GPT preset or --experts: Lab 13 traces Mixtral's)");
     }
+    if (x.cp > 1 && (x.task !== "train" || s.family === "gpt")) {
+      say("cp", `--cp ${x.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): --task train, no GPT preset`);
+    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -261,9 +264,24 @@
     return out;
   }
 
+  /** fit_rules.check_context (--cp): [the field, the message] of the first rule broken, or null. */
+  function context(x) {
+    const c = x.cp || 1;  // (a calculator.json from before --cp has no such field)
+    if (c === 1) return null;
+    if (x.seq % (2 * c)) return ["cp", `--cp ${c} cuts each sequence into ${2 * c} chunks (torchtitan's head-tail split, two per rank): --seq ${x.seq} is not a multiple of ${2 * c}`];
+    if (x.zero_stage < 2) return ["cp", `--cp ${c} shards the model with FSDP over --dp x --cp ranks, as torchtitan does: give --zero-stage 2 or 3`];
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--replicate", x.replicate > 1], ["--float8", x.float8 !== "none"],
+      ["--offload", x.offload !== "none"], ["--offload-activations", x.offload_activations],
+      ["--optimizer-in-backward", x.optimizer_in_backward], [`--method ${x.method}`, x.method !== "full"],
+      [`--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"],
+      [`--task ${x.task}`, x.task !== "train"]].filter((f) => f[1]).map((f) => f[0]);
+    if (split.length) return ["cp", `--cp ${c} with ${split.join(" and ")} is not traced together (Lab 13): leave one out`];
+    return null;
+  }
+
   /** TrainingRun.check_sharding: [the field, the message] of the first rule broken, or null. */
   function sharding(x) {
-    if (x.zero_stage && x.dp === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
+    if (x.zero_stage && x.dp * (x.cp || 1) === 1) return ["zero_stage", `--zero-stage ${x.zero_stage} shards over data-parallel ranks: give --dp N (N > 1)`];
     if (x.offload === "params" && x.zero_stage !== 3) return ["offload", "--offload params keeps FSDP2's parameter shards on the host: it needs --zero-stage 3"];
     if (x.offload === "optimizer" && (x.optimizer === "sgd" || x.optimizer === "adamw8bit")) {
       return ["offload", "--offload optimizer runs PyTorch's AdamW on the host: choose adamw, adamw-foreach or adamw-fused"];
@@ -280,6 +298,8 @@
     if (x.replicate > 1 && (x.zero_stage < 2 || x.dp % x.replicate || x.dp === x.replicate)) {
       return ["replicate", `--replicate ${x.replicate} is HSDP: it needs --zero-stage 2 or 3 and a --dp it divides into groups of two or more, got --dp ${x.dp}`];
     }
+    const ring = context(x);
+    if (ring) return ring;
     if (x.pp > x.accumulation) return ["pp", `--pp ${x.pp} needs --accumulation ${x.pp} or more: 1F1B keeps a micro-batch in flight per stage (PyTorch's Schedule1F1B refuses fewer)`];
     for (const [name, flag, bad] of [["loss", "--loss chunked or fused-linear", x.loss !== "full"], ["offload", "--offload", x.offload !== "none"]]) {
       if (bad && x.pp > 1) return [name, `${flag} with --pp is not traced: the trace is the first stage's (no loss; its own optimizer on the device)`];
@@ -426,13 +446,13 @@
     const p = Math.min(x.prefill_chunk || x.context, x.context);
     const q = s.heads * s.head_dim, g = s.kv_heads * s.head_dim, E = Math.max(s.experts, 1);  // the matrices --weights stores
     const v = { L: s.layers, h: s.width, a: s.heads, k: s.kv_heads, d: s.head_dim, q: s.heads * s.head_dim,
-      g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq, T: x.batch * x.seq,
-      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp / x.replicate, w,
+      g: s.kv_heads * s.head_dim, f: s.ffn, V: s.vocab, E: s.experts, K: s.top_k, s: x.seq / (x.cp || 1), T: x.batch * x.seq / (x.cp || 1),
+      P: z.P, Pt: z.Pt, Pb: z.block, Pr: z.root, Pm: z.matmuls, n: z.n, R: x.lora_rank, dp: x.dp / x.replicate * (x.cp || 1), w,
       m: D.constants.recipes[recipe].moment, c: x.task !== "serve" ? c0 : w, r, N: x.requests, C: x.context,
       B: x.block_size, e: D.constants.kv_dtypes[x.kv_dtype][0], p,
       Pq: 2 * s.width * (q + g) + 3 * s.width * s.ffn * E, nq: 4 + 3 * E,
       so: q + 2 * g + s.width + (2 * s.ffn + s.width) * E, si: 3 * s.width + q + (2 * s.width + s.ffn) * E,
-      u: Math.ceil(x.batch * x.seq / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
+      u: Math.ceil((x.batch * x.seq / (x.cp || 1)) / D.constants.loss_chunks), b: x.batch, D: x.kv_len || x.seq, j: x.new_tokens,
       G: x.checkpoint_every || 1, t: x.tp, pp: x.pp,
       wb: D.constants.frozen[x.precision], Pc: z.nf4[0], Nb: z.nf4[1], Ns: z.nf4[2], Nq: z.nf4[3], Pk: z.opt8[0],
       Nk: z.opt8[1], Ps: z.opt8[2], Cw: z.opt8[3] };
@@ -1116,7 +1136,7 @@
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
     optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
-    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
+    tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", cp: "Context-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
     gpu_memory_utilization: "GPU memory utilization", prefill_chunk: "Prefill chunk",
@@ -1134,7 +1154,7 @@
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
     ["", null, ["tp"]],
-    ["", "train", ["sp", "pp", "replicate"]],
+    ["", "train", ["sp", "pp", "replicate", "cp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
       "prefill_chunk"]],
   ];

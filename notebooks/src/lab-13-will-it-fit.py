@@ -266,11 +266,25 @@ split_traces = {label: lab.trace(lab.Config(seq=4096, levers="none", **f)) for l
 parallel = tables.fits_table(list(split_traces.items()), ["h100-80gb", "h200-141gb"])
 display(parallel)
 
+# %% [markdown]
+# ## Context parallelism: one sequence over a ring of ranks
+#
+# `--cp` splits each sequence over its ranks (`fit_context.py`): each rank holds seq / cp tokens of every
+# activation, attention passes K/V chunks round a ring, and FSDP shards over the dp x cp ranks. Llama-3.1-8B at
+# 32,768 tokens, AMP, ZeRO-3, full checkpointing, on 16 GPUs both ways: a whole sequence per rank, or a quarter.
+
+# %%
+CONTEXT = {"--dp 16: a whole sequence per rank": dict(dp=16), "--dp 4 --cp 4: a quarter per rank": dict(dp=4, cp=4)}
+cp_traces = {label: lab.trace(lab.Config(model="llama-3.1-8b", seq=32768, zero_stage=3, checkpointing="full",
+                                         levers="none", **f)) for label, f in CONTEXT.items()}
+context = tables.fits_table(list(cp_traces.items()), ["h100-80gb", "h200-141gb"])
+display(context)
+
 # %%
 d8, d70, summary8b = llama8b.trace.derived, llama70b.trace.derived, llama8b.summary()
 notebook.publish(
     nb, tables={"twin": twin, "phases_8b": phases8b, "gap_8b": gap8b, "gpu_8b": gpu8b, "levers_8b": levers8b,
-                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel,
+                "phases_70b": phases70b, "zoo": zoo, "loss_32k": loss_32k, "parallel": parallel, "context": context,
                 "flags_8b": flags_8b},
     figures={"timeline_8b": fig, "timeline_70b": fig70},
     summary=summary8b, llama70b=llama70b.summary(), to_fit_8b=" ".join(to_fit or []),
@@ -296,4 +310,6 @@ notebook.publish(
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
     tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
     rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
+    cp_off_32k=cp_traces["--dp 16: a whole sequence per rank"].per_rank_peak_bytes,
+    cp4_32k=cp_traces["--dp 4 --cp 4: a quarter per rank"].per_rank_peak_bytes,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
