@@ -86,46 +86,6 @@ def run_cli(script: str, *args: str, timeout: int = 300) -> subprocess.Completed
     )
 
 
-def run_cli_here(script: str, *args: str) -> subprocess.CompletedProcess:
-    """A lab's command line as :func:`run_cli` runs it, but in this process, for the refusals: the
-    starter's ``__main__`` call to ``labkit.cli.main`` (its own callables) with ``args``, from the
-    repository root, stdout and stderr captured and each warning printed to stderr as a fresh
-    interpreter would. A bad input is refused by the same ``cli.main`` in either process; here torch
-    and the lab are imported once per test process, not once per case (a Lab 13 start: 3 s). Each
-    parametrized list of refusals keeps a case in a real process (``run_cli``), which sees what only
-    a fresh interpreter shows, such as a warning at import."""
-    import ast
-    import contextlib
-    import io
-    import warnings
-
-    from labkit import cli, labs
-
-    path = CODE / script
-    module = labs.load(path.parent.name, path.stem)
-    call = next(n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "main"
-                and isinstance(n.func.value, ast.Name) and n.func.value.id == "cli")
-    callables = [eval(ast.unparse(a), vars(module)) for a in call.args]  # noqa: S307 - the starter's own names
-    out, err, code = io.StringIO(), io.StringIO(), 0
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        err.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings():
-        warnings.simplefilter("default")
-        warnings.showwarning = show
-        quiet = cli._quiet  # --json's setting, as a fresh process starts it
-        try:
-            cli.main(*callables, argv=list(args), prog=path.name)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
-        finally:
-            cli._quiet = quiet
-    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
-
-
 def assert_clean_usage_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
     """Exit code 2, exactly one line on stderr, no traceback, and the line says what is wrong."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -172,11 +132,17 @@ def _build_site(out: Path) -> dict:
 
 
 def assert_usage_error_in_process(lab, argv: list[str], capsys, *fragments: str) -> str:
-    """Run a lab's command line (``cli.main`` with its Config, run and report) in this process:
-    exit 2 and one stderr line that holds every fragment."""
+    """Run a lab's command line (``cli.main`` with its Config, run and report) in this process, from
+    the repository root as :func:`run_cli` does: exit 2 and one stderr line that holds every fragment.
+    A refusal is the same ``cli.main`` in either process; here torch and the lab are imported once per
+    test process, not once per case (Lab 13 takes 2 s to start). A lab's list of refusals keeps a
+    case in a fresh interpreter (``run_cli``), which sees what only a new process shows (a warning at
+    import)."""
+    import contextlib
+
     from labkit import cli
 
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(SystemExit) as exc, contextlib.chdir(ROOT):
         cli.main(lab.Config, lab.run, lab.report, argv, prog="lab")
     assert exc.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

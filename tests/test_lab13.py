@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ROOT, assert_clean_usage_error, load_lab, run_cli, run_cli_here
+from conftest import ROOT, assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 from test_labkit_fake import assert_same_timeline
 
 from labkit import cli, fake, labs, zoo
@@ -562,10 +562,12 @@ BAD = [
 
 
 @pytest.mark.parametrize(("args", "fragment"), BAD)
-def test_bad_input_is_one_line_and_exit_2(args, fragment):
-    """The first case in a fresh interpreter, the rest in this process (conftest.run_cli_here)."""
-    run = run_cli if args == BAD[0][0] else run_cli_here
-    assert_clean_usage_error(run(SCRIPT, *args), fragment)
+def test_bad_input_is_one_line_and_exit_2(args, fragment, lab13, capsys):
+    """The first case in a fresh interpreter, the rest in this process."""
+    if args == BAD[0][0]:
+        assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)
+    else:
+        assert_usage_error_in_process(lab13, args, capsys, fragment)
 
 
 def test_the_example_config_json_traces_verbatim_with_its_published_count():

@@ -9,12 +9,11 @@ import re
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, load_lab, run_cli_here
+from conftest import assert_usage_error_in_process, load_lab
 
 from labkit import zoo
 from labkit.config import UsageError
 
-SCRIPT = "lab-13-will-it-fit/fit.py"
 # Unit roundoff (half the spacing between neighbours, relative) of each format's normal numbers:
 # e4m3 keeps 3 mantissa bits, e5m2 2, bf16 7.
 U_E4M3, U_E5M2, U_BF16 = 2.0**-4, 2.0**-3, 2.0**-8
@@ -115,9 +114,9 @@ def test_a_float8_linear_keeps_what_a_bf16_linear_keeps_and_under_autocast_no_we
     (["--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--float8", "tensorwise"],
      "dense zoo Llama"),
 ])
-def test_float8_bad_input_is_one_line_and_exit_2(args, fragment):
-    """In this process (test_lab13 runs fit.py's refusals in a fresh interpreter too)."""
-    assert_clean_usage_error(run_cli_here(SCRIPT, *args), fragment)
+def test_float8_bad_input_is_one_line_and_exit_2(args, fragment, capsys):
+    """In this process (test_lab13 runs one of fit.py's refusals in a fresh interpreter)."""
+    assert_usage_error_in_process(load_lab(13), args, capsys, fragment)
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [

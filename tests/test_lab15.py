@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_clean_usage_error, run_cli, run_cli_here
+from conftest import assert_clean_usage_error, assert_usage_error_in_process, load_lab, run_cli
 
 from labkit import fake, labs, marks, zoo
 from labkit.ledger import Ledger
@@ -402,10 +402,12 @@ def test_the_default_run_reports_every_category_and_its_check():
     (["--nf4-block", "0"], "--nf4-block must be in [1,"),
     (["--optimizer-block", "0"], "--optimizer-block must be in [1,"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, fragment):
-    """The first case in a fresh interpreter, the rest in this process (conftest.run_cli_here)."""
-    run = run_cli if args == ["--lora-rank", "0"] else run_cli_here
-    assert_clean_usage_error(run(SCRIPT, "--device", "cpu", *args), fragment)
+def test_bad_input_is_one_line_and_exit_2(args, fragment, capsys):
+    """The first case in a fresh interpreter, the rest in this process."""
+    if args == ["--lora-rank", "0"]:
+        assert_clean_usage_error(run_cli(SCRIPT, "--device", "cpu", *args), fragment)
+    else:
+        assert_usage_error_in_process(load_lab(15), ["--device", "cpu", *args], capsys, fragment)
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -417,5 +419,5 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     (["--lora-dropout", "0.1"], "needs --method lora or qlora"),
     (["--method", "lora", "--task", "infer"], "--task infer"),
 ])
-def test_lab13_refuses_the_same_in_one_line(args, fragment):
-    assert_clean_usage_error(run_cli_here("lab-13-will-it-fit/fit.py", "--model", "llama-3-8b", *args), fragment)
+def test_lab13_refuses_the_same_in_one_line(args, fragment, capsys):
+    assert_usage_error_in_process(load_lab(13), ["--model", "llama-3-8b", *args], capsys, fragment)
