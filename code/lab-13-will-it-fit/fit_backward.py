@@ -65,14 +65,13 @@ class OptimizerInBackward:
 
 
 def check_levers(config) -> None:
-    """The refusals of ``--optimizer-in-backward`` and ``--offload-activations`` Lab 13 adds to the calculator's:
-    no backward to put them in, or a flag they were not traced with (UsageError in one line)."""
+    """The refusals of ``--optimizer-in-backward`` and ``--offload-activations`` Lab 13 adds to the ones it
+    shares with the calculator (Lab 01's ``fit_rules.check_combinations``: --tp, --pp, --float8): no
+    backward to put them in, or ``--compile``, which the calculator does not have (UsageError in one line)."""
     lever = "--optimizer-in-backward" if config.optimizer_in_backward else "--offload-activations"
     if not (config.optimizer_in_backward or config.offload_activations):
         return
     if config.task != "train":
         raise UsageError(f"{lever} needs a backward or an optimizer: --task {config.task} has neither")
-    for flag, bad in (("--tp", config.tp > 1), ("--pp", config.pp > 1), ("--float8", config.float8 != "none"),
-                      ("--compile", getattr(config, "compile", False))):
-        if bad:
-            raise UsageError(f"{lever} with {flag} is not traced together (Lab 13): leave one out")
+    if config.compile:
+        raise UsageError(f"{lever} with --compile is not traced together (Lab 13): leave one out")
