@@ -259,7 +259,7 @@ class Inputs(TrainingRun, Subject):
                                  "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
             if t > 1 and kv % t:
                 raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
-            self.check_pipeline(family, d["layers"])
+            fit_rules.check_pipeline(self, family, d["layers"])
         if self.task != "train" and self.pp > 1:
             raise UsageError(f"--pp {self.pp} is traced for training (Lab 13): --task {self.task} has no pipeline here")
         if self.task == "decode":
@@ -270,20 +270,6 @@ class Inputs(TrainingRun, Subject):
             if self.new_tokens > (self.kv_len or self.seq):
                 raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
                                  f"{self.kv_len or self.seq}")
-
-    def check_pipeline(self, family: str, layers: int) -> None:
-        """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
-        if self.pp == 1:
-            return
-        if self.pp > layers:
-            raise UsageError(f"--pp {self.pp} is more pipeline stages than {layers} layers")
-        if family == "gpt":
-            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages")
-        for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
-                          (f"--checkpointing {self.checkpointing}", self.checkpointing not in ("none", "full")),
-                          ("--zero-stage 2 or 3", self.zero_stage >= 2)):
-            if bad:
-                raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

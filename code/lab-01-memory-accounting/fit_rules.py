@@ -70,3 +70,18 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
                          "last (no GPT preset or --experts: Lab 13 traces Mixtral's)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
+
+
+def check_pipeline(inputs, family: str, layers: int) -> None:
+    """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
+    if inputs.pp == 1:
+        return
+    if inputs.pp > layers:
+        raise UsageError(f"--pp {inputs.pp} is more pipeline stages than {layers} layers")
+    if family == "gpt":
+        raise UsageError(f"--pp {inputs.pp}: the formula cuts a Llama or Mixtral into stages")
+    for flag, bad in (("--accumulation equal to --pp", inputs.accumulation == inputs.pp),
+                      (f"--checkpointing {inputs.checkpointing}", inputs.checkpointing not in ("none", "full")),
+                      ("--zero-stage 2 or 3", inputs.zero_stage >= 2)):
+        if bad:
+            raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")
