@@ -349,6 +349,8 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["pp"] = rng.choice((1, 1, 1, 2, 4))
             if f["zero_stage"] >= 2 and f["dp"] > 2:
                 f["replicate"] = rng.choice((1, 2))
+            if f["zero_stage"] >= 2:  # the embedding and the head as FSDP2 units of their own, or left to the root
+                f["fsdp_units"] = rng.choice(("blocks", "blocks-embed-head"))
             if f["pp"] > 1:
                 f["accumulation"] = f["pp"] * rng.choice((2, 4))
             if f["method"] != "full":  # a rank and targets only where adapters read them (the page's address too),
@@ -384,6 +386,8 @@ BAD = [
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
+    ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
+                                                          "model": "llama-3.2-1b"}, "fsdp_units"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '

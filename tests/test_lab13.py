@@ -64,6 +64,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
+    {"dp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the embedding and the norm + head as units
+    {"dp": 2, "zero_stage": 2, "fsdp_units": "blocks-embed-head", "loss": "fused-linear", "precision": "bf16"},
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
@@ -514,6 +516,12 @@ def test_one_gpu_table_serves_lab13_lab14_and_the_calculator():
     (["--model", "small-llama", "--pp", "3", "--accumulation", "3"], "more pipeline stages than"),
     (["--model", "small-llama", "--pp", "2", "--task", "infer"], "traced for training"),
     (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head"], "it needs --zero-stage 2 or 3"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "1"], "--zero-stage 2"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "3", "--pp", "2",
+      "--accumulation", "2"], "not traced with --offload params or --pp"),
+    (["--model", "small-gpt", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "3"],
+     "head shares the embedding's weight"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert_clean_usage_error(run_cli(SCRIPT, *args), fragment)

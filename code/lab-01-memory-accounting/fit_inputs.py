@@ -136,6 +136,10 @@ class TrainingRun(FineTuning):
     replicate: int = option(1, "HSDP: FSDP2 over a --replicate x (--dp / --replicate) mesh, each parameter sharded over "
                             "the dp / replicate ranks of its group and replicated across the groups (ZeRO-2/3)",
                             min=1, max=2**20)
+    fsdp_units: Literal["blocks", "blocks-embed-head"] = option(
+        "blocks", "FSDP2's units under --zero-stage 2 or 3. blocks: each block, and the root holding the embedding, final "
+        "norm and head (Lab 11's wrap); blocks-embed-head: each block, the embedding alone, and the final norm with the "
+        "head, gathered from its forward to its backward (torchtitan's): no weight left to the root")
     pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
                      "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)

@@ -42,6 +42,9 @@ def check_combinations(run) -> None:
         raise UsageError(f"--float8 {run.float8} with --checkpointing {run.checkpointing}: "
                          + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
                             if run.checkpointing != "every-k" else "not traced together") + ": none or full")
+    if run.fsdp_units != "blocks" and (run.zero_stage < 2 or run.offload == "params" or run.pp > 1):
+        raise UsageError(f"--fsdp-units {run.fsdp_units} makes FSDP2 units: it needs --zero-stage 2 or 3, and is not "
+                         "traced with --offload params or --pp")
     if run.offload_activations and run.zero_stage >= 2:
         raise UsageError(f"--offload-activations with --zero-stage {run.zero_stage}: FSDP2's gathered weights "
                          "would be offloaded with the activations; traced with --zero-stage 0 or 1")
@@ -68,6 +71,9 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.offload_activations and (family == "gpt" or dims["experts"] or dims["layers"] < 2):
         raise UsageError("--offload-activations: the formula counts what a dense Llama block of two or more saves "
                          "last (no GPT preset or --experts: Lab 13 traces Mixtral's)")
+    if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
+        raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
+                         "GPT preset, --tied or --tp: Lab 13 traces --tp)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
 

@@ -60,6 +60,7 @@ from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
 import fit_float8 as float8
 import fit_parallel
 import fit_pipeline
+import fit_units
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -169,6 +170,7 @@ def shard(model, config: Config, mesh):
         for module in (*model.blocks, model):
             fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
     elif config.zero_stage >= 2:
+        fit_units.shard_embed_head(model, config, mesh, policy)  # --fsdp-units blocks-embed-head: two more units
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task != "train":
         return None
@@ -193,7 +195,6 @@ def fsdp_mixed(config: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- the configuration
-MAX_FSDP_RANKS = 1024  # FSDP2 chunks every parameter into --dp shards: Llama-3-8B at 1,024 traces in ~30 s
 
 
 @dataclass
@@ -232,10 +233,7 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
         self.check_sharding()
         self.check_checkpointing(spec.layers)
         self.check_adapters()
-        if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
-            raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
-                             f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
-                             "(rank 0's bytes past that are the same shares, smaller)")
+        fit_units.check(self)
         if self.loss != "full" and spec.family == "hf":
             raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
                              "not a Hugging Face config's")
