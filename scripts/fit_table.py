@@ -65,7 +65,8 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing": 4, "chunked loss": 13, "optimizer step in backward": 13, "activation offload": 9, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
-             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
+             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14,
+             "embedding and head as FSDP units": (13, "more/lab-13-runs-people-launch")}
 CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 

@@ -433,6 +433,21 @@ def test_exact_levers_come_before_those_that_change_the_numerics():
     assert names.index("chunked loss") < names.index("ZeRO-1")
 
 
+def test_the_fsdp_units_lever_is_exact_and_saves_what_it_claims(lab13):
+    """Under ZeRO-3, the embedding and the head as FSDP2 units of their own (torchtitan's) is an exact lever: the
+    ladder offers it, the bytes it reports saved are the step re-traced with --fsdp-units blocks-embed-head (the
+    root no longer gathered whole through backward), and it is not offered once pulled or without FSDP2."""
+    levers = load_lab(13, "fit_levers")
+    config = small(lab13, dp=2, zero_stage=3)
+    rows = {row["name"]: row for row in levers.search(lab13.trace(config), lab13.trace, every=True)}
+    row = rows["embedding and head as FSDP units"]
+    again = lab13.trace(replace(config, fsdp_units="blocks-embed-head"))
+    assert row["numerics"] == "exact" and row["changes"] == {"fsdp_units": "blocks-embed-head"}
+    assert row["alone"]["saves_bytes"] == lab13.trace(config).per_rank_peak_bytes - again.per_rank_peak_bytes > 0
+    lever = levers.LEVER["embedding and head as FSDP units"]
+    assert lever.pull(again.config) is None and lever.pull(small(lab13, dp=2, zero_stage=1)) is None
+
+
 def test_the_chunked_loss_lever_saves_what_it_claims_where_the_logits_hold_the_peak(lab13):
     """Llama-3.2-1B at 16k tokens with full checkpointing: the loss's logits hold the peak, so the ladder
     pulls the chunked loss (exact: it comes before any lever that changes the numerics) and the saving it

@@ -850,6 +850,8 @@
   const PULLS = {
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
+    "embedding and head as FSDP units": (c) => (c.zero_stage >= 2 && !units(c) && c.offload !== "params" && c.pp === 1
+      ? { fsdp_units: "blocks-embed-head" } : null),
     "optimizer step in backward": (c) => (FREE(c) && c.accumulation === 1 && !c.zero_stage && c.offload === "none"
       && c.method === "full" ? { optimizer_in_backward: true } : null),
     "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
