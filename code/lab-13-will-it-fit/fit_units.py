@@ -12,9 +12,19 @@ again for its backward. Whatever no inner unit claims belongs to the root, the m
     blocks-embed-head  torchtitan's ``apply_fsdp_to_decoder`` (``torchtitan/distributed/fsdp.py`` at commit
                        b5bcd76c66d0acb1a08b176d9639425bc55e0b2a): the embedding its own unit, the final norm
                        and the head one unit that is not resharded after forward (backward needs it at once),
-                       then the blocks. torchtune's recipes name the same units
-                       (``custom_sharded_layers: ['tok_embeddings', 'output']``). The embedding is then whole
-                       only around its own forward and backward; the root holds no weight.
+                       then the blocks. torchtune's recipes shard the same two apart
+                       (``custom_sharded_layers: ['tok_embeddings', 'output']`` in
+                       ``recipes/configs/llama3/8B_full.yaml`` at commit
+                       bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1, the head alone there). The embedding is then
+                       whole only around its own forward and backward; the root holds no weight.
+
+Why the root stays gathered: FSDP2 runs a unit's post-backward (which frees its weights) when the
+gradients of its forward inputs are ready, and the root's input, the token ids, has none; so the
+root is resharded in the final callback of backward (``_root_post_backward_final_callback`` in
+torch 2.13's ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``). Left to choose
+(``reshard_after_forward=None``), FSDP2 does not even reshard the root after forward (``lazy_init``
+there: "For the root, do not reshard after forward"); Lab 11 passes True, so the root is gathered
+again when backward starts.
 
 With a 128k vocabulary each of the embedding and the head is 0.5 billion parameters (Llama-3-8B: 1 GiB
 each in bf16), so the difference is a gigabyte or two per rank at the start of backward, on every rank.

@@ -249,6 +249,22 @@ for (precision, f8), peak in float8_8b.items():
 print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16, {tables.format_bytes(gather_8b['block_float8'])} "
       f"with float8 all-gather; received per step per rank: {tables.format_bytes(gather_8b['received_bf16'])} -> "
       f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
+# ## The embedding and the head as FSDP2 units of their own
+#
+# `--fsdp-units blocks` (Lab 11's wrap) leaves the embedding, final norm and head to the root, which ZeRO-3
+# keeps gathered through all of backward; `blocks-embed-head` (torchtitan's units, `fit_units.py`) gathers the
+# embedding only around its own forward and backward. Llama-3-8B and Llama-3-70B at 4,096 tokens, AMP under
+# FSDP2's MixedPrecisionPolicy, ZeRO-3 over 8 ranks, both ways (traced), beside the calculator's formula.
+
+# %%
+fit_formula, fit_inputs = labs.load(1, "fit_formula"), labs.load(1, "fit_inputs")
+units = {(m, u): lab.trace(lab.Config(model=f"llama-3-{m}", seq=4096, dp=8, zero_stage=3, fsdp_units=u, levers="none"))
+         for m in ("8b", "70b") for u in ("blocks", "blocks-embed-head")}
+for (m, u), t in units.items():
+    formula = sum(fit_formula.estimate(fit_inputs.Inputs(model=f"llama-3-{m}", seq=4096, dp=8, zero_stage=3,
+                                                         fsdp_units=u)).values())
+    print(f"llama-3-{m:3} --fsdp-units {u:17} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced), at "
+          f"{t.derived['peak_phase']}; formula {formula / t.per_rank_peak_bytes - 1:+.4%}")
 # ## One rank of a split model: tensor, sequence and pipeline parallelism
 #
 # `--tp` splits every block the Megatron way through DTensor's plan (`fit_parallel.py`), on a `--dp` x
@@ -294,6 +310,7 @@ notebook.publish(
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
     **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
+    **{f"units_{u.replace('-', '_')}_{m}": t.per_rank_peak_bytes for (m, u), t in units.items()},
     tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
     rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
