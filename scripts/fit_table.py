@@ -345,7 +345,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
             f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
-            f["float8"] = rng.choice(("none", "none", "none", "tensorwise"))
+            f["float8"] = rng.choice(("none", "none", "none", "tensorwise", "tensorwise-all-gather"))
             f["sp"] = f["tp"] > 1 and rng.random() < 0.5
             f["pp"] = rng.choice((1, 1, 1, 2, 4))
             if f["zero_stage"] >= 2 and f["dp"] > 2:
@@ -387,7 +387,7 @@ BAD = [
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
-    ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
+    ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
                                                           "model": "llama-3.2-1b"}, "fsdp_units"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',

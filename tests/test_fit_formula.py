@@ -287,7 +287,8 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     {"pp": 4, "accumulation": 8}, {"pp": 4, "accumulation": 8, "tp": 4, "sp": True},
                                     {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},
                                     {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},
-                                    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "seq": 1024}],
+                                    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "seq": 1024},
+                                    {"dp": 8, "zero_stage": 3, "float8": "tensorwise-all-gather"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of
@@ -482,6 +483,8 @@ def test_results_table_is_what_the_python_computes_now():
     ({"optimizer_in_backward": True, "tp": 2}, "--optimizer-in-backward with --tp, --pp or --float8"),
     ({"offload_activations": True, "float8": "tensorwise"}, "--offload-activations with --tp, --pp or --float8"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 1}, "it needs --zero-stage 2 or 3"),
+    ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
+    ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tp": 2}, "no GPT preset, --tied or --tp"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tied": True}, "an untied embedding and head"),

@@ -25,8 +25,8 @@ import fit_split  # --tp's embedding moments and --pp's first stage (it reads la
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
-from fit_moments import (autocast_cache, backward_end, block_backward, fsdp_units, head_step, offloaded,
-                         segment_backward)
+from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
+                         offloaded, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -246,7 +246,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
            "backward_end": end}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
-    return fsdp_units(x, S, gathered, out)  # --fsdp-units blocks-embed-head: the embedding and the head apart
+    return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
 

@@ -119,11 +119,12 @@ class TrainingRun(FineTuning):
     offload_activations: bool = option(
         False, "keep what the blocks save for backward on the host between forward and backward (Lab 09's streamed "
         "saved-tensor hooks: all but the last two saved tensors and those under 4 KiB; the parameters stay)")
-    float8: Literal["none", "tensorwise"] = option(
+    float8: Literal["none", "tensorwise", "tensorwise-all-gather"] = option(
         "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
         "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
         "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
-        "(mixed or bf16)")
+        "(mixed or bf16); tensorwise-all-gather: also FSDP2's float8 all-gather (ZeRO-2/3): each rank casts its shard "
+        "to e4m3 first, the gathered weight is 1 byte per element and a scale, used as it is (torchao's option)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")

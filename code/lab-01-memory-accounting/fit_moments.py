@@ -107,6 +107,23 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     return out
 
 
+def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
+    """--float8 tensorwise-all-gather (Lab 13's fit_float8_gather.py): each block's linears gathered as float8,
+    1 byte per weight, not ``gathered``; the norms as before. Per moment, the blocks it holds gathered: under
+    ZeRO-3 one (two in a block's backward), under ZeRO-2 all of them (and, at the end of forward, the last
+    block's buffer once more, unless the head's is the last gathered)."""
+    if x.float8 != "tensorwise-all-gather":
+        return comm
+    less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
+    if x.zero_stage == 2:
+        ends = S.L if x.fsdp_units != "blocks" else S.L + 1
+        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
+    else:
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1} | (
+            {"forward_end": 1} if x.fsdp_units == "blocks" else {})
+    return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
+
+
 def backward_end(x: Inputs, S, held: dict, gradients: Expr, carried: Expr) -> dict[str, Expr]:
     """FSDP2's mixed precision: the root's backward done, its bf16 gradients about to be reduced (the root's fp32
     reduce-scatter input is communication), every block's fp32 shard out. With --fsdp-units blocks-embed-head the

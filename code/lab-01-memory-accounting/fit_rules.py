@@ -35,6 +35,9 @@ def check_combinations(run) -> None:
                              "split weights")
     if run.float8 != "none" and run.precision == "fp32":
         raise UsageError(f"--float8 {run.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+    if run.float8 == "tensorwise-all-gather" and (run.zero_stage < 2 or run.offload == "params" or run.replicate > 1):
+        raise UsageError("--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs "
+                         "--zero-stage 2 or 3, and is not traced with --offload params or --replicate")
     if run.float8 != "none" and (run.tp > 1 or run.pp > 1):
         raise UsageError(f"--float8 {run.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
                          "swapped in before DTensor's plan would split them")

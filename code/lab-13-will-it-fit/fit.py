@@ -12,11 +12,13 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, every-k, or op-level (save-matmuls, torchtitan's save-alternate-matmuls)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
-    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
+    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``); with
+                    -all-gather, FSDP2 gathers them in float8 (``fit_float8_gather.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     levers          --optimizer-in-backward (``fit_backward.py``), --offload-activations (``fit_offload.py``)
+    --fsdp-units    blocks-embed-head: the embedding and the head as FSDP2 units of their own (``fit_units.py``)
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
@@ -135,7 +137,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
         if config.float8 != "none":
-            float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
+            float8.convert(model, config.float8)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():
             optimizer = shard(model, config, mesh)  # (2)!

@@ -312,6 +312,9 @@
       if (on && x.method !== "full") return ["method", `${lever} with --method ${x.method} is not traced together (Lab 13 traces it with every weight trained): leave one out`];
     }
     if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
+    if (x.float8 === "tensorwise-all-gather" && (x.zero_stage < 2 || x.offload === "params" || x.replicate > 1)) {
+      return ["float8", "--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs --zero-stage 2 or 3, and is not traced with --offload params or --replicate"];
+    }
     if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
       return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
@@ -625,7 +628,20 @@
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
-    return units(x) ? fsdpUnits(x, S, gathered, out) : out;
+    return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
+  }
+
+  /** Python: fit_moments.float8_gather (--float8 tensorwise-all-gather): each gathered block's linears in 1 byte. */
+  function float8Gather(x, S, gathered, comm) {
+    if (x.float8 !== "tensorwise-all-gather") return comm;
+    const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
+    const counts = x.zero_stage === 2
+      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
+      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1) },
+        units(x) ? {} : { forward_end: n(1) });
+    const out = Object.assign({}, comm);
+    for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
+    return out;
   }
 
   /** Python: fit_moments.fsdp_units (--fsdp-units blocks-embed-head): the head unit gathered (and, at the end of
