@@ -65,7 +65,8 @@ MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv
 LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing": 4, "chunked loss": 13, "optimizer step in backward": 13, "activation offload": 9, "ZeRO-1": 11, "ZeRO-2": 11,
              "half the micro-batch": {"train": 6, "infer": 13}, "ZeRO-3": 11, "full checkpointing": 4, "bf16 weights and state": 3,
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
-             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14}
+             "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14,
+             "embedding and head as FSDP units": (13, "more/lab-13-runs-people-launch")}
 CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
@@ -344,11 +345,13 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
             f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
-            f["float8"] = rng.choice(("none", "none", "none", "tensorwise"))
+            f["float8"] = rng.choice(("none", "none", "none", "tensorwise", "tensorwise-all-gather"))
             f["sp"] = f["tp"] > 1 and rng.random() < 0.5
             f["pp"] = rng.choice((1, 1, 1, 2, 4))
             if f["zero_stage"] >= 2 and f["dp"] > 2:
                 f["replicate"] = rng.choice((1, 2))
+            if f["zero_stage"] >= 2:  # the embedding and the head as FSDP2 units of their own, or left to the root
+                f["fsdp_units"] = rng.choice(("blocks", "blocks-embed-head"))
             if f["pp"] > 1:
                 f["accumulation"] = f["pp"] * rng.choice((2, 4))
             if f["zero_stage"] >= 2 and rng.random() < 0.3:  # context parallelism (Lab 13's fit_context.py), with
@@ -390,6 +393,8 @@ BAD = [
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "dp": "2", "zero_stage": "3", "tp": "2"}, "cp"), ({"cp": "2", "task": "infer"}, "cp"),
+    ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
+                                                          "model": "llama-3.2-1b"}, "fsdp_units"),
 ]
 BAD_CONFIG_JSON = ['{"hidden_size": 4096, "num_attention_heads": 32', '[1, 2, 3]',
                    '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, '

@@ -169,6 +169,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
      "kv_heads": 2, "ffn": 3584, "vocab": 32000},
     {"precision": "mixed", "optimizer": "adamw-fused", "float8": "tensorwise"},  # no weight casts kept
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
+    {"precision": "mixed", "dp": 4, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the head's reduce-scatter
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks at 1,024 tokens traced by Lab 13 (fake tensors, one steady-state step): the
@@ -286,7 +287,10 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     {"pp": 4, "accumulation": 8}, {"pp": 4, "accumulation": 8, "tp": 4, "sp": True},
                                     {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},
                                     {"seq": 32768, "cp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full"},
-                                    {"seq": 16384, "cp": 4, "dp": 2, "zero_stage": 3}],
+                                    {"seq": 16384, "cp": 4, "dp": 2, "zero_stage": 3},
+                                    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},
+                                    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "seq": 1024},
+                                    {"dp": 8, "zero_stage": 3, "float8": "tensorwise-all-gather"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of
@@ -481,6 +485,12 @@ def test_results_table_is_what_the_python_computes_now():
     ({"tp": 2, "checkpointing": "every-k", "checkpoint_every": 2}, "with --tp or --pp is not traced together"),
     ({"optimizer_in_backward": True, "tp": 2}, "--optimizer-in-backward with --tp, --pp or --float8"),
     ({"offload_activations": True, "float8": "tensorwise"}, "--offload-activations with --tp, --pp or --float8"),
+    ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 1}, "it needs --zero-stage 2 or 3"),
+    ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
+    ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
+    ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),
+    ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tp": 2}, "no GPT preset, --tied or --tp"),
+    ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tied": True}, "an untied embedding and head"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

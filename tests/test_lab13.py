@@ -64,8 +64,12 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
+    {"dp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the embedding and the norm + head as units
+    {"dp": 2, "zero_stage": 2, "fsdp_units": "blocks-embed-head", "loss": "fused-linear", "precision": "bf16"},
+    {"dp": 2, "zero_stage": 3, "float8": "tensorwise-all-gather"},  # FSDP2 gathers the linears' float8 bits
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
     {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
+    {"cp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the ring beside the embedding and head units
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
@@ -466,6 +470,47 @@ def test_exact_levers_come_before_those_that_change_the_numerics():
     assert names.index("chunked loss") < names.index("ZeRO-1")
 
 
+def test_the_float8_all_gather_is_the_float8_step_bit_for_bit_on_one_rank():
+    """--float8 tensorwise-all-gather (fit_float8_gather.py): FSDP2's extension casts each shard to float8 before the
+    all-gather, with the whole weight's scale. On one rank in bf16 the gather moves nothing, so the loss and every
+    gradient equal those of --float8 tensorwise (which casts the gathered bf16 weight) bit for bit; and the sharded
+    weight is the wrapper whose hooks FSDP2 calls."""
+    from labkit import dist as dist_kit
+    fit_float8, lab11 = load_lab(13, "fit_float8"), labs.load(11)
+
+    def step(recipe):
+        with dist_kit.fake_group(1) as mesh:
+            torch.manual_seed(0)
+            model = zoo.get("small-llama").build().to(torch.bfloat16)
+            fit_float8.convert(model, recipe)
+            lab11.wrap(3, model, mesh, lr=1e-3)
+            idx = torch.randint(0, model.spec.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+            loss = model(idx, idx)[1]
+            loss.backward()
+            shard = type(model.blocks[0].attn.q_proj.weight.to_local()).__name__
+            return loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}, shard
+
+    want, want_grads, plain = step("tensorwise")
+    got, got_grads, wrapped = step("tensorwise-all-gather")
+    assert (plain, wrapped) == ("Tensor", "Float8GatherWeight")
+    assert torch.equal(got, want) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_the_fsdp_units_lever_is_exact_and_saves_what_it_claims(lab13):
+    """Under ZeRO-3, the embedding and the head as FSDP2 units of their own (torchtitan's) is an exact lever: the
+    ladder offers it, the bytes it reports saved are the step re-traced with --fsdp-units blocks-embed-head (the
+    root no longer gathered whole through backward), and it is not offered once pulled or without FSDP2."""
+    levers = load_lab(13, "fit_levers")
+    config = small(lab13, dp=2, zero_stage=3)
+    rows = {row["name"]: row for row in levers.search(lab13.trace(config), lab13.trace, every=True)}
+    row = rows["embedding and head as FSDP units"]
+    again = lab13.trace(replace(config, fsdp_units="blocks-embed-head"))
+    assert row["numerics"] == "exact" and row["changes"] == {"fsdp_units": "blocks-embed-head"}
+    assert row["alone"]["saves_bytes"] == lab13.trace(config).per_rank_peak_bytes - again.per_rank_peak_bytes > 0
+    lever = levers.LEVER["embedding and head as FSDP units"]
+    assert lever.pull(again.config) is None and lever.pull(small(lab13, dp=2, zero_stage=1)) is None
+
+
 def test_the_chunked_loss_lever_saves_what_it_claims_where_the_logits_hold_the_peak(lab13):
     """Llama-3.2-1B at 16k tokens with full checkpointing: the loss's logits hold the peak, so the ladder
     pulls the chunked loss (exact: it comes before any lever that changes the numerics) and the saving it
@@ -558,6 +603,13 @@ BAD = [
     (["--model", "small-gpt", "--cp", "2", "--zero-stage", "3"], "rings a zoo Llama's"),
     (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--checkpointing", "save-matmuls"],
      "with --checkpointing save-matmuls is not traced"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head"], "it needs --zero-stage 2 or 3"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "1"], "--zero-stage 2"),
+    (["--model", "small-llama", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "3", "--pp", "2",
+      "--accumulation", "2"], "not traced with --offload params or --pp"),
+    (["--model", "small-gpt", "--fsdp-units", "blocks-embed-head", "--dp", "2", "--zero-stage", "3"],
+     "head shares the embedding's weight"),
+    (["--model", "small-llama", "--float8", "tensorwise-all-gather"], "it needs --zero-stage 2 or 3"),
 ]
 
 

@@ -25,7 +25,8 @@ import fit_split  # --tp's embedding moments and --pp's first stage (it reads la
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
-from fit_moments import autocast_cache, block_backward, head_step, offloaded, segment_backward
+from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
+                         offloaded, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -245,7 +246,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
            "backward_end": end}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
-    return out
+    return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
 
@@ -261,9 +262,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
     held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
+    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO
     out = {
-        "forward_end": held | {"activations": act["kept"],
-                               "temporaries": logits if act["cache"] is ZERO else act["cache"] + logits},
+        "forward_end": held | {"activations": act["kept"],  # + the blocks' output, held by forward (a bf16 stream)
+                               "temporaries": total(act["cache"], logits, frame if x.tp == 1 else ZERO)},
         "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }
@@ -285,16 +287,15 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
                                        else S.c * S.T * S.V + S.T * S.r * S.h}  # only the logits' own gradient
     if x.optimizer_in_backward and x.loss == "full" and x.optimizer in ("adamw", "adamw-foreach"):
         out["head_step"] = head_step(S, held, act)
-    if x.zero_stage == 3 and x.offload != "params":
+    if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
     if "block_backward" in comm and x.checkpointing == "none" and not lora_step(x) and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
-        out["block_backward"] = block_backward(x, S, held, act)
+        out |= block_backward(x, S, held, act)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced
-        blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
-        out["backward_end"] = held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
+        out["backward_end"] = backward_end(x, S, held, state["gradients"], carried)  # (or the embedding's)
     return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)
 
 

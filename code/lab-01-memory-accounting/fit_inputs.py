@@ -119,11 +119,12 @@ class TrainingRun(FineTuning):
     offload_activations: bool = option(
         False, "keep what the blocks save for backward on the host between forward and backward (Lab 09's streamed "
         "saved-tensor hooks: all but the last two saved tensors and those under 4 KiB; the parameters stay)")
-    float8: Literal["none", "tensorwise"] = option(
+    float8: Literal["none", "tensorwise", "tensorwise-all-gather"] = option(
         "none", "tensorwise: the blocks' linears multiply in float8 as torchao's Float8Linear does (input and weight "
         "cast to e4m3, the output's gradient to e5m2, one dynamic scale per tensor; backward keeps the bf16 input and "
         "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
-        "(mixed or bf16)")
+        "(mixed or bf16); tensorwise-all-gather: also FSDP2's float8 all-gather (ZeRO-2/3): each rank casts its shard "
+        "to e4m3 first, the gathered weight is 1 byte per element and a scale, used as it is (torchao's option)")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -136,6 +137,10 @@ class TrainingRun(FineTuning):
     replicate: int = option(1, "HSDP: FSDP2 over a --replicate x (--dp / --replicate) mesh, each parameter sharded over "
                             "the dp / replicate ranks of its group and replicated across the groups (ZeRO-2/3)",
                             min=1, max=2**20)
+    fsdp_units: Literal["blocks", "blocks-embed-head"] = option(
+        "blocks", "FSDP2's units under --zero-stage 2 or 3. blocks: each block, and the root holding the embedding, final "
+        "norm and head (Lab 11's wrap); blocks-embed-head: each block, the embedding alone, and the final norm with the "
+        "head, gathered from its forward to its backward (torchtitan's): no weight left to the root")
     pp: int = option(1, "pipeline stages, 1F1B (PyTorch's Schedule1F1B): the answer is the first stage's, which holds "
                      "the embedding, ⌈layers / pp⌉ blocks and --pp micro-batches of activations in flight "
                      "(needs --accumulation ≥ --pp)", min=1, max=1024)
@@ -261,7 +266,7 @@ class Inputs(TrainingRun, Subject):
                                  "(Lab 13 traces it: fit.py --model mixtral-8x7b --method ...)")
             if t > 1 and kv % t:
                 raise UsageError(f"--tp {t} does not split {kv} KV heads: training splits whole KV heads (Lab 13)")
-            self.check_pipeline(family, d["layers"])
+            fit_rules.check_pipeline(self, family, d["layers"])
         if self.task != "train" and self.pp > 1:
             raise UsageError(f"--pp {self.pp} is traced for training (Lab 13): --task {self.task} has no pipeline here")
         if self.task == "decode":
@@ -272,20 +277,6 @@ class Inputs(TrainingRun, Subject):
             if self.new_tokens > (self.kv_len or self.seq):
                 raise UsageError(f"--new-tokens {self.new_tokens} is more than the cache holds, --kv-len "
                                  f"{self.kv_len or self.seq}")
-
-    def check_pipeline(self, family: str, layers: int) -> None:
-        """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
-        if self.pp == 1:
-            return
-        if self.pp > layers:
-            raise UsageError(f"--pp {self.pp} is more pipeline stages than {layers} layers")
-        if family == "gpt":
-            raise UsageError(f"--pp {self.pp}: the formula cuts a Llama or Mixtral into stages")
-        for flag, bad in (("--accumulation equal to --pp", self.accumulation == self.pp),
-                          (f"--checkpointing {self.checkpointing}", self.checkpointing not in ("none", "full")),
-                          ("--zero-stage 2 or 3", self.zero_stage >= 2)):
-            if bad:
-                raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")
 
     def dims(self) -> dict:
         """The model's dimensions: the preset's, each replaced by the one given."""

@@ -1,12 +1,12 @@
 """Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
 the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
-block's backward at ZeRO-3. ``fit_formula.py``
+block's backward at ZeRO-3, and the embedding and the head as FSDP2 units of their own. ``fit_formula.py``
 calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
 ``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
 
 from __future__ import annotations
 
-from fit_expr import ZERO, Expr, ceil_div
+from fit_expr import ZERO, Expr, ceil_div, total
 from fit_inputs import Inputs
 from fit_symbols import ROW
 
@@ -69,15 +69,67 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
 
 
-def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, Expr]:
+def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
     """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
     backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
-    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP."""
+    wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP.
+    With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32
+    reduce-scatter input held (``fsdp_units``), no head gradient waiting; the last block not yet gone; and, before
+    it, the head's reduce-scatter: its bf16 gradient not yet freed as the first block is gathered (head_reduced)."""
     from fit_formula import layer, norm  # here: fit_formula imports this file
-    done = S.T * norm(S, 1) + layer(S, "none", False) + S.T * (4 * S.c * S.f + 4 * S.h + ROW)
-    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
+    units = x.fsdp_units != "blocks"
+    done = total(S.T * norm(S, 1), ZERO if units else layer(S, "none", False), S.T * (4 * S.c * S.f + 4 * S.h + ROW))
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
-    return held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
-                   "temporaries": S.c * S.V * S.h + 3 * S.c * S.h * S.f + norm_backward}
+    out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
+                                     total(ZERO if units else S.c * S.V * S.h, 3 * S.c * S.h * S.f, norm_backward)}}
+    if units:  # the final norm gone; the head's gradient and the stream's beside its reduce-scatter
+        out["head_reduced"] = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - S.T * norm(S, 1),
+                                      "temporaries": S.c * S.V * S.h + S.T * S.c * S.h}
+    return out
+
+
+def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
+    """--fsdp-units blocks-embed-head (Lab 13's fit_units.py): the embedding a unit, the final norm and the head
+    another, kept gathered from forward to backward. At the end of forward FSDP2 holds the head unit's gathered
+    weights and, until the next gather, the buffer they were gathered into; in backward the weights alone. The
+    embedding is gathered only around its own forward and backward: no root to gather again in backward."""
+    if x.fsdp_units == "blocks":
+        return comm
+    head = S.Pr - S.V * S.h  # the final norm and the head
+    fwd, bwd = (gathered * (S.P + head), gathered * S.P) if x.zero_stage == 2 else (2 * gathered * head, gathered * head)
+    out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
+                  "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
+    if "block_backward" in comm:  # the last block's backward: it and the next gathered, the head's fp32 gradient
+        out["block_backward"] = 2 * gathered * S.Pb + S.w * head
+        out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
+    return out
+
+
+def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
+    """--float8 tensorwise-all-gather (Lab 13's fit_float8_gather.py): each block's linears gathered as float8,
+    1 byte per weight, not ``gathered``; the norms as before. Per moment, the blocks it holds gathered: under
+    ZeRO-3 one (two in a block's backward), under ZeRO-2 all of them (and, at the end of forward, the last
+    block's buffer once more, unless the head's is the last gathered)."""
+    if x.float8 != "tensorwise-all-gather":
+        return comm
+    less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
+    if x.zero_stage == 2:
+        ends = S.L if x.fsdp_units != "blocks" else S.L + 1
+        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
+    else:
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1} | (
+            {"forward_end": 1} if x.fsdp_units == "blocks" else {})
+    return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
+
+
+def backward_end(x: Inputs, S, held: dict, gradients: Expr, carried: Expr) -> dict[str, Expr]:
+    """FSDP2's mixed precision: the root's backward done, its bf16 gradients about to be reduced (the root's fp32
+    reduce-scatter input is communication), every block's fp32 shard out. With --fsdp-units blocks-embed-head the
+    embedding's, the last unit: every other shard out (``gradients``: all of them, the embedding's made first)."""
+    if x.fsdp_units != "blocks":
+        return held | {"gradients": gradients if carried is ZERO else carried, "temporaries": S.c * S.V * S.h}
+    blocks = ZERO if x.offload == "params" else S.w * S.L * ceil_div(S.Pb, S.dp)  # every block's fp32 shard
+    return held | {"gradients": blocks if carried is ZERO else carried, "temporaries": S.c * S.Pr}
 # --8<-- [end:flags]

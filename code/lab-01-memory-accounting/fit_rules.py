@@ -36,6 +36,9 @@ def check_combinations(run) -> None:
                              "split weights")
     if run.float8 != "none" and run.precision == "fp32":
         raise UsageError(f"--float8 {run.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16")
+    if run.float8 == "tensorwise-all-gather" and (run.zero_stage < 2 or run.offload == "params" or run.replicate > 1):
+        raise UsageError("--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs "
+                         "--zero-stage 2 or 3, and is not traced with --offload params or --replicate")
     if run.float8 != "none" and (run.tp > 1 or run.pp > 1):
         raise UsageError(f"--float8 {run.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
                          "swapped in before DTensor's plan would split them")
@@ -43,6 +46,9 @@ def check_combinations(run) -> None:
         raise UsageError(f"--float8 {run.float8} with --checkpointing {run.checkpointing}: "
                          + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
                             if run.checkpointing != "every-k" else "not traced together") + ": none or full")
+    if run.fsdp_units != "blocks" and (run.zero_stage < 2 or run.offload == "params" or run.pp > 1):
+        raise UsageError(f"--fsdp-units {run.fsdp_units} makes FSDP2 units: it needs --zero-stage 2 or 3, and is not "
+                         "traced with --offload params or --pp")
     if run.offload_activations and run.zero_stage >= 2:
         raise UsageError(f"--offload-activations with --zero-stage {run.zero_stage}: FSDP2's gathered weights "
                          "would be offloaded with the activations; traced with --zero-stage 0 or 1")
@@ -94,5 +100,23 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.cp > 1 and (inputs.task != "train" or family == "gpt"):
         raise UsageError(f"--cp {inputs.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): "
                          "--task train, no GPT preset")
+    if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
+        raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
+                         "GPT preset, --tied or --tp: Lab 13 traces --tp)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
+
+
+def check_pipeline(inputs, family: str, layers: int) -> None:
+    """--pp: the configurations whose first stage the formula follows (Lab 13 traces the others too)."""
+    if inputs.pp == 1:
+        return
+    if inputs.pp > layers:
+        raise UsageError(f"--pp {inputs.pp} is more pipeline stages than {layers} layers")
+    if family == "gpt":
+        raise UsageError(f"--pp {inputs.pp}: the formula cuts a Llama or Mixtral into stages")
+    for flag, bad in (("--accumulation equal to --pp", inputs.accumulation == inputs.pp),
+                      (f"--checkpointing {inputs.checkpointing}", inputs.checkpointing not in ("none", "full")),
+                      ("--zero-stage 2 or 3", inputs.zero_stage >= 2)):
+        if bad:
+            raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")

@@ -12,11 +12,13 @@ traces on a laptop in seconds.
     checkpointing   Lab 04's run_blocks: full, every-k, or op-level (save-matmuls, torchtitan's save-alternate-matmuls)
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
-    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``)
+    --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``); with
+                    -all-gather, FSDP2 gathers them in float8 (``fit_float8_gather.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
     levers          --optimizer-in-backward (``fit_backward.py``), --offload-activations (``fit_offload.py``)
+    --fsdp-units    blocks-embed-head: the embedding and the head as FSDP2 units of their own (``fit_units.py``)
     --zero-stage    1: ZeroRedundancyOptimizer; 2 and 3: Lab 11's FSDP2 wrap (with --precision mixed,
                     FSDP2's MixedPrecisionPolicy instead of autocast); all under the fake process
                     group, as rank 0 of --dp ranks
@@ -60,6 +62,7 @@ from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
 import fit_float8 as float8
 import fit_parallel
 import fit_pipeline
+import fit_units
 from fit_gpus import GPUS
 from fit_levers import search
 from fit_loss import LOSSES
@@ -134,7 +137,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         model = build(fit_pipeline.stage_spec(config.spec, config.pp), weights, device)  # (1)!
         adapt(model, config)  # Lab 15: adapters on a frozen base (NF4 under qlora); none under --method full
         if config.float8 != "none":
-            float8.convert(model)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
+            float8.convert(model, config.float8)  # fit_float8.py: the blocks' linears as torchao's Float8Linear
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():
             optimizer = shard(model, config, mesh)  # (2)!
@@ -169,6 +172,7 @@ def shard(model, config: Config, mesh):
         for module in (*model.blocks, model):
             fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
     elif config.zero_stage >= 2:
+        fit_units.shard_embed_head(model, config, mesh, policy)  # --fsdp-units blocks-embed-head: two more units
         lab11.wrap(config.zero_stage, model, mesh, lr=1e-3, mp_policy=policy)  # (6)!
     if config.task != "train":
         return None
@@ -193,7 +197,6 @@ def fsdp_mixed(config: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- the configuration
-MAX_FSDP_RANKS = 1024  # FSDP2 chunks every parameter into --dp shards: Llama-3-8B at 1,024 traces in ~30 s
 
 
 @dataclass
@@ -232,10 +235,7 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
         self.check_sharding()
         self.check_checkpointing(spec.layers)
         self.check_adapters()
-        if self.zero_stage >= 2 and self.dp > MAX_FSDP_RANKS:
-            raise UsageError(f"--dp {self.dp} with --zero-stage {z}: FSDP2 splits every parameter into --dp shards "
-                             f"on the trace, so its time grows with --dp; up to {MAX_FSDP_RANKS} traces in about 30 s "
-                             "(rank 0's bytes past that are the same shares, smaller)")
+        fit_units.check(self)
         if self.loss != "full" and spec.family == "hf":
             raise UsageError(f"--loss {self.loss} applies the head itself: a zoo model's (--model llama-3-8b, ...), "
                              "not a Hugging Face config's")

@@ -62,19 +62,25 @@ class Float8Matmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # torchao's default: the high-precision input and weight
         x2 = x.reshape(-1, x.size(-1))
         x8, x_inv = to_float8(x2, E4M3)
-        w8, w_inv = to_float8(weight, E4M3)
+        w8, w_inv = weight_float8(weight)
         return scaled_mm(x8, x_inv, w8.t(), w_inv, x.dtype).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g8, g_inv = to_float8(grad.reshape(-1, grad.size(-1)), E5M2)  # gradients need range more than precision
-        w8, w_inv = to_float8(weight, E4M3)
+        w8, w_inv = weight_float8(weight)
         grad_x = scaled_mm(g8, g_inv, w8, w_inv, grad.dtype).view_as(x)
         del w8
         x8, x_inv = to_float8(x.reshape(-1, x.size(-1)), E4M3)
         grad_w = scaled_mm(g8.t(), g_inv, x8, x_inv, grad.dtype)  # g8.t() and x8 both copied to the layouts wanted
         return grad_x, grad_w
+
+
+def weight_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in e4m3 and its inverse scale: cast here, or as FSDP2's float8 all-gather already delivered
+    it (``fit_float8_gather.Float8Weight``: its bits and scale, used as they are)."""
+    return (weight.bits, weight.inverse) if hasattr(weight, "bits") else to_float8(weight, E4M3)
 
 
 class Float8Linear(nn.Linear):
@@ -94,9 +100,10 @@ def convertible(module: nn.Module) -> bool:
         and not module.out_features % 16
 
 
-def convert(model: nn.Module) -> int:
+def convert(model: nn.Module, recipe: str = "tensorwise") -> int:
     """Swap every convertible linear of ``model.blocks`` for a :class:`Float8Linear` sharing its weight (as
-    torchao's ``convert_to_float8_training``; the head stays as it is). Returns how many were swapped."""
+    torchao's ``convert_to_float8_training``; the head stays as it is). Returns how many were swapped. With
+    ``tensorwise-all-gather`` each weight is then one whose FSDP2 all-gather sends float8 (``fit_float8_gather``)."""
     swapped = 0
     for parent in model.blocks.modules():
         for name, child in parent.named_children():
@@ -105,6 +112,9 @@ def convert(model: nn.Module) -> int:
                 new.weight = child.weight
                 setattr(parent, name, new)
                 swapped += 1
+    if recipe == "tensorwise-all-gather":
+        from fit_float8_gather import wrap_weights  # (it imports this file)
+        wrap_weights(model)
     return swapped
 
 

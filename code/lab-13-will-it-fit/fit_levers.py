@@ -78,6 +78,9 @@ def _full_loss(c) -> bool:
 LEVERS = (  # exact first, cheapest first; then those that change the numerics
     Lever("fused AdamW", "optimizer", "none: the same update, one fused kernel per parameter group", TRAIN,
           ("optimizer",), lambda c: {"optimizer": "adamw-fused"} if _adam(c) and c.offload == "none" else None),
+    Lever("embedding and head as FSDP units", "units", "none: the same all-gathers, the head's no longer repeated in "
+          "backward (torchtitan's units)", TRAIN, None, lambda c: {"fsdp_units": "blocks-embed-head"}
+          if c.zero_stage >= 2 and c.fsdp_units == "blocks" and c.offload != "params" and c.pp == 1 else None),
     Lever("optimizer step in backward", "gradients", "none in speed; no clipping by the global gradient norm, no "
           "accumulation: each gradient is gone once its parameter is stepped", TRAIN, None,
           lambda c: {"optimizer_in_backward": True} if _free(c) and c.accumulation == 1 and not c.zero_stage

@@ -404,6 +404,8 @@ class Ledger(TorchDispatchMode):
     def _label_tensor(self, t: torch.Tensor, category: str, explicit: bool, adopt: bool) -> None:
         if _is_dtensor(t):
             t = t._local_tensor  # this rank's shard is what occupies its memory
+        if type(t) not in _PLAIN and hasattr(type(t), "__tensor_flatten__"):  # a wrapper: its (first) inner tensor
+            t = getattr(t, t.__tensor_flatten__()[0][0])
         if t.device.type == "meta" or t.untyped_storage().device.type == "meta" and not self._counts_fake(t):
             return
         st = t.untyped_storage()

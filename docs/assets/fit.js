@@ -175,6 +175,9 @@
     if (x.cp > 1 && (x.task !== "train" || s.family === "gpt")) {
       say("cp", `--cp ${x.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): --task train, no GPT preset`);
     }
+    if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
+      say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
+    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -308,6 +311,9 @@
       ["loss", "--loss chunked or fused-linear", x.loss !== "full"]]) {
       if (bad && x.tp > 1) return [name, `${flag} with --tp is not traced (Lab 13): the optimizer or the loss would bypass the split weights`];
     }
+    if (units(x) && (x.zero_stage < 2 || x.offload === "params" || x.pp > 1)) {
+      return ["fsdp_units", `--fsdp-units ${x.fsdp_units} makes FSDP2 units: it needs --zero-stage 2 or 3, and is not traced with --offload params or --pp`];
+    }
     if (x.offload_activations && x.zero_stage >= 2) {
       return ["offload_activations", `--offload-activations with --zero-stage ${x.zero_stage}: FSDP2's gathered weights would be offloaded with the activations; traced with --zero-stage 0 or 1`];
     }
@@ -326,6 +332,9 @@
       if (on && x.method !== "full") return ["method", `${lever} with --method ${x.method} is not traced together (Lab 13 traces it with every weight trained): leave one out`];
     }
     if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
+    if (x.float8 === "tensorwise-all-gather" && (x.zero_stage < 2 || x.offload === "params" || x.replicate > 1)) {
+      return ["float8", "--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs --zero-stage 2 or 3, and is not traced with --offload params or --replicate"];
+    }
     if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
       return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
@@ -437,6 +446,7 @@
   }
 
   // Mixed under FSDP2 (ZeRO-2/3), as Lab 13 traces it: MixedPrecisionPolicy (bf16 gathers, fp32 reduction), no autocast.
+  const units = (x) => x.fsdp_units === "blocks-embed-head";  // Python: x.fsdp_units != "blocks"
   const fsdpMixed = (x) => x.precision === "mixed" && x.zero_stage >= 2 && x.task !== "serve";
 
   function symbols(x, z) {
@@ -638,6 +648,34 @@
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
+  }
+
+  /** Python: fit_moments.float8_gather (--float8 tensorwise-all-gather): each gathered block's linears in 1 byte. */
+  function float8Gather(x, S, gathered, comm) {
+    if (x.float8 !== "tensorwise-all-gather") return comm;
+    const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
+    const counts = x.zero_stage === 2
+      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
+      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1) },
+        units(x) ? {} : { forward_end: n(1) });
+    const out = Object.assign({}, comm);
+    for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
+    return out;
+  }
+
+  /** Python: fit_moments.fsdp_units (--fsdp-units blocks-embed-head): the head unit gathered (and, at the end of
+   * forward, the buffer it was gathered into); no root gathered again; the embedding's fp32 reduce-scatter input. */
+  function fsdpUnits(x, S, gathered, comm) {
+    const head = S.Pr.sub(S.V.mul(S.h));
+    const [fwd, bwd] = x.zero_stage === 2 ? [gathered.mul(S.P.add(head)), gathered.mul(S.P)]
+      : [n(2).mul(gathered).mul(head), gathered.mul(head)];
+    const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
+      backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
+    if (comm.block_backward) {
+      out.block_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      out.head_reduced = gathered.mul(S.Pb).add(S.w.mul(head));
+    }
     return out;
   }
 
@@ -681,14 +719,21 @@
     return out;
   }
 
-  // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_formula.block_backward).
+  // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_moments.block_backward);
+  // with --fsdp-units blocks-embed-head the last block's, and the head's reduce-scatter before it (head_reduced).
   function blockBackward(x, S, held, act) {
-    const done = S.T.mul(norm(S, 1)).add(layer(S, "none"))
-      .add(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
-    const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(S.Pb, S.dp));
+    const u = units(x);
+    const done = total(S.T.mul(norm(S, 1)), u ? ZERO : layer(S, "none"),
+      S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
+    const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
-    return Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
-      temporaries: S.c.mul(S.V).mul(S.h).add(n(3).mul(S.c).mul(S.h).mul(S.f)).add(normBackward) });
+    const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
+      temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), n(3).mul(S.c).mul(S.h).mul(S.f), normBackward) }) };
+    if (u) {
+      out.head_reduced = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))),
+        temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
+    }
+    return out;
   }
 
   function full(m) {
@@ -711,7 +756,8 @@
     const held = Object.assign({}, state, { gradients: carried });
     const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
     const out = {
-      forward_end: Object.assign({}, held, { activations: act.kept, temporaries: act.cache === ZERO ? logits : act.cache.add(logits) }),
+      forward_end: Object.assign({}, held, { activations: act.kept,  // + the blocks' output, held by forward (a bf16 stream)
+        temporaries: total(act.cache, logits, S.r.value < 4n && x.tp === 1 ? S.T.mul(S.r).mul(S.h) : ZERO) }),
       backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
@@ -741,14 +787,15 @@
       out.head_step = Object.assign({}, held, { gradients: S.w.mul(S.V).mul(S.h),
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
-    if (x.zero_stage === 3 && x.offload !== "params") out.root_gathered = Object.assign({}, held, { activations: act.kept });
+    if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm.block_backward && x.checkpointing === "none" && !loraStep(x) && !S.E.value && z.spec.family !== "gpt"
-        && x.offload === "none") out.block_backward = blockBackward(x, S, held, act);
+        && x.offload === "none") Object.assign(out, blockBackward(x, S, held, act));
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
-    if (fsdpMixed(x) && !loraStep(x)) {  // the root's backward done: its bf16 gradients, about to be reduced
-      const blocks = x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
-      out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried, temporaries: S.c.mul(S.Pr) });
+    if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
+      const blocks = units(x) ? state.gradients : x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
+      out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried,
+        temporaries: units(x) ? S.c.mul(S.V).mul(S.h) : S.c.mul(S.Pr) });
     }
     const res = {};
     for (const k of Object.keys(out)) res[k] = full(Object.assign(out[k], { communication: comm[k] || ZERO }));
@@ -839,6 +886,8 @@
   const PULLS = {
     "fused AdamW": (c) => (ADAM(c) && c.offload === "none" ? { optimizer: "adamw-fused" } : null),
     "mixed precision": (c) => (c.precision === "fp32" ? { precision: "mixed" } : null),
+    "embedding and head as FSDP units": (c) => (c.zero_stage >= 2 && !units(c) && c.offload !== "params" && c.pp === 1
+      ? { fsdp_units: "blocks-embed-head" } : null),
     "optimizer step in backward": (c) => (FREE(c) && c.accumulation === 1 && !c.zero_stage && c.offload === "none"
       && c.method === "full" ? { optimizer_in_backward: true } : null),
     "save-matmuls checkpointing": (c) => (c.checkpointing === "none" ? { checkpointing: "save-matmuls" } : null),
@@ -1135,7 +1184,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
     tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", cp: "Context-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
@@ -1152,7 +1201,7 @@
     ["", "decode", ["kv_len", "new_tokens"]],
     ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward"]],
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
-    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "offload", "offload_activations"]],
+    ["Parallelism and offload", "train infer", ["dp", "zero_stage", "fsdp_units", "offload", "offload_activations"]],
     ["", null, ["tp"]],
     ["", "train", ["sp", "pp", "replicate", "cp"]],
     ["Serving", "serve", ["context", "requests", "weights", "kv_dtype", "block_size", "gpu_memory_utilization",
@@ -1165,7 +1214,8 @@
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
-    block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held)",
+    block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
+    head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",

@@ -236,7 +236,8 @@ for c, t in compile_traces.items():
 # at 4,096 tokens with fused AdamW, under AMP and in pure bf16, each with and without float8 linears
 # (traced). torchao saves the high-precision operands for backward, so a float8 linear keeps what a bf16
 # one keeps; under AMP it keeps no bf16 cast of its weight. Then FSDP2's float8 all-gather, derived: one
-# block's gathered weights on 8 ranks, and what each rank receives per step.
+# block's gathered weights on 8 ranks, and what each rank receives per step; and traced
+# (`--float8 tensorwise-all-gather`, `fit_float8_gather.py`): the step's peak under ZeRO-3 on 8 ranks both ways.
 
 # %%
 fit_float8 = labs.load(13, "fit_float8")
@@ -244,11 +245,31 @@ float8_8b = {(precision, f8): lab.trace(lab.Config(model="llama-3-8b", seq=4096,
                                                    float8=f8, levers="none")).per_rank_peak_bytes
              for precision in ("mixed", "bf16") for f8 in ("none", "tensorwise")}
 gather_8b = fit_float8.fsdp_float8_all_gather(llama8b.config.spec, dp=8)
+gather_traces = {f8: lab.trace(lab.Config(model="llama-3-8b", seq=4096, dp=8, zero_stage=3, float8=f8, levers="none"))
+                 for f8 in ("tensorwise", "tensorwise-all-gather")}  # FSDP2's float8 all-gather, traced (ZeRO-3, 8 ranks)
 for (precision, f8), peak in float8_8b.items():
     print(f"{precision:5} --float8 {f8:10} peak {tables.format_bytes(peak)} (traced)")
 print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16, {tables.format_bytes(gather_8b['block_float8'])} "
       f"with float8 all-gather; received per step per rank: {tables.format_bytes(gather_8b['received_bf16'])} -> "
       f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
+for f8, t in gather_traces.items():
+    print(f"--zero-stage 3 --dp 8 --float8 {f8:21} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced)")
+# ## The embedding and the head as FSDP2 units of their own
+#
+# `--fsdp-units blocks` (Lab 11's wrap) leaves the embedding, final norm and head to the root, which ZeRO-3
+# keeps gathered through all of backward; `blocks-embed-head` (torchtitan's units, `fit_units.py`) gathers the
+# embedding only around its own forward and backward. Llama-3-8B and Llama-3-70B at 4,096 tokens, AMP under
+# FSDP2's MixedPrecisionPolicy, ZeRO-3 over 8 ranks, both ways (traced), beside the calculator's formula.
+
+# %%
+fit_formula, fit_inputs = labs.load(1, "fit_formula"), labs.load(1, "fit_inputs")
+units = {(m, u): lab.trace(lab.Config(model=f"llama-3-{m}", seq=4096, dp=8, zero_stage=3, fsdp_units=u, levers="none"))
+         for m in ("8b", "70b") for u in ("blocks", "blocks-embed-head")}
+for (m, u), t in units.items():
+    formula = sum(fit_formula.estimate(fit_inputs.Inputs(model=f"llama-3-{m}", seq=4096, dp=8, zero_stage=3,
+                                                         fsdp_units=u)).values())
+    print(f"llama-3-{m:3} --fsdp-units {u:17} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced), at "
+          f"{t.derived['peak_phase']}; formula {formula / t.per_rank_peak_bytes - 1:+.4%}")
 # ## One rank of a split model: tensor, sequence and pipeline parallelism
 #
 # `--tp` splits every block the Megatron way through DTensor's plan (`fit_parallel.py`), on a `--dp` x
@@ -308,6 +329,9 @@ notebook.publish(
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
     **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
+    float8_gather_traced_on_8b=gather_traces["tensorwise-all-gather"].per_rank_peak_bytes,
+    float8_gather_traced_off_8b=gather_traces["tensorwise"].per_rank_peak_bytes,
+    **{f"units_{u.replace('-', '_')}_{m}": t.per_rank_peak_bytes for (m, u), t in units.items()},
     tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
     rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
     cp_off_32k=cp_traces["--dp 16: a whole sequence per rank"].per_rank_peak_bytes,
