@@ -276,7 +276,7 @@ def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
     """The same step on real tensors on ``device``, when one rank holds it all (and, on a GPU, it fits
     what is free): the trace's peak beside the real ledger's and, on a GPU, the allocator's own
     counters over the step (``max_memory_allocated``: every block as rounded, up to 512 B; the
-    ``requested_bytes`` peak: what the tensors asked for). On ``cpu`` it rehearses the plumbing."""
+    ``requested_bytes`` peak: what the tensors asked for; the reserved peak). On ``cpu``: the plumbing."""
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
     if config.dp * config.cp > 1 or config.offload != "none" or free is not None and traced.per_rank_peak_bytes > free:
         return {"measured": False, "why": "runs single-rank steps that fit the free memory only", "free_bytes": free}
@@ -288,7 +288,7 @@ def measure_on_gpu(config: Config, traced: Trace, device: str = "cuda") -> dict:
     allocated = stats.get("max_memory_allocated", 0) - stats.get("unseen_before_window", 0)
     return {"measured": True, "device": device, "device_name": torch.cuda.get_device_name() if free else "cpu",
             "free_bytes": free, "traced_peak_bytes": peak, "ledger_peak_bytes": real.timeline.peak()["total"],
-            "max_memory_allocated": stats.get("max_memory_allocated"), "max_requested_bytes": stats.get("max_requested_bytes"),
+            **{k: stats.get(k) for k in ("max_memory_allocated", "max_requested_bytes", "max_memory_reserved")},
             "unseen_before_step": stats.get("unseen_before_window"),
             "traced_over_allocated": peak / allocated if allocated > 0 else None}
 
