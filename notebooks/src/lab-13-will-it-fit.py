@@ -230,6 +230,8 @@ compile_traces = {c: lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimize
 for c, t in compile_traces.items():
     print("--compile" if c else "eager    ", "activations", tables.format_bytes(t.derived["category_max"]["activations"]),
           "peak", tables.format_bytes(t.per_rank_peak_bytes), "at", t.derived["peak_phase"])
+
+# %% [markdown]
 # ## float8 linears, torchao's tensorwise recipe
 #
 # torchao's `Float8Linear` with dynamic tensorwise scaling, in plain PyTorch (`fit_float8.py`): Llama-3-8B
@@ -254,6 +256,8 @@ print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16
       f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
 for f8, t in gather_traces.items():
     print(f"--zero-stage 3 --dp 8 --float8 {f8:21} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced)")
+
+# %% [markdown]
 # ## The embedding and the head as FSDP2 units of their own
 #
 # `--fsdp-units blocks` (Lab 11's wrap) leaves the embedding, final norm and head to the root, which ZeRO-3
@@ -270,6 +274,8 @@ for (m, u), t in units.items():
                                                          fsdp_units=u)).values())
     print(f"llama-3-{m:3} --fsdp-units {u:17} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced), at "
           f"{t.derived['peak_phase']}; formula {formula / t.per_rank_peak_bytes - 1:+.4%}")
+
+# %% [markdown]
 # ## One rank of a split model: tensor, sequence and pipeline parallelism
 #
 # `--tp` splits every block the Megatron way through DTensor's plan (`fit_parallel.py`), on a `--dp` x
