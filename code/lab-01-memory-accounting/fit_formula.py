@@ -26,7 +26,7 @@ from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
 from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
-                         offloaded, segment_backward)
+                         offloaded, recomputed_block, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -289,9 +289,12 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if "block_backward" in comm and x.checkpointing == "none" and not lora_step(x) and not S.E.value \
+    if "block_backward" in comm and x.checkpointing in ("none", "full") and not lora_step(x) and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
-        out |= block_backward(x, S, held, act)
+        if x.checkpointing == "full":  # the block recomputed, FSDP2 holding what it holds in block_backward
+            comm["recomputed_backward"], out["recomputed_backward"] = comm["block_backward"], recomputed_block(x, S, held)
+        else:
+            out |= block_backward(x, S, held, act)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

@@ -90,6 +90,27 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     return out
 
 
+def recomputed_block(x: Inputs, S, held: dict) -> dict[str, Expr]:
+    """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward
+    (with --fsdp-units blocks-embed-head, the last block's), the block recomputed whole (``layer`` with nothing
+    checkpointed), at its MLP's gate × up product's backward, as in ``segment_backward``: the down projection's
+    bf16 weight gradient made (FSDP2 reduces it with the block's), the product freed, the gradients of its two
+    factors made beside the stream's. FSDP2 holds what ``block_backward`` says (the root, this block and the
+    next gathered, the last block's fp32 reduce-scatter input). Alive beside: every block's checkpointed input
+    but the last's (with its own head unit, the last's too), the last block's fp32 gradient shard (or the head
+    unit's), and, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
+    waiting for the root's reduce-scatter: under fused-linear the one made in forward (an activation), else
+    backward's. The final norm's tensors, the loss's and the last block's recompute are gone."""
+    from fit_formula import layer  # here: fit_formula imports this file
+    units = x.fsdp_units != "blocks"
+    head = ZERO if units else S.c * S.V * S.h
+    inputs = (S.L if units else S.L - 1) * S.T * S.r * S.h
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
+    work = total(layer(S, "none", False), 2 * S.T * S.c * S.f, S.T * S.c * S.h, S.c * S.f * S.h)
+    return held | {"gradients": grads, "activations": total(inputs, head) if x.loss == "fused-linear" else inputs,
+                   "temporaries": work if x.loss == "fused-linear" else total(work, head)}
+
+
 def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     """--fsdp-units blocks-embed-head (Lab 13's fit_units.py): the embedding a unit, the final norm and the head
     another, kept gathered from forward to backward. At the end of forward FSDP2 holds the head unit's gathered
