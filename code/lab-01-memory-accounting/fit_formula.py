@@ -246,6 +246,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
            "backward_end": end}
     if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
         out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
+        out["recomputed_backward"] = out["recomputed_front"] = out["block_backward"]  # the same, a block recomputed
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -291,10 +292,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["root_gathered"] = held | {"activations": act["kept"]}
     if "block_backward" in comm and x.checkpointing in ("none", "full") and not lora_step(x) and not S.E.value \
             and x.spec().family != "gpt" and x.offload == "none":
-        if x.checkpointing == "full":  # the block recomputed, FSDP2 holding what it holds in block_backward
-            comm["recomputed_backward"], out["recomputed_backward"] = comm["block_backward"], recomputed_block(x, S, held)
-        else:
-            out |= block_backward(x, S, held, act)
+        out |= recomputed_block(x, S, held) if x.checkpointing == "full" else block_backward(x, S, held, act)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

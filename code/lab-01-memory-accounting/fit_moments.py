@@ -90,25 +90,36 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     return out
 
 
-def recomputed_block(x: Inputs, S, held: dict) -> dict[str, Expr]:
-    """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward
-    (with --fsdp-units blocks-embed-head, the last block's), the block recomputed whole (``layer`` with nothing
-    checkpointed), at its MLP's gate × up product's backward, as in ``segment_backward``: the down projection's
-    bf16 weight gradient made (FSDP2 reduces it with the block's), the product freed, the gradients of its two
-    factors made beside the stream's. FSDP2 holds what ``block_backward`` says (the root, this block and the
-    next gathered, the last block's fp32 reduce-scatter input). Alive beside: every block's checkpointed input
-    but the last's (with its own head unit, the last's too), the last block's fp32 gradient shard (or the head
-    unit's), and, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
+def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
+    """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): a block's backward, the
+    block recomputed whole (``layer`` with nothing checkpointed), at its MLP's gate × up product's backward, as in
+    ``segment_backward``: the down projection's bf16 weight gradient made (FSDP2 reduces it with the block's), the
+    product freed, the gradients of its two factors made beside the stream's. FSDP2 holds what ``block_backward``
+    says (the root, this block and the next gathered, the block after's fp32 reduce-scatter input). Each block
+    done frees its checkpointed input and leaves its fp32 gradient shard, so the peak is at one end: the second
+    block from the end (with --fsdp-units blocks-embed-head, the last: the head unit's shard out), or the second
+    from the front (at the first, no next block is gathered), or with its own units the first (the embedding's
+    gather, larger than a block's, in flight: ``fsdp_units``); the front one counted where it is another block.
+    Alive beside, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
     waiting for the root's reduce-scatter: under fused-linear the one made in forward (an activation), else
-    backward's. The final norm's tensors, the loss's and the last block's recompute are gone."""
+    backward's. The final norm's tensors, the loss's and the later blocks' recomputes are gone."""
     from fit_formula import layer  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     head = ZERO if units else S.c * S.V * S.h
-    inputs = (S.L if units else S.L - 1) * S.T * S.r * S.h
-    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
+    stream, shard = S.T * S.r * S.h, ceil_div(S.Pb, S.dp)  # a checkpointed input; a block's fp32 gradient shard
+    ends = {}  # per moment, alive: this block's input and those before it; the shards of the blocks after it
+    if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
+        ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
+    if S.L.value >= (2 if units else 4):  # the front: another block
+        ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
     work = total(layer(S, "none", False), 2 * S.T * S.c * S.f, S.T * S.c * S.h, S.c * S.f * S.h)
-    return held | {"gradients": grads, "activations": total(inputs, head) if x.loss == "fused-linear" else inputs,
-                   "temporaries": work if x.loss == "fused-linear" else total(work, head)}
+    fused, out = x.loss == "fused-linear", {}
+    for moment, (inputs, done) in ends.items():
+        own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
+        out[moment] = held | {"gradients": held["gradients"] if x.accumulation > 1 else S.w * total(own, done),
+                              "activations": total(inputs, head) if fused else inputs,
+                              "temporaries": work if fused else total(work, head)}
+    return out
 
 
 def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
@@ -123,7 +134,8 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
     if "block_backward" in comm:  # the last block's backward: it and the next gathered, the head's fp32 gradient
-        out["block_backward"] = 2 * gathered * S.Pb + S.w * head
+        out["block_backward"] = out["recomputed_backward"] = 2 * gathered * S.Pb + S.w * head
+        out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
         out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
     return out
 
@@ -140,8 +152,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
         counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
     else:
-        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1} | (
-            {"forward_end": 1} if x.fsdp_units == "blocks" else {})
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward": 2,
+                  "recomputed_front": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
     return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
 
 

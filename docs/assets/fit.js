@@ -647,7 +647,9 @@
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    if (fsdpMixed(x) && x.zero_stage === 3) {  // and the same with a block recomputed (recomputedBlock)
+      out.block_backward = out.recomputed_backward = out.recomputed_front = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
 
@@ -657,8 +659,8 @@
     const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
     const counts = x.zero_stage === 2
       ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
-      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1) },
-        units(x) ? {} : { forward_end: n(1) });
+      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
+        recomputed_backward: n(2), recomputed_front: n(2) }, units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
     const out = Object.assign({}, comm);
     for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
     return out;
@@ -673,7 +675,8 @@
     const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
     if (comm.block_backward) {
-      out.block_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      out.block_backward = out.recomputed_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
       out.head_reduced = gathered.mul(S.Pb).add(S.w.mul(head));
     }
     return out;
@@ -736,6 +739,28 @@
     return out;
   }
 
+  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
+  // product's backward: the second block from the end (own units: the last) and, where it is another block, the
+  // second from the front (own units: the first) (fit_moments.recomputed_block).
+  function recomputedBlock(x, S, held) {
+    const u = units(x), fused = x.loss === "fused-linear";
+    const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
+    const stream = S.T.mul(S.r).mul(S.h), shard = ceilDiv(S.Pb, S.dp);
+    const ends = {};
+    if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
+    if (S.L.value >= (u ? 2n : 4n)) {
+      ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
+    }
+    const work = total(layer(S, "none", false), n(2).mul(S.T).mul(S.c).mul(S.f), S.T.mul(S.c).mul(S.h), S.c.mul(S.f).mul(S.h));
+    const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
+    const out = {};
+    for (const [moment, [inputs, done]] of Object.entries(ends)) {
+      out[moment] = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : S.w.mul(total(own, done)),
+        activations: fused ? total(inputs, head) : inputs, temporaries: fused ? work : total(work, head) });
+    }
+    return out;
+  }
+
   function full(m) {
     const out = {};
     for (const k of D.categories) out[k] = m[k] || ZERO;
@@ -788,8 +813,10 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm.block_backward && x.checkpointing === "none" && !loraStep(x) && !S.E.value && z.spec.family !== "gpt"
-        && x.offload === "none") Object.assign(out, blockBackward(x, S, held, act));
+    if (comm.block_backward && (x.checkpointing === "none" || x.checkpointing === "full") && !loraStep(x) && !S.E.value
+        && z.spec.family !== "gpt" && x.offload === "none") {
+      Object.assign(out, x.checkpointing === "full" ? recomputedBlock(x, S, held) : blockBackward(x, S, held, act));
+    }
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
@@ -1217,6 +1244,8 @@
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
     head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
+    recomputed_backward: "the second block's backward from the end, recomputed (with its own head unit, the last block's)",
+    recomputed_front: "the second block's backward, recomputed (with its own embedding unit, the first block's)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
