@@ -171,10 +171,11 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
     {"precision": "mixed", "dp": 4, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the head's reduce-scatter
     # full checkpointing at 8,192 tokens: a block recomputed in backward, the second from the end (a fused-linear
-    # loss over 16 ranks), from the front (over 4), the last under its own head unit
+    # loss over 16 ranks), from the front (over 4), the last under its own head unit; in pure bf16 the same
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "chunked"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear", "fsdp_units": "blocks-embed-head"},
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16"},  # pure bf16
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the

@@ -244,9 +244,10 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
-    if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
-        out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
-        out["recomputed_backward"] = out["recomputed_front"] = out["block_backward"]  # the same, a block recomputed
+    if x.zero_stage == 3:  # a block's backward: the root, it, the next one's gather, the block after's reduce-scatter
+        out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # input
+        if fsdp_mixed(x):  # (in fp32, kept until the next); checkpointing none: traced under FSDP2's mixed alone
+            out["block_backward"] = out["recomputed_backward"]
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -290,8 +291,8 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if "block_backward" in comm and x.checkpointing in ("none", "full") and not lora_step(x) and not S.E.value \
-            and x.spec().family != "gpt" and x.offload == "none":
+    if {"none": "block_backward", "full": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
+            and not S.E.value and x.spec().family != "gpt" and x.offload == "none":
         out |= recomputed_block(x, S, held) if x.checkpointing == "full" else block_backward(x, S, held, act)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment

@@ -112,7 +112,8 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
         ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
     if S.L.value >= (2 if units else 4):  # the front: another block
         ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
-    work = total(layer(S, "none", False), 2 * S.T * S.c * S.f, S.T * S.c * S.h, S.c * S.f * S.h)
+    stream_grad = S.T * S.c * S.h if S.c.value < 4 else ZERO  # (in fp32 the stream's gradient is freed by then)
+    work = total(layer(S, "none", False), 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
     fused, out = x.loss == "fused-linear", {}
     for moment, (inputs, done) in ends.items():
         own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
@@ -133,9 +134,11 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     fwd, bwd = (gathered * (S.P + head), gathered * S.P) if x.zero_stage == 2 else (2 * gathered * head, gathered * head)
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
-    if "block_backward" in comm:  # the last block's backward: it and the next gathered, the head's fp32 gradient
-        out["block_backward"] = out["recomputed_backward"] = 2 * gathered * S.Pb + S.w * head
+    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
+        out["recomputed_backward"] = 2 * gathered * S.Pb + S.w * head
         out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
+    if "block_backward" in comm:
+        out["block_backward"] = out["recomputed_backward"]
         out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
     return out
 

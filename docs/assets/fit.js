@@ -647,8 +647,9 @@
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (fsdpMixed(x) && x.zero_stage === 3) {  // and the same with a block recomputed (recomputedBlock)
-      out.block_backward = out.recomputed_backward = out.recomputed_front = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    if (x.zero_stage === 3) {  // a block's backward (recomputedBlock); checkpointing none: under FSDP2's mixed alone
+      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+      if (fsdpMixed(x)) out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
@@ -674,9 +675,12 @@
       : [n(2).mul(gathered).mul(head), gathered.mul(head)];
     const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
-    if (comm.block_backward) {
-      out.block_backward = out.recomputed_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+    if (comm.recomputed_backward) {
+      out.recomputed_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
       out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
+    }
+    if (comm.block_backward) {
+      out.block_backward = out.recomputed_backward;
       out.head_reduced = gathered.mul(S.Pb).add(S.w.mul(head));
     }
     return out;
@@ -751,7 +755,8 @@
     if (S.L.value >= (u ? 2n : 4n)) {
       ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
     }
-    const work = total(layer(S, "none", false), n(2).mul(S.T).mul(S.c).mul(S.f), S.T.mul(S.c).mul(S.h), S.c.mul(S.f).mul(S.h));
+    const streamGrad = S.c.value < 4n ? S.T.mul(S.c).mul(S.h) : ZERO;  // (in fp32 the stream's gradient is freed by then)
+    const work = total(layer(S, "none", false), n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
     const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
     const out = {};
     for (const [moment, [inputs, done]] of Object.entries(ends)) {
@@ -813,7 +818,7 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm.block_backward && (x.checkpointing === "none" || x.checkpointing === "full") && !loraStep(x) && !S.E.value
+    if (comm[{ none: "block_backward", full: "recomputed_backward" }[x.checkpointing]] && !loraStep(x) && !S.E.value
         && z.spec.family !== "gpt" && x.offload === "none") {
       Object.assign(out, x.checkpointing === "full" ? recomputedBlock(x, S, held) : blockBackward(x, S, held, act));
     }
