@@ -69,11 +69,15 @@ LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing
              "embedding and head as FSDP units": (13, "more/lab-13-runs-people-launch")}
 CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
 #: Runs people launch whose moment a random draw may miss: each is checked against the page's JavaScript like every
-#: row (Llama-3-8B at 8k, a chunked or fused-linear loss, full checkpointing, FSDP2's mixed precision at ZeRO-3 over
-#: 16 or 64 ranks: the second block's recomputed backward, fit_moments.recomputed_block)
+#: row (Llama-3-8B at 8k, a chunked or fused-linear loss, full checkpointing, FSDP2's mixed precision (or bf16) at ZeRO-3 over
+#: 16 or 64 ranks, or every-k's segments: a block's recomputed backward, fit_moments.recomputed_block)
 NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16},
          {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 64,
-          "fsdp_units": "blocks-embed-head"}]
+          "fsdp_units": "blocks-embed-head"},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 4,
+          "zero_stage": 3, "dp": 64},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+          "precision": "bf16"}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

@@ -176,6 +176,10 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "chunked"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear", "fsdp_units": "blocks-embed-head"},
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16"},  # pure bf16
+    # every-k: a segment recomputed, the first (over 16 ranks) or, under its own units, the last
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "fused-linear"},
+    {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
+     "fsdp_units": "blocks-embed-head"},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -301,7 +305,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # first under its own embedding unit): torchtitan's Llama-3-8B runs at 8k
                                     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear"},
                                     {"seq": 8192, "dp": 8, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
-                                     "fsdp_units": "blocks-embed-head"}],
+                                     "fsdp_units": "blocks-embed-head"},  # every-k: the second segment from the end
+                                    {"seq": 8192, "dp": 64, "zero_stage": 3, "checkpointing": "every-k",
+                                     "checkpoint_every": 4, "loss": "chunked"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of

@@ -26,7 +26,7 @@ from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
 from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
-                         offloaded, recomputed_block, segment_backward)
+                         offloaded, recomputed_block, recomputed_blocks, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -245,7 +245,8 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
     if x.zero_stage == 3:  # a block's backward: the root, it, the next one's gather, the block after's reduce-scatter
-        out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # input
+        out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) \
+            + S.w * S.Pb  # input
         if fsdp_mixed(x):  # (in fp32, kept until the next); checkpointing none: traced under FSDP2's mixed alone
             out["block_backward"] = out["recomputed_backward"]
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
@@ -291,9 +292,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if {"none": "block_backward", "full": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
+    if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
             and not S.E.value and x.spec().family != "gpt" and x.offload == "none":
-        out |= recomputed_block(x, S, held) if x.checkpointing == "full" else block_backward(x, S, held, act)
+        out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

@@ -90,6 +90,12 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     return out
 
 
+def recomputed_blocks(x: Inputs, S) -> Expr | int:
+    """Blocks FSDP2 holds gathered in a recomputed block's backward: this one and the next one's gather, or every-k's
+    segment of G blocks, all gathered by its recompute."""
+    return S.G if x.checkpointing == "every-k" and S.G.value > 2 else 2
+
+
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): a block's backward, the
     block recomputed whole (``layer`` with nothing checkpointed), at its MLP's gate × up product's backward, as in
@@ -108,12 +114,22 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     head = ZERO if units else S.c * S.V * S.h
     stream, shard = S.T * S.r * S.h, ceil_div(S.Pb, S.dp)  # a checkpointed input; a block's fp32 gradient shard
     ends = {}  # per moment, alive: this block's input and those before it; the shards of the blocks after it
-    if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
-        ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
-    if S.L.value >= (2 if units else 4):  # the front: another block
-        ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
+    if x.checkpointing == "every-k":  # a segment of G blocks recomputed, at its last block's backward: the
+        segments = ceil_div(S.L, S.G)  # second from the end (under its own units, the last) and the first
+        if units:
+            ends["recomputed_backward"] = (segments * stream, ZERO)
+        elif segments.value >= 3:  # the last segment's shards out, the inputs of the segments before it alive
+            ends["recomputed_backward"] = ((segments - 1) * stream, (S.L - S.G * (segments - 1)) * shard)
+        if not units and segments.value >= 2:
+            ends["recomputed_front"] = (stream, (S.L - S.G) * shard)
+    else:
+        if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
+            ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
+        if S.L.value >= (2 if units else 4):  # the front: another block
+            ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
     stream_grad = S.T * S.c * S.h if S.c.value < 4 else ZERO  # (in fp32 the stream's gradient is freed by then)
-    work = total(layer(S, "none", False), 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
+    blocks = S.G * layer(S, "none", False) if x.checkpointing == "every-k" else layer(S, "none", False)
+    work = total(blocks, 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
     fused, out = x.loss == "fused-linear", {}
     for moment, (inputs, done) in ends.items():
         own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
@@ -135,7 +151,7 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
     if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
-        out["recomputed_backward"] = 2 * gathered * S.Pb + S.w * head
+        out["recomputed_backward"] = recomputed_blocks(x, S) * gathered * S.Pb + S.w * head
         out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
     if "block_backward" in comm:
         out["block_backward"] = out["recomputed_backward"]
@@ -155,8 +171,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
         counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
     else:
-        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward": 2,
-                  "recomputed_front": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward":
+                  recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S)} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
     return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
 
 

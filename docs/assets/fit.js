@@ -648,7 +648,7 @@
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (x.zero_stage === 3) {  // a block's backward (recomputedBlock); checkpointing none: under FSDP2's mixed alone
-      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
       if (fsdpMixed(x)) out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
@@ -661,7 +661,8 @@
     const counts = x.zero_stage === 2
       ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
-        recomputed_backward: n(2), recomputed_front: n(2) }, units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
+        recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S) },
+      units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
     const out = Object.assign({}, comm);
     for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
     return out;
@@ -676,7 +677,7 @@
     const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
     if (comm.recomputed_backward) {
-      out.recomputed_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
       out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
     }
     if (comm.block_backward) {
@@ -743,6 +744,9 @@
     return out;
   }
 
+  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment).
+  const recomputedBlocks = (x, S) => (x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2));
+
   // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
   // product's backward: the second block from the end (own units: the last) and, where it is another block, the
   // second from the front (own units: the first) (fit_moments.recomputed_block).
@@ -751,12 +755,22 @@
     const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
     const stream = S.T.mul(S.r).mul(S.h), shard = ceilDiv(S.Pb, S.dp);
     const ends = {};
-    if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
-    if (S.L.value >= (u ? 2n : 4n)) {
-      ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
+    if (x.checkpointing === "every-k") {  // a segment of G blocks recomputed, at its last block's backward
+      const segments = ceilDiv(S.L, S.G);
+      if (u) ends.recomputed_backward = [segments.mul(stream), ZERO];
+      else if (segments.value >= 3n) {
+        ends.recomputed_backward = [segments.sub(n(1)).mul(stream), S.L.sub(S.G.mul(segments.sub(n(1)))).mul(shard)];
+      }
+      if (!u && segments.value >= 2n) ends.recomputed_front = [stream, S.L.sub(S.G).mul(shard)];
+    } else {
+      if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
+      if (S.L.value >= (u ? 2n : 4n)) {
+        ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
+      }
     }
     const streamGrad = S.c.value < 4n ? S.T.mul(S.c).mul(S.h) : ZERO;  // (in fp32 the stream's gradient is freed by then)
-    const work = total(layer(S, "none", false), n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
+    const blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", false)) : layer(S, "none", false);
+    const work = total(blocks, n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
     const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
     const out = {};
     for (const [moment, [inputs, done]] of Object.entries(ends)) {
@@ -818,9 +832,9 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm[{ none: "block_backward", full: "recomputed_backward" }[x.checkpointing]] && !loraStep(x) && !S.E.value
+    if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x) && !S.E.value
         && z.spec.family !== "gpt" && x.offload === "none") {
-      Object.assign(out, x.checkpointing === "full" ? recomputedBlock(x, S, held) : blockBackward(x, S, held, act));
+      Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
