@@ -25,7 +25,7 @@ import fit_split  # --tp's embedding moments and --pp's first stage (it reads la
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
-from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
+from fit_moments import (autocast_cache, backward_end, block_backward, experts, float8_gather, fsdp_units, head_step,
                          offloaded, recomputed_block, recomputed_blocks, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
@@ -129,8 +129,7 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     else:
         attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
-            rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
-            mlp = norm(S, 1) + (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
+            mlp = norm(S, 1) + experts(S)
         else:
             mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
@@ -293,7 +292,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
-            and not S.E.value and x.spec().family != "gpt" and x.offload == "none":
+            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
         out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment

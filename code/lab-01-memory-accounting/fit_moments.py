@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fit_expr import ZERO, Expr, ceil_div, total
 from fit_inputs import Inputs
-from fit_symbols import ROW
+from fit_symbols import ROW, SLOT
 
 
 # --8<-- [start:flags]
@@ -69,6 +69,13 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
 
 
+def experts(S) -> Expr:
+    """Bytes per token a MoE block's MLP keeps past its norm: the router's logits and fp32 probabilities; per routed
+    token its rows, its expert's SwiGLU (gate, SiLU(gate), up, their product) and output (``layer`` reads it)."""
+    rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
+    return (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
+
+
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
     """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
     backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
@@ -79,11 +86,12 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     it, the head's reduce-scatter: its bf16 gradient not yet freed as the first block is gathered (head_reduced)."""
     from fit_formula import layer, norm  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
-    done = total(S.T * norm(S, 1), ZERO if units else layer(S, "none", False), S.T * (4 * S.c * S.f + 4 * S.h + ROW))
+    mlp, weight_grads = (experts(S), S.E * (3 * S.c * S.h * S.f + S.c * S.h)) if S.E.value else (4 * S.c * S.f, 3 * S.c * S.h * S.f)
+    done = total(S.T * norm(S, 1), ZERO if units else layer(S, "none", False), S.T * (mlp + 4 * S.h + ROW))
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
-                                     total(ZERO if units else S.c * S.V * S.h, 3 * S.c * S.h * S.f, norm_backward)}}
+                                     total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
     if units:  # the final norm gone; the head's gradient and the stream's beside its reduce-scatter
         out["head_reduced"] = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - S.T * norm(S, 1),
                                       "temporaries": S.c * S.V * S.h + S.T * S.c * S.h}

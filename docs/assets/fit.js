@@ -481,6 +481,13 @@
 
   const own = (S) => n(4).mul(S.h).add(K().row).add(S.r.mul(S.h));  // an RMSNorm's own tensors per token
 
+  /** Python: fit_moments.experts: per token, what a MoE block's MLP keeps past its norm. */
+  function experts(S) {
+    const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
+      .add(S.c.mul(S.h)).add(K().slot);
+    return S.c.add(4).mul(S.E).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
+  }
+
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
     if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
@@ -496,9 +503,7 @@
       const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
       if (moe) {
-        const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
-          .add(S.c.mul(S.h)).add(K().slot);
-        mlp = norm(S, 1).add(S.c.add(4).mul(S.E)).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
+        mlp = norm(S, 1).add(experts(S));
       } else {
         mlp = norm(S, 2, sp).add(n(4).mul(S.c).mul(S.f));
       }
@@ -731,12 +736,13 @@
   // with --fsdp-units blocks-embed-head the last block's, and the head's reduce-scatter before it (head_reduced).
   function blockBackward(x, S, held, act) {
     const u = units(x);
-    const done = total(S.T.mul(norm(S, 1)), u ? ZERO : layer(S, "none"),
-      S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
+    const [mlp, weightGrads] = S.E.value ? [experts(S), S.E.mul(n(3).mul(S.c).mul(S.h).mul(S.f).add(S.c.mul(S.h)))]
+      : [n(4).mul(S.c).mul(S.f), n(3).mul(S.c).mul(S.h).mul(S.f)];
+    const done = total(S.T.mul(norm(S, 1)), u ? ZERO : layer(S, "none"), S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
-      temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), n(3).mul(S.c).mul(S.h).mul(S.f), normBackward) }) };
+      temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
     if (u) {
       out.head_reduced = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))),
         temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
@@ -832,7 +838,8 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x) && !S.E.value
+    if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x)
+        && (!S.E.value || x.checkpointing === "none")
         && z.spec.family !== "gpt" && x.offload === "none") {
       Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
