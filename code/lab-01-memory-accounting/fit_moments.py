@@ -1,6 +1,7 @@
 """Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
 the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
-block's backward at ZeRO-3, and the embedding and the head as FSDP2 units of their own. ``fit_formula.py``
+block's backward at ZeRO-3 (a MoE block's too; with full or every-k checkpointing, a block recomputed), and the
+embedding and the head as FSDP2 units of their own. ``fit_formula.py``
 calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
 ``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
 
@@ -87,11 +88,17 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     from fit_formula import layer, norm  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     mlp, weight_grads = (experts(S), S.E * (3 * S.c * S.h * S.f + S.c * S.h)) if S.E.value else (4 * S.c * S.f, 3 * S.c * S.h * S.f)
-    done = total(S.T * norm(S, 1), ZERO if units else layer(S, "none", False), S.T * (mlp + 4 * S.h + ROW))
+    last = ZERO if units else layer(S, "none", False)  # the last block's activations, gone
+    done = total(S.T * norm(S, 1), last, S.T * (mlp + 4 * S.h + ROW))
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
                                      total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
+    if units:  # the second block's, as without its own units but for the head's gradient (reduced) and its shard
+        out["second_block_backward"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else
+                                               grads + S.w * ceil_div(S.Pb, S.dp), "activations": act["kept"] -
+                                               act["loss"] - done - layer(S, "none", False), "temporaries":
+                                               total(weight_grads, norm_backward)}
     if units:  # the final norm gone; the head's gradient and the stream's beside its reduce-scatter
         out["head_reduced"] = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - S.T * norm(S, 1),
                                       "temporaries": S.c * S.V * S.h + S.T * S.c * S.h}
@@ -161,8 +168,8 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
         out["recomputed_backward"] = recomputed_blocks(x, S) * gathered * S.Pb + S.w * head
         out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
-    if "block_backward" in comm:
-        out["block_backward"] = out["recomputed_backward"]
+    if "block_backward" in comm:  # and the second block's: it and the next gathered, the last block's reduce-scatter
+        out["block_backward"], out["second_block_backward"] = out["recomputed_backward"], 2 * gathered * S.Pb + S.w * S.Pb
         out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
     return out
 
@@ -180,7 +187,7 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
         counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
     else:
         counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward":
-                  recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S)} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
+                  recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S), "second_block_backward": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
     return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
 
 

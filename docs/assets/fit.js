@@ -666,7 +666,7 @@
     const counts = x.zero_stage === 2
       ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
-        recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S) },
+        recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S), second_block_backward: n(2) },
       units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
     const out = Object.assign({}, comm);
     for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
@@ -685,8 +685,9 @@
       out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
       out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
     }
-    if (comm.block_backward) {
+    if (comm.block_backward) {  // and the second block's: it and the next gathered, the last block's reduce-scatter
       out.block_backward = out.recomputed_backward;
+      out.second_block_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(S.Pb));
       out.head_reduced = gathered.mul(S.Pb).add(S.w.mul(head));
     }
     return out;
@@ -738,12 +739,16 @@
     const u = units(x);
     const [mlp, weightGrads] = S.E.value ? [experts(S), S.E.mul(n(3).mul(S.c).mul(S.h).mul(S.f).add(S.c.mul(S.h)))]
       : [n(4).mul(S.c).mul(S.f), n(3).mul(S.c).mul(S.h).mul(S.f)];
-    const done = total(S.T.mul(norm(S, 1)), u ? ZERO : layer(S, "none"), S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
+    const last = u ? ZERO : layer(S, "none");  // the last block's activations, gone
+    const done = total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
       temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
-    if (u) {
+    if (u) {  // the second block's, as without its own units but for the head's gradient (reduced) and its shard
+      out.second_block_backward = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : grads.add(S.w.mul(ceilDiv(S.Pb, S.dp))), activations: act.kept.sub(act.loss).sub(done).sub(layer(S, "none")),
+      temporaries: total(weightGrads, normBackward) });
       out.head_reduced = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))),
         temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
     }
@@ -1272,6 +1277,7 @@
     segment_backward: "the first segment's backward (its blocks recomputed)",
     recomputed_backward: "the second block's backward from the end, recomputed (with its own head unit, the last block's)",
     recomputed_front: "the second block's backward, recomputed (with its own embedding unit, the first block's)",
+    second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
