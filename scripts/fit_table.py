@@ -79,7 +79,8 @@ NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpoin
          {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16,
           "precision": "bf16"},
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
-         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"}]
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

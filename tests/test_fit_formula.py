@@ -182,6 +182,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
      "fsdp_units": "blocks-embed-head"},
     {"model": "mixtral-8x7b", "seq": 4096, "dp": 8, "zero_stage": 3},  # the second block's backward: experts' gradients
     {"model": "mixtral-8x7b", "seq": 4096, "dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the same
+    {"model": "mixtral-8x7b", "seq": 4096, "dp": 8, "zero_stage": 3, "precision": "bf16"},  # (bf16 gathers and reduction)
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the

@@ -246,8 +246,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     if x.zero_stage == 3:  # a block's backward: the root, it, the next one's gather, the block after's reduce-scatter
         out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) \
             + S.w * S.Pb  # input
-        if fsdp_mixed(x):  # (in fp32, kept until the next); checkpointing none: traced under FSDP2's mixed alone
-            out["block_backward"] = out["recomputed_backward"]
+        out["block_backward"] = out["recomputed_backward"]  # (under FSDP2's mixed, in fp32; kept until the next)
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 

@@ -78,8 +78,9 @@ def experts(S) -> Expr:
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
-    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
+    """FSDP2 at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's backward (a MoE block's
+    experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter input (under
+    FSDP2's mixed precision, fp32) still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
     wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP.
     With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32

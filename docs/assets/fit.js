@@ -652,9 +652,9 @@
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (x.zero_stage === 3) {  // a block's backward (recomputedBlock); checkpointing none: under FSDP2's mixed alone
+    if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
       out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
-      if (fsdpMixed(x)) out.block_backward = out.recomputed_backward;
+      out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
