@@ -68,6 +68,19 @@ LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing
              "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14,
              "embedding and head as FSDP units": (13, "more/lab-13-runs-people-launch")}
 CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
+#: Runs people launch whose moment a random draw may miss: each is checked against the page's JavaScript like every
+#: row (Llama-3-8B at 8k, a chunked or fused-linear loss, full checkpointing, FSDP2's mixed precision (or bf16) at ZeRO-3 over
+#: 16 or 64 ranks, or every-k's segments: a block's recomputed backward, fit_moments.recomputed_block)
+NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 64,
+          "fsdp_units": "blocks-embed-head"},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 4,
+          "zero_stage": 3, "dp": 64},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+          "precision": "bf16"},
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -565,6 +578,7 @@ def run(config: Config) -> dict:
     core = [(Inputs(**t["inputs"]), "h100-80gb") for t in traced]
     core += [(Inputs(model=m, task=task), "h100-80gb") for m in lab01_inputs.presets() for task in ("train", "serve")
              if not (task == "serve" and zoo.get(m).family == "gpt")]
+    core += [(Inputs(**f), "h100-80gb") for f in NAMED]
     picked = core + [sample(rng) for _ in range(config.count - len(core))]
     rows = [row(x, gpu, with_formulas=i % 8 == 0) for i, (x, gpu) in enumerate(cli.progress(picked, desc="rows"))]
     record = provenance.collect(1, "cpu", time.perf_counter() - t0)

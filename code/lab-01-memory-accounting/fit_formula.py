@@ -25,8 +25,8 @@ import fit_split  # --tp's embedding moments and --pp's first stage (it reads la
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
-from fit_moments import (autocast_cache, backward_end, block_backward, float8_gather, fsdp_units, head_step,
-                         offloaded, segment_backward)
+from fit_moments import (autocast_cache, backward_end, block_backward, experts, float8_gather, fsdp_units, head_step,
+                         offloaded, recomputed_block, recomputed_blocks, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -129,8 +129,7 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     else:
         attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
-            rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
-            mlp = norm(S, 1) + (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
+            mlp = norm(S, 1) + experts(S)
         else:
             mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
@@ -244,8 +243,10 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
-    if fsdp_mixed(x) and x.zero_stage == 3:  # the root, this block, the next one's gather, the last block's fp32
-        out["block_backward"] = S.c * (S.Pr + 2 * S.Pb) + S.w * S.Pb  # reduce-scatter input (kept until the next)
+    if x.zero_stage == 3:  # a block's backward: the root, it, the next one's gather, the block after's reduce-scatter
+        out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) \
+            + S.w * S.Pb  # input
+        out["block_backward"] = out["recomputed_backward"]  # (under FSDP2's mixed, in fp32; kept until the next)
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -289,9 +290,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["head_step"] = head_step(S, held, act)
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
-    if "block_backward" in comm and x.checkpointing == "none" and not lora_step(x) and not S.E.value \
-            and x.spec().family != "gpt" and x.offload == "none":
-        out |= block_backward(x, S, held, act)
+    if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
+            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
+        out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

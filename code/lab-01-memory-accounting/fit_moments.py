@@ -1,6 +1,7 @@
 """Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
 the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
-block's backward at ZeRO-3, and the embedding and the head as FSDP2 units of their own. ``fit_formula.py``
+block's backward at ZeRO-3 (a MoE block's too; with full or every-k checkpointing, a block recomputed), and the
+embedding and the head as FSDP2 units of their own. ``fit_formula.py``
 calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
 ``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from fit_expr import ZERO, Expr, ceil_div, total
 from fit_inputs import Inputs
-from fit_symbols import ROW
+from fit_symbols import ROW, SLOT
 
 
 # --8<-- [start:flags]
@@ -69,9 +70,17 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
 
 
+def experts(S) -> Expr:
+    """Bytes per token a MoE block's MLP keeps past its norm: the router's logits and fp32 probabilities; per routed
+    token its rows, its expert's SwiGLU (gate, SiLU(gate), up, their product) and output (``layer`` reads it)."""
+    rows = S.r * S.h + (S.c * S.h if S.c.value == S.r.value else 2 * S.c * S.h) + S.c * S.h + SLOT
+    return (S.c + 4) * S.E + S.K * (4 * S.c * S.f + rows)
+
+
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's
-    backward. The last block's fp32 gradient shard is out, its fp32 reduce-scatter input still held; the
+    """FSDP2 at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's backward (a MoE block's
+    experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter input (under
+    FSDP2's mixed precision, fp32) still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
     wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP.
     With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32
@@ -79,14 +88,70 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     it, the head's reduce-scatter: its bf16 gradient not yet freed as the first block is gathered (head_reduced)."""
     from fit_formula import layer, norm  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
-    done = total(S.T * norm(S, 1), ZERO if units else layer(S, "none", False), S.T * (4 * S.c * S.f + 4 * S.h + ROW))
+    mlp, weight_grads = (experts(S), S.E * (3 * S.c * S.h * S.f + S.c * S.h)) if S.E.value else (4 * S.c * S.f, 3 * S.c * S.h * S.f)
+    last = ZERO if units else layer(S, "none", False)  # the last block's activations, gone
+    done = total(S.T * norm(S, 1), last, S.T * (mlp + 4 * S.h + ROW))
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
-                                     total(ZERO if units else S.c * S.V * S.h, 3 * S.c * S.h * S.f, norm_backward)}}
+                                     total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
+    if units:  # the second block's, as without its own units but for the head's gradient (reduced) and its shard
+        out["second_block_backward"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else
+                                               grads + S.w * ceil_div(S.Pb, S.dp), "activations": act["kept"] -
+                                               act["loss"] - done - layer(S, "none", False), "temporaries":
+                                               total(weight_grads, norm_backward)}
     if units:  # the final norm gone; the head's gradient and the stream's beside its reduce-scatter
         out["head_reduced"] = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - S.T * norm(S, 1),
                                       "temporaries": S.c * S.V * S.h + S.T * S.c * S.h}
+    return out
+
+
+def recomputed_blocks(x: Inputs, S) -> Expr | int:
+    """Blocks FSDP2 holds gathered in a recomputed block's backward: this one and the next one's gather, or every-k's
+    segment of G blocks, all gathered by its recompute."""
+    return S.G if x.checkpointing == "every-k" and S.G.value > 2 else 2
+
+
+def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
+    """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): a block's backward, the
+    block recomputed whole (``layer`` with nothing checkpointed), at its MLP's gate × up product's backward, as in
+    ``segment_backward``: the down projection's bf16 weight gradient made (FSDP2 reduces it with the block's), the
+    product freed, the gradients of its two factors made beside the stream's. FSDP2 holds what ``block_backward``
+    says (the root, this block and the next gathered, the block after's fp32 reduce-scatter input). Each block
+    done frees its checkpointed input and leaves its fp32 gradient shard, so the peak is at one end: the second
+    block from the end (with --fsdp-units blocks-embed-head, the last: the head unit's shard out), or the second
+    from the front (at the first, no next block is gathered), or with its own units the first (the embedding's
+    gather, larger than a block's, in flight: ``fsdp_units``); the front one counted where it is another block.
+    Alive beside, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
+    waiting for the root's reduce-scatter: under fused-linear the one made in forward (an activation), else
+    backward's. The final norm's tensors, the loss's and the later blocks' recomputes are gone."""
+    from fit_formula import layer  # here: fit_formula imports this file
+    units = x.fsdp_units != "blocks"
+    head = ZERO if units else S.c * S.V * S.h
+    stream, shard = S.T * S.r * S.h, ceil_div(S.Pb, S.dp)  # a checkpointed input; a block's fp32 gradient shard
+    ends = {}  # per moment, alive: this block's input and those before it; the shards of the blocks after it
+    if x.checkpointing == "every-k":  # a segment of G blocks recomputed, at its last block's backward: the
+        segments = ceil_div(S.L, S.G)  # second from the end (under its own units, the last) and the first
+        if units:
+            ends["recomputed_backward"] = (segments * stream, ZERO)
+        elif segments.value >= 3:  # the last segment's shards out, the inputs of the segments before it alive
+            ends["recomputed_backward"] = ((segments - 1) * stream, (S.L - S.G * (segments - 1)) * shard)
+        if not units and segments.value >= 2:
+            ends["recomputed_front"] = (stream, (S.L - S.G) * shard)
+    else:
+        if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
+            ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
+        if S.L.value >= (2 if units else 4):  # the front: another block
+            ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
+    stream_grad = S.T * S.c * S.h if S.c.value < 4 else ZERO  # (in fp32 the stream's gradient is freed by then)
+    blocks = S.G * layer(S, "none", False) if x.checkpointing == "every-k" else layer(S, "none", False)
+    work = total(blocks, 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
+    fused, out = x.loss == "fused-linear", {}
+    for moment, (inputs, done) in ends.items():
+        own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
+        out[moment] = held | {"gradients": held["gradients"] if x.accumulation > 1 else S.w * total(own, done),
+                              "activations": total(inputs, head) if fused else inputs,
+                              "temporaries": work if fused else total(work, head)}
     return out
 
 
@@ -101,8 +166,11 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     fwd, bwd = (gathered * (S.P + head), gathered * S.P) if x.zero_stage == 2 else (2 * gathered * head, gathered * head)
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
-    if "block_backward" in comm:  # the last block's backward: it and the next gathered, the head's fp32 gradient
-        out["block_backward"] = 2 * gathered * S.Pb + S.w * head
+    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
+        out["recomputed_backward"] = recomputed_blocks(x, S) * gathered * S.Pb + S.w * head
+        out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
+    if "block_backward" in comm:  # and the second block's: it and the next gathered, the last block's reduce-scatter
+        out["block_backward"], out["second_block_backward"] = out["recomputed_backward"], 2 * gathered * S.Pb + S.w * S.Pb
         out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
     return out
 
@@ -119,8 +187,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
         counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
     else:
-        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1} | (
-            {"forward_end": 1} if x.fsdp_units == "blocks" else {})
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward":
+                  recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S), "second_block_backward": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
     return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
 
 

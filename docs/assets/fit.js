@@ -481,6 +481,13 @@
 
   const own = (S) => n(4).mul(S.h).add(K().row).add(S.r.mul(S.h));  // an RMSNorm's own tensors per token
 
+  /** Python: fit_moments.experts: per token, what a MoE block's MLP keeps past its norm. */
+  function experts(S) {
+    const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
+      .add(S.c.mul(S.h)).add(K().slot);
+    return S.c.add(4).mul(S.E).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
+  }
+
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
     if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
@@ -496,9 +503,7 @@
       const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
       if (moe) {
-        const rows = S.r.mul(S.h).add(S.c.value === S.r.value ? S.c.mul(S.h) : n(2).mul(S.c).mul(S.h))
-          .add(S.c.mul(S.h)).add(K().slot);
-        mlp = norm(S, 1).add(S.c.add(4).mul(S.E)).add(S.K.mul(n(4).mul(S.c).mul(S.f).add(rows)));
+        mlp = norm(S, 1).add(experts(S));
       } else {
         mlp = norm(S, 2, sp).add(n(4).mul(S.c).mul(S.f));
       }
@@ -647,7 +652,10 @@
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (fsdpMixed(x) && x.zero_stage === 3) out.block_backward = S.c.mul(S.Pr.add(n(2).mul(S.Pb))).add(S.w.mul(S.Pb));
+    if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
+      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
+      out.block_backward = out.recomputed_backward;
+    }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
 
@@ -657,8 +665,9 @@
     const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
     const counts = x.zero_stage === 2
       ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
-      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1) },
-        units(x) ? {} : { forward_end: n(1) });
+      : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
+        recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S), second_block_backward: n(2) },
+      units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
     const out = Object.assign({}, comm);
     for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
     return out;
@@ -672,8 +681,13 @@
       : [n(2).mul(gathered).mul(head), gathered.mul(head)];
     const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
-    if (comm.block_backward) {
-      out.block_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+    if (comm.recomputed_backward) {
+      out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
+    }
+    if (comm.block_backward) {  // and the second block's: it and the next gathered, the last block's reduce-scatter
+      out.block_backward = out.recomputed_backward;
+      out.second_block_backward = n(2).mul(gathered).mul(S.Pb).add(S.w.mul(S.Pb));
       out.head_reduced = gathered.mul(S.Pb).add(S.w.mul(head));
     }
     return out;
@@ -723,15 +737,56 @@
   // with --fsdp-units blocks-embed-head the last block's, and the head's reduce-scatter before it (head_reduced).
   function blockBackward(x, S, held, act) {
     const u = units(x);
-    const done = total(S.T.mul(norm(S, 1)), u ? ZERO : layer(S, "none"),
-      S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row)));
+    const [mlp, weightGrads] = S.E.value ? [experts(S), S.E.mul(n(3).mul(S.c).mul(S.h).mul(S.f).add(S.c.mul(S.h)))]
+      : [n(4).mul(S.c).mul(S.f), n(3).mul(S.c).mul(S.h).mul(S.f)];
+    const last = u ? ZERO : layer(S, "none");  // the last block's activations, gone
+    const done = total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
-      temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), n(3).mul(S.c).mul(S.h).mul(S.f), normBackward) }) };
-    if (u) {
+      temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
+    if (u) {  // the second block's, as without its own units but for the head's gradient (reduced) and its shard
+      out.second_block_backward = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : grads.add(S.w.mul(ceilDiv(S.Pb, S.dp))), activations: act.kept.sub(act.loss).sub(done).sub(layer(S, "none")),
+      temporaries: total(weightGrads, normBackward) });
       out.head_reduced = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))),
         temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
+    }
+    return out;
+  }
+
+  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment).
+  const recomputedBlocks = (x, S) => (x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2));
+
+  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
+  // product's backward: the second block from the end (own units: the last) and, where it is another block, the
+  // second from the front (own units: the first) (fit_moments.recomputed_block).
+  function recomputedBlock(x, S, held) {
+    const u = units(x), fused = x.loss === "fused-linear";
+    const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
+    const stream = S.T.mul(S.r).mul(S.h), shard = ceilDiv(S.Pb, S.dp);
+    const ends = {};
+    if (x.checkpointing === "every-k") {  // a segment of G blocks recomputed, at its last block's backward
+      const segments = ceilDiv(S.L, S.G);
+      if (u) ends.recomputed_backward = [segments.mul(stream), ZERO];
+      else if (segments.value >= 3n) {
+        ends.recomputed_backward = [segments.sub(n(1)).mul(stream), S.L.sub(S.G.mul(segments.sub(n(1)))).mul(shard)];
+      }
+      if (!u && segments.value >= 2n) ends.recomputed_front = [stream, S.L.sub(S.G).mul(shard)];
+    } else {
+      if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
+      if (S.L.value >= (u ? 2n : 4n)) {
+        ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
+      }
+    }
+    const streamGrad = S.c.value < 4n ? S.T.mul(S.c).mul(S.h) : ZERO;  // (in fp32 the stream's gradient is freed by then)
+    const blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", false)) : layer(S, "none", false);
+    const work = total(blocks, n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
+    const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
+    const out = {};
+    for (const [moment, [inputs, done]] of Object.entries(ends)) {
+      out[moment] = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : S.w.mul(total(own, done)),
+        activations: fused ? total(inputs, head) : inputs, temporaries: fused ? work : total(work, head) });
     }
     return out;
   }
@@ -788,8 +843,11 @@
         activations: act.kept.sub(act.loss).sub(S.T.mul(S.c).mul(S.h)), temporaries: S.m.mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) });
     }
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
-    if (comm.block_backward && x.checkpointing === "none" && !loraStep(x) && !S.E.value && z.spec.family !== "gpt"
-        && x.offload === "none") Object.assign(out, blockBackward(x, S, held, act));
+    if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x)
+        && (!S.E.value || x.checkpointing === "none")
+        && z.spec.family !== "gpt" && x.offload === "none") {
+      Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
+    }
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
@@ -1217,6 +1275,9 @@
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
     head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
+    recomputed_backward: "the second block's backward from the end, recomputed (with its own head unit, the last block's)",
+    recomputed_front: "the second block's backward, recomputed (with its own embedding unit, the first block's)",
+    second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
