@@ -59,6 +59,7 @@ from fit_gap import derive
 from fit_backward import OptimizerInBackward, check_levers
 from fit_decode import check_decode, decode
 from fit_finetune import AdamW8bit, Adapters, adapt, base_dtype
+import fit_context
 import fit_float8 as float8
 import fit_parallel
 import fit_pipeline
@@ -141,7 +142,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         mesh, split = fit_parallel.apply(model, config, mesh)  # --tp: Megatron's split as DTensor's plan
         with fit_parallel.real_meshes():
             optimizer = shard(model, config, mesh)  # (2)!
-        idx = torch.zeros(config.batch, fit_parallel.local_tokens(config), dtype=torch.long, device=device)  # --cp
+        idx = torch.zeros(config.batch, fit_context.local_tokens(config), dtype=torch.long, device=device)  # --cp
         if optimizer is not None:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
@@ -197,7 +198,6 @@ def fsdp_mixed(config: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- the configuration
-
 
 @dataclass
 class Step:

@@ -37,10 +37,11 @@ EPS = 1e-12  # torchao's floor on the largest magnitude (float8_utils.EPS): an a
 
 
 # --8<-- [start:float8]
-def to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` in float8 ``dtype`` with one scale for the whole tensor: its largest magnitude lands on the
-    format's largest value. Returns the float8 bits and the inverse scale (x ≈ bits × inverse)."""
-    amax = x.abs().max().double().clamp(min=EPS)
+def to_float8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in float8 ``dtype`` with one scale for the whole tensor: its largest magnitude (or ``amax``, a whole
+    weight's when ``x`` is a shard of it) lands on the format's largest value. Returns the float8 bits and the
+    inverse scale (x ≈ bits × inverse)."""
+    amax = (x.abs().max() if amax is None else amax).double().clamp(min=EPS)
     scale = (torch.finfo(dtype).max / amax).float()  # in float64 first, as torchao
     bits = x.to(torch.float32, copy=True).mul_(scale).to(dtype)  # one fp32 copy for an instant; saturates
     return bits, scale.reciprocal()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from fit_float8 import E4M3, EPS
+from fit_float8 import E4M3, to_float8
 
 aten = torch.ops.aten
 #: ops whose results stay weights of the same kind: FSDP2's sharding of them, their views and in-place copies
@@ -60,9 +60,8 @@ class Float8GatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         amax = self.hp.abs().max().to(torch.float64)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the whole weight's largest magnitude
-        scale = (torch.finfo(E4M3).max / amax.clamp(min=EPS)).float()
-        bits = self.hp.to(torch.float32, copy=True).mul_(scale).to(E4M3)  # this rank's shard, 1 byte each
-        return (bits,), (scale.reciprocal(),)
+        bits, inverse = to_float8(self.hp, E4M3, amax)  # this rank's shard, 1 byte each, with the whole weight's scale
+        return (bits,), (inverse,)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (bits,), (inverse,) = outputs, metadata

@@ -81,8 +81,6 @@ def world(config) -> int | None:
     return config.dp * config.cp if config.zero_stage else None
 
 
-local_tokens = fit_context.local_tokens
-
 
 @contextlib.contextmanager
 def real_meshes():
