@@ -133,6 +133,21 @@ def test_storage_id_names_the_record_of_a_tensor_and_of_its_views():
     assert ledger.storage_id(unseen) is None
 
 
+def test_an_observer_sees_each_op_it_asked_for_after_the_ledger_counted_its_output():
+    """``observe``: the callback gets every call of its op (not of others), the output's storage already
+    given an id, so an instrument needs no dispatch mode of its own."""
+    w = torch.randn(8, 8, requires_grad=True)
+    seen = []
+    with Ledger("cpu") as ledger:
+        ledger.observe(torch.ops.aten._to_copy.default,
+                       lambda args, out: seen.append((args[0] is w, ledger.storage_id(out), out.dtype)))
+        a = w.to(torch.bfloat16)
+        b = (w * 2).to(torch.float16)
+        w.add(1)
+    assert [(s[0], s[2]) for s in seen] == [(True, torch.bfloat16), (False, torch.float16)]
+    assert [s[1] for s in seen] == [ledger.storage_id(a), ledger.storage_id(b)] and None not in [s[1] for s in seen]
+
+
 def test_views_of_untracked_tensors_are_not_counted():
     w = torch.randn(32, 32)  # never registered
     ledger = Ledger("cpu")

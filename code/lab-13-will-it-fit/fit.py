@@ -53,7 +53,6 @@ from labkit import cuda as cuda_kit
 from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
-from labkit.traffic import Traffic
 from fit_compile import check_compile, compiled
 from fit_gap import derive
 from fit_backward import OptimizerInBackward, check_levers
@@ -69,7 +68,7 @@ from fit_levers import search
 from fit_loss import LOSSES
 from fit_offload import offloaded
 from fit_report import report, summary
-from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients
+from fit_setup import ShardOptimizer, WeightCasts, build, create_state, fake_process_group, label, label_gradients, traffic
 
 lab03 = labs.load(3)  # autocast(recipe, device): the mixed-precision recipe
 lab04 = labs.load(4)  # run_blocks: full, every-k, save-matmuls and save-alternate-matmuls checkpointing
@@ -147,7 +146,8 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
             create_state(optimizer)  # (3)!
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
-        with ledger, Traffic(), WeightCasts(ledger) as casts, split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
+        casts = WeightCasts(ledger)  # autocast's casts of the weights, as the ledger counts them
+        with ledger, traffic(mesh), split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 blocks = partial(lab04.run_blocks, strategy=config.checkpointing, every=config.checkpoint_every or 1)

@@ -10,11 +10,11 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import dist as dist_kit
 from labkit import fake, labs, marks
 from labkit.ledger import Ledger
+from labkit.traffic import Traffic
 
 lab07 = labs.load(7)  # OptimizerOffload: its host buffers and state are labelled host_copies
 lab15 = labs.load(15)  # frozen: a LoRA's frozen weights and NF4's quantization constants
@@ -86,29 +86,29 @@ def build(spec, dtype: torch.dtype, device: str):
     return fake.materialize(spec.build, device=device, dtype=dtype).train()
 
 
-class WeightCasts(TorchDispatchMode):
+class WeightCasts:
     """Which of the ``ledger``'s storages are dtype casts of a weight: a ``_to_copy`` of a leaf that
     requires grad (Lab 03's ``is_weight_copy`` reads the same fact from autograd's graph, after the
     op; at dispatch the graph is not built yet). Autocast makes them, and saves them for backward.
-    Entered inside the ledger, so that the ledger has counted the cast when it is looked up."""
+    The ledger calls it after each ``_to_copy`` it has counted (``Ledger.observe``): DTensor's local
+    ops come to it as local tensors, and it is off while torch.compile compiles, as the ledger is."""
 
     def __init__(self, ledger: Ledger) -> None:
-        super().__init__()
         self.ledger, self.sids = ledger, set()
+        ledger.observe(torch.ops.aten._to_copy.default, self.seen)
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # under torch.compile: off while it compiles, on for the compiled code (as Ledger)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
-            return NotImplemented  # DTensor's local ops come back here
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and args[0].is_leaf and args[0].requires_grad:
+    def seen(self, args, out) -> None:
+        if args[0].is_leaf and args[0].requires_grad:
             sid = self.ledger.storage_id(out)
             if sid is not None:
                 self.sids.add(sid)
-        return out
+
+
+def traffic(mesh):
+    """labkit's ``Traffic``, which labels the buffers collectives fill as communication (Lab 11), where
+    the trace has a process group (``mesh``); without one no collective runs, and every op of the step
+    passes one dispatch mode fewer."""
+    return Traffic() if mesh is not None else contextlib.nullcontext()
 
 
 def label_gradients(model) -> None:

@@ -161,6 +161,7 @@ class Ledger(TorchDispatchMode):
         self._modules: list[weakref.ref] = []  # weak: a ledger must not keep a model alive
         self._optimizers: list[weakref.ref] = []
         self._handles: list = []
+        self._observers: dict = {}  # op -> callbacks (observe)
         self._depth = 0
         self._active_until: int | None = None
         self._t0 = time.perf_counter()
@@ -187,6 +188,12 @@ class Ledger(TorchDispatchMode):
         if self._depth:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
         return self
+
+    def observe(self, func, callback) -> None:
+        """Call ``callback(args, out)`` after every ``func`` (an op overload) the ledger counts, the
+        storages it made already given their ids: an instrument that needs one op's inputs and output
+        without a dispatch mode of its own, which every op of a step would pass through."""
+        self._observers.setdefault(func, []).append(callback)
 
     def track(self, tensors, category: str) -> None:
         """Label the storages of ``tensors`` (a tensor or any nest of them) with ``category``.
@@ -339,6 +346,8 @@ class Ledger(TorchDispatchMode):
             if _storage_key(t, st) in inputs_ptrs:
                 continue  # a view or alias of an input we were not asked to track
             self._new_storage(st, t.device, str(func.overloadpacket.__name__))
+        for callback in self._observers.get(func, ()):
+            callback(args, out)
         return out
 
     # ------------------------------------------------------------------ internals
