@@ -81,7 +81,10 @@ def check_context(run) -> None:
     if run.zero_stage < 2:
         raise UsageError(f"--cp {c} shards the model with FSDP over --dp x --cp ranks, as torchtitan does: "
                          "give --zero-stage 2 or 3")
-    split = [f for f, on in (("--tp", run.tp > 1), ("--pp", run.pp > 1), ("--replicate", run.replicate > 1),
+    if run.sp and (run.seq // c) % run.tp:
+        raise UsageError(f"--sp splits each rank's --seq / --cp = {run.seq // c} tokens over --tp {run.tp}: "
+                         f"give a --seq that --cp x --tp = {c * run.tp} divides")
+    split = [f for f, on in (("--pp", run.pp > 1),
                              ("--float8", run.float8 != "none"), ("--offload", run.offload != "none"),
                              ("--offload-activations", run.offload_activations),
                              ("--optimizer-in-backward", run.optimizer_in_backward),
