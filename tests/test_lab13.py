@@ -73,6 +73,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
     {"cp": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3, "precision": "bf16"},  # the ring on TP's local heads
     {"cp": 2, "tp": 2, "dp": 4, "replicate": 2, "zero_stage": 2},  # HSDP: 2 x (2 x 2) FSDP ranks, each a TP pair
+    {"cp": 2, "dp": 4, "replicate": 2, "zero_stage": 3, "precision": "bf16"},  # HSDP x CP, no TP: the 3-D mesh's ring
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
