@@ -301,6 +301,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},
                                     {"seq": 32768, "cp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full"},
                                     {"seq": 16384, "cp": 4, "dp": 2, "zero_stage": 3},
+                                    {"seq": 16384, "cp": 4, "tp": 2, "dp": 2, "zero_stage": 3},  # the ring on TP's heads
+                                    {"seq": 16384, "cp": 2, "tp": 4, "sp": True, "dp": 4, "replicate": 2, "zero_stage": 2,
+                                     "precision": "bf16"},  # HSDP x CP x TP
                                     {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},
                                     {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "seq": 1024},
                                     {"dp": 8, "zero_stage": 3, "float8": "tensorwise-all-gather"},
@@ -314,9 +317,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of
-    1F1B's first stage, or of HSDP, or of a context-parallel ring: the peak, traced, and the formula's (the gathered
-    inputs of the sequence-parallel matmuls kept whole; --pp micro-batches in flight at the start of a steady backward,
-    or at the embedding's backward; HSDP's shards those of its --dp / --replicate group; --cp: seq / cp tokens a rank,
+    1F1B's first stage, or of HSDP, or of a context-parallel ring (also beside TP and HSDP): the peak, traced, and the
+    formula's (the gathered inputs of the sequence-parallel matmuls kept whole; --pp micro-batches in flight at the start
+    of a steady backward, or at the embedding's backward; HSDP's shards those of its --dp / --replicate group; --cp: seq / cp tokens a rank,
     FSDP over dp x cp ranks, the ring's chunks in flight never the peak's)."""
     lab13 = labs.load(13)
     traced = lab13.trace(lab13.Config(model="llama-3-8b", levers="none", **fields))
@@ -511,6 +514,7 @@ def test_results_table_is_what_the_python_computes_now():
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tp": 2}, "no GPT preset, --tied or --tp"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tied": True}, "an untied embedding and head"),
+    ({"cp": 2, "tp": 2, "zero_stage": 3, "checkpointing": "full"}, "the formula's recomputed block is not a TP rank's"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

@@ -71,6 +71,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
     {"cp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the ring beside the embedding and head units
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
+    {"cp": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3, "precision": "bf16"},  # the ring on TP's local heads
+    {"cp": 2, "tp": 2, "dp": 4, "replicate": 2, "zero_stage": 2},  # HSDP: 2 x (2 x 2) FSDP ranks, each a TP pair
+    {"cp": 2, "dp": 4, "replicate": 2, "zero_stage": 3, "precision": "bf16"},  # HSDP x CP, no TP: the 3-D mesh's ring
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     """The same code path on real CPU tensors and on fake ones: every allocation and free, every
@@ -101,19 +104,41 @@ def test_ring_attention_over_cp_ranks_is_full_causal_attention(cp, balanced):
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
 
 
-def test_the_cp_trace_passes_every_chunk_round_the_ring(lab13, monkeypatch):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_cp_trace_passes_every_chunk_round_the_ring(lab13, monkeypatch, tp):
     """Rank 0 of --cp 4, two blocks, one micro-batch: each attention passes its K/V on 3 times in forward,
     and in backward K/V 3 times and the gradients 4 (home again); each pass receives into fresh buffers
-    (communication) shaped as what it sends: K and V of T / cp tokens, their gradients in float32."""
+    (communication) shaped as what it sends: K and V of T / cp tokens, their gradients in float32. Under
+    --tp 2 the ring carries this TP rank's KV heads alone, to the rank --tp ranks on (tp is the innermost
+    dimension of the mesh, as torchtitan's)."""
     context = labs.load(13, "fit_context")
-    passes, plain = [], context.FakeGroupRing.pass_on
-    monkeypatch.setattr(context.FakeGroupRing, "pass_on", lambda self, t: passes.append(t) or plain(self, t))
-    config = small(lab13, cp=4, zero_stage=3, precision="bf16")
+    passes, strides, plain = [], set(), context.FakeGroupRing.pass_on
+    monkeypatch.setattr(context.FakeGroupRing, "pass_on",
+                        lambda self, t: passes.append(t) or strides.add(self.stride) or plain(self, t))
+    config = small(lab13, cp=4, tp=tp, sp=tp > 1, zero_stage=3, precision="bf16")
     lab13.trace(config, tensors=EXACT)
     assert len(passes) == config.spec.layers * (3 + 3 + 4) == 20
-    kv = (config.batch, config.spec.kv_heads, config.seq // 4, config.spec.head_dim)
+    kv = (config.batch, config.spec.kv_heads // tp, config.seq // 4, config.spec.head_dim)
     assert {tuple(t.shape) for sent in passes for t in sent} == {kv}
     assert {t.dtype for sent in passes for t in sent} == {torch.bfloat16, torch.float32}
+    assert strides == {tp}
+
+
+def test_the_ring_on_each_tp_ranks_local_heads_is_full_causal_attention():
+    """--cp 2 under --tp 2: each TP rank rings its own slice of the heads (2 of 4 query heads, 1 of 2 KV heads,
+    as the column-parallel Q, K and V projections leave them); the two ranks' outputs and gradients, side by
+    side, are scaled_dot_product_attention's on every head of the whole sequence, within float64's rounding."""
+    context = labs.load(13, "fit_context")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    expected.backward(dout)
+    ranks = [context.simulate(*(t.chunk(2, dim=1)[r] for t in (q, k, v, dout)), 2) for r in range(2)]
+    torch.testing.assert_close(torch.cat([out for out, _ in ranks], dim=1), expected.detach(), rtol=0, atol=1e-12)
+    for i, leaf in enumerate(whole):
+        torch.testing.assert_close(torch.cat([grads[i] for _, grads in ranks], dim=1), leaf.grad, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
@@ -598,7 +623,8 @@ BAD = [
     (["--model", "small-llama", "--pp", "2", "--accumulation", "2", "--loss", "chunked"], "with --pp is not traced"),
     (["--model", "small-llama", "--seq", "12", "--cp", "4", "--dp", "2", "--zero-stage", "3"], "not a multiple of 8"),
     (["--model", "small-llama", "--cp", "2", "--dp", "2"], "give --zero-stage 2 or 3"),
-    (["--model", "small-llama", "--cp", "2", "--tp", "2", "--zero-stage", "3"], "--cp 2 with --tp is not traced"),
+    (["--model", "llama-3-8b", "--seq", "8", "--cp", "2", "--tp", "8", "--sp", "--zero-stage", "3"],
+     "give a --seq that --cp x --tp = 16 divides"),
     (["--model", "small-llama", "--cp", "2", "--pp", "2", "--accumulation", "2", "--zero-stage", "3"], "with --pp"),
     (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--float8", "tensorwise"], "with --float8"),
     (["--model", "small-llama", "--cp", "2", "--zero-stage", "3", "--task", "infer"], "with --task infer"),

@@ -81,7 +81,10 @@ def check_context(run) -> None:
     if run.zero_stage < 2:
         raise UsageError(f"--cp {c} shards the model with FSDP over --dp x --cp ranks, as torchtitan does: "
                          "give --zero-stage 2 or 3")
-    split = [f for f, on in (("--tp", run.tp > 1), ("--pp", run.pp > 1), ("--replicate", run.replicate > 1),
+    if run.sp and (run.seq // c) % run.tp:
+        raise UsageError(f"--sp splits each rank's --seq / --cp = {run.seq // c} tokens over --tp {run.tp}: "
+                         f"give a --seq that --cp x --tp = {c * run.tp} divides")
+    split = [f for f, on in (("--pp", run.pp > 1),
                              ("--float8", run.float8 != "none"), ("--offload", run.offload != "none"),
                              ("--offload-activations", run.offload_activations),
                              ("--optimizer-in-backward", run.optimizer_in_backward),
@@ -100,6 +103,9 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.cp > 1 and (inputs.task != "train" or family == "gpt"):
         raise UsageError(f"--cp {inputs.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): "
                          "--task train, no GPT preset")
+    if inputs.cp > 1 and inputs.tp > 1 and inputs.checkpointing == "full":
+        raise UsageError(f"--cp {inputs.cp} with --tp and --checkpointing full: the formula's recomputed block is not a TP "
+                         "rank's (Lab 13 traces it)")
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")

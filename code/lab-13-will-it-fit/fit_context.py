@@ -29,7 +29,10 @@ rank only its own second chunk's queries, against both of that rank's chunks, un
 The trace (``--cp``) is rank 0 of the ring, head-tail split: the model runs on seq / cp tokens (RoPE's
 tables are as long; their positions would be the rank's own, which changes no byte), every causal
 attention is :class:`RingAttention`, and each pass is a real isend/irecv on the fake process group,
-received into fresh buffers (``communication``). Not traced with op-level checkpointing policies: a
+received into fresh buffers (``communication``). Under ``--tp`` the ring runs on the TP rank's own heads
+(the column-parallel projections leave q, k and v local tensors of heads / tp heads) and passes to the
+rank ``--tp`` ranks on: tp is the mesh's innermost dimension, cp the next, as torchtitan's mesh
+(``torchtitan/distributed/parallel_dims.py``). Not traced with op-level checkpointing policies: a
 policy that saves attention's outputs would save each ring step's partial one here, where PyTorch's
 ring, running below DTensor's dispatch, shows the policy only the merged output.
 """
@@ -227,9 +230,10 @@ def ring_attention(ring, balanced: bool = True):
         F.scaled_dot_product_attention = plain
 
 
-def context_parallel(config):
-    """The context ``--cp`` runs the step in (nothing without it): rank 0's ring on the fake group."""
-    return ring_attention(FakeGroupRing(config.cp)) if config.cp > 1 else contextlib.nullcontext()
+def context_parallel(config, stride: int = 1):
+    """The context ``--cp`` runs the step in (nothing without it): rank 0's ring on the fake group, its
+    neighbours ``stride`` ranks apart (--tp's degree: a mesh's tp dimension is innermost, as torchtitan's)."""
+    return ring_attention(FakeGroupRing(config.cp, stride)) if config.cp > 1 else contextlib.nullcontext()
 
 
 def local_tokens(config) -> int:

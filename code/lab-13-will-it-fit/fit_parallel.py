@@ -14,7 +14,7 @@ sequence (each rank its s/t tokens); each sublayer all-gathers its input once. P
 gathered input for the column-parallel matmuls' backward, whole on every rank; Megatron keeps only
 the rank's shard and gathers it again in backward (Lab 01's ``tp_trace.py`` counts the difference).
 
-This process plays rank 0 of a ``--dp`` x ``--tp`` mesh under the fake process group: collectives
+This process plays rank 0 of a ``--dp`` x ``--cp`` x ``--tp`` mesh under the fake process group: collectives
 return at once and move nothing, and the ledger counts each DTensor as its local shard, which is
 what the rank's GPU holds. ZeRO-2/3 (FSDP2) then shards those local shards over the ``dp`` ranks.
 """
@@ -65,14 +65,23 @@ def tensor_parallel(model, mesh, sp: bool):
 def apply(model, config, mesh):
     """Split ``model`` as ``config`` says (nothing without ``--tp`` or ``--pp``); returns (the mesh ZeRO shards
     over: under ``--replicate`` R, HSDP's R x dp / R mesh, FSDP2 sharding over dp / R ranks and replicating
-    across R; the context the step runs in)."""
+    across R, each of them x cp; the context the step runs in: ``--tp``'s loss_parallel and ``--cp``'s ring, which
+    runs on the TP rank's local heads)."""
     if config.pp > 1:
         fit_pipeline.first_stage(model)
     if mesh is None or mesh.ndim == 1:
         return mesh, fit_context.context_parallel(config)  # --cp: the ring, on a mesh of dp x cp ranks
     data = mesh["replicate", "shard"] if config.replicate > 1 else mesh["shard"]  # HSDP: replicate x shard
     step = tensor_parallel(model, mesh["tp"], config.sp) if config.tp > 1 else contextlib.nullcontext()
-    return (data if config.dp > 1 else None), step
+    ring = fit_context.context_parallel(config, stride=config.tp)  # --cp: the ring on each TP rank's local heads
+    return (data if config.dp * config.cp > 1 else None), both(step, ring)
+
+
+@contextlib.contextmanager
+def both(first, second):
+    """The step run in ``first`` and ``second`` together (loss_parallel and the ring)."""
+    with first, second:
+        yield
 
 
 def world(config) -> int | None:

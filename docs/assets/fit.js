@@ -175,6 +175,9 @@
     if (x.cp > 1 && (x.task !== "train" || s.family === "gpt")) {
       say("cp", `--cp ${x.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): --task train, no GPT preset`);
     }
+    if (x.cp > 1 && x.tp > 1 && x.checkpointing === "full") {
+      say("cp", `--cp ${x.cp} with --tp and --checkpointing full: the formula's recomputed block is not a TP rank's (Lab 13 traces it)`);
+    }
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
@@ -273,7 +276,8 @@
     if (c === 1) return null;
     if (x.seq % (2 * c)) return ["cp", `--cp ${c} cuts each sequence into ${2 * c} chunks (torchtitan's head-tail split, two per rank): --seq ${x.seq} is not a multiple of ${2 * c}`];
     if (x.zero_stage < 2) return ["cp", `--cp ${c} shards the model with FSDP over --dp x --cp ranks, as torchtitan does: give --zero-stage 2 or 3`];
-    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--replicate", x.replicate > 1], ["--float8", x.float8 !== "none"],
+    if (x.sp && (x.seq / c) % x.tp) return ["cp", `--sp splits each rank's --seq / --cp = ${x.seq / c} tokens over --tp ${x.tp}: give a --seq that --cp x --tp = ${c * x.tp} divides`];
+    const split = [["--pp", x.pp > 1], ["--float8", x.float8 !== "none"],
       ["--offload", x.offload !== "none"], ["--offload-activations", x.offload_activations],
       ["--optimizer-in-backward", x.optimizer_in_backward], [`--method ${x.method}`, x.method !== "full"],
       [`--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"],

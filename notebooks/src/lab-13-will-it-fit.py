@@ -299,11 +299,16 @@ display(parallel)
 # `--cp` splits each sequence over its ranks (`fit_context.py`): each rank holds seq / cp tokens of every
 # activation, attention passes K/V chunks round a ring, and FSDP shards over the dp x cp ranks. Llama-3.1-8B at
 # 32,768 tokens, AMP, ZeRO-3, full checkpointing, on 16 GPUs both ways: a whole sequence per rank, or a quarter.
+# Last, a long-context run as torchtitan combines them: Llama-3-70B's shapes at 131,072 tokens on 64 GPUs, each
+# sequence over a ring of 4, each rank of the ring one of 8 tensor-parallel ranks (the ring on its 8 heads).
 
 # %%
-CONTEXT = {"--dp 16: a whole sequence per rank": dict(dp=16), "--dp 4 --cp 4: a quarter per rank": dict(dp=4, cp=4)}
-cp_traces = {label: lab.trace(lab.Config(model="llama-3.1-8b", seq=32768, zero_stage=3, checkpointing="full",
-                                         levers="none", **f)) for label, f in CONTEXT.items()}
+CONTEXT = {"--dp 16: a whole sequence per rank": dict(dp=16), "--dp 4 --cp 4: a quarter per rank": dict(dp=4, cp=4),
+           "128k tokens, --tp 8 --sp --cp 4 --dp 2: 64 GPUs": dict(model="llama-3-70b", seq=131072, tp=8, sp=True,
+                                                                   cp=4, dp=2)}
+cp_traces = {label: lab.trace(lab.Config(**{"model": "llama-3.1-8b", "seq": 32768, "zero_stage": 3,
+                                            "checkpointing": "full", "levers": "none"} | f))
+             for label, f in CONTEXT.items()}
 context = tables.fits_table(list(cp_traces.items()), ["h100-80gb", "h200-141gb"])
 display(context)
 
