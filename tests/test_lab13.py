@@ -86,6 +86,18 @@ def test_the_traced_step_is_the_real_step_to_the_byte(lab13, fields):
     assert traced.per_rank_peak_bytes > 0
 
 
+@pytest.mark.parametrize("fields, collectives", [
+    ({}, False), ({"dp": 2}, False),  # one rank; DDP (no ZeRO): its buckets are not traced
+    ({"dp": 2, "zero_stage": 3}, True), ({"cp": 2, "zero_stage": 2}, True), ({"dp": 4, "zero_stage": 2, "replicate": 2}, True),
+], ids=["one-rank", "ddp", "zero3", "cp", "hsdp"])
+def test_what_collectives_fill_is_communication_wherever_a_process_group_runs(lab13, fields, collectives):
+    """labkit's Traffic labels the buffers c10d's collectives fill (FSDP2's gathers and reductions, the ring's
+    passes) whichever parallelism made the process group, and is left out where none exists. (DTensor's
+    functional collectives under --tp are not c10d ops: their buffers stay temporaries.)"""
+    traced = lab13.trace(small(lab13, **fields))
+    assert (max(traced.timeline.device["communication"]) > 0) is collectives
+
+
 @pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_ring_attention_over_cp_ranks_is_full_causal_attention(cp, balanced):

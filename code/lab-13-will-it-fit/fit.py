@@ -147,7 +147,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         cuda_kit.reset_peak(torch.device(device))  # on a GPU: the allocator's peak from here (no-op on CPU)
         ledger = Ledger(device)
         casts = WeightCasts(ledger)  # autocast's casts of the weights, as the ledger counts them
-        with ledger, traffic(mesh), split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
+        with ledger, traffic(), split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
                 blocks = partial(lab04.run_blocks, strategy=config.checkpointing, every=config.checkpoint_every or 1)

@@ -104,11 +104,11 @@ class WeightCasts:
                 self.sids.add(sid)
 
 
-def traffic(mesh):
+def traffic():
     """labkit's ``Traffic``, which labels the buffers collectives fill as communication (Lab 11), where
-    the trace has a process group (``mesh``); without one no collective runs, and every op of the step
-    passes one dispatch mode fewer."""
-    return Traffic() if mesh is not None else contextlib.nullcontext()
+    the trace has a process group (``fake_process_group``: ZeRO, --tp, --cp); without one no collective
+    runs, and every op of the step passes one dispatch mode fewer."""
+    return Traffic() if torch.distributed.is_available() and torch.distributed.is_initialized() else contextlib.nullcontext()
 
 
 def label_gradients(model) -> None:
