@@ -31,6 +31,7 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = load_bench("fit_ui_bench").ARGS  # Chromium's flags, one list for the tests and the benchmark
+LOOPBACK_ONLY = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost"  # no other host resolves
 
 
 def _missing(reason: str):
@@ -63,28 +64,37 @@ def browser():
     except ImportError:
         _missing("playwright is not installed")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[*ARGS, LOOPBACK_ONLY], headless=True)
         yield b
         b.close()
 
 
 class Watch:
-    """Records console errors, page errors and every request that leaves loopback (and blocks it)."""
+    """Records console errors, page errors and every request that leaves loopback, and blocks it: by
+    intercepting each request (``intercept``), or, cheaper for a walk over every page, by watching the
+    requests the page makes while the browser's resolver (``browser``'s LOOPBACK_ONLY) sends any other
+    host nowhere."""
 
-    def __init__(self, page):
+    def __init__(self, page, intercept: bool = True):
         self.errors: list[str] = []
         self.outside: list[str] = []
         page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        page.route("**/*", self._route)
+        if intercept:
+            page.route("**/*", self._route)
+        else:
+            page.on("request", lambda request: None if _loopback(request.url) else self.outside.append(request.url))
 
     def _route(self, route):
-        host = urlsplit(route.request.url).hostname
-        if route.request.url.startswith(("data:", "blob:")) or host in ("127.0.0.1", "localhost"):
+        if _loopback(route.request.url):
             route.continue_()
         else:
             self.outside.append(route.request.url)
             route.abort()
+
+
+def _loopback(url: str) -> bool:
+    return url.startswith(("data:", "blob:")) or urlsplit(url).hostname in ("127.0.0.1", "localhost")
 
 
 def site_pages(site_dir: Path) -> list[str]:
@@ -197,6 +207,22 @@ FIGURE_FONTS = """async (img) => {
 }"""
 
 
+FIGURES = """async () => {
+  // Every SVG figure of the article, brought into view (a lazy one loads then), waited for (10 s at most)
+  // and measured by FIGURE_FONTS, with the CSS filter drawn over it.
+  const fonts = @FONTS@;
+  const out = [];
+  for (const img of document.querySelectorAll("article img[src$='.svg']")) {
+    img.scrollIntoView({block: "center"});
+    for (let waited = 0; !(img.complete && img.naturalWidth > 0) && waited < 10000; waited += 25)
+      await new Promise((done) => setTimeout(done, 25));
+    if (!(img.complete && img.naturalWidth > 0)) out.push({src: img.getAttribute("src"), loaded: false});
+    else out.push({...(await fonts(img)), loaded: true, filter: getComputedStyle(img).filter});
+  }
+  return out;
+}""".replace("@FONTS@", FIGURE_FONTS)
+
+
 def _palette_pixels(png: bytes, name: str) -> tuple[int, int]:
     """How many pixels of a screenshot are the palette colour ``name`` as the light palette draws it,
     and as the dark one does."""
@@ -244,16 +270,21 @@ READABLE = """(root) => {
   const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
   const lum = (rgb) => { const [r, g, b] = rgb.map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
     return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
-  const behind = (el) => {
-    const chain = [];
-    for (let e = el; e; e = e.parentElement) {
-      const c = rgba(getComputedStyle(e).backgroundColor);
-      if (c[3] > 0) chain.push(c);
-      if (c[3] >= 1) break;
+  // Both walk up the tree; each element's answer is kept, so a page's texts share their ancestors' work.
+  const known = new Map(), opacity = new Map();
+  const behind = (el) => {  // the colour drawn behind el's text: white under the root
+    if (!el) return [255, 255, 255];
+    if (!known.has(el)) {
+      const c = rgba(getComputedStyle(el).backgroundColor);
+      known.set(el, c[3] >= 1 ? c.slice(0, 3) : c[3] > 0 ? over(c, behind(el.parentElement)) : behind(el.parentElement));
     }
-    return chain.reverse().reduce((under, top) => over(top, under), [255, 255, 255]);
+    return known.get(el);
   };
-  const faded = (el) => { let o = 1; for (let e = el; e; e = e.parentElement) o *= Number(getComputedStyle(e).opacity); return o; };
+  const faded = (el) => {
+    if (!el) return 1;
+    if (!opacity.has(el)) opacity.set(el, Number(getComputedStyle(el).opacity) * faded(el.parentElement));
+    return opacity.get(el);
+  };
   const out = [], seen = new Set();
   const check = (el, control) => {
     if (seen.has(el)) return;
@@ -331,19 +362,20 @@ TABLE_OVERFLOW = """(path) => [...document.querySelectorAll('article .md-typeset
 def figure_problems(page, path: str, phone: bool) -> tuple[int, list[str]]:
     """Every SVG figure of the page fits its column, shows its smallest text at 12 CSS px or more (on
     a 390-px phone, the phone layout the page's <picture> picks there; at 1,280 px, the wide one), and
-    draws its own palette (no filter). Returns how many it checked, and what is wrong."""
+    draws its own palette (no filter). Returns how many it checked, and what is wrong. (One call into
+    the page for all of its figures.)"""
     column = page.evaluate("document.querySelector('article').getBoundingClientRect().width")
     problems, checked = [], 0
-    for img in page.locator("article img[src$='.svg']").all():
-        img.scroll_into_view_if_needed()
-        page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=img.element_handle())
-        info = img.evaluate(FIGURE_FONTS)
+    for info in page.evaluate(FIGURES):
+        if not info["loaded"]:
+            problems.append(f"{path} {info['src']}: the figure did not load in 10 s")
+            continue
         checked += 1
         if info["width"] > min(column, 688) + 0.5 or info["texts"] == 0:
             problems.append(f"{path}: a figure is wider than its column or has no text: {info}")
         if info["min_px"] < 12:
             problems.append(f"{path} {info['src']}: small text in a figure, {info['min_px']:.1f}px")
-        if img.evaluate("i => getComputedStyle(i).filter") != "none":
+        if info["filter"] != "none":
             problems.append(f"{path} {info['src']}: a CSS filter repaints the figure")
         if ("/results/" in info["src"] or "/assets/figures/" in info["src"]) and ("/phone/" in info["shown"]) != phone:
             problems.append(f"{path} {info['src']}: shows {info['shown']}")  # labkit.plot.save drew both layouts
@@ -366,7 +398,7 @@ def test_every_page_on_a_phone_in_dark_mode_and_a_desktop_in_light_mode(browser,
     phone = screen == "phone-dark"
     context = browser.new_context(**(PHONE_DARK if phone else DESKTOP_LIGHT))
     page = context.new_page()
-    watch = Watch(page)
+    watch = Watch(page, intercept=False)
     problems, figures = [], 0
     every = site_pages(built_site["dir"])
     assert "/labs/lab-02-single-gpu-training/" in every and "/notebooks/lab-02-single-gpu-training/" in every
