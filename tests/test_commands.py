@@ -310,6 +310,26 @@ def prewarmed(tmp_path_factory):
     server.wait()
 
 
+@pytest.mark.parametrize("ending, code", [("sys.exit(3)", 3), ("raise ValueError('no')", 1), ("", 0)])
+def test_a_prewarmed_command_is_what_a_fresh_interpreter_runs(prewarmed, tmp_path, ending, code):
+    """The same script through the prewarmed client and through the venv's python, in one shell: the
+    same lines printed (argv, __name__, its folder first on sys.path, the working directory, HOME,
+    stdin, an atexit handler's line), the same exit code, the exception on stderr; and the first had torch
+    imported before it began."""
+    (tmp_path / "s.py").write_text(
+        "import atexit, os, sys\natexit.register(lambda: print('atexit'))\n"
+        "print(sys.argv, __name__, sys.path[0], os.getcwd(), os.environ['HOME'], sys.stdin.read().strip())\n"
+        "print('warm', 'torch' in sys.modules, file=sys.stderr)\n"
+        f"sys.stdout.flush()\n{ending}\n", encoding="utf-8")
+    shell = f"cd '{tmp_path}' && printf 'in\\n' | {{}} s.py a 'b c'"
+    runs = [subprocess.run(["bash", "-c", shell.format(python)], env=clean_env(tmp_path), capture_output=True,
+                           text=True, timeout=60) for python in (f"'{prewarmed}'", f"'{ROOT / '.venv/bin/python'}'")]
+    assert [r.returncode for r in runs] == [code, code]
+    assert runs[0].stdout == runs[1].stdout and f"['s.py', 'a', 'b c'] __main__ {tmp_path}" in runs[0].stdout
+    assert runs[0].stdout.endswith("atexit\n") and ("ValueError: no" in runs[0].stderr) == (code == 1)
+    assert "warm True" in runs[0].stderr and "warm False" in runs[1].stderr, runs  # torch imported before the fork
+
+
 @pytest.mark.parametrize("block", collect(cuda=False), ids=lambda b: b.where)
 def test_every_command_shown_runs_verbatim(block, tmp_path, prewarmed):
     run_block(block, tmp_path, prewarmed)
