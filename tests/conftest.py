@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,29 @@ def built_site(tmp_path_factory):
             record.write_text(json.dumps({**built, "dir": str(built["dir"])}), encoding="utf-8")
         built = json.loads(record.read_text(encoding="utf-8"))
     return {**built, "dir": Path(built["dir"])}
+
+
+@pytest.fixture(scope="session")
+def prewarmed(tmp_path_factory):
+    """tests/prewarmed.py's server for this test process, and the client that stands in for
+    ``.venv/bin/python`` in a fresh shell (``lab_runs_bench.fresh_shell``'s environment): a script runs in
+    a fork of an interpreter that has imported torch once."""
+    folder = tmp_path_factory.mktemp("prewarmed")
+    sock = folder / "s"  # a short path: a Unix socket's name has a limit of about 100 bytes
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    server = subprocess.Popen([str(venv_python), str(ROOT / "tests" / "prewarmed.py"), "serve", str(sock)], cwd=ROOT,
+                              env=load_bench("lab_runs_bench").fresh_shell(folder), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"))
+    client = folder / "python"
+    client.write_text(f"#!/bin/sh\nexec '{venv_python}' -I -S '{ROOT / 'tests' / 'prewarmed.py'}' '{sock}' \"$@\"\n")
+    client.chmod(0o755)
+    deadline = time.monotonic() + 120
+    while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sock.exists(), (folder / "server.log").read_text()
+    yield str(client)
+    server.kill()
+    server.wait()
 
 
 def _build_site(out: Path) -> dict:

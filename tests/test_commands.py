@@ -288,28 +288,6 @@ def test_the_pages_cpu_command_runs_verbatim_in_a_fresh_shell(page, tmp_path):
     assert not wide, f"{len(wide)} lines over {WIDTH} columns, the first: {wide[0]}"
 
 
-@pytest.fixture(scope="module")
-def prewarmed(tmp_path_factory):
-    """tests/prewarmed.py's server for this process's commands, and the client that stands in for
-    ``.venv/bin/python``: the command runs in a fork of an interpreter that has imported torch once."""
-    folder = tmp_path_factory.mktemp("prewarmed")
-    sock = folder / "s"  # a short path: a Unix socket's name has a limit of about 100 bytes
-    venv_python = ROOT / ".venv" / "bin" / "python"
-    server = subprocess.Popen([str(venv_python), str(ROOT / "tests" / "prewarmed.py"), "serve", str(sock)], cwd=ROOT,
-                              env=clean_env(folder), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=open(folder / "server.log", "w"))
-    client = folder / "python"
-    client.write_text(f"#!/bin/sh\nexec '{venv_python}' -I -S '{ROOT / 'tests' / 'prewarmed.py'}' '{sock}' \"$@\"\n")
-    client.chmod(0o755)
-    deadline = time.monotonic() + 120
-    while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sock.exists(), (folder / "server.log").read_text()
-    yield str(client)
-    server.kill()
-    server.wait()
-
-
 @pytest.mark.parametrize("ending, code", [("sys.exit(3)", 3), ("raise ValueError('no')", 1), ("", 0)])
 def test_a_prewarmed_command_is_what_a_fresh_interpreter_runs(prewarmed, tmp_path, ending, code):
     """The same script through the prewarmed client and through the venv's python, in one shell: the

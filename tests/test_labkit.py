@@ -14,7 +14,7 @@ from typing import Literal
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, load_bench
 
 from labkit import GPTConfig, Ledger, SyntheticTokens, TinyGPT, cli, labs, marks
 from labkit import provenance as prov
@@ -229,15 +229,17 @@ def test_every_lab_file_has_a_unique_importable_name():
 
 
 @pytest.mark.parametrize("n", sorted(labs.STARTERS))
-def test_the_files_a_lab_is_hashed_over_are_the_files_it_imports(n):
+def test_the_files_a_lab_is_hashed_over_are_the_files_it_imports(n, prewarmed, tmp_path):
     """The provenance hash reads a lab's imports from its source (ast); loading the starter in a
     fresh interpreter must import exactly those lab files, no more and no fewer, but for a file
     imported only inside a function (when the run needs it: a cycle, or a slow import), which the
-    hash covers all the same."""
-    code = (f"import sys; from labkit import labs; labs.load({n}); "
-            "print('\\n'.join(sorted(m.__file__ for m in list(sys.modules.values()) "
-            "if getattr(m, '__file__', None) and '/code/lab-' in m.__file__)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    hash covers all the same. (The prewarmed interpreter has imported torch alone, no lab file.)"""
+    script = tmp_path / "imports.py"
+    script.write_text(f"import sys\nfrom labkit import labs\nlabs.load({n})\n"
+                      "print('\\n'.join(sorted(m.__file__ for m in list(sys.modules.values()) "
+                      "if getattr(m, '__file__', None) and '/code/lab-' in m.__file__)))\n", encoding="utf-8")
+    out = subprocess.run([prewarmed, str(script)], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=load_bench("lab_runs_bench").fresh_shell(tmp_path))
     loaded = {Path(line).resolve() for line in out.stdout.split()}
     hashed = set(labs.closure([labs.starter(n)]))
     assert loaded <= hashed, loaded - hashed
