@@ -92,7 +92,10 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "dp": 8, "ze
           {"model": "llama-3-8b", "layers": 4, "vocab": 32000, "seq": 16384, "cp": 2, "tp": 8, "sp": True, "dp": 2,
            "zero_stage": 3, "checkpointing": "full"},  # test_fit_formula.py's twins, where it holds the peak
           {"model": "llama-3-8b", "layers": 4, "vocab": 32000, "seq": 2048, "tp": 4, "dp": 4, "zero_stage": 3,
-           "checkpointing": "full", "precision": "fp32"}]
+           "checkpointing": "full", "precision": "fp32"},
+          {"model": "llama-3-8b", "seq": 2048, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "checkpointing": "full"},
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "tp": 4, "dp": 4, "zero_stage": 2, "accumulation": 2}]  # the
+# embedding's rows copied out of DTensor's whole gradient under FSDP2 (fit_split.embedding)
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

@@ -189,6 +189,8 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 8192, "tp": 8, "dp": 4, "zero_stage": 3, "checkpointing": "full", "vocab": 32000},
     {"seq": 16384, "cp": 2, "tp": 8, "sp": True, "dp": 2, "zero_stage": 3, "checkpointing": "full", "vocab": 32000},
     {"seq": 2048, "tp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full", "precision": "fp32", "vocab": 32000},
+    # --tp under FSDP2: DTensor's whole embedding gradient, the rank's rows copied out (fit_split.embedding)
+    {"tp": 2, "dp": 4, "zero_stage": 3, "checkpointing": "full"}, {"tp": 4, "dp": 4, "zero_stage": 2, "accumulation": 2},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -320,9 +322,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                      "fsdp_units": "blocks-embed-head"},  # every-k: the second segment from the end
                                     {"seq": 8192, "dp": 64, "zero_stage": 3, "checkpointing": "every-k",
                                      "checkpoint_every": 4, "loss": "chunked"},
-                                    # a TP rank's recomputed block holds the peak: the MLP norm's fp32 backward
-                                    {"model": "llama-3-70b", "seq": 8192, "tp": 8, "dp": 8, "zero_stage": 3,
-                                     "checkpointing": "full"}],
+                                    # --tp --sp with full checkpointing at 2k tokens: the embedding's rows copied
+                                    # out of DTensor's whole gradient hold the peak (fit_split.embedding)
+                                    {"seq": 2048, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "checkpointing": "full"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of
@@ -331,9 +333,8 @@ def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     of a steady backward, or at the embedding's backward; HSDP's shards those of its --dp / --replicate group; --cp: seq / cp tokens a rank,
     FSDP over dp x cp ranks, the ring's chunks in flight never the peak's)."""
     lab13 = labs.load(13)
-    fields = {"model": "llama-3-8b"} | fields
-    traced = lab13.trace(lab13.Config(levers="none", **fields))
-    mine = sum(fit.estimate(Inputs(**fields)).values())
+    traced = lab13.trace(lab13.Config(model="llama-3-8b", levers="none", **fields))
+    mine = sum(fit.estimate(Inputs(model="llama-3-8b", **fields)).values())
     assert mine == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
 
 

@@ -651,7 +651,8 @@
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
-      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
+      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
+      embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
       out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
@@ -841,6 +842,10 @@
     }
     if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
       out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
+    }
+    if (x.tp > 1 && x.zero_stage >= 2 && x.offload === "none") {  // under FSDP2, its rows copied out (fit_split.embedding)
+      out.embedding_rows = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: S.c.mul(S.t).mul(S.V).mul(S.h).add(n(2).mul(S.c).mul(S.V).mul(S.h)) });
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
       const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
@@ -1287,6 +1292,7 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
+    embedding_rows: "the embedding's backward (DTensor's whole gradient, this rank's rows copied out)",
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
