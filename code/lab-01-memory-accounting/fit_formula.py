@@ -247,6 +247,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) \
             + S.w * S.Pb  # input
         out["block_backward"] = out["recomputed_backward"]  # (under FSDP2's mixed, in fp32; kept until the next)
+    out["embedding_rows"] = gathered * S.Pr + S.w * S.Pb  # --tp, FSDP2: the root gathered, the first block's reduce
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -275,7 +276,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
-    if x.tp > 1 and x.zero_stage == 0:
+    if x.tp > 1:  # DTensor's whole embedding gradient
         out |= fit_split.embedding(x, S, state, held)
     if x.loss != "full":
         del out["backward_start"]

@@ -7,7 +7,7 @@ calls each where its flag is given; the "Will it fit?" page quotes them beside i
 
 from __future__ import annotations
 
-from fit_expr import ZERO, Expr, ceil_div, total
+from fit_expr import ZERO, Expr, ceil_div, larger, total
 from fit_inputs import Inputs
 from fit_symbols import ROW, SLOT
 
@@ -114,9 +114,8 @@ def recomputed_blocks(x: Inputs, S) -> Expr | int:
 
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): a block's backward, the
-    block recomputed whole (``layer`` with nothing checkpointed), at its MLP's gate × up product's backward, as in
-    ``segment_backward``: the down projection's bf16 weight gradient made (FSDP2 reduces it with the block's), the
-    product freed, the gradients of its two factors made beside the stream's. FSDP2 holds what ``block_backward``
+    block recomputed whole, at the peak of its MLP's backward (``recomputed_mlp``; under --tp a TP rank's block, its
+    checkpointed inputs on T / t tokens under --sp). FSDP2 holds what ``block_backward``
     says (the root, this block and the next gathered, the block after's fp32 reduce-scatter input). Each block
     done frees its checkpointed input and leaves its fp32 gradient shard, so the peak is at one end: the second
     block from the end (with --fsdp-units blocks-embed-head, the last: the head unit's shard out), or the second
@@ -128,7 +127,8 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     from fit_formula import layer  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     head = ZERO if units else S.c * S.V * S.h
-    stream, shard = S.T * S.r * S.h, ceil_div(S.Pb, S.dp)  # a checkpointed input; a block's fp32 gradient shard
+    stream = layer(S, x.checkpointing, x.sp)  # a checkpointed input (--sp: on T / t tokens)
+    shard = ceil_div(S.Pb, S.dp)  # a block's fp32 gradient shard
     ends = {}  # per moment, alive: this block's input and those before it; the shards of the blocks after it
     if x.checkpointing == "every-k":  # a segment of G blocks recomputed, at its last block's backward: the
         segments = ceil_div(S.L, S.G)  # second from the end (under its own units, the last) and the first
@@ -143,9 +143,7 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
             ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
         if S.L.value >= (2 if units else 4):  # the front: another block
             ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
-    stream_grad = S.T * S.c * S.h if S.c.value < 4 else ZERO  # (in fp32 the stream's gradient is freed by then)
-    blocks = S.G * layer(S, "none", False) if x.checkpointing == "every-k" else layer(S, "none", False)
-    work = total(blocks, 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
+    work = recomputed_mlp(x, S)
     fused, out = x.loss == "fused-linear", {}
     for moment, (inputs, done) in ends.items():
         own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
@@ -153,6 +151,35 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
                               "activations": total(inputs, head) if fused else inputs,
                               "temporaries": work if fused else total(work, head)}
     return out
+
+
+def recomputed_mlp(x: Inputs, S) -> Expr:
+    """What a recomputed block's backward holds at its peak (FSDP2 at ZeRO-3, Lab 13's trace), beside what FSDP2 and
+    the blocks before it hold: the block recomputed whole (``layer`` with nothing checkpointed; every-k: its segment),
+    then its MLP's backward, op by op. Each MLP weight's bf16 gradient stays until the block is done (FSDP2 reduces
+    them together), so the peak is the largest of four points: (1) the gate × up product's backward, its two factors'
+    gradients made (the product freed, its gradient made by the down projection); (2) under --sp, just before that,
+    the product and its gradient alive beside the block output's gradient, all-gathered to T tokens for the down
+    projection; (3) the MLP's last matmul backward, its four T × f tensors freed: the gradients of its input from the
+    up and the gate projections (T × h each, not yet summed: all-reduced, or reduce-scattered under --sp) and SiLU's
+    backward; (4) the MLP norm's backward, the norm's other tensors and the MLP's input gradients freed: its fp32
+    input and five fp32 products (in fp32, four: nothing to cast), and a sum per token; --sp: on T / t tokens. Under
+    tensor parallelism the MLP is f / t wide while the norm and the stream are not, so (3) or (4) overtakes (1). All
+    along, the stream's gradient (--sp: T / t tokens). In fp32 the block's first norm reads its checkpointed input
+    itself: no float32 copy of it (``layer`` counts one)."""
+    from fit_formula import layer, norm, own  # here: fit_formula imports this file
+    tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
+    blocks = S.G * layer(S, "none", x.sp) if x.checkpointing == "every-k" else layer(S, "none", x.sp)
+    blocks = blocks - 4 * tokens * S.h if fp32 else blocks
+    mlp_norm = S.T * norm(S, 2, x.sp) + tokens * own(S) if x.sp else S.T * norm(S, 2)  # all the MLP's norm keeps
+    before = blocks - 4 * S.T * S.c * S.f - mlp_norm  # alive through the MLP's backward: all but the MLP's own
+    weight = S.c * S.f * S.h  # one MLP weight's bf16 gradient
+    product = mlp_norm + total(6 * S.T * S.c * S.f, weight)  # (1): gate, SiLU(gate), up; three T × f gradients
+    if x.sp:  # (2): the four, the product's gradient and the gathered gradient of the block's output
+        product = larger(product, mlp_norm + total(5 * S.T * S.c * S.f, S.T * S.c * S.h, weight))
+    inputs = mlp_norm + total(S.T * S.c * S.f, 2 * S.T * S.c * S.h, 3 * weight)  # (3)
+    norm_backward = tokens * ((20 if fp32 else 24) * S.h + ROW) + 3 * weight  # (4): 5 or 6 fp32 tensors
+    return total(before, larger(larger(product, inputs), norm_backward), tokens * S.c * S.h)
 
 
 def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:

@@ -103,9 +103,6 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.cp > 1 and (inputs.task != "train" or family == "gpt"):
         raise UsageError(f"--cp {inputs.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): "
                          "--task train, no GPT preset")
-    if inputs.cp > 1 and inputs.tp > 1 and inputs.checkpointing == "full":
-        raise UsageError(f"--cp {inputs.cp} with --tp and --checkpointing full: the formula's recomputed block is not a TP "
-                         "rank's (Lab 13 traces it)")
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")

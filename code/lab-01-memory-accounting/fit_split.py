@@ -24,9 +24,17 @@ def carried(x, S, grads: Expr) -> Expr:
 
 
 def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
-    """--tp at ZeRO-0: DTensor (torch 2.13) has no vocabulary-split rule for the embedding's backward, so each rank
-    makes the embedding's whole gradient and, before the step, copies its rows out of it (both alive); with
-    accumulation, the embedding's backward makes a whole new gradient beside the one accumulated."""
+    """--tp: DTensor (torch 2.13) has no vocabulary-split rule for the embedding's backward, so each rank makes the
+    embedding's whole gradient. At ZeRO-0 it copies its rows out before the step (both alive); with accumulation,
+    the embedding's backward makes a whole new gradient beside the one accumulated. Under FSDP2 (ZeRO-2 and 3) the
+    whole gradient is in the gathered weights' dtype and the rows are copied out at once, the last thing backward
+    does (``embedding_rows``): beside them the head's gradient waits for the root's reduce-scatter, every block's
+    shard is out, the root is gathered and the first block's reduce-scatter input is held (``communication``)."""
+    if x.zero_stage >= 2 and x.offload == "none":
+        grads = held["gradients"] if x.accumulation > 1 else S.w * S.L * ceil_div(S.Pb, S.dp)
+        return {"embedding_rows": held | {"gradients": grads, "temporaries": S.c * S.t * S.V * S.h + 2 * S.c * S.V * S.h}}
+    if x.zero_stage:
+        return {}
     whole = S.w * S.t * S.V * S.h
     out = {"embedding_gradient": dict(state) | {"gradients": state["gradients"] + whole}}
     if x.accumulation > 1:

@@ -175,9 +175,6 @@
     if (x.cp > 1 && (x.task !== "train" || s.family === "gpt")) {
       say("cp", `--cp ${x.cp}: the formula rings a Llama's or Mixtral's attention in training (Lab 13): --task train, no GPT preset`);
     }
-    if (x.cp > 1 && x.tp > 1 && x.checkpointing === "full") {
-      say("cp", `--cp ${x.cp} with --tp and --checkpointing full: the formula's recomputed block is not a TP rank's (Lab 13 traces it)`);
-    }
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
@@ -654,7 +651,8 @@
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
-      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
+      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
+      embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
     if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
       out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
@@ -762,13 +760,32 @@
   // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment).
   const recomputedBlocks = (x, S) => (x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2));
 
-  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
-  // product's backward: the second block from the end (own units: the last) and, where it is another block, the
+  // Python: fit_moments.recomputed_mlp: a recomputed block's backward at the largest of four points of its MLP's
+  // backward: (1) the gate x up product's; (2) --sp: before it, the block output's gathered gradient; (3) the MLP's
+  // input gradients from up and gate; (4) the MLP norm's fp32 backward. Beside: the stream's gradient.
+  function recomputedMlp(x, S) {
+    const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T, fp32 = S.r.value === 4n;
+    let blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", x.sp)) : layer(S, "none", x.sp);
+    if (fp32) blocks = blocks.sub(n(4).mul(tokens).mul(S.h));  // the first norm reads its checkpointed input itself
+    const mlpNorm = x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
+    const before = blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
+    const weight = S.c.mul(S.f).mul(S.h);
+    let product = mlpNorm.add(total(n(6).mul(S.T).mul(S.c).mul(S.f), weight));
+    if (x.sp) {
+      product = larger(product, mlpNorm.add(total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(S.c).mul(S.h), weight)));
+    }
+    const inputs = mlpNorm.add(total(S.T.mul(S.c).mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h), n(3).mul(weight)));
+    const normBackward = tokens.mul(n(fp32 ? 20 : 24).mul(S.h).add(K().row)).add(n(3).mul(weight));
+    return total(before, larger(larger(product, inputs), normBackward), tokens.mul(S.c).mul(S.h));
+  }
+
+  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's backward's
+  // peak (recomputedMlp): the second block from the end (own units: the last) and, where it is another block, the
   // second from the front (own units: the first) (fit_moments.recomputed_block).
   function recomputedBlock(x, S, held) {
     const u = units(x), fused = x.loss === "fused-linear";
     const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
-    const stream = S.T.mul(S.r).mul(S.h), shard = ceilDiv(S.Pb, S.dp);
+    const stream = layer(S, x.checkpointing, x.sp), shard = ceilDiv(S.Pb, S.dp);  // (--sp: on T / t tokens)
     const ends = {};
     if (x.checkpointing === "every-k") {  // a segment of G blocks recomputed, at its last block's backward
       const segments = ceilDiv(S.L, S.G);
@@ -783,9 +800,7 @@
         ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
       }
     }
-    const streamGrad = S.c.value < 4n ? S.T.mul(S.c).mul(S.h) : ZERO;  // (in fp32 the stream's gradient is freed by then)
-    const blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", false)) : layer(S, "none", false);
-    const work = total(blocks, n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
+    const work = recomputedMlp(x, S);
     const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
     const out = {};
     for (const [moment, [inputs, done]] of Object.entries(ends)) {
@@ -827,6 +842,10 @@
     }
     if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
       out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
+    }
+    if (x.tp > 1 && x.zero_stage >= 2 && x.offload === "none") {  // under FSDP2, its rows copied out (fit_split.embedding)
+      out.embedding_rows = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: S.c.mul(S.t).mul(S.V).mul(S.h).add(n(2).mul(S.c).mul(S.V).mul(S.h)) });
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
       const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
@@ -1273,6 +1292,7 @@
     forward_end: "the end of forward (the loss)", backward_start: "the start of backward", head_gradient:
       "the head's gradient", root_gathered: "backward's gather of the root", optimizer: "the optimizer step",
     embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
+    embedding_rows: "the embedding's backward (DTensor's whole gradient, this rank's rows copied out)",
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
