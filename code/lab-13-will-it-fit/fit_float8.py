@@ -28,7 +28,7 @@ head in bf16).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from labkit.config import UsageError
@@ -85,10 +85,7 @@ def float8_of(t: torch.Tensor, dtype: torch.dtype, group=None) -> tuple[torch.Te
     all-gather, or ``fit_float8_tp``'s casts under --tp), used as it is."""
     if hasattr(t, "bits"):
         return t.bits.reshape(-1, t.size(-1)), t.inverse
-    amax = None
-    if group is not None:
-        amax = t.abs().max()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    amax = None if group is None else funcol.wait_tensor(funcol.all_reduce(t.abs().max(), "max", group))
     return to_float8(t.reshape(-1, t.size(-1)), dtype, amax)
 
 

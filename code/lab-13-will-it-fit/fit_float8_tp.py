@@ -18,7 +18,7 @@ Every scale is the whole tensor's: a shard's largest magnitude all-reduced (MAX)
 linear saves its input as it received it (``ctx.save_for_backward(input_hp, ...)``), and here that input is
 already float8: the blocks' linears save 1 byte per element of their inputs, not 2. The weights stay
 split by DTensor (each rank its columns or rows); each rank casts its local slice with the whole weight's
-scale, in forward and again in backward. Written in plain PyTorch on c10d's collectives; the float8 tensors
+scale, in forward and again in backward. Written in plain PyTorch on functional collectives (as DTensor's); the float8 tensors
 that cross module boundaries are ``fit_float8_gather.Float8Weight`` (bits and an inverse scale standing for
 a bf16 tensor).
 """
@@ -26,7 +26,7 @@ a bf16 tensor).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.parallel.style import distribute_module
@@ -42,12 +42,10 @@ def cast(x: torch.Tensor, dtype: torch.dtype, group) -> Float8Weight:
     return Float8Weight(bits.view(x.shape), inverse, x.dtype)
 
 
-def gather(bits: torch.Tensor, group, t: int) -> torch.Tensor:
-    """The sequence shards (dim 1) of ``t`` ranks, all-gathered: (b, s/t, h) -> (b, s, h)."""
-    b, n, h = bits.shape
-    out = bits.new_empty(t * b, n, h)  # c10d gathers along dim 0: rank by rank, then reordered (one copy)
-    dist.all_gather_single(out.view(torch.uint8), bits.contiguous().view(torch.uint8), group=group)
-    return out.view(t, b, n, h).movedim(0, 1).reshape(b, t * n, h)
+def gather(bits: torch.Tensor, group) -> torch.Tensor:
+    """The sequence shards (dim 1) of the ranks, all-gathered in float8: (b, s/t, h) -> (b, s, h). (Functional
+    collectives, as DTensor's redistribute runs them.)"""
+    return funcol.wait_tensor(funcol.all_gather_single(bits.view(torch.uint8), 1, group)).view(bits.dtype)
 
 
 class CastInput(torch.autograd.Function):
@@ -56,9 +54,9 @@ class CastInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sp: bool):
-        ctx.group, ctx.sp, t = group, sp, dist.get_world_size(group)
+        ctx.group, ctx.sp = group, sp
         x8 = cast(x, E4M3, group)
-        return Float8Weight(gather(x8.bits, group, t), x8.inverse, x.dtype) if sp else x8
+        return Float8Weight(gather(x8.bits, group), x8.inverse, x.dtype) if sp else x8
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,22 +102,13 @@ class ReduceOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g8 = cast(grad, E5M2, ctx.group)
-        t = dist.get_world_size(ctx.group)
-        return (Float8Weight(gather(g8.bits, ctx.group, t), g8.inverse, grad.dtype) if ctx.sp else g8), None, None
+        return (Float8Weight(gather(g8.bits, ctx.group), g8.inverse, grad.dtype) if ctx.sp else g8), None, None
 
 
 def _reduce(y: torch.Tensor, group, sp: bool) -> torch.Tensor:
     """Sum ``y`` over the ranks: all-reduced, or (``sp``) reduce-scattered along dim 1."""
-    if not sp:
-        out = y.clone()
-        dist.all_reduce(out, group=group)
-        return out
-    t = dist.get_world_size(group)
-    b, s, h = y.shape
-    chunks = y.view(b, t, s // t, h).movedim(1, 0).reshape(t * b, s // t, h)  # rank by rank along dim 0 (a copy)
-    out = y.new_empty(b, s // t, h)
-    dist.reduce_scatter_single(out, chunks, group=group)
-    return out
+    out = funcol.reduce_scatter_single(y, "sum", 1, group) if sp else funcol.all_reduce(y, "sum", group)
+    return funcol.wait_tensor(out)
 
 
 class PrepareFloat8Input(ParallelStyle):
