@@ -419,7 +419,7 @@ BAD = [
     # a choice no control offers: marked beside the control, computed with its default
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
-    ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
+    ({"float8": "tensorwise", "precision": "fp32"}, "float8"), ({"float8": "tensorwise", "tp": "2"}, "float8"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "task": "infer"}, "cp"),
     ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",

@@ -68,6 +68,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"dp": 2, "zero_stage": 2, "fsdp_units": "blocks-embed-head", "loss": "fused-linear", "precision": "bf16"},
     {"dp": 2, "zero_stage": 3, "float8": "tensorwise-all-gather"},  # FSDP2 gathers the linears' float8 bits
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
+    {"float8": "tensorwise", "tp": 2},  # torchao's float8 TP styles: one float8 cast per sublayer input, shared
+    {"float8": "tensorwise", "tp": 2, "sp": True, "dp": 2, "zero_stage": 3, "checkpointing": "full"},  # float8 gathers
     {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
     {"cp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the ring beside the embedding and head units
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import assert_usage_error_in_process, load_lab
+from conftest import ROOT, assert_usage_error_in_process, load_lab
 
 from labkit import zoo
 from labkit.config import UsageError
@@ -123,6 +128,8 @@ def test_float8_bad_input_is_one_line_and_exit_2(args, fragment, capsys):
     ({"checkpointing": "save-matmuls"}, "_scaled_mm"), ({"checkpointing": "save-alternate-matmuls"}, "_scaled_mm"),
     ({"task": "infer"}, "--float8 needs a backward"),
     ({"model": "small-mixtral"}, "dense zoo Llama"),
+    ({"pp": 2, "accumulation": 2}, "--float8 tensorwise with --pp is not traced"),
+    ({"float8": "tensorwise-all-gather", "tp": 2, "dp": 2, "zero_stage": 3}, "tensorwise-all-gather with --tp is not"),
 ])
 def test_float8_refuses_what_it_does_not_trace(fields, fragment):
     lab13 = load_lab(13)
@@ -141,3 +148,24 @@ def test_fsdp_float8_all_gather_halves_the_gathered_linears_derived(f8):
     assert out["block_bf16"] == 2 * per_block
     assert out["block_float8"] == out["linears"] + 4 * spec.width + 4 * 7
     assert out["received_float8"] == 2 * spec.layers * out["block_float8"] * 7 // 8
+
+
+def test_the_float8_step_under_tp_equals_the_one_rank_float8_step(tmp_path):
+    """--float8 tensorwise --tp 2, with and without --sp (fit_float8_tp.py: torchao's float8 TP styles, every scale
+    the whole tensor's): two real gloo ranks (tests/float8_tp_ranks.py) give the one-rank float8 step's loss and
+    gradients. In fp32, where the ranks' partial sums round as one sum does: the loss within 1e-6 and each
+    gradient within 1e-5 of its norm (the block linears' to the bit, the norms' within float32 rounding)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "ranks.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "float8_tp_ranks.py"), str(out), port], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "code")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"sp=False", "sp=True"}
+    for run in result.values():
+        assert run["loss"] <= 1e-6 and len(run["grads"]) > 10
+        assert all(d <= 1e-5 for d in run["grads"].values()), run["grads"]
+        assert all(d == 0 for n, d in run["grads"].items() if n.endswith("proj.weight") and "blocks" in n)

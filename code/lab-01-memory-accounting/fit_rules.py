@@ -39,9 +39,9 @@ def check_combinations(run) -> None:
     if run.float8 == "tensorwise-all-gather" and (run.zero_stage < 2 or run.offload == "params" or run.replicate > 1):
         raise UsageError("--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs "
                          "--zero-stage 2 or 3, and is not traced with --offload params or --replicate")
-    if run.float8 != "none" and (run.tp > 1 or run.pp > 1):
-        raise UsageError(f"--float8 {run.float8} with --tp or --pp is not traced (Lab 13): float8 linears are "
-                         "swapped in before DTensor's plan would split them")
+    if run.float8 != "none" and run.pp > 1 or run.float8 == "tensorwise-all-gather" and run.tp > 1:
+        raise UsageError(f"--float8 {run.float8} with --{'pp' if run.pp > 1 else 'tp'} is not traced (Lab 13): float8 "
+                         "linears are traced with --tp under --float8 tensorwise (torchao's float8 TP styles)")
     if run.float8 != "none" and run.checkpointing not in ("none", "full"):
         raise UsageError(f"--float8 {run.float8} with --checkpointing {run.checkpointing}: "
                          + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
@@ -106,6 +106,8 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")
+    if inputs.float8 == "tensorwise" and inputs.tp > 1:
+        raise UsageError(f"--float8 {inputs.float8} with --tp: the formula has no float8 TP styles yet (Lab 13 traces it)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
 

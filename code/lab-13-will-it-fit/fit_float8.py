@@ -28,6 +28,7 @@ head in bf16).
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from labkit.config import UsageError
@@ -59,39 +60,45 @@ class Float8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with all three matmuls in float8 (torchao's ``matmul_with_hp_or_float8_args``)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)  # torchao's default: the high-precision input and weight
-        x2 = x.reshape(-1, x.size(-1))
-        x8, x_inv = to_float8(x2, E4M3)
-        w8, w_inv = weight_float8(weight)
+    def forward(ctx, x, weight, group=None):
+        ctx.save_for_backward(x, weight)  # torchao's default: the input and weight as received (high precision)
+        ctx.group = group  # --tp: the ranks whose largest magnitudes make each weight's and gradient's scale
+        x8, x_inv = float8_of(x, E4M3)
+        w8, w_inv = float8_of(weight, E4M3, group)
         return scaled_mm(x8, x_inv, w8.t(), w_inv, x.dtype).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        g8, g_inv = to_float8(grad.reshape(-1, grad.size(-1)), E5M2)  # gradients need range more than precision
-        w8, w_inv = weight_float8(weight)
+        g8, g_inv = float8_of(grad, E5M2, ctx.group)  # gradients need range more than precision
+        w8, w_inv = float8_of(weight, E4M3, ctx.group)
         grad_x = scaled_mm(g8, g_inv, w8, w_inv, grad.dtype).view_as(x)
         del w8
-        x8, x_inv = to_float8(x.reshape(-1, x.size(-1)), E4M3)
+        x8, x_inv = float8_of(x, E4M3)
         grad_w = scaled_mm(g8.t(), g_inv, x8, x_inv, grad.dtype)  # g8.t() and x8 both copied to the layouts wanted
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
-def weight_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight in e4m3 and its inverse scale: cast here, or as FSDP2's float8 all-gather already delivered
-    it (``fit_float8_gather.Float8Weight``: its bits and scale, used as they are)."""
-    return (weight.bits, weight.inverse) if hasattr(weight, "bits") else to_float8(weight, E4M3)
+def float8_of(t: torch.Tensor, dtype: torch.dtype, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` as a matrix in float8 ``dtype`` and its inverse scale: cast here (with ``group``, a shard cast with the
+    whole tensor's scale), or as already delivered in float8 (``fit_float8_gather.Float8Weight``: FSDP2's float8
+    all-gather, or ``fit_float8_tp``'s casts under --tp), used as it is."""
+    if hasattr(t, "bits"):
+        return t.bits.reshape(-1, t.size(-1)), t.inverse
+    amax = None if group is None else funcol.wait_tensor(funcol.all_reduce(t.abs().max(), "max", group))
+    return to_float8(t.reshape(-1, t.size(-1)), dtype, amax)
 
 
 class Float8Linear(nn.Linear):
     """An ``nn.Linear`` (no bias) whose matmuls run in float8; its weight is the original one, unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):  # autocast's cast of the input, as torchao repeats it
+        if torch.is_autocast_enabled(x.device.type) and not hasattr(x, "bits"):  # autocast's cast, as torchao repeats it
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        group = getattr(self, "tp_group", None)  # --tp (fit_float8_tp.py): this rank's slice of a split weight
+        weight = self.weight.to_local() if group is not None else self.weight
         with torch.autocast(x.device.type, enabled=False):
-            return Float8Matmul.apply(x, self.weight)
+            return Float8Matmul.apply(x, weight, group)
 # --8<-- [end:float8]
 
 

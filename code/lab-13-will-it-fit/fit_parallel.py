@@ -27,15 +27,17 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 import fit_context
+import fit_float8_tp
 import fit_pipeline
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
 
 # --8<-- [start:plan]
-def plan(sp: bool) -> tuple[dict, dict]:
+def plan(sp: bool, float8: bool = False) -> tuple[dict, dict]:
     """torchtitan's plan for Llama: (the root's styles, every block's styles). ``sp``: the stream
-    between sublayers split along the sequence (Shard(1)), else whole on every rank (Replicate)."""
+    between sublayers split along the sequence (Shard(1)), else whole on every rank (Replicate); ``float8``:
+    the blocks' linears and their inputs in torchao's float8 styles (``fit_float8_tp.py``)."""
     stream = Shard(1) if sp else Replicate()
     root = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
             "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)}
@@ -47,13 +49,13 @@ def plan(sp: bool) -> tuple[dict, dict]:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         root["norm"] = SequenceParallel()
         block |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather}
-    return root, block
+    return root, block | (fit_float8_tp.block_plan(sp) if float8 else {})
 
 
-def tensor_parallel(model, mesh, sp: bool):
+def tensor_parallel(model, mesh, sp: bool, float8: bool = False):
     """``model`` split over the 1-D ``mesh`` of its tensor-parallel ranks; returns the context the step
     runs in (``loss_parallel``: the cross-entropy of logits split over the vocabulary)."""
-    root, block = plan(sp)
+    root, block = plan(sp, float8)
     root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}  # --pp: a stage
     for b in model.blocks:
         parallelize_module(b, mesh, block)
@@ -72,7 +74,7 @@ def apply(model, config, mesh):
     if mesh is None or mesh.ndim == 1:
         return mesh, fit_context.context_parallel(config)  # --cp: the ring, on a mesh of dp x cp ranks
     data = mesh["replicate", "shard"] if config.replicate > 1 else mesh["shard"]  # HSDP: replicate x shard
-    step = tensor_parallel(model, mesh["tp"], config.sp) if config.tp > 1 else contextlib.nullcontext()
+    step = tensor_parallel(model, mesh["tp"], config.sp, config.float8 != "none") if config.tp > 1 else contextlib.nullcontext()
     ring = fit_context.context_parallel(config, stride=config.tp)  # --cp: the ring on each TP rank's local heads
     return (data if config.dp * config.cp > 1 else None), both(step, ring)
 

@@ -178,6 +178,9 @@
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
+    if (x.float8 === "tensorwise" && x.tp > 1) {
+      say("float8", `--float8 ${x.float8} with --tp: the formula has no float8 TP styles yet (Lab 13 traces it)`);
+    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -336,7 +339,7 @@
     if (x.float8 === "tensorwise-all-gather" && (x.zero_stage < 2 || x.offload === "params" || x.replicate > 1)) {
       return ["float8", "--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs --zero-stage 2 or 3, and is not traced with --offload params or --replicate"];
     }
-    if (x.float8 !== "none" && (x.tp > 1 || x.pp > 1)) return ["float8", `--float8 ${x.float8} with --tp or --pp is not traced (Lab 13): float8 linears are swapped in before DTensor's plan would split them`];
+    if (x.float8 !== "none" && x.pp > 1 || x.float8 === "tensorwise-all-gather" && x.tp > 1) return ["float8", `--float8 ${x.float8} with --${x.pp > 1 ? "pp" : "tp"} is not traced (Lab 13): float8 linears are traced with --tp under --float8 tensorwise (torchao's float8 TP styles)`];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
       return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
         ? "save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm" : "not traced together") + ": none or full"];

@@ -240,6 +240,8 @@ for c, t in compile_traces.items():
 # one keeps; under AMP it keeps no bf16 cast of its weight. Then FSDP2's float8 all-gather, derived: one
 # block's gathered weights on 8 ranks, and what each rank receives per step; and traced
 # (`--float8 tensorwise-all-gather`, `fit_float8_gather.py`): the step's peak under ZeRO-3 on 8 ranks both ways.
+# Last, float8 under tensor parallelism as torchtitan runs it (`fit_float8_tp.py`, torchao's float8 TP styles):
+# one rank of Llama-3-70B at 8,192 tokens under --tp 8 --sp --dp 8 --zero-stage 3, with and without float8.
 
 # %%
 fit_float8 = labs.load(13, "fit_float8")
@@ -256,6 +258,11 @@ print(f"a block gathered: {tables.format_bytes(gather_8b['block_bf16'])} in bf16
       f"{tables.format_bytes(gather_8b['received_float8'])} (derived)")
 for f8, t in gather_traces.items():
     print(f"--zero-stage 3 --dp 8 --float8 {f8:21} peak {tables.format_bytes(t.per_rank_peak_bytes)} (traced)")
+tp_float8_70b = {f8: lab.trace(lab.Config(model="llama-3-70b", seq=8192, tp=8, sp=True, dp=8, zero_stage=3, float8=f8,
+                                          levers="none")) for f8 in ("none", "tensorwise")}
+for f8, t in tp_float8_70b.items():
+    print(f"70B --tp 8 --sp --dp 8 --zero-stage 3 --float8 {f8:10} peak {tables.format_bytes(t.per_rank_peak_bytes)}, "
+          f"activations {tables.format_bytes(t.derived['category_max']['activations'])} (traced)")
 
 # %% [markdown]
 # ## The embedding and the head as FSDP2 units of their own
@@ -342,6 +349,7 @@ notebook.publish(
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
     float8_gather_traced_on_8b=gather_traces["tensorwise-all-gather"].per_rank_peak_bytes,
     float8_gather_traced_off_8b=gather_traces["tensorwise"].per_rank_peak_bytes,
+    **{f"float8_tp8_{'on' if f8 != 'none' else 'off'}_70b": t.per_rank_peak_bytes for f8, t in tp_float8_70b.items()},
     **{f"units_{u.replace('-', '_')}_{m}": t.per_rank_peak_bytes for (m, u), t in units.items()},
     tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
     rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
