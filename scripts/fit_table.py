@@ -78,6 +78,8 @@ NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpoin
           "zero_stage": 3, "dp": 64},
          {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16,
           "precision": "bf16"},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+          "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched as backward starts
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]

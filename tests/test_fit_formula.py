@@ -176,6 +176,9 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "chunked"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear", "fsdp_units": "blocks-embed-head"},
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16"},  # pure bf16
+    # the head unit's pre-backward, hooked on a chunked loss, prefetches the last block as backward starts
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16",
+     "fsdp_units": "blocks-embed-head"},
     # every-k: a segment recomputed, the first (over 16 ranks) or, under its own units, the last
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "fused-linear"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
@@ -308,7 +311,10 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # first under its own embedding unit): torchtitan's Llama-3-8B runs at 8k
                                     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear"},
                                     {"seq": 8192, "dp": 8, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
-                                     "fsdp_units": "blocks-embed-head"},  # every-k: the second segment from the end
+                                     "fsdp_units": "blocks-embed-head"},
+                                    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
+                                     "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched
+                                    # every-k: the second segment from the end
                                     {"seq": 8192, "dp": 64, "zero_stage": 3, "checkpointing": "every-k",
                                      "checkpoint_every": 4, "loss": "chunked"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))

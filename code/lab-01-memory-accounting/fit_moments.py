@@ -159,11 +159,15 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     """--fsdp-units blocks-embed-head (Lab 13's fit_units.py): the embedding a unit, the final norm and the head
     another, kept gathered from forward to backward. At the end of forward FSDP2 holds the head unit's gathered
     weights and, until the next gather, the buffer they were gathered into; in backward the weights alone. The
-    embedding is gathered only around its own forward and backward: no root to gather again in backward."""
+    embedding is gathered only around its own forward and backward: no root to gather again in backward. Under
+    ZeRO-3 a chunked or fused-linear loss reads the head's weight without calling the head, so FSDP2 (torch 2.13's
+    ``_force_complete_incomplete_states``) hooks the head unit's pre-backward on the model's output, the loss: it
+    runs as backward starts and prefetches the last block, gathered beside the loss's backward (its chunks)."""
     if x.fsdp_units == "blocks":
         return comm
     head = S.Pr - S.V * S.h  # the final norm and the head
     fwd, bwd = (gathered * (S.P + head), gathered * S.P) if x.zero_stage == 2 else (2 * gathered * head, gathered * head)
+    bwd = gathered * (head + S.Pb) if x.zero_stage == 3 and x.loss != "full" else bwd  # the last block prefetched
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
     if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient

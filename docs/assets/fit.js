@@ -679,7 +679,9 @@
     const head = S.Pr.sub(S.V.mul(S.h));
     const [fwd, bwd] = x.zero_stage === 2 ? [gathered.mul(S.P.add(head)), gathered.mul(S.P)]
       : [n(2).mul(gathered).mul(head), gathered.mul(head)];
-    const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
+    // ZeRO-3 with a chunked or fused-linear loss: the head unit's pre-backward, hooked on the loss, prefetches the last block
+    const back = x.zero_stage === 3 && x.loss !== "full" ? gathered.mul(head.add(S.Pb)) : bwd;
+    const out = Object.assign({}, comm, { forward_end: fwd, backward_start: back, head_gradient: back, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
     if (comm.recomputed_backward) {
       out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
