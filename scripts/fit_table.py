@@ -80,6 +80,9 @@ NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpoin
           "precision": "bf16"},
          {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
           "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched as backward starts
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 2, "dp": 16},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 4,
+          "zero_stage": 2, "dp": 16, "precision": "bf16"},  # ZeRO-2: the last segment's backward (recomputed_last)
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]

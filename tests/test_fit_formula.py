@@ -179,6 +179,10 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # the head unit's pre-backward, hooked on a chunked loss, prefetches the last block as backward starts
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16",
      "fsdp_units": "blocks-embed-head"},
+    # ZeRO-2: every block gathered but those whose backward is done: the second from the end, or the last (bf16)
+    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "full", "loss": "chunked"},
+    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
+     "precision": "bf16"},
     # every-k: a segment recomputed, the first (over 16 ranks) or, under its own units, the last
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "fused-linear"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
@@ -314,6 +318,7 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                      "fsdp_units": "blocks-embed-head"},
                                     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
                                      "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched
+                                    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "full", "loss": "chunked"},
                                     # every-k: the second segment from the end
                                     {"seq": 8192, "dp": 64, "zero_stage": 3, "checkpointing": "every-k",
                                      "checkpoint_every": 4, "loss": "chunked"}],

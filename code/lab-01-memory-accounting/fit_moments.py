@@ -106,10 +106,28 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     return out
 
 
-def recomputed_blocks(x: Inputs, S) -> Expr | int:
+def recomputed_blocks(x: Inputs, S, end: bool = False) -> Expr | int:
     """Blocks FSDP2 holds gathered in a recomputed block's backward: this one and the next one's gather, or every-k's
-    segment of G blocks, all gathered by its recompute."""
+    segment of G blocks, all gathered by its recompute. At ZeRO-2 (no resharding after forward, but each unit's
+    post-backward reshards it) at the ``end``: every block whose backward is not done, all but the last (every-k: the
+    last segment's); under its own head unit (the last block's backward) all of them."""
+    if end and x.zero_stage == 2:
+        done = S.L - S.G * (ceil_div(S.L, S.G) - 1) if x.checkpointing == "every-k" else 1
+        return S.L if x.fsdp_units != "blocks" else S.L - done
     return S.G if x.checkpointing == "every-k" and S.G.value > 2 else 2
+
+
+def recomputed_gathers(x: Inputs, S, gathered: Expr) -> dict[str, Expr]:
+    """What FSDP2 holds in a block's backward (ZeRO-3; recomputed, ZeRO-2 too): the root, the blocks
+    ``recomputed_blocks`` says, and the block after's reduce-scatter input (under FSDP2's mixed, in fp32; kept until
+    the next), at the end of backward and at its front."""
+    if x.zero_stage < 2:
+        return {}
+    out = {"recomputed_backward": gathered * (S.Pr + recomputed_blocks(x, S, True) * S.Pb) + S.w * S.Pb,
+           "recomputed_front": gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) + S.w * S.Pb}
+    if x.zero_stage == 2:  # the last block's backward: every weight gathered, no reduce-scatter yet
+        return out | {"recomputed_last": gathered * S.P}
+    return out | {"block_backward": out["recomputed_backward"]}
 
 
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
@@ -124,7 +142,10 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     gather, larger than a block's, in flight: ``fsdp_units``); the front one counted where it is another block.
     Alive beside, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
     waiting for the root's reduce-scatter: under fused-linear the one made in forward (an activation), else
-    backward's. The final norm's tensors, the loss's and the later blocks' recomputes are gone."""
+    backward's. The final norm's tensors, the loss's and the later blocks' recomputes are gone. At ZeRO-2 (no
+    resharding after forward) FSDP2 holds every block whose backward is not done (``recomputed_gathers``); without
+    its own head unit the last block's (segment's) backward, every weight still gathered and no reduce-scatter input
+    yet, may then hold more than the second's (recomputed_last: in bf16, or a segment of more than one block)."""
     from fit_formula import layer  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     head = ZERO if units else S.c * S.V * S.h
@@ -139,10 +160,12 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
         if not units and segments.value >= 2:
             ends["recomputed_front"] = (stream, (S.L - S.G) * shard)
     else:
-        if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
+        if S.L.value >= (1 if units else 3 - (x.zero_stage == 2)):  # (the first block gathers no next one at ZeRO-3)
             ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
         if S.L.value >= (2 if units else 4):  # the front: another block
             ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
+    if x.zero_stage == 2 and not units:  # ZeRO-2: the last block's (segment's) backward, every block still gathered
+        ends["recomputed_last"] = ((ceil_div(S.L, S.G) if x.checkpointing == "every-k" else S.L) * stream, ZERO)
     stream_grad = S.T * S.c * S.h if S.c.value < 4 else ZERO  # (in fp32 the stream's gradient is freed by then)
     blocks = S.G * layer(S, "none", False) if x.checkpointing == "every-k" else layer(S, "none", False)
     work = total(blocks, 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
@@ -170,8 +193,9 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     bwd = gathered * (head + S.Pb) if x.zero_stage == 3 and x.loss != "full" else bwd  # the last block prefetched
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
-    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
-        out["recomputed_backward"] = recomputed_blocks(x, S) * gathered * S.Pb + S.w * head
+    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered (ZeRO-2: every block and
+        embed = S.V * S.h if x.zero_stage == 2 else ZERO  # the embedding), the head's gradient (reduce-scatter input)
+        out["recomputed_backward"] = gathered * total(recomputed_blocks(x, S, True) * S.Pb, embed) + S.w * head
         out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
     if "block_backward" in comm:  # and the second block's: it and the next gathered, the last block's reduce-scatter
         out["block_backward"], out["second_block_backward"] = out["recomputed_backward"], 2 * gathered * S.Pb + S.w * S.Pb
@@ -189,7 +213,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
     if x.zero_stage == 2:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
-        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
+        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L, "recomputed_front": recomputed_blocks(x, S),
+                  "recomputed_backward": recomputed_blocks(x, S, True), "recomputed_last": S.L}
     else:
         counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward":
                   recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S), "second_block_backward": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})

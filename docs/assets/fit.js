@@ -651,10 +651,12 @@
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd };
-    // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
-      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
-      out.block_backward = out.recomputed_backward;
+    // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
+    if (x.zero_stage >= 2) {  // input (kept until the next): a block's backward (blockBackward; recomputedBlock)
+      out.recomputed_backward = gathered.mul(S.Pr.add(recomputedBlocks(x, S, true).mul(S.Pb))).add(S.w.mul(S.Pb));
+      out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
+      if (x.zero_stage === 3) out.block_backward = out.recomputed_backward;
+      else out.recomputed_last = gathered.mul(S.P);  // the last block's backward: every weight gathered
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
@@ -664,7 +666,8 @@
     if (x.float8 !== "tensorwise-all-gather") return comm;
     const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
     const counts = x.zero_stage === 2
-      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
+      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L,
+        recomputed_front: recomputedBlocks(x, S), recomputed_backward: recomputedBlocks(x, S, true), recomputed_last: S.L }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
         recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S), second_block_backward: n(2) },
       units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
@@ -684,7 +687,8 @@
     const out = Object.assign({}, comm, { forward_end: fwd, backward_start: back, head_gradient: back, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
     if (comm.recomputed_backward) {
-      out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
+      const embed = x.zero_stage === 2 ? S.V.mul(S.h) : ZERO;  // ZeRO-2: every block and the embedding gathered
+      out.recomputed_backward = gathered.mul(total(recomputedBlocks(x, S, true).mul(S.Pb), embed)).add(S.w.mul(head));
       out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
     }
     if (comm.block_backward) {  // and the second block's: it and the next gathered, the last block's reduce-scatter
@@ -757,8 +761,15 @@
     return out;
   }
 
-  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment).
-  const recomputedBlocks = (x, S) => (x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2));
+  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment;
+  // ZeRO-2 at the end: every block not yet done).
+  function recomputedBlocks(x, S, end) {
+    if (end && x.zero_stage === 2) {
+      const done = x.checkpointing === "every-k" ? S.L.sub(S.G.mul(ceilDiv(S.L, S.G).sub(n(1)))) : n(1);
+      return units(x) ? S.L : S.L.sub(done);
+    }
+    return x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2);
+  }
 
   // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
   // product's backward: the second block from the end (own units: the last) and, where it is another block, the
@@ -776,10 +787,13 @@
       }
       if (!u && segments.value >= 2n) ends.recomputed_front = [stream, S.L.sub(S.G).mul(shard)];
     } else {
-      if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
+      if (S.L.value >= (u ? 1n : x.zero_stage === 2 ? 2n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
       if (S.L.value >= (u ? 2n : 4n)) {
         ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
       }
+    }
+    if (x.zero_stage === 2 && !u) {  // ZeRO-2: the last block's (segment's) backward, every block still gathered
+      ends.recomputed_last = [(x.checkpointing === "every-k" ? ceilDiv(S.L, S.G) : S.L).mul(stream), ZERO];
     }
     const streamGrad = S.c.value < 4n ? S.T.mul(S.c).mul(S.h) : ZERO;  // (in fp32 the stream's gradient is freed by then)
     const blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", false)) : layer(S, "none", false);
@@ -1279,6 +1293,7 @@
     segment_backward: "the first segment's backward (its blocks recomputed)",
     recomputed_backward: "the second block's backward from the end, recomputed (with its own head unit, the last block's)",
     recomputed_front: "the second block's backward, recomputed (with its own embedding unit, the first block's)",
+    recomputed_last: "the last block's backward, recomputed (ZeRO-2: every weight still gathered)",
     second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
