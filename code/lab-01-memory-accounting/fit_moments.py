@@ -228,7 +228,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     """--float8 tensorwise-all-gather (Lab 13's fit_float8_gather.py): each block's linears gathered as float8,
     1 byte per weight, not ``gathered``; the norms as before. Per moment, the blocks it holds gathered: under
     ZeRO-3 one (two in a block's backward), under ZeRO-2 all of them (and, at the end of forward, the last
-    block's buffer once more, unless the head's is the last gathered)."""
+    block's buffer once more, unless the head's is the last gathered); in a recomputed block's backward, as many as
+    ``recomputed_blocks`` says."""
     if x.float8 != "tensorwise-all-gather":
         return comm
     less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead

@@ -786,9 +786,9 @@
   const segmented = (x, S) => x.checkpointing === "every-k" && S.G.value > 1n;
   const lastSegment = (S) => S.L.sub(S.G.mul(ceilDiv(S.L, S.G).sub(n(1))));
 
-  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's gate x up
-  // product's backward: the second block from the end (own units: the last) and, where it is another block, the
-  // second from the front (own units: the first) (fit_moments.recomputed_block).
+  // --checkpointing full or every-k under FSDP2 (ZeRO-2 or 3): a block's (segment's) backward, recomputed, at its MLP's
+  // gate x up product's backward: the second block from the end (own units: the last, and the second segment), the
+  // second from the front (own units: the first; every-k: the first segment), the last (fit_moments.recomputed_block).
   function recomputedBlock(x, S, held) {
     const u = units(x), fused = x.loss === "fused-linear";
     const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
