@@ -7,7 +7,7 @@ calls each where its flag is given; the "Will it fit?" page quotes them beside i
 
 from __future__ import annotations
 
-from fit_expr import ZERO, Expr, ceil_div, total
+from fit_expr import ZERO, Expr, ceil_div, larger, total
 from fit_inputs import Inputs
 from fit_symbols import ROW, SLOT
 
@@ -160,7 +160,10 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     whose backward is not done, for a last segment of more than one block). Alive beside, but under its own head unit
     (reduced before the blocks' backward), the head's bf16 gradient waiting for the root's reduce-scatter: under
     fused-linear the one made in forward (an activation), else backward's. The final norm's tensors, the loss's and the
-    later blocks' recomputes are gone. Segments of one block are full checkpointing's moments (``segmented``)."""
+    later blocks' recomputes are gone. Segments of one block are full checkpointing's moments (``segmented``). Under
+    --float8 (Lab 13's fit_float8.py) the block's peak can come earlier, at its down projection's weight gradient: the
+    gradient of its input made (c × T × f) beside the output's e5m2 gradient (T × h) and its saved input cast again,
+    an fp32 copy and its e4m3 bits (5 × T × f); the gate × up product's gradients not yet made."""
     from fit_formula import layer  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     head = ZERO if units else S.c * S.V * S.h
@@ -190,6 +193,9 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     for moment, (inputs, done, blocks) in ends.items():
         recomputed = layer(S, "none", False) if blocks == 1 else blocks * layer(S, "none", False)
         work = total(recomputed, 2 * S.T * S.c * S.f, stream_grad, S.c * S.f * S.h)
+        if x.float8 != "none":  # or, earlier, at the down projection's weight gradient: its input's gradient made, the
+            cast = S.c * S.T * S.f + S.T * S.h + 5 * S.T * S.f  # e5m2 gradient, its saved input's fp32 copy and e4m3 cast
+            work = larger(work, total(recomputed, cast, stream_grad))
         own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
         out[moment] = held | {"gradients": held["gradients"] if x.accumulation > 1 else S.w * total(own, done),
                               "activations": total(inputs, head) if fused else inputs,

@@ -816,7 +816,11 @@
     const out = {};
     for (const [moment, [inputs, done, blocks]] of Object.entries(ends)) {
       const recomputed = blocks === 1 ? layer(S, "none", false) : blocks.mul(layer(S, "none", false));
-      const work = total(recomputed, n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
+      let work = total(recomputed, n(2).mul(S.T).mul(S.c).mul(S.f), streamGrad, S.c.mul(S.f).mul(S.h));
+      if (x.float8 !== "none") {  // or at the down projection's weight gradient: its input cast again (an fp32 copy)
+        const cast = S.c.mul(S.T).mul(S.f).add(S.T.mul(S.h)).add(n(5).mul(S.T).mul(S.f));
+        work = larger(work, total(recomputed, cast, streamGrad));
+      }
       out[moment] = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : S.w.mul(total(own, done)),
         activations: fused ? total(inputs, head) : inputs, temporaries: fused ? work : total(work, head) });
     }
