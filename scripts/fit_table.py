@@ -78,6 +78,21 @@ NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpoin
           "zero_stage": 3, "dp": 64},
          {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3, "dp": 16,
           "precision": "bf16"},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+          "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched as backward starts
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 2, "dp": 16},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 4,
+          "zero_stage": 2, "dp": 16, "precision": "bf16"},  # ZeRO-2: the last segment's backward (recomputed_last)
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 5,
+          "zero_stage": 2, "dp": 16, "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # recomputed_second
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 3,
+          "zero_stage": 3, "dp": 16, "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the first segment
+         {"model": "llama-3-8b", "loss": "chunked", "checkpointing": "every-k", "checkpoint_every": 1, "zero_stage": 3,
+          "dp": 8, "precision": "fp32"},  # one block a segment: full checkpointing's moments
+         {"model": "llama-3-8b", "layers": 2, "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3,
+          "dp": 16, "precision": "bf16"},  # two blocks: the last block's backward (recomputed_last)
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+          "float8": "tensorwise-all-gather"},  # float8: the down projection's input cast again in a recomputed backward
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]

@@ -176,6 +176,20 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "chunked"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear", "fsdp_units": "blocks-embed-head"},
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16"},  # pure bf16
+    # the head unit's pre-backward, hooked on a chunked loss, prefetches the last block as backward starts
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "precision": "bf16",
+     "fsdp_units": "blocks-embed-head"},
+    # ZeRO-2: every block gathered but those whose backward is done: the second from the end, or the last (bf16)
+    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "full", "loss": "chunked"},
+    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
+     "precision": "bf16"},
+    # a shorter last segment (3 + 1 blocks) under its own units: the first segment, at ZeRO-3 and ZeRO-2
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 3, "loss": "chunked",
+     "fsdp_units": "blocks-embed-head"},
+    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "every-k", "checkpoint_every": 3, "loss": "chunked",
+     "fsdp_units": "blocks-embed-head"},
+    # float8: the recomputed block's peak at its down projection's weight gradient (the saved input cast again)
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked", "float8": "tensorwise-all-gather"},
     # every-k: a segment recomputed, the first (over 16 ranks) or, under its own units, the last
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "fused-linear"},
     {"seq": 8192, "dp": 4, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 2, "loss": "chunked",
@@ -263,6 +277,9 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     {"checkpointing": "every-k", "checkpoint_every": 4}, {"checkpointing": "every-k", "checkpoint_every": 3, "precision": "bf16"},
     {"checkpointing": "save-alternate-matmuls", "dp": 8, "zero_stage": 3},
     {"checkpointing": "save-alternate-matmuls", "model": "mixtral-8x7b", "seq": 1024, "layers": 2},
+    # two blocks under ZeRO-3: the first block's recomputed backward (no next one gathered), or in bf16 the last's
+    {"checkpointing": "full", "zero_stage": 3, "dp": 16, "loss": "chunked", "seq": 8192, "layers": 2},
+    {"checkpointing": "full", "zero_stage": 3, "dp": 16, "loss": "chunked", "seq": 8192, "layers": 2, "precision": "bf16"},
     # --optimizer-in-backward: the head's own foreach step, in backward; the start of backward with no gradient
     {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full", "seq": 1024},
     {"optimizer_in_backward": True, "optimizer": "adamw", "precision": "bf16", "checkpointing": "full"},
@@ -319,7 +336,16 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # first under its own embedding unit): torchtitan's Llama-3-8B runs at 8k
                                     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear"},
                                     {"seq": 8192, "dp": 8, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
-                                     "fsdp_units": "blocks-embed-head"},  # every-k: the second segment from the end
+                                     "fsdp_units": "blocks-embed-head"},
+                                    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "chunked",
+                                     "precision": "bf16", "fsdp_units": "blocks-embed-head"},  # the last block prefetched
+                                    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "full", "loss": "chunked"},
+                                    # every-k: one block a segment is full checkpointing; a shorter last segment at ZeRO-2
+                                    {"dp": 8, "zero_stage": 3, "checkpointing": "every-k", "checkpoint_every": 1,
+                                     "loss": "chunked", "precision": "fp32"},
+                                    {"seq": 8192, "dp": 16, "zero_stage": 2, "checkpointing": "every-k", "checkpoint_every": 5,
+                                     "loss": "chunked", "precision": "bf16", "fsdp_units": "blocks-embed-head"},
+                                    # every-k: the second segment from the end
                                     {"seq": 8192, "dp": 64, "zero_stage": 3, "checkpointing": "every-k",
                                      "checkpoint_every": 4, "loss": "chunked"},
                                     # --tp --sp with full checkpointing at 2k tokens: the embedding's rows copied

@@ -26,7 +26,7 @@ from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
 from fit_split import rank_spec
 from fit_moments import (autocast_cache, backward_end, block_backward, experts, float8_gather, fsdp_units, head_step,
-                         offloaded, recomputed_block, recomputed_blocks, segment_backward)
+                         offloaded, recomputed_block, recomputed_gathers, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
@@ -243,10 +243,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
         fwd, bwd, gather, opt, end = (shards if e is ZERO else e + shards for e in (fwd, bwd, gather, opt, end))
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
-    if x.zero_stage == 3:  # a block's backward: the root, it, the next one's gather, the block after's reduce-scatter
-        out["recomputed_backward"] = out["recomputed_front"] = gathered * (S.Pr + recomputed_blocks(x, S) * S.Pb) \
-            + S.w * S.Pb  # input
-        out["block_backward"] = out["recomputed_backward"]  # (under FSDP2's mixed, in fp32; kept until the next)
+    out |= recomputed_gathers(x, S, gathered)  # a block's backward, recomputed or not (fit_moments.py)
     out["embedding_rows"] = gathered * S.Pr + S.w * S.Pb  # --tp, FSDP2: the root gathered, the first block's reduce
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]

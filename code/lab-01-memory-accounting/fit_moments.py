@@ -1,6 +1,6 @@
 """Lab 01 - will it fit? What only some of Lab 13's flags add to the formulas: what activation offload leaves on
 the device, the head's own optimizer step in backward, every-k's recomputed segment, and FSDP2's second
-block's backward at ZeRO-3 (a MoE block's too; with full or every-k checkpointing, a block recomputed), and the
+block's backward at ZeRO-3 (a MoE block's too; with full or every-k checkpointing, a block recomputed, at ZeRO-2 too), and the
 embedding and the head as FSDP2 units of their own. ``fit_formula.py``
 calls each where its flag is given; the "Will it fit?" page quotes them beside its other sections, and
 ``tests/test_fit_formula.py`` holds each to Lab 13's trace at real size."""
@@ -106,46 +106,95 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     return out
 
 
-def recomputed_blocks(x: Inputs, S) -> Expr | int:
-    """Blocks FSDP2 holds gathered in a recomputed block's backward: this one and the next one's gather, or every-k's
-    segment of G blocks, all gathered by its recompute."""
-    return S.G if x.checkpointing == "every-k" and S.G.value > 2 else 2
+def segmented(x: Inputs, S) -> bool:
+    """--checkpointing every-k with segments of more than one block (of one: full checkpointing's moments)."""
+    return x.checkpointing == "every-k" and S.G.value > 1
+
+
+def last_segment(S) -> Expr:
+    """Blocks in every-k's last segment, the first to come back: what the others leave, L − G × (⌈L / G⌉ − 1)."""
+    return S.L - S.G * (ceil_div(S.L, S.G) - 1)
+
+
+def recomputed_blocks(x: Inputs, S, at: str = "front") -> Expr | int:
+    """Blocks FSDP2 holds gathered in a recomputed block's backward (``recomputed_block``'s moment ``at``: front, end,
+    second or last): this one and the next one's gather (at the first block, no next one), or a segment, all gathered
+    by its recompute (G blocks, or the last segment's). At ZeRO-2 (no resharding after forward, but each unit's
+    post-backward reshards it), past the front: every block whose backward is not done (all but the last segment's at
+    the second segment from the end, or at the end without its own head unit; else all of them)."""
+    units, every = x.fsdp_units != "blocks", segmented(x, S)
+    if x.zero_stage == 2 and at != "front":
+        done = at == "second" or (at == "end" and not units)
+        return S.L - (last_segment(S) if every else 1) if done else S.L
+    if not every:  # the moment's block: the front's is the second, the end's the second from the end (its own units: last)
+        first = {"end": S.L.value - (1 if units else 2), "last": S.L.value - 1}.get(at, 1) == 0
+        return 1 if first else 2
+    blocks = last_segment(S) if at == "last" or (at == "end" and units) else S.G
+    return blocks if blocks.value > 1 else 2
+
+
+def recomputed_gathers(x: Inputs, S, gathered: Expr) -> dict[str, Expr]:
+    """What FSDP2 holds in a block's backward (ZeRO-3; recomputed, ZeRO-2 too): the root, the blocks
+    ``recomputed_blocks`` says, and the block after's reduce-scatter input (under FSDP2's mixed, in fp32; kept until
+    the next), at the end of backward and at its front; at the last block's, no reduce-scatter yet."""
+    if x.zero_stage < 2:
+        return {}
+    out = {moment: gathered * (S.Pr + recomputed_blocks(x, S, at) * S.Pb) + S.w * S.Pb
+           for moment, at in (("recomputed_backward", "end"), ("recomputed_front", "front"))}
+    out["recomputed_last"] = gathered * (S.Pr + recomputed_blocks(x, S, "last") * S.Pb)
+    return out | ({"block_backward": out["recomputed_backward"]} if x.zero_stage == 3 else {})
 
 
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
-    """--checkpointing full under FSDP2's mixed precision at ZeRO-3 (Lab 13's trace): a block's backward, the
-    block recomputed whole, at the peak of its MLP's backward (``recomputed_mlp``; under --tp a TP rank's block, its
-    checkpointed inputs on T / t tokens under --sp). FSDP2 holds what ``block_backward``
-    says (the root, this block and the next gathered, the block after's fp32 reduce-scatter input). Each block
-    done frees its checkpointed input and leaves its fp32 gradient shard, so the peak is at one end: the second
-    block from the end (with --fsdp-units blocks-embed-head, the last: the head unit's shard out), or the second
-    from the front (at the first, no next block is gathered), or with its own units the first (the embedding's
-    gather, larger than a block's, in flight: ``fsdp_units``); the front one counted where it is another block.
-    Alive beside, but under its own head unit (reduced before the blocks' backward), the head's bf16 gradient
-    waiting for the root's reduce-scatter: under fused-linear the one made in forward (an activation), else
-    backward's. The final norm's tensors, the loss's and the later blocks' recomputes are gone."""
+    """--checkpointing full or every-k under FSDP2 at ZeRO-3 or ZeRO-2 (Lab 13's trace): a block's backward, the block
+    (every-k: its segment) recomputed whole, at the peak of its MLP's backward (``recomputed_mlp``; under --tp a TP rank's block, its
+    checkpointed inputs on T / t tokens under --sp). FSDP2 holds the root, the
+    blocks ``recomputed_blocks`` says and the block after's reduce-scatter input (``recomputed_gathers``). Each block
+    done frees its checkpointed input and leaves its gradient shard, so the peak is near one end: the second block
+    (segment) from the end (with --fsdp-units blocks-embed-head, the last: the head unit's shard out; and the second,
+    where the last segment is shorter), or the second from the front (at the first, no next block is gathered; every-k:
+    the first segment), or with its own units the first (the embedding's gather, larger than a block's, in flight:
+    ``fsdp_units``); the front one counted where it is another block; without its own units the last block's (segment's)
+    too, nothing reduced yet (recomputed_last: larger in bf16 at 2 blocks, or at ZeRO-2, where FSDP2 holds every block
+    whose backward is not done, for a last segment of more than one block). Alive beside, but under its own head unit
+    (reduced before the blocks' backward), the head's bf16 gradient waiting for the root's reduce-scatter: under
+    fused-linear the one made in forward (an activation), else backward's. The final norm's tensors, the loss's and the
+    later blocks' recomputes are gone. Segments of one block are full checkpointing's moments (``segmented``). Under
+    --float8 (Lab 13's fit_float8.py) the block's peak can come earlier, at its down projection's weight gradient: the
+    gradient of its input made (c × T × f) beside the output's e5m2 gradient (T × h) and its saved input cast again,
+    an fp32 copy and its e4m3 bits (5 × T × f); the gate × up product's gradients not yet made."""
     from fit_formula import layer  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     head = ZERO if units else S.c * S.V * S.h
     stream = layer(S, x.checkpointing, x.sp)  # a checkpointed input (--sp: on T / t tokens)
     shard = ceil_div(S.Pb, S.dp)  # a block's fp32 gradient shard
     ends = {}  # per moment, alive: this block's input and those before it; the shards of the blocks after it
-    if x.checkpointing == "every-k":  # a segment of G blocks recomputed, at its last block's backward: the
-        segments = ceil_div(S.L, S.G)  # second from the end (under its own units, the last) and the first
-        if units:
-            ends["recomputed_backward"] = (segments * stream, ZERO)
+    if segmented(x, S):  # a segment recomputed, at its last block's backward: the second from the end (under its
+        segments, left = ceil_div(S.L, S.G), last_segment(S)  # own units, the last: L − G × (⌈L / G⌉ − 1) blocks)
+        if units:  # and the first (G blocks each); under its own units the second from the end too
+            ends["recomputed_backward"] = (segments * stream, ZERO, left)
+            if segments.value >= 3:  # (larger where the last segment is shorter, at ZeRO-2: every block gathered)
+                ends["recomputed_second"] = ((segments - 1) * stream, left * shard, S.G)
         elif segments.value >= 3:  # the last segment's shards out, the inputs of the segments before it alive
-            ends["recomputed_backward"] = ((segments - 1) * stream, (S.L - S.G * (segments - 1)) * shard)
-        if not units and segments.value >= 2:
-            ends["recomputed_front"] = (stream, (S.L - S.G) * shard)
+            ends["recomputed_backward"] = ((segments - 1) * stream, left * shard, S.G)
+        if segments.value >= 2:
+            ends["recomputed_front"] = (stream, (S.L - S.G) * shard, S.G)
+        last = (segments * stream, ZERO, left)
     else:
-        if S.L.value >= (1 if units else 3):  # (the first block gathers no next one)
-            ends["recomputed_backward"] = (S.L * stream, ZERO) if units else ((S.L - 1) * stream, shard)
+        if S.L.value >= (1 if units else 2):
+            ends["recomputed_backward"] = (S.L * stream, ZERO, 1) if units else ((S.L - 1) * stream, shard, 1)
         if S.L.value >= (2 if units else 4):  # the front: another block
-            ends["recomputed_front"] = (stream, (S.L - 1) * shard) if units else (2 * stream, (S.L - 2) * shard)
-    work = recomputed_mlp(x, S)
+            ends["recomputed_front"] = (stream, (S.L - 1) * shard, 1) if units else (2 * stream, (S.L - 2) * shard, 1)
+        last = (S.L * stream, ZERO, 1)
+    if not units:  # the last block's (segment's): nothing reduced yet (in bf16, a last segment of more blocks, ZeRO-2)
+        ends["recomputed_last"] = last
     fused, out = x.loss == "fused-linear", {}
-    for moment, (inputs, done) in ends.items():
+    for moment, (inputs, done, blocks) in ends.items():
+        work = recomputed_mlp(x, S, blocks)
+        if x.float8 != "none":  # or, earlier, at the down projection's weight gradient: its input's gradient made, the
+            cast = S.c * S.T * S.f + S.T * S.h + 5 * S.T * S.f  # e5m2 gradient, its saved input's fp32 copy and e4m3 cast
+            recomputed = layer(S, "none", False) if blocks == 1 else blocks * layer(S, "none", False)
+            work = larger(work, total(recomputed, cast, S.T * S.c * S.h))  # (float8: bf16 or mixed, the stream's c)
         own = ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
         out[moment] = held | {"gradients": held["gradients"] if x.accumulation > 1 else S.w * total(own, done),
                               "activations": total(inputs, head) if fused else inputs,
@@ -153,7 +202,7 @@ def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
     return out
 
 
-def recomputed_mlp(x: Inputs, S) -> Expr:
+def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
     """What a recomputed block's backward holds at its peak (FSDP2 at ZeRO-3, Lab 13's trace), beside what FSDP2 and
     the blocks before it hold: the block recomputed whole (``layer`` with nothing checkpointed; every-k: its segment),
     then its MLP's backward, op by op. Each MLP weight's bf16 gradient stays until the block is done (FSDP2 reduces
@@ -166,10 +215,12 @@ def recomputed_mlp(x: Inputs, S) -> Expr:
     input and five fp32 products (in fp32, four: nothing to cast), and a sum per token; --sp: on T / t tokens. Under
     tensor parallelism the MLP is f / t wide while the norm and the stream are not, so (3) or (4) overtakes (1). All
     along, the stream's gradient (--sp: T / t tokens). In fp32 the block's first norm reads its checkpointed input
-    itself: no float32 copy of it (``layer`` counts one)."""
+    itself: no float32 copy of it (``layer`` counts one). ``n``: the blocks recomputed together (every-k: a segment,
+    its last shorter; default G, or 1 under full checkpointing)."""
     from fit_formula import layer, norm, own  # here: fit_formula imports this file
     tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
-    blocks = S.G * layer(S, "none", x.sp) if x.checkpointing == "every-k" else layer(S, "none", x.sp)
+    n = (S.G if x.checkpointing == "every-k" else 1) if n is None else n  # the blocks recomputed together
+    blocks = layer(S, "none", x.sp) if n == 1 else n * layer(S, "none", x.sp)
     blocks = blocks - 4 * tokens * S.h if fp32 else blocks
     mlp_norm = S.T * norm(S, 2, x.sp) + tokens * own(S) if x.sp else S.T * norm(S, 2)  # all the MLP's norm keeps
     before = blocks - 4 * S.T * S.c * S.f - mlp_norm  # alive through the MLP's backward: all but the MLP's own
@@ -186,16 +237,23 @@ def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     """--fsdp-units blocks-embed-head (Lab 13's fit_units.py): the embedding a unit, the final norm and the head
     another, kept gathered from forward to backward. At the end of forward FSDP2 holds the head unit's gathered
     weights and, until the next gather, the buffer they were gathered into; in backward the weights alone. The
-    embedding is gathered only around its own forward and backward: no root to gather again in backward."""
+    embedding is gathered only around its own forward and backward: no root to gather again in backward. Under
+    ZeRO-3 a chunked or fused-linear loss reads the head's weight without calling the head, so FSDP2 (torch 2.13's
+    ``_force_complete_incomplete_states``) hooks the head unit's pre-backward on the model's output, the loss: it
+    runs as backward starts and prefetches the last block, gathered beside the loss's backward (its chunks)."""
     if x.fsdp_units == "blocks":
         return comm
     head = S.Pr - S.V * S.h  # the final norm and the head
     fwd, bwd = (gathered * (S.P + head), gathered * S.P) if x.zero_stage == 2 else (2 * gathered * head, gathered * head)
+    bwd = gathered * (head + S.Pb) if x.zero_stage == 3 and x.loss != "full" else bwd  # the last block prefetched
     out = comm | {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": ZERO,
                   "backward_end": ZERO if comm["backward_end"] is ZERO else S.w * S.V * S.h}  # the embedding's fp32
-    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered, the head's gradient
-        out["recomputed_backward"] = recomputed_blocks(x, S) * gathered * S.Pb + S.w * head
-        out["recomputed_front"] = gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first block's: the embedding's gather
+    if "recomputed_backward" in comm:  # the last block's backward: it and the next gathered (ZeRO-2: every block and
+        embed = S.V * S.h if x.zero_stage == 2 else ZERO  # the embedding), the head's gradient (reduce-scatter input)
+        out["recomputed_backward"] = gathered * total(recomputed_blocks(x, S, "end") * S.Pb, embed) + S.w * head
+        out["recomputed_front"] = gathered * total(recomputed_blocks(x, S) * S.Pb, embed) + S.w * S.Pb if segmented(x, S) \
+            else gathered * (S.Pb + S.V * S.h) + S.w * S.Pb  # the first segment's; the first block's: the embedding's gather
+        out["recomputed_second"] = gathered * total(recomputed_blocks(x, S, "second") * S.Pb, embed) + S.w * S.Pb
     if "block_backward" in comm:  # and the second block's: it and the next gathered, the last block's reduce-scatter
         out["block_backward"], out["second_block_backward"] = out["recomputed_backward"], 2 * gathered * S.Pb + S.w * S.Pb
         out["head_reduced"] = gathered * S.Pb + S.w * head  # the first block gathered
@@ -206,7 +264,8 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     """--float8 tensorwise-all-gather (Lab 13's fit_float8_gather.py): each block's linears gathered as float8,
     1 byte per weight, not ``gathered``; the norms as before. Per moment, the blocks it holds gathered: under
     ZeRO-3 one (two in a block's backward), under ZeRO-2 all of them (and, at the end of forward, the last
-    block's buffer once more, unless the head's is the last gathered)."""
+    block's buffer once more, unless the head's is the last gathered); in a recomputed block's backward, as many as
+    ``recomputed_blocks`` says."""
     if x.float8 != "tensorwise-all-gather":
         return comm
     less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
@@ -214,8 +273,12 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
         counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
     else:
-        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "recomputed_backward":
-                  recomputed_blocks(x, S), "recomputed_front": recomputed_blocks(x, S), "second_block_backward": 2} | ({"forward_end": 1} if x.fsdp_units == "blocks" else {"recomputed_front": 1})
+        counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "second_block_backward": 2} | (
+            {"forward_end": 1} if x.fsdp_units == "blocks" else {})
+    counts |= {m: recomputed_blocks(x, S, at) for m, at in (("recomputed_backward", "end"), ("recomputed_front", "front"),
+                                                             ("recomputed_last", "last"), ("recomputed_second", "second"))}
+    if x.fsdp_units != "blocks" and not segmented(x, S):  # the first block's: it and the embedding
+        counts["recomputed_front"] = 1
     return comm | {k: comm[k] - n * less for k, n in counts.items() if k in comm}
 
 

@@ -656,10 +656,12 @@
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
       embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
-    // the root, this block, the next one's gather, the last block's fp32 reduce-scatter input (kept until the next)
-    if (x.zero_stage === 3) {  // a block's backward (blockBackward; recomputedBlock)
-      out.recomputed_backward = out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S).mul(S.Pb))).add(S.w.mul(S.Pb));
-      out.block_backward = out.recomputed_backward;
+    // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
+    if (x.zero_stage >= 2) {  // input (kept until the next): a block's backward (blockBackward; recomputedBlock)
+      out.recomputed_backward = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "end").mul(S.Pb))).add(S.w.mul(S.Pb));
+      out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "front").mul(S.Pb))).add(S.w.mul(S.Pb));
+      out.recomputed_last = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "last").mul(S.Pb)));  // no reduce-scatter yet
+      if (x.zero_stage === 3) out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
@@ -671,8 +673,11 @@
     const counts = x.zero_stage === 2
       ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
-        recomputed_backward: recomputedBlocks(x, S), recomputed_front: recomputedBlocks(x, S), second_block_backward: n(2) },
-      units(x) ? { recomputed_front: n(1) } : { forward_end: n(1) });
+        second_block_backward: n(2) }, units(x) ? {} : { forward_end: n(1) });
+    for (const at of ["end", "front", "last", "second"]) {
+      counts[at === "end" ? "recomputed_backward" : `recomputed_${at}`] = recomputedBlocks(x, S, at);
+    }
+    if (units(x) && !segmented(x, S)) counts.recomputed_front = n(1);  // the first block's: it and the embedding
     const out = Object.assign({}, comm);
     for (const [k, c] of Object.entries(counts)) if (comm[k]) out[k] = comm[k].sub(c.mul(less));
     return out;
@@ -684,11 +689,17 @@
     const head = S.Pr.sub(S.V.mul(S.h));
     const [fwd, bwd] = x.zero_stage === 2 ? [gathered.mul(S.P.add(head)), gathered.mul(S.P)]
       : [n(2).mul(gathered).mul(head), gathered.mul(head)];
-    const out = Object.assign({}, comm, { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: ZERO,
+    // ZeRO-3 with a chunked or fused-linear loss: the head unit's pre-backward, hooked on the loss, prefetches the last block
+    const back = x.zero_stage === 3 && x.loss !== "full" ? gathered.mul(head.add(S.Pb)) : bwd;
+    const out = Object.assign({}, comm, { forward_end: fwd, backward_start: back, head_gradient: back, root_gathered: ZERO,
       backward_end: comm.backward_end === ZERO ? ZERO : S.w.mul(S.V).mul(S.h) });
     if (comm.recomputed_backward) {
-      out.recomputed_backward = recomputedBlocks(x, S).mul(gathered).mul(S.Pb).add(S.w.mul(head));
-      out.recomputed_front = gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));  // the first block's: the embedding's gather
+      const embed = x.zero_stage === 2 ? S.V.mul(S.h) : ZERO;  // ZeRO-2: every block and the embedding gathered
+      out.recomputed_backward = gathered.mul(total(recomputedBlocks(x, S, "end").mul(S.Pb), embed)).add(S.w.mul(head));
+      out.recomputed_front = segmented(x, S)  // the first segment's; the first block's: the embedding's gather
+        ? gathered.mul(total(recomputedBlocks(x, S, "front").mul(S.Pb), embed)).add(S.w.mul(S.Pb))
+        : gathered.mul(S.Pb.add(S.V.mul(S.h))).add(S.w.mul(S.Pb));
+      out.recomputed_second = gathered.mul(total(recomputedBlocks(x, S, "second").mul(S.Pb), embed)).add(S.w.mul(S.Pb));
     }
     if (comm.block_backward) {  // and the second block's: it and the next gathered, the last block's reduce-scatter
       out.block_backward = out.recomputed_backward;
@@ -760,15 +771,33 @@
     return out;
   }
 
-  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment).
-  const recomputedBlocks = (x, S) => (x.checkpointing === "every-k" && S.G.value > 2n ? S.G : n(2));
+  // Python: fit_moments.recomputed_blocks: the blocks gathered in a recomputed block's backward (every-k: its segment;
+  // ZeRO-2 at the end: every block not yet done).
+  // at: front, end, second or last (fit_moments.recomputed_block's moments)
+  function recomputedBlocks(x, S, at) {
+    const u = units(x), every = segmented(x, S);
+    if (x.zero_stage === 2 && at && at !== "front") {
+      const done = at === "second" || (at === "end" && !u);
+      return done ? S.L.sub(every ? lastSegment(S) : n(1)) : S.L;
+    }
+    if (!every) {  // the moment's block: at the first, no next one is gathered
+      const index = at === "end" ? S.L.value - (u ? 1n : 2n) : at === "last" ? S.L.value - 1n : 1n;
+      return n(index === 0n ? 1 : 2);
+    }
+    const blocks = at === "last" || (at === "end" && u) ? lastSegment(S) : S.G;
+    return blocks.value > 1n ? blocks : n(2);
+  }
+  // Python: fit_moments.segmented (every-k of more than one block a segment), last_segment (its blocks left over)
+  const segmented = (x, S) => x.checkpointing === "every-k" && S.G.value > 1n;
+  const lastSegment = (S) => S.L.sub(S.G.mul(ceilDiv(S.L, S.G).sub(n(1))));
 
   // Python: fit_moments.recomputed_mlp: a recomputed block's backward at the largest of four points of its MLP's
   // backward: (1) the gate x up product's; (2) --sp: before it, the block output's gathered gradient; (3) the MLP's
   // input gradients from up and gate; (4) the MLP norm's fp32 backward. Beside: the stream's gradient.
-  function recomputedMlp(x, S) {
+  function recomputedMlp(x, S, count) {
     const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T, fp32 = S.r.value === 4n;
-    let blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", x.sp)) : layer(S, "none", x.sp);
+    const k = count === undefined ? (x.checkpointing === "every-k" ? S.G : 1) : count;  // the blocks recomputed together
+    let blocks = k === 1 ? layer(S, "none", x.sp) : k.mul(layer(S, "none", x.sp));
     if (fp32) blocks = blocks.sub(n(4).mul(tokens).mul(S.h));  // the first norm reads its checkpointed input itself
     const mlpNorm = x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
     const before = blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
@@ -782,31 +811,40 @@
     return total(before, larger(larger(product, inputs), normBackward), tokens.mul(S.c).mul(S.h));
   }
 
-  // --checkpointing full, FSDP2's mixed at ZeRO-3: a block's backward, the block recomputed, at its MLP's backward's
-  // peak (recomputedMlp): the second block from the end (own units: the last) and, where it is another block, the
-  // second from the front (own units: the first) (fit_moments.recomputed_block).
+  // --checkpointing full or every-k under FSDP2 (ZeRO-2 or 3): a block's (segment's) backward, recomputed, at its MLP's
+  // backward's peak (recomputedMlp): the second block from the end (own units: the last, and the second segment), the
+  // second from the front (own units: the first; every-k: the first segment), the last (fit_moments.recomputed_block).
   function recomputedBlock(x, S, held) {
     const u = units(x), fused = x.loss === "fused-linear";
     const head = u ? ZERO : S.c.mul(S.V).mul(S.h);
     const stream = layer(S, x.checkpointing, x.sp), shard = ceilDiv(S.Pb, S.dp);  // (--sp: on T / t tokens)
     const ends = {};
-    if (x.checkpointing === "every-k") {  // a segment of G blocks recomputed, at its last block's backward
-      const segments = ceilDiv(S.L, S.G);
-      if (u) ends.recomputed_backward = [segments.mul(stream), ZERO];
-      else if (segments.value >= 3n) {
-        ends.recomputed_backward = [segments.sub(n(1)).mul(stream), S.L.sub(S.G.mul(segments.sub(n(1)))).mul(shard)];
-      }
-      if (!u && segments.value >= 2n) ends.recomputed_front = [stream, S.L.sub(S.G).mul(shard)];
+    let last;  // per moment: the inputs alive, the blocks done (their shards out), the blocks recomputed
+    if (segmented(x, S)) {  // a segment recomputed, at its last block's backward
+      const segments = ceilDiv(S.L, S.G), left = lastSegment(S);
+      if (u) {
+        ends.recomputed_backward = [segments.mul(stream), ZERO, left];
+        if (segments.value >= 3n) ends.recomputed_second = [segments.sub(n(1)).mul(stream), left.mul(shard), S.G];
+      } else if (segments.value >= 3n) ends.recomputed_backward = [segments.sub(n(1)).mul(stream), left.mul(shard), S.G];
+      if (segments.value >= 2n) ends.recomputed_front = [stream, S.L.sub(S.G).mul(shard), S.G];
+      last = [segments.mul(stream), ZERO, left];
     } else {
-      if (S.L.value >= (u ? 1n : 3n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO] : [S.L.sub(n(1)).mul(stream), shard];
+      if (S.L.value >= (u ? 1n : 2n)) ends.recomputed_backward = u ? [S.L.mul(stream), ZERO, 1] : [S.L.sub(n(1)).mul(stream), shard, 1];
       if (S.L.value >= (u ? 2n : 4n)) {
-        ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard)] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard)];
+        ends.recomputed_front = u ? [stream, S.L.sub(n(1)).mul(shard), 1] : [n(2).mul(stream), S.L.sub(n(2)).mul(shard), 1];
       }
+      last = [S.L.mul(stream), ZERO, 1];
     }
-    const work = recomputedMlp(x, S);
+    if (!u) ends.recomputed_last = last;  // the last block's (segment's): nothing reduced yet
     const own = u ? ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp) : ZERO;  // the head unit's shard
     const out = {};
-    for (const [moment, [inputs, done]] of Object.entries(ends)) {
+    for (const [moment, [inputs, done, blocks]] of Object.entries(ends)) {
+      let work = recomputedMlp(x, S, blocks);
+      if (x.float8 !== "none") {  // or at the down projection's weight gradient: its input cast again (an fp32 copy)
+        const recomputed = blocks === 1 ? layer(S, "none", false) : blocks.mul(layer(S, "none", false));
+        const cast = S.c.mul(S.T).mul(S.f).add(S.T.mul(S.h)).add(n(5).mul(S.T).mul(S.f));
+        work = larger(work, total(recomputed, cast, S.T.mul(S.c).mul(S.h)));
+      }
       out[moment] = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : S.w.mul(total(own, done)),
         activations: fused ? total(inputs, head) : inputs, temporaries: fused ? work : total(work, head) });
     }
@@ -1304,6 +1342,8 @@
     segment_backward: "the first segment's backward (its blocks recomputed)",
     recomputed_backward: "the second block's backward from the end, recomputed (with its own head unit, the last block's)",
     recomputed_front: "the second block's backward, recomputed (with its own embedding unit, the first block's)",
+    recomputed_last: "the last block's backward, recomputed (nothing reduced yet; at ZeRO-2 every weight still gathered)",
+    recomputed_second: "the second segment's backward from the end, recomputed (its own head unit; a shorter last segment)",
     second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
