@@ -57,6 +57,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
     {"compile": True},
+    {"compile": True, "checkpointing": "full", "accumulation": 2},  # the checkpoint inside each compiled block
+    {"compile": True, "precision": "bf16", "checkpointing": "save-alternate-matmuls"},
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
      "loss": "chunked"},
     {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
@@ -259,18 +261,22 @@ def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab1
     assert moved > plain.device["activations"][end] / 3 and max(tl.host_total()) >= moved
 
 
-@pytest.mark.parametrize("precision", ["fp32", "mixed"])
-def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision):
-    """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python. The
-    loss and every gradient equal eager's (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
-    rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as
-    it runs, are the same on fake tensors as on real ones; the activations the ledger counts at the end of
-    forward are more than zero and fewer than eager's (the partitioner recomputes some)."""
+@pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "none"), ("fp32", "full"),
+                                                      ("mixed", "save-matmuls")])
+def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing):
+    """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python, the
+    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every gradient equal the
+    eager step's with the same checkpointing (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
+    rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as it
+    runs, are the same on fake tensors as on real ones: none under full checkpointing (the block's input is
+    its input; the rng state is host memory), some and fewer than eager's activations without it (the
+    partitioner recomputes some)."""
     from types import SimpleNamespace
 
     from labkit import marks
     from labkit.ledger import Ledger
     fit_compile = load_lab(13, "fit_compile")
+    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing)
 
     def step(tensors, compile_blocks):
         with tensors():
@@ -278,9 +284,11 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
             model = zoo.get("small-llama").build()
             idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
             ledger = Ledger("cpu").track_module(model)
-            with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, accumulation=1), 1) as backend:
+            blocks = functools.partial(fit_compile.lab04.run_blocks, strategy=checkpointing if not compile_blocks
+                                       else "none")
+            with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, **vars(config)), 1) as backend:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
-                    loss = model(idx, idx)[1]
+                    loss = model(idx, idx, run_blocks=blocks)[1]
                 loss.backward()
             grads = {n: p.grad for n, p in model.named_parameters()}
             return loss, grads, backend, ledger.timeline().peaks_by_phase()["forward"]["activations"]
@@ -293,7 +301,8 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
     traced = step(functools.partial(fake.tensors, block=None), True)[2]
     assert real.graphs == 1 and real.calls == 2 and traced.saved == real.saved
-    assert 0 < compiled_saved < eager_saved
+    assert (real.saved == [0, 0]) is (checkpointing == "full")
+    assert 0 < compiled_saved < eager_saved if checkpointing == "none" else 0 < compiled_saved <= eager_saved
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [
@@ -307,14 +316,15 @@ def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
 
 
 def test_the_ladder_under_compile_offers_only_levers_it_can_trace(lab13):
-    """Checkpointing is refused with --compile, so the ladder leaves it out rather than stop at it."""
+    """Activation offload and the optimizer step in backward are refused with --compile, so the ladder leaves
+    them out rather than stop at them; checkpointing, inside each compiled block, stays."""
     levers = load_lab(13, "fit_levers")
     config = small(lab13, compile=True)
-    assert not levers._traceable(config, {"checkpointing": "full"})
-    assert levers._traceable(config, {"optimizer": "adamw-fused"})
+    assert not levers._traceable(config, {"offload_activations": True})
+    assert levers._traceable(config, {"checkpointing": "full"})
     names = {lever.name for lever, changes in ((lv, lv.pull(config)) for lv in levers.LEVERS) if changes
              and levers._traceable(config, changes)}
-    assert names and not any("checkpointing" in name for name in names)
+    assert "full checkpointing" in names and not {"activation offload", "optimizer step in backward"} & names
 
 
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
@@ -607,7 +617,7 @@ BAD = [
     (["--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--loss", "fused-linear"],
      "a Hugging Face config's"),
     (["--model", "flux-dev"], "not a causal LM"),
-    (["--model", "small-llama", "--compile", "--checkpointing", "full"], "--checkpointing none"),
+    (["--model", "small-llama", "--compile", "--checkpointing", "every-k", "--checkpoint-every", "2"], "compiled alone"),
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),
