@@ -59,6 +59,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"compile": True},
     {"compile": True, "checkpointing": "full", "accumulation": 2},  # the checkpoint inside each compiled block
     {"compile": True, "precision": "bf16", "checkpointing": "save-alternate-matmuls"},
+    {"compile": True, "checkpointing": "full", "dp": 2, "zero_stage": 3},  # FSDP2's hooks around each compiled block
+    {"compile": True, "dp": 4, "zero_stage": 2, "replicate": 2},
+    {"compile": True, "precision": "bf16", "dp": 2, "zero_stage": 3, "offload": "params"},
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
      "loss": "chunked"},
     {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
@@ -308,9 +311,25 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
         assert 0 < compiled_saved < eager_saved
 
 
+def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
+    """--compile under ZeRO-3, checkpointed: FSDP2's hooks are torch._dynamo.disable'd, so Dynamo leaves them out
+    of the block's graph without a graph break. One forward graph for both blocks, no collective in it, and
+    the all-gathers that the hooks run are still seen by Traffic (the communication category)."""
+    from torch._dynamo.utils import counters
+    fit_compile = load_lab(13, "fit_compile")
+    graphs, forward = [], fit_compile.Partitioned.forward
+    monkeypatch.setattr(fit_compile.Partitioned, "forward", lambda self, g, inputs: graphs.append(g) or forward(self, g, inputs))
+    breaks = sum(counters["graph_break"].values())  # Dynamo's counters live as long as the process
+    traced = lab13.trace(small(lab13, compile=True, checkpointing="full", dp=2, zero_stage=3))
+    ops = {str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"}
+    assert len(graphs) == 1 and "aten.mm.default" in ops and sum(counters["graph_break"].values()) == breaks
+    assert not [op for op in ops if any(word in op for word in ("c10d", "fsdp", "all_gather", "reduce_scatter"))]
+    assert max(traced.timeline.device["communication"]) > 0
+
+
 @pytest.mark.parametrize(("fields", "fragment"), [
-    ({"task": "infer"}, "no backward to partition"), ({"dp": 2, "zero_stage": 3}, "FSDP2's hooks"),
-    ({"offload": "params", "dp": 2, "zero_stage": 3}, "FSDP2's hooks"), ({"model": "small-mixtral"}, "dense zoo Llama"),
+    ({"task": "infer"}, "no backward to partition"), ({"checkpointing": "every-k", "checkpoint_every": 2},
+                                                       "compiled alone"), ({"model": "small-mixtral"}, "dense zoo Llama"),
     ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
     ({"offload_activations": True}, "--offload-activations with --compile is not traced together")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):

@@ -32,10 +32,16 @@ Where it recomputes an op tagged ``nondeterministic_seeded`` (attention, even at
 ``functionalize_rng_ops`` (``torch/_functorch/partitioners.py``, called whenever such an op must be recomputed;
 no config turns it off) wraps it in the higher-order ops ``run_and_save_rng_state`` (forward) and
 ``run_with_rng_state`` (backward, ``torch/_prims/rng_prims.py``). A dispatch mode needs a rule for each
-(else ``NotImplementedError`` from ``torch/_ops.py``): the ledger's, below, runs torch's own implementation
-with the wrapped op under the ledger, so the ledger counts the op's bytes. The rng state the graph keeps is
+(else ``NotImplementedError`` from ``torch/_ops.py``): the rule below, for the ledger and for Traffic, runs
+torch's own implementation with the wrapped op under the mode, so the ledger counts the op's bytes. The rng state the graph keeps is
 host memory (``torch.cuda.get_rng_state`` is a CPU tensor): not counted. Not traced: every-k (a segment spans
-blocks, each compiled alone), FSDP2 (its hooks inside the compiled block), a MoE.
+blocks, each compiled alone), a MoE, ``--tp``/``--pp``/``--cp``.
+
+FSDP2 (``--zero-stage 2/3``) wraps the compiled blocks as torchtitan does, AC, then compile, then
+``fully_shard`` per block (``parallelize_llama`` in torchtitan/models/llama3/parallelize.py and
+``apply_compile`` in torchtitan/distributed/compile.py, at torchtitan commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a).
+Its hooks are ``torch._dynamo.disable``'d (``_dynamo_disable`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``):
+they run eagerly around each block's one compiled graph, which holds no collective (tested).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from labkit import labs
 from labkit.config import UsageError
 from labkit.ledger import Ledger
+from labkit.traffic import Traffic
 
 lab04 = labs.load(4)  # run_blocks: the checkpoint each compiled block holds
 HOST_STATES = WeakIdKeyDictionary()  # the rng states the compiled forwards kept: host memory, not the device's
@@ -63,17 +70,20 @@ def under(mode, op):
     return run
 
 
-@run_and_save_rng_state.py_impl(Ledger)
 def save_rng_state(mode, op, *args, **kwargs):
-    """The ledger's rule (it runs with the ledger popped): torch's implementation, the op counted."""
+    """The rule of a mode (it runs with the mode popped): torch's implementation, the op seen by the mode."""
     state, out = run_and_save_rng_state(under(mode, op), *args, **kwargs)
     HOST_STATES[state] = True
     return state, out
 
 
-@run_with_rng_state.py_impl(Ledger)
 def with_rng_state(mode, state, op, *args, **kwargs):
     return run_with_rng_state(state, under(mode, op), *args, **kwargs)
+
+
+for _mode in (Ledger, Traffic):  # the trace's dispatch modes: the ledger, and Traffic where a process group runs
+    run_and_save_rng_state.py_impl(_mode)(save_rng_state)
+    run_with_rng_state.py_impl(_mode)(with_rng_state)
 
 
 # --8<-- [start:compile]
@@ -151,7 +161,7 @@ def outside(config) -> str:
 
 def check_compile(config) -> None:
     """What ``--compile`` traces: a training step of a dense zoo Llama, each block checkpointed inside (or
-    not), none wrapped by FSDP2."""
+    not), with FSDP2's hooks around it (ZeRO-2/3, HSDP, --offload params) or not."""
     if not config.compile:
         return
     for bad, why in ((config.task != "train", f"--task {config.task} has no backward to partition: --task train"),
@@ -159,8 +169,6 @@ def check_compile(config) -> None:
                       "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
                      (config.checkpointing == "every-k", "every-k's segments span blocks, and each block is "
                       "compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"),
-                     (config.zero_stage >= 2 or config.offload == "params", "FSDP2's hooks would run inside each "
-                      "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params"),
                      (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
                       "compiled: --tp 1 --pp 1")):
         if bad:
