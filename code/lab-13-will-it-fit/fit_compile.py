@@ -26,22 +26,25 @@ What inductor's generated code changes, which no graph run as Python can show:
 So the saved tensors are the compiled step's, to the byte. Its temporaries are an upper bound.
 
 Checkpointing (``--checkpointing full``, ``save-matmuls``, ``save-alternate-matmuls``) goes inside each
-compiled block, as torchtitan wraps each block in its checkpoint before compiling it: Lab 04's ``run_blocks``
-on the one block, so Dynamo traces the checkpoint and the partitioner must recompute what it does not save.
-Where it recomputes an op tagged ``nondeterministic_seeded`` (attention, even at dropout 0),
-``functionalize_rng_ops`` (``torch/_functorch/partitioners.py``, called whenever such an op must be recomputed;
-no config turns it off) wraps it in the higher-order ops ``run_and_save_rng_state`` (forward) and
-``run_with_rng_state`` (backward, ``torch/_prims/rng_prims.py``). A dispatch mode needs a rule for each
-(else ``NotImplementedError`` from ``torch/_ops.py``): the rule below, for the ledger and for Traffic, runs
-torch's own implementation with the wrapped op under the mode, so the ledger counts the op's bytes. The rng state the graph keeps is
-host memory (``torch.cuda.get_rng_state`` is a CPU tensor): not counted. Not traced: every-k (a segment spans
-blocks, each compiled alone), a MoE, ``--tp``/``--pp``/``--cp``.
+compiled block, as torchtitan wraps each block in its checkpoint before compiling it: Lab 04's
+``run_blocks`` on the one block, so Dynamo traces the checkpoint and the partitioner must recompute what
+it does not save. Where it recomputes an op tagged ``nondeterministic_seeded`` (attention, even at
+dropout 0), ``functionalize_rng_ops`` (``torch/_functorch/partitioners.py``, called whenever such an op
+must be recomputed; no config turns it off) wraps it in the higher-order ops ``run_and_save_rng_state``
+(forward) and ``run_with_rng_state`` (backward; ``torch/_prims/rng_prims.py``). A dispatch mode needs a
+rule for each (else ``NotImplementedError`` from ``torch/_ops.py``): the rule below, for the ledger and
+for Traffic, runs torch's own implementation with the wrapped op under the mode, so the ledger counts
+the op's bytes. The rng state the graph keeps is host memory (``torch.cuda.get_rng_state`` is a CPU
+tensor): not counted. Not traced: every-k (a segment spans blocks, each compiled alone), a MoE,
+``--tp``/``--pp``/``--cp``.
 
-FSDP2 (``--zero-stage 2/3``) wraps the compiled blocks as torchtitan does, AC, then compile, then
-``fully_shard`` per block (``parallelize_llama`` in torchtitan/models/llama3/parallelize.py and
-``apply_compile`` in torchtitan/distributed/compile.py, at torchtitan commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a).
-Its hooks are ``torch._dynamo.disable``'d (``_dynamo_disable`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``):
-they run eagerly around each block's one compiled graph, which holds no collective (tested).
+Under FSDP2 (``--zero-stage 2/3``) torchtitan checkpoints, compiles, then ``fully_shard``s each block
+(``parallelize_llama`` in torchtitan/models/llama3/parallelize.py, ``apply_compile`` in
+torchtitan/distributed/compile.py, at torchtitan commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a). Lab 13
+shards first; ``block.compile`` compiles the module's whole call, hooks included, so either order runs
+the same. FSDP2's hooks are ``torch._dynamo.disable``'d (``_dynamo_disable`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``): they run eagerly around each block's one
+compiled graph, which holds no collective (tested).
 """
 
 from __future__ import annotations
