@@ -57,6 +57,11 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"task": "decode", "precision": "bf16", "kv_len": 48, "new_tokens": 1},
     {"task": "decode", "precision": "fp32", "new_tokens": 4},
     {"compile": True},
+    {"compile": True, "checkpointing": "full", "accumulation": 2},  # the checkpoint inside each compiled block
+    {"compile": True, "precision": "bf16", "checkpointing": "save-alternate-matmuls"},
+    {"compile": True, "checkpointing": "full", "dp": 2, "zero_stage": 3},  # FSDP2's hooks around each compiled block
+    {"compile": True, "dp": 4, "zero_stage": 2, "replicate": 2},
+    {"compile": True, "precision": "bf16", "dp": 2, "zero_stage": 3, "offload": "params"},
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
      "loss": "chunked"},
     {"tp": 2, "dp": 2},  # tensor parallelism (DTensor) beside DDP: a 2 x 2 mesh
@@ -261,18 +266,22 @@ def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab1
     assert moved > plain.device["activations"][end] / 3 and max(tl.host_total()) >= moved
 
 
-@pytest.mark.parametrize("precision", ["fp32", "mixed"])
-def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision):
-    """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python. The
-    loss and every gradient equal eager's (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
-    rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as
-    it runs, are the same on fake tensors as on real ones; the activations the ledger counts at the end of
-    forward are more than zero and fewer than eager's (the partitioner recomputes some)."""
+@pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "none"), ("fp32", "full"),
+                                                      ("mixed", "save-matmuls")])
+def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing):
+    """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python, the
+    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every gradient equal the
+    eager step's with the same checkpointing (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
+    rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as it
+    runs, are the same on fake tensors as on real ones. Under full checkpointing they are none (the block's
+    input is its input; the rng state is host memory) and the forward's activations equal eager's; otherwise
+    some, and fewer activations than eager's (the partitioner recomputes some)."""
     from types import SimpleNamespace
 
     from labkit import marks
     from labkit.ledger import Ledger
     fit_compile = load_lab(13, "fit_compile")
+    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing)
 
     def step(tensors, compile_blocks):
         with tensors():
@@ -280,9 +289,11 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
             model = zoo.get("small-llama").build()
             idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
             ledger = Ledger("cpu").track_module(model)
-            with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, accumulation=1), 1) as backend:
+            blocks = functools.partial(fit_compile.lab04.run_blocks, strategy=checkpointing if not compile_blocks
+                                       else "none")
+            with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, **vars(config)), 1) as backend:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
-                    loss = model(idx, idx)[1]
+                    loss = model(idx, idx, run_blocks=blocks)[1]
                 loss.backward()
             grads = {n: p.grad for n, p in model.named_parameters()}
             return loss, grads, backend, ledger.timeline().peaks_by_phase()["forward"]["activations"]
@@ -295,12 +306,32 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
     traced = step(functools.partial(fake.tensors, block=None), True)[2]
     assert real.graphs == 1 and real.calls == 2 and traced.saved == real.saved
-    assert 0 < compiled_saved < eager_saved
+    assert (real.saved == [0, 0]) is (checkpointing == "full")
+    if checkpointing == "full":  # each block's input alone, as eager checkpointing keeps it
+        assert compiled_saved == eager_saved
+    else:
+        assert 0 < compiled_saved < eager_saved
+
+
+def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
+    """--compile under ZeRO-3, checkpointed: FSDP2's hooks are torch._dynamo.disable'd, so Dynamo leaves them out
+    of the block's graph without a graph break. One forward graph for both blocks, no collective in it, and
+    the all-gathers that the hooks run are still seen by Traffic (the communication category)."""
+    from torch._dynamo.utils import counters
+    fit_compile = load_lab(13, "fit_compile")
+    graphs, forward = [], fit_compile.Partitioned.forward
+    monkeypatch.setattr(fit_compile.Partitioned, "forward", lambda self, g, inputs: graphs.append(g) or forward(self, g, inputs))
+    breaks = sum(counters["graph_break"].values())  # Dynamo's counters live as long as the process
+    traced = lab13.trace(small(lab13, compile=True, checkpointing="full", dp=2, zero_stage=3))
+    ops = {str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"}
+    assert len(graphs) == 1 and "aten.mm.default" in ops and sum(counters["graph_break"].values()) == breaks
+    assert not [op for op in ops if any(word in op for word in ("c10d", "fsdp", "all_gather", "reduce_scatter"))]
+    assert max(traced.timeline.device["communication"]) > 0
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [
-    ({"task": "infer"}, "no backward to partition"), ({"dp": 2, "zero_stage": 3}, "FSDP2's hooks"),
-    ({"offload": "params", "dp": 2, "zero_stage": 3}, "FSDP2's hooks"), ({"model": "small-mixtral"}, "dense zoo Llama"),
+    ({"task": "infer"}, "no backward to partition"), ({"checkpointing": "every-k", "checkpoint_every": 2},
+                                                       "compiled alone"), ({"model": "small-mixtral"}, "dense zoo Llama"),
     ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
     ({"offload_activations": True}, "--offload-activations with --compile is not traced together")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
@@ -309,14 +340,15 @@ def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
 
 
 def test_the_ladder_under_compile_offers_only_levers_it_can_trace(lab13):
-    """Checkpointing is refused with --compile, so the ladder leaves it out rather than stop at it."""
+    """Activation offload and the optimizer step in backward are refused with --compile, so the ladder leaves
+    them out rather than stop at them; checkpointing, inside each compiled block, stays."""
     levers = load_lab(13, "fit_levers")
     config = small(lab13, compile=True)
-    assert not levers._traceable(config, {"checkpointing": "full"})
-    assert levers._traceable(config, {"optimizer": "adamw-fused"})
+    assert not levers._traceable(config, {"offload_activations": True})
+    assert levers._traceable(config, {"checkpointing": "full"})
     names = {lever.name for lever, changes in ((lv, lv.pull(config)) for lv in levers.LEVERS) if changes
              and levers._traceable(config, changes)}
-    assert names and not any("checkpointing" in name for name in names)
+    assert "full checkpointing" in names and not {"activation offload", "optimizer step in backward"} & names
 
 
 def test_sharded_adamw_allocates_what_dtensors_adamw_allocates(lab13):
@@ -609,7 +641,7 @@ BAD = [
     (["--model", "code/lab-13-will-it-fit/examples/qwen2.5-0.5b.config.json", "--loss", "fused-linear"],
      "a Hugging Face config's"),
     (["--model", "flux-dev"], "not a causal LM"),
-    (["--model", "small-llama", "--compile", "--checkpointing", "full"], "--checkpointing none"),
+    (["--model", "small-llama", "--compile", "--checkpointing", "every-k", "--checkpoint-every", "2"], "compiled alone"),
     (["--model", "small-llama", "--zero-stage", "3"], "--dp"),
     (["--model", "small-llama", "--batch", str(2**40), "--seq", str(2**40)], "--batch must be in [1, 65,536]"),
     (["--model", "small-llama", "--task", "infer", "--checkpointing", "full"], "--task infer"),

@@ -53,7 +53,7 @@ from labkit import cuda as cuda_kit
 from labkit.config import INT64_MAX, MAX_TOKENS, LabConfig, UsageError, option
 from labkit.ledger import Ledger
 from labkit.timeline import Timeline
-from fit_compile import check_compile, compiled
+from fit_compile import check_compile, compiled, outside
 from fit_gap import derive
 from fit_backward import OptimizerInBackward, check_levers
 from fit_decode import check_decode, decode
@@ -150,7 +150,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, traffic(), split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                blocks = partial(lab04.run_blocks, strategy=config.checkpointing, every=config.checkpoint_every or 1)
+                blocks = partial(lab04.run_blocks, strategy=outside(config), every=config.checkpoint_every or 1)
                 fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
                                                           blocks=offloaded(blocks, config, model, idx),
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])
@@ -221,7 +221,7 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
     compile: bool = option(False, "train: every block torch.compile'd, AOTAutograd's graphs run as Python (fit_compile.py): "
                            "what its partitioner saves is traced; inductor's fused kernels and buffer reuse are not, "
-                           "so temporaries are an upper bound; not with a MoE, checkpointing or FSDP2")
+                           "so temporaries are an upper bound; checkpointing inside each block; not a MoE or every-k")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
 

@@ -25,18 +25,68 @@ What inductor's generated code changes, which no graph run as Python can show:
 
 So the saved tensors are the compiled step's, to the byte. Its temporaries are an upper bound.
 
-Not traced: checkpointing with ``--compile``. torchtitan wraps each block in its checkpoint before compiling
-it; the compiled forward then calls the higher-order op ``run_and_save_rng_state``
-(``torch/_prims/rng_prims.py``), and a dispatch mode without a rule for it (the ledger) gets
-``NotImplementedError`` from ``torch/_ops.py``. Nor FSDP2 (its hooks inside the compiled block) or a MoE.
+Checkpointing (``--checkpointing full``, ``save-matmuls``, ``save-alternate-matmuls``) goes inside each
+compiled block, as torchtitan wraps each block in its checkpoint before compiling it: Lab 04's
+``run_blocks`` on the one block, so Dynamo traces the checkpoint and the partitioner must recompute what
+it does not save. Where it recomputes an op tagged ``nondeterministic_seeded`` (attention, even at
+dropout 0), ``functionalize_rng_ops`` (``torch/_functorch/partitioners.py``, called whenever such an op
+must be recomputed; no config turns it off) wraps it in the higher-order ops ``run_and_save_rng_state``
+(forward) and ``run_with_rng_state`` (backward; ``torch/_prims/rng_prims.py``). A dispatch mode needs a
+rule for each (else ``NotImplementedError`` from ``torch/_ops.py``): the rule below, for the ledger and
+for Traffic, runs torch's own implementation with the wrapped op under the mode, so the ledger counts
+the op's bytes. The rng state the graph keeps is host memory (``torch.cuda.get_rng_state`` is a CPU
+tensor): not counted. Not traced: every-k (a segment spans blocks, each compiled alone), a MoE,
+``--tp``/``--pp``/``--cp``.
+
+Under FSDP2 (``--zero-stage 2/3``) torchtitan checkpoints, compiles, then ``fully_shard``s each block
+(``parallelize_llama`` in torchtitan/models/llama3/parallelize.py, ``apply_compile`` in
+torchtitan/distributed/compile.py, at torchtitan commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a). Lab 13
+shards first; ``block.compile`` compiles the module's whole call, hooks included, so either order runs
+the same. FSDP2's hooks are ``torch._dynamo.disable``'d (``_dynamo_disable`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``): they run eagerly around each block's one
+compiled graph, which holds no collective (tested).
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+from torch.utils.weak import WeakIdKeyDictionary
+
+from labkit import labs
 from labkit.config import UsageError
+from labkit.ledger import Ledger
+from labkit.traffic import Traffic
+
+lab04 = labs.load(4)  # run_blocks: the checkpoint each compiled block holds
+HOST_STATES = WeakIdKeyDictionary()  # the rng states the compiled forwards kept: host memory, not the device's
+
+
+def under(mode, op):
+    """``op`` run with ``mode`` (the ledger) entered again: the rng ops' rules hand it to torch's own."""
+    def run(*args, **kwargs):
+        with mode:
+            return op(*args, **kwargs)
+    return run
+
+
+def save_rng_state(mode, op, *args, **kwargs):
+    """The rule of a mode (it runs with the mode popped): torch's implementation, the op seen by the mode."""
+    state, out = run_and_save_rng_state(under(mode, op), *args, **kwargs)
+    HOST_STATES[state] = True
+    return state, out
+
+
+def with_rng_state(mode, state, op, *args, **kwargs):
+    return run_with_rng_state(state, under(mode, op), *args, **kwargs)
+
+
+for _mode in (Ledger, Traffic):  # the trace's dispatch modes: the ledger, and Traffic where a process group runs
+    run_and_save_rng_state.py_impl(_mode)(save_rng_state)
+    run_with_rng_state.py_impl(_mode)(with_rng_state)
 
 
 # --8<-- [start:compile]
@@ -79,7 +129,8 @@ class Partitioned:
 
 def storage_bytes(tensors, skip: set) -> int:
     """Bytes of the distinct storages of ``tensors``, less those in ``skip`` (the inputs: weights, x)."""
-    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.Tensor) and t not in HOST_STATES}
     return sum(n for key, n in seen.items() if key not in skip)
 
 
@@ -94,6 +145,8 @@ def compiled(model, config, steady: int):
     torch._dynamo.reset()  # a fresh cache: this trace's shapes, this backend
     backend = Partitioned()
     for block in model.blocks:
+        if config.checkpointing != "none":  # torchtitan's order: the checkpoint inside, then compile
+            block.forward = partial(lab04.run_blocks, [block.forward], strategy=config.checkpointing)
         block.compile(backend=backend.backend, fullgraph=True)
     yield backend
     expected = len(model.blocks) * min(config.accumulation, steady)
@@ -103,19 +156,22 @@ def compiled(model, config, steady: int):
 # --8<-- [end:compile]
 
 
+def outside(config) -> str:
+    """The checkpointing Lab 04's run_blocks applies around the blocks: none where each compiled block
+    holds its own."""
+    return "none" if config.compile else config.checkpointing
+
+
 def check_compile(config) -> None:
-    """What ``--compile`` traces: a training step of a dense zoo Llama, its blocks neither checkpointed nor
-    wrapped by FSDP2."""
+    """What ``--compile`` traces: a training step of a dense zoo Llama, each block checkpointed inside (or
+    not), with FSDP2's hooks around it (ZeRO-2/3, HSDP, --offload params) or not."""
     if not config.compile:
         return
     for bad, why in ((config.task != "train", f"--task {config.task} has no backward to partition: --task train"),
                      (config.spec.family != "llama" or config.spec.experts, f"{config.model} is not a dense zoo Llama "
                       "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
-                     (config.checkpointing != "none", "torchtitan checkpoints inside each compiled block, and there "
-                      "the compiled forward calls the higher-order op run_and_save_rng_state, which the ledger has no "
-                      "rule for (NotImplementedError in torch/_ops.py): not traced; give --checkpointing none"),
-                     (config.zero_stage >= 2 or config.offload == "params", "FSDP2's hooks would run inside each "
-                      "compiled block, which is not traced: --zero-stage 0 or 1, no --offload params"),
+                     (config.checkpointing == "every-k", "every-k's segments span blocks, and each block is "
+                      "compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"),
                      (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
                       "compiled: --tp 1 --pp 1")):
         if bad:

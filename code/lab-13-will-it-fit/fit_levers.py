@@ -121,7 +121,7 @@ LEVERS = (  # exact first, cheapest first; then those that change the numerics
 
 
 def _traceable(config, changes: dict) -> bool:
-    """The configuration a lever makes is one Lab 13 traces (``--compile`` refuses checkpointing, for one)."""
+    """The configuration a lever makes is one Lab 13 traces (``--compile`` refuses activation offload, for one)."""
     try:
         replace(config, **changes)
     except UsageError:

@@ -39,8 +39,10 @@ TORCHTUNE = "https://github.com/pytorch/torchtune/blob/1814feb17a9038e1a8053ce93
 TITAN_8B = {"model": "llama-3.1-8b", "seq": 8192, "batch": 2, "zero_stage": 3, "precision": "mixed",
             "checkpointing": "save-alternate-matmuls"}
 #: why a figure is not expressed yet: what Lab 13 does not trace together (its refusals say the same)
-COMPILE = ("torch.compile with activation checkpointing or FSDP2: Lab 13's --compile traces a step with neither "
-           "(a compiled checkpoint calls run_and_save_rng_state, which the ledger has no rule for)")
+COMPILE = ("torch.compile with --tp, --pp or --cp is not traced together (Lab 13 compiles whole blocks under FSDP2, "
+           "with their checkpoint inside, not DTensor's split blocks, a pipeline's stages or the ring)")
+FLOAT8_RECIPE = ("the benchmark names Float8 without its recipe or whether FSDP2 gathered float8 weights (Lab 13 traces "
+                 "--float8 tensorwise and tensorwise-all-gather; which one ran is not stated)")
 FLOAT8_SPLIT = "Float8 with --tp, --pp or --cp is not traced together (Lab 13 swaps the linears in before the split)"
 
 
@@ -68,16 +70,18 @@ PUBLISHED = (
     _titan("titan-8b-fsdp8", "Table 1", "Llama 3.1 8B, FSDP over 8 H100, local batch 2 x 8192, selective op AC", 82.4,
            step=TITAN_8B | {"dp": 8}, alloc_conf="expandable_segments:True",
            alloc_conf_source=TITAN_RUN),
-    _titan("titan-8b-fsdp8-compile", "Table 1", "the same, + torch.compile", 77.0, COMPILE),
-    _titan("titan-8b-fsdp8-compile-fp8", "Table 1", "the same, + torch.compile + Float8", 76.8, COMPILE),
+    _titan("titan-8b-fsdp8-compile", "Table 1", "the same, + torch.compile", 77.0,
+           step=TITAN_8B | {"dp": 8, "compile": True}, alloc_conf="expandable_segments:True", alloc_conf_source=TITAN_RUN),
+    _titan("titan-8b-fsdp8-compile-fp8", "Table 1", "the same, + torch.compile + Float8", 76.8, FLOAT8_RECIPE),
     *(_titan(f"titan-8b-cp{cp}", "Table 2", f"Llama 3.1 8B, FSDP {8 // cp} x CP {cp}, local batch 1 x {seq:,}, full AC, "
              "torch.compile + Float8", gib, f"{COMPILE}; {FLOAT8_SPLIT}")
       for cp, seq, gib in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))),
     _titan("titan-8b-fsdp128", "Table 3", "Llama 3.1 8B, FSDP over 128 H100, local batch 2 x 8192, selective op AC", 67.0,
            step=TITAN_8B | {"dp": 128}, alloc_conf="",
            alloc_conf_source=TITAN_SLURM),
-    _titan("titan-8b-fsdp128-compile", "Table 3", "the same, + torch.compile", 62.0, COMPILE),
-    _titan("titan-8b-fsdp128-compile-fp8", "Table 3", "the same, + torch.compile + Float8", 61.8, COMPILE),
+    _titan("titan-8b-fsdp128-compile", "Table 3", "the same, + torch.compile", 62.0,
+           step=TITAN_8B | {"dp": 128, "compile": True}, alloc_conf="", alloc_conf_source=TITAN_SLURM),
+    _titan("titan-8b-fsdp128-compile-fp8", "Table 3", "the same, + torch.compile + Float8", 61.8, FLOAT8_RECIPE),
     _titan("titan-70b-2d", "Table 4", "Llama 3.1 70B, FSDP 32 x TP 8, local batch 16, full AC, compile + Float8", 71.9,
            f"{COMPILE}; {FLOAT8_SPLIT}"),
     _titan("titan-70b-2d-asynctp", "Table 4", "the same, + AsyncTP", 67.6,
@@ -92,7 +96,9 @@ PUBLISHED = (
       for cp, seq, gib in ((1, 32768, 75.3), (2, 65536, 75.9), (4, 131072, 77.1), (8, 262144, 84.9))),
     *(Published(f"trainy-h200-{nodes}n", "torchtitan benchmark, Trainy on WhiteFiber, June 2025", TRAINY,
                 f"Llama 3.1 8B on {nodes} x 8 H200, local batch 2, torch.compile + Float8 all-gather", "reserved", gib,
-                why_not=COMPILE + " (the Float8 all-gather alone is traced: --float8 tensorwise-all-gather)") for nodes, gib in ((4, 47.96), (8, 46.97))),
+                why_not="its float8 options force_recompute_fp8_weight_in_bwd and precompute_float8_dynamic_scale_for_fsdp "
+                "are not Lab 13 flags (the Float8 all-gather is: --float8 tensorwise-all-gather)")
+      for nodes, gib in ((4, 47.96), (8, 46.97))),
     *(Published(f"cookbook-lora-{name}", "llama-cookbook PR #41 (Andrew Gu)", COOKBOOK,
                 f"Llama 2 7B, LoRA (PEFT), pure bf16, FSDP1 over 4 A100 40 GB, {what}", "reserved", gib,
                 why_not="FSDP1's flat parameters and PEFT's LoRA are not traced (Lab 15 holds LoRA, FSDP2 only)")

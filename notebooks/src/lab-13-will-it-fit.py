@@ -230,6 +230,14 @@ compile_traces = {c: lab.trace(lab.Config(model="llama-3-8b", seq=4096, optimize
 for c, t in compile_traces.items():
     print("--compile" if c else "eager    ", "activations", tables.format_bytes(t.derived["category_max"]["activations"]),
           "peak", tables.format_bytes(t.per_rank_peak_bytes), "at", t.derived["peak_phase"])
+# with --checkpointing full inside each compiled block (torchtitan's order), at 8,192 tokens
+compile_full = {c: lab.trace(lab.Config(model="llama-3-8b", seq=8192, optimizer="adamw-fused", compile=c,
+                                        checkpointing="full", levers="none")) for c in (False, True)}
+for c, t in compile_full.items():
+    print("--compile --checkpointing full" if c else "eager --checkpointing full   ", "activations",
+          tables.format_bytes(t.derived["category_max"]["activations"]), "forward",
+          tables.format_bytes(max(t.timeline.window("forward").device_total())), "peak",
+          tables.format_bytes(t.per_rank_peak_bytes))
 
 # %% [markdown]
 # ## float8 linears, torchao's tensorwise recipe
@@ -345,6 +353,9 @@ notebook.publish(
     offload_host_8b=flag_traces["offload"].derived["host_peak_bytes"],
     **{f"{'compiled' if c else 'eager'}_{what}_8b": t.derived["category_max"]["activations"] if what == "activations"
        else t.per_rank_peak_bytes for c, t in compile_traces.items() for what in ("activations", "peak")},
+    **{f"{'compiled' if c else 'eager'}_full_{what}_8k": t.derived["category_max"]["activations"] if what == "activations"
+       else max(t.timeline.window("forward").device_total()) if what == "forward" else t.per_rank_peak_bytes
+       for c, t in compile_full.items() for what in ("activations", "forward", "peak")},
     **{f"float8_{'amp' if p == 'mixed' else p}_{'on' if f8 != 'none' else 'off'}_8b": v for (p, f8), v in float8_8b.items()},
     float8_gather_on_8b=gather_8b["block_float8"], float8_gather_off_8b=gather_8b["block_bf16"],
     float8_gather_traced_on_8b=gather_traces["tensorwise-all-gather"].per_rank_peak_bytes,
