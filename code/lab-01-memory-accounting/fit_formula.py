@@ -30,7 +30,7 @@ from fit_moments import (autocast_cache, backward_end, block_backward, experts, 
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
-from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
+from fit_symbols import INDICES, LEGEND, LSE, ROW, SCALE, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
 # --8<-- [start:recipes]

@@ -178,9 +178,6 @@
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
-    if (x.float8 === "tensorwise" && x.tp > 1) {
-      say("float8", `--float8 ${x.float8} with --tp: the formula has no float8 TP styles yet (Lab 13 traces it)`);
-    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -473,6 +470,7 @@
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (x.method === "full") S.Pt = S.P;  // every weight is trained: the formulas say P
+    S.f8tp = x.float8 === "tensorwise" && x.tp > 1;  // torchao's float8 TP styles (float8Layer)
     return S;
   }
 
@@ -494,6 +492,7 @@
 
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
+    if (checkpointing === "none" && S.f8tp) return float8Layer(S, sp);  // float8 copies of the linears' inputs
     if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
     if (checkpointing === "save-matmuls") {
@@ -516,6 +515,14 @@
     if (checkpointing.startsWith("save")) return S.T.mul(kept);
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
+  }
+
+  /** Python: fit_split.float8_layer (--float8 tensorwise --tp): a block under torchao's float8 TP styles. */
+  function float8Layer(S, sp) {
+    const norms = (sp ? ceilDiv(S.T, S.t) : S.T).mul(n(2)).mul(own(S));
+    const attention = S.h.add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a)).add(S.q);
+    const mlp = S.h.add(n(3).mul(S.c).mul(S.f)).add(S.f);
+    return S.T.mul(attention.add(mlp)).add(n(2).mul(S.s).mul(S.d).mul(S.c)).add(n(4 * K().scale)).add(norms);
   }
 
   /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
