@@ -100,6 +100,8 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
           {"model": "llama-3-8b", "seq": 8192, "tp": 2, "dp": 4, "zero_stage": 3, "precision": "bf16",  # styles
            "float8": "tensorwise"},  # (fit_split.float8_layer), at real size and as tests/test_fit_formula.py's twins
           {"model": "llama-3-70b", "seq": 8192, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "float8": "tensorwise"},
+          {"model": "llama-3-70b", "seq": 8192, "tp": 8, "dp": 8, "zero_stage": 3, "checkpointing": "full",
+           "float8": "tensorwise"},  # a recomputed block's MLP norm backward (fit_split.float8_mlp)
           {"model": "llama-3-8b", "layers": 4, "seq": 4096, "tp": 4, "sp": True, "dp": 4, "zero_stage": 3,
            "float8": "tensorwise"},
           {"model": "llama-3-8b", "layers": 4, "seq": 4096, "tp": 8, "sp": True, "precision": "bf16", "float8": "tensorwise"}]

@@ -167,12 +167,13 @@ def recomputed_mlp(x: Inputs, S) -> Expr:
     tensor parallelism the MLP is f / t wide while the norm and the stream are not, so (3) or (4) overtakes (1). All
     along, the stream's gradient (--sp: T / t tokens). In fp32 the block's first norm reads its checkpointed input
     itself: no float32 copy of it (``layer`` counts one)."""
-    from fit_formula import layer, norm, own  # here: fit_formula imports this file
+    from fit_formula import fit_split, layer, norm, own  # here: fit_formula imports this file
     tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
     blocks = S.G * layer(S, "none", x.sp) if x.checkpointing == "every-k" else layer(S, "none", x.sp)
     blocks = blocks - 4 * tokens * S.h if fp32 else blocks
     mlp_norm = S.T * norm(S, 2, x.sp) + tokens * own(S) if x.sp else S.T * norm(S, 2)  # all the MLP's norm keeps
     before = blocks - 4 * S.T * S.c * S.f - mlp_norm  # alive through the MLP's backward: all but the MLP's own
+    before = blocks - fit_split.float8_mlp(S, x.sp) if S.f8tp else before  # (its float8 copies, float8 TP styles)
     weight = S.c * S.f * S.h  # one MLP weight's bf16 gradient
     product = mlp_norm + total(6 * S.T * S.c * S.f, weight)  # (1): gate, SiLU(gate), up; three T × f gradients
     if x.sp:  # (2): the four, the product's gradient and the gathered gradient of the block's output

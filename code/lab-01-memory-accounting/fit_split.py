@@ -33,6 +33,13 @@ def float8_layer(S, sp: bool) -> Expr:
     return S.T * (attention + mlp) + 2 * S.s * S.d * S.c + 4 * SCALE + norms
 
 
+def float8_mlp(S, sp: bool) -> Expr:
+    """What a block's MLP and its norm keep for backward under the float8 TP styles (``float8_layer``'s part): the
+    norm's own tensors (--sp: on T / t tokens), the float8 copy of its output, gate, SiLU(gate) and up (c), the
+    product's float8 copy. ``fit_moments.recomputed_mlp`` takes it off a recomputed block for its MLP's backward."""
+    return S.T * (S.h + 3 * S.c * S.f + S.f) + (ceil_div(S.T, S.t) if sp else S.T) * f.own(S)
+
+
 def carried(x, S, grads: Expr) -> Expr:
     """Earlier micro-batches' gradients ``grads``; under --tp at ZeRO-0, the embedding's whole (:func:`embedding`)."""
     return grads + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 and x.zero_stage == 0 and x.accumulation > 1 else grads

@@ -525,6 +525,11 @@
     return S.T.mul(attention.add(mlp)).add(n(2).mul(S.s).mul(S.d).mul(S.c)).add(n(4 * K().scale)).add(norms);
   }
 
+  /** Python: fit_split.float8_mlp: what a block's MLP and its norm keep under the float8 TP styles. */
+  function float8Mlp(S, sp) {
+    return S.T.mul(S.h.add(n(3).mul(S.c).mul(S.f)).add(S.f)).add((sp ? ceilDiv(S.T, S.t) : S.T).mul(own(S)));
+  }
+
   /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
   function loraLayer(S, x) {
     const targets = new Set(x.lora_targets), mixed = x.precision === "mixed";
@@ -778,7 +783,8 @@
     let blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", x.sp)) : layer(S, "none", x.sp);
     if (fp32) blocks = blocks.sub(n(4).mul(tokens).mul(S.h));  // the first norm reads its checkpointed input itself
     const mlpNorm = x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
-    const before = blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
+    const before = S.f8tp ? blocks.sub(float8Mlp(S, x.sp))  // its float8 copies (float8 TP styles)
+      : blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
     const weight = S.c.mul(S.f).mul(S.h);
     let product = mlpNorm.add(total(n(6).mul(S.T).mul(S.c).mul(S.f), weight));
     if (x.sp) {
