@@ -174,6 +174,7 @@ def recomputed_mlp(x: Inputs, S) -> Expr:
     mlp_norm = S.T * norm(S, 2, x.sp) + tokens * own(S) if x.sp else S.T * norm(S, 2)  # all the MLP's norm keeps
     before = blocks - 4 * S.T * S.c * S.f - mlp_norm  # alive through the MLP's backward: all but the MLP's own
     before = blocks - fit_split.float8_mlp(S, x.sp) if S.f8tp else before  # (its float8 copies, float8 TP styles)
+    mlp_norm = S.T * S.h + tokens * own(S) if S.f8tp else mlp_norm  # (there: its own tensors, its float8 output)
     weight = S.c * S.f * S.h  # one MLP weight's bf16 gradient
     product = mlp_norm + total(6 * S.T * S.c * S.f, weight)  # (1): gate, SiLU(gate), up; three T × f gradients
     if x.sp:  # (2): the four, the product's gradient and the gathered gradient of the block's output

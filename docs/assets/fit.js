@@ -782,7 +782,8 @@
     const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T, fp32 = S.r.value === 4n;
     let blocks = x.checkpointing === "every-k" ? S.G.mul(layer(S, "none", x.sp)) : layer(S, "none", x.sp);
     if (fp32) blocks = blocks.sub(n(4).mul(tokens).mul(S.h));  // the first norm reads its checkpointed input itself
-    const mlpNorm = x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
+    const mlpNorm = S.f8tp ? S.T.mul(S.h).add(tokens.mul(own(S)))  // float8 TP styles: its own tensors, its float8 output
+      : x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
     const before = S.f8tp ? blocks.sub(float8Mlp(S, x.sp))  // its float8 copies (float8 TP styles)
       : blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
     const weight = S.c.mul(S.f).mul(S.h);
