@@ -111,6 +111,15 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "dp": 8, "ze
           {"model": "llama-3-8b", "seq": 2048, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "checkpointing": "full"},
           {"model": "llama-3-8b", "layers": 4, "seq": 1024, "tp": 4, "dp": 4, "zero_stage": 2, "accumulation": 2}]  # the
 # embedding's rows copied out of DTensor's whole gradient under FSDP2 (fit_split.embedding)
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "tensorwise"},  # torchao's float8 TP
+          {"model": "llama-3-8b", "seq": 8192, "tp": 2, "dp": 4, "zero_stage": 3, "precision": "bf16",  # styles
+           "float8": "tensorwise"},  # (fit_split.float8_layer), at real size and as tests/test_fit_formula.py's twins
+          {"model": "llama-3-70b", "seq": 8192, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "float8": "tensorwise"},
+          {"model": "llama-3-70b", "seq": 8192, "tp": 8, "dp": 8, "zero_stage": 3, "checkpointing": "full",
+           "float8": "tensorwise"},  # a recomputed block's MLP norm backward (fit_split.float8_mlp)
+          {"model": "llama-3-8b", "layers": 4, "seq": 4096, "tp": 4, "sp": True, "dp": 4, "zero_stage": 3,
+           "float8": "tensorwise"},
+          {"model": "llama-3-8b", "layers": 4, "seq": 4096, "tp": 8, "sp": True, "precision": "bf16", "float8": "tensorwise"}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -434,7 +443,7 @@ BAD = [
     # a choice no control offers: marked beside the control, computed with its default
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
-    ({"float8": "tensorwise", "precision": "fp32"}, "float8"), ({"float8": "tensorwise", "tp": "2"}, "float8"),
+    ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "task": "infer"}, "cp"),
     ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
@@ -516,7 +525,7 @@ def calculator(traced: list[dict]) -> dict:
         "constants": {"recipes": {k: asdict(r) for k, r in RECIPES.items()}, "moments": MOMENTS,
                       "step_counter": STEP_COUNTER, "zero_shards": ZERO_SHARDS, "precisions": f.PRECISIONS,
                       "optimizers": f.OPTIMIZERS, "kv_dtypes": f.KV_DTYPES, "row": f.ROW, "lse": f.LSE,
-                      "slot": f.SLOT, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS, "frozen": f.FROZEN,
+                      "slot": f.SLOT, "scale": f.SCALE, "indices": f.INDICES, "loss_chunks": f.LOSS_CHUNKS, "frozen": f.FROZEN,
                       "nf4_blocks": f.NF4_BLOCKS, "opt8": f.OPT8, "max_ranks": lab01_inputs.MAX_RANKS},
         "categories": f.CATEGORIES, "symbols": f.SYMBOLS, "legend": legend(), "lora_targets": list(lora_targets.ALL),
         "levers": [{"name": lv.name, "kind": lv.kind, "tasks": list(lv.tasks), "repeats": lv.repeats,

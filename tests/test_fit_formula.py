@@ -205,6 +205,13 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 2048, "tp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full", "precision": "fp32", "vocab": 32000},
     # --tp under FSDP2: DTensor's whole embedding gradient, the rank's rows copied out (fit_split.embedding)
     {"tp": 2, "dp": 4, "zero_stage": 3, "checkpointing": "full"}, {"tp": 4, "dp": 4, "zero_stage": 2, "accumulation": 2},
+    # --float8 tensorwise under --tp (torchao's float8 TP styles): each block keeps float8 copies of its linears'
+    # inputs, at the start of backward (fit_split.float8_layer)
+    {"seq": 4096, "tp": 2, "precision": "bf16", "float8": "tensorwise"},
+    {"seq": 4096, "tp": 4, "sp": True, "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
+    {"seq": 4096, "tp": 8, "sp": True, "precision": "bf16", "float8": "tensorwise"},
+    # and a recomputed block's MLP norm backward, its MLP's float8 copies freed (fit_split.float8_mlp)
+    {"seq": 8192, "tp": 8, "dp": 4, "zero_stage": 3, "checkpointing": "full", "vocab": 32000, "float8": "tensorwise"},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -542,7 +549,6 @@ def test_results_table_is_what_the_python_computes_now():
     ({"float8": "tensorwise", "model": "mixtral-8x7b"}, "--float8 tensorwise converts a dense Llama"),
     ({"float8": "tensorwise", "checkpointing": "save-alternate-matmuls"}, "save aten.mm outputs"),
     ({"float8": "tensorwise", "checkpointing": "every-k", "checkpoint_every": 2}, "not traced together"),
-    ({"float8": "tensorwise", "tp": 2, "sp": True}, "--float8 tensorwise with --tp: the formula has no float8 TP"),
     ({"float8": "tensorwise", "pp": 2, "accumulation": 2}, "--float8 tensorwise with --pp is not traced"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "tp": 2}, "tensorwise-all-gather with --tp is not"),
     ({"tp": 2, "checkpointing": "every-k", "checkpoint_every": 2}, "with --tp or --pp is not traced together"),

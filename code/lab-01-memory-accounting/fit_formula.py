@@ -30,7 +30,7 @@ from fit_moments import (autocast_cache, backward_end, block_backward, experts, 
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
     FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
 from fit_serve import kv_per_token, prefill, weights
-from fit_symbols import INDICES, LEGEND, LSE, ROW, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
+from fit_symbols import INDICES, LEGEND, LSE, ROW, SCALE, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
 
 # --8<-- [start:recipes]
@@ -97,7 +97,7 @@ def symbols(x: Inputs, z: Sizes) -> SimpleNamespace:
                   m=RECIPES[recipe].moment, c=c if x.task != "serve" else w, r=r, N=x.requests, C=x.context,
                   B=x.block_size, e=KV_DTYPES[x.kv_dtype][0], p=new, u=-(-x.batch * x.seq // x.cp // LOSS_CHUNKS),
                   b=x.batch, D=x.kv_len or x.seq, j=x.new_tokens, G=x.checkpoint_every or 1, t=x.tp, pp=x.pp, **quantized, **fine_tune_symbols(x, z))
-    S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()})
+    S = SimpleNamespace(**{k: sym(k, v) for k, v in values.items()}, f8tp=x.float8 == "tensorwise" and x.tp > 1)
     S.Pt = S.P if x.method == "full" else S.Pt  # every weight is trained: the formulas say P
     return S
 
@@ -118,6 +118,8 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     """Bytes one Llama (or Mixtral) block keeps for backward (``sp``: its norms and stream on T / t tokens,
     the gathered inputs of its matmuls whole, as PyTorch's SequenceParallel saves them)."""
     moe = S.E.value > 0
+    if checkpointing == "none" and S.f8tp:  # torchao's float8 TP styles: float8 copies of the linears' inputs
+        return fit_split.float8_layer(S, sp)
     if checkpointing in ("full", "every-k"):  # the block's input (every-k: a segment's); the rest is recomputed
         return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h
     if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input

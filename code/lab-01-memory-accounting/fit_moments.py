@@ -217,13 +217,15 @@ def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
     along, the stream's gradient (--sp: T / t tokens). In fp32 the block's first norm reads its checkpointed input
     itself: no float32 copy of it (``layer`` counts one). ``n``: the blocks recomputed together (every-k: a segment,
     its last shorter; default G, or 1 under full checkpointing)."""
-    from fit_formula import layer, norm, own  # here: fit_formula imports this file
+    from fit_formula import fit_split, layer, norm, own  # here: fit_formula imports this file
     tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
     n = (S.G if x.checkpointing == "every-k" else 1) if n is None else n  # the blocks recomputed together
     blocks = layer(S, "none", x.sp) if n == 1 else n * layer(S, "none", x.sp)
     blocks = blocks - 4 * tokens * S.h if fp32 else blocks
     mlp_norm = S.T * norm(S, 2, x.sp) + tokens * own(S) if x.sp else S.T * norm(S, 2)  # all the MLP's norm keeps
     before = blocks - 4 * S.T * S.c * S.f - mlp_norm  # alive through the MLP's backward: all but the MLP's own
+    before = blocks - fit_split.float8_mlp(S, x.sp) if S.f8tp else before  # (its float8 copies, float8 TP styles)
+    mlp_norm = S.T * S.h + tokens * own(S) if S.f8tp else mlp_norm  # (there: its own tensors, its float8 output)
     weight = S.c * S.f * S.h  # one MLP weight's bf16 gradient
     product = mlp_norm + total(6 * S.T * S.c * S.f, weight)  # (1): gate, SiLU(gate), up; three T × f gradients
     if x.sp:  # (2): the four, the product's gradient and the gathered gradient of the block's output

@@ -106,8 +106,6 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")
-    if inputs.float8 == "tensorwise" and inputs.tp > 1:
-        raise UsageError(f"--float8 {inputs.float8} with --tp: the formula has no float8 TP styles yet (Lab 13 traces it)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
 

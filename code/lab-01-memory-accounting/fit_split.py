@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
 from fit_expr import ZERO, Expr, ceil_div, total
+from fit_symbols import LSE, SCALE
 
 
 def rank_spec(spec, tp: int):
@@ -16,6 +17,27 @@ def rank_spec(spec, tp: int):
         return spec
     return replace(spec, heads=spec.heads // tp, kv_heads=max(1, spec.kv_heads // tp), ffn=spec.ffn // tp,
                    vocab=-(-spec.vocab // tp), head_dim=spec.head_dim)
+
+
+def float8_layer(S, sp: bool) -> Expr:
+    """--float8 tensorwise under --tp (Lab 13's fit_float8_tp.py, torchao's float8 TP styles): what one block keeps
+    for backward, nothing checkpointed. Each sublayer's input is cast to float8 once (under --sp before the all-gather,
+    so the copy is on all T tokens) and q, k, v (gate, up) save that one copy, 1 byte per element, in place of the
+    normalised stream (under autocast, of each reader's bf16 cast); the norms keep their own tensors. o_proj saves a
+    float8 copy of its input beside the attention output SDPA keeps; down saves one in place of the gate x up product.
+    RoPE's tables are made in the dtype of the attention's input, the float8 copy standing for a bf16 tensor: c, not
+    r. And the four copies' float32 scales, one allocator block each (``SCALE``)."""
+    norms = ceil_div(S.T, S.t) * 2 * f.own(S) if sp else S.T * 2 * f.own(S)  # fp32 input, 1/rms, the stream
+    attention = S.h + S.c * (2 * S.q + 2 * S.g) + LSE * S.a + S.q  # q, k after RoPE, v, SDPA's output (c)
+    mlp = S.h + 3 * S.c * S.f + S.f  # gate, SiLU(gate), up (c); the product's float8 copy
+    return S.T * (attention + mlp) + 2 * S.s * S.d * S.c + 4 * SCALE + norms
+
+
+def float8_mlp(S, sp: bool) -> Expr:
+    """What a block's MLP and its norm keep for backward under the float8 TP styles (``float8_layer``'s part): the
+    norm's own tensors (--sp: on T / t tokens), the float8 copy of its output, gate, SiLU(gate) and up (c), the
+    product's float8 copy. ``fit_moments.recomputed_mlp`` takes it off a recomputed block for its MLP's backward."""
+    return S.T * (S.h + 3 * S.c * S.f + S.f) + (ceil_div(S.T, S.t) if sp else S.T) * f.own(S)
 
 
 def carried(x, S, grads: Expr) -> Expr:

@@ -3,6 +3,7 @@ they are written in, and what every other name in the formula code the "Will it 
 means (``fit_formula.py`` uses them; ``scripts/fit_table.py`` writes the page's legend from them)."""
 
 ROW, LSE, SLOT = 4, 4, 12  # fp32 1/rms per token; fp32 log-sum-exp per head and token; a routed token's index, weight
+SCALE = 512  # a saved float32 scale (--float8): 4 bytes, rounded up to one 512-byte block of the caching allocator
 INDICES = 24  # a serving forward's int64 positions, pool rows and gather index, per new token (LEGEND says each)
 
 SYMBOLS = {
@@ -38,6 +39,8 @@ LEGEND = {
     "ROW": "bytes of an RMSNorm's fp32 1/rms, per token",
     "LSE": "bytes of flash attention's fp32 log-sum-exp, per head and token",
     "SLOT": "bytes a routed token keeps: its expert's index and weight",
+    "SCALE": "bytes a saved float32 scale takes: one 512-byte block of the caching allocator",
+    "S.f8tp": "--float8 tensorwise under --tp: torchao's float8 TP styles (fit_split.float8_layer)",
     "INDICES": "bytes per new token of a serving forward's int64 positions, pool rows and gather index",
     "MOMENTS": "optimizer moments per parameter, by optimizer kind (Lab 01)",
     "STEP_COUNTER": "bytes of AdamW's fp32 step count, per trainable tensor (Lab 01)",

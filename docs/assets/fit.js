@@ -178,9 +178,6 @@
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
-    if (x.float8 === "tensorwise" && x.tp > 1) {
-      say("float8", `--float8 ${x.float8} with --tp: the formula has no float8 TP styles yet (Lab 13 traces it)`);
-    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -473,6 +470,7 @@
     const S = {};
     for (const k of Object.keys(v)) S[k] = sym(k, v[k]);
     if (x.method === "full") S.Pt = S.P;  // every weight is trained: the formulas say P
+    S.f8tp = x.float8 === "tensorwise" && x.tp > 1;  // torchao's float8 TP styles (float8Layer)
     return S;
   }
 
@@ -494,6 +492,7 @@
 
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
+    if (checkpointing === "none" && S.f8tp) return float8Layer(S, sp);  // float8 copies of the linears' inputs
     if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
     let kept;
     if (checkpointing === "save-matmuls") {
@@ -516,6 +515,19 @@
     if (checkpointing.startsWith("save")) return S.T.mul(kept);
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
+  }
+
+  /** Python: fit_split.float8_layer (--float8 tensorwise --tp): a block under torchao's float8 TP styles. */
+  function float8Layer(S, sp) {
+    const norms = (sp ? ceilDiv(S.T, S.t) : S.T).mul(n(2)).mul(own(S));
+    const attention = S.h.add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a)).add(S.q);
+    const mlp = S.h.add(n(3).mul(S.c).mul(S.f)).add(S.f);
+    return S.T.mul(attention.add(mlp)).add(n(2).mul(S.s).mul(S.d).mul(S.c)).add(n(4 * K().scale)).add(norms);
+  }
+
+  /** Python: fit_split.float8_mlp: what a block's MLP and its norm keep under the float8 TP styles. */
+  function float8Mlp(S, sp) {
+    return S.T.mul(S.h.add(n(3).mul(S.c).mul(S.f)).add(S.f)).add((sp ? ceilDiv(S.T, S.t) : S.T).mul(own(S)));
   }
 
   /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
@@ -799,8 +811,10 @@
     const k = count === undefined ? (x.checkpointing === "every-k" ? S.G : 1) : count;  // the blocks recomputed together
     let blocks = k === 1 ? layer(S, "none", x.sp) : k.mul(layer(S, "none", x.sp));
     if (fp32) blocks = blocks.sub(n(4).mul(tokens).mul(S.h));  // the first norm reads its checkpointed input itself
-    const mlpNorm = x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
-    const before = blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
+    const mlpNorm = S.f8tp ? S.T.mul(S.h).add(tokens.mul(own(S)))  // float8 TP styles: its own tensors, its float8 output
+      : x.sp ? S.T.mul(norm(S, 2, true)).add(tokens.mul(own(S))) : S.T.mul(norm(S, 2));
+    const before = S.f8tp ? blocks.sub(float8Mlp(S, x.sp))  // its float8 copies (float8 TP styles)
+      : blocks.sub(n(4).mul(S.T).mul(S.c).mul(S.f)).sub(mlpNorm);
     const weight = S.c.mul(S.f).mul(S.h);
     let product = mlpNorm.add(total(n(6).mul(S.T).mul(S.c).mul(S.f), weight));
     if (x.sp) {
