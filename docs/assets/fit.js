@@ -336,7 +336,8 @@
     if (x.float8 === "tensorwise-all-gather" && (x.zero_stage < 2 || x.offload === "params" || x.replicate > 1)) {
       return ["float8", "--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs --zero-stage 2 or 3, and is not traced with --offload params or --replicate"];
     }
-    if (x.float8 !== "none" && x.pp > 1 || x.float8 === "tensorwise-all-gather" && x.tp > 1) return ["float8", `--float8 ${x.float8} with --${x.pp > 1 ? "pp" : "tp"} is not traced (Lab 13): float8 linears are traced with --tp under --float8 tensorwise (torchao's float8 TP styles)`];
+    if (x.float8 !== "none" && x.pp > 1) return ["float8", `--float8 ${x.float8} with --pp is not traced (Lab 13): leave one out`];
+    if (x.float8 === "tensorwise-all-gather" && x.tp > 1) return ["float8", "--float8 tensorwise-all-gather with --tp is not traced (Lab 13): FSDP2's float8 gather of split weights is not built; --float8 tensorwise traces torchao's float8 TP styles"];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
       return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
         ? "save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm" : "not traced together") + ": none or full"];
