@@ -212,6 +212,9 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"seq": 4096, "tp": 8, "sp": True, "precision": "bf16", "float8": "tensorwise"},
     # and a recomputed block's MLP norm backward, its MLP's float8 copies freed (fit_split.float8_mlp)
     {"seq": 8192, "tp": 8, "dp": 4, "zero_stage": 3, "checkpointing": "full", "vocab": 32000, "float8": "tensorwise"},
+    # float8 at 1,024 tokens: a gate weight cast to e4m3 in a recomputed backward, its fp32 copy beside two weight
+    # gradients (fit_moments.recomputed_mlp's fifth point)
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "float8": "tensorwise"},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the

@@ -822,7 +822,11 @@
       product = larger(product, mlpNorm.add(total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(S.c).mul(S.h), weight)));
     }
     const inputs = mlpNorm.add(total(S.T.mul(S.c).mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h), n(3).mul(weight)));
-    const normBackward = tokens.mul(n(fp32 ? 20 : 24).mul(S.h).add(K().row)).add(n(3).mul(weight));
+    let normBackward = tokens.mul(n(fp32 ? 20 : 24).mul(S.h).add(K().row)).add(n(3).mul(weight));
+    if (x.float8 === "tensorwise" && !S.f8tp) {  // (5): the gate weight cast to e4m3 for its input's gradient (fp32 copy, bits)
+      const cast = mlpNorm.add(total(S.c.mul(S.T).mul(S.f), S.T.mul(S.f), S.T.mul(S.c).mul(S.h), n(2).mul(weight), n(5).mul(S.f).mul(S.h)));
+      normBackward = larger(normBackward, cast);
+    }
     return total(before, larger(larger(product, inputs), normBackward), tokens.mul(S.c).mul(S.h));
   }
 
