@@ -105,18 +105,25 @@ def test_what_collectives_fill_is_communication_wherever_a_process_group_runs(la
     assert (max(traced.timeline.device["communication"]) > 0) is collectives
 
 
+def causal_attention(seed: int, tokens: int):
+    """Random float64 q (4 heads), k and v (2 heads) and an output gradient, and the reference: leaf copies
+    of q, k, v after scaled_dot_product_attention's causal output (returned) has been backpropagated."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, tokens, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    expected.backward(dout)
+    return (q, k, v, dout), whole, expected
+
+
 @pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_ring_attention_over_cp_ranks_is_full_causal_attention(cp, balanced):
     """N ranks (threads) passing K/V chunks round a ring give scaled_dot_product_attention's causal
     output and gradients on the whole sequence (grouped-query heads), within float64's rounding."""
     context = labs.load(13, "fit_context")
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 32, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-    dout = torch.randn(q.shape, dtype=torch.float64, generator=g)
-    whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
-    expected.backward(dout)
+    (q, k, v, dout), whole, expected = causal_attention(seed=0, tokens=32)
     out, grads = context.simulate(q, k, v, dout, cp, balanced)
     torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
     for got, leaf in zip(grads, whole):
@@ -148,12 +155,7 @@ def test_the_ring_on_each_tp_ranks_local_heads_is_full_causal_attention():
     as the column-parallel Q, K and V projections leave them); the two ranks' outputs and gradients, side by
     side, are scaled_dot_product_attention's on every head of the whole sequence, within float64's rounding."""
     context = labs.load(13, "fit_context")
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-    dout = torch.randn(q.shape, dtype=torch.float64, generator=g)
-    whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
-    expected.backward(dout)
+    (q, k, v, dout), whole, expected = causal_attention(seed=1, tokens=16)
     ranks = [context.simulate(*(t.chunk(2, dim=1)[r] for t in (q, k, v, dout)), 2) for r in range(2)]
     torch.testing.assert_close(torch.cat([out for out, _ in ranks], dim=1), expected.detach(), rtol=0, atol=1e-12)
     for i, leaf in enumerate(whole):
