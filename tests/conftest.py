@@ -126,9 +126,10 @@ def prewarmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prewarmed")
     sock = folder / "s"  # a short path: a Unix socket's name has a limit of about 100 bytes
     venv_python = ROOT / ".venv" / "bin" / "python"
-    server = subprocess.Popen([str(venv_python), str(ROOT / "tests" / "prewarmed.py"), "serve", str(sock)], cwd=ROOT,
-                              env=load_bench("lab_runs_bench").fresh_shell(folder), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"))
+    with open(folder / "server.log", "w") as log:  # the server holds its own copy of the handle
+        server = subprocess.Popen([str(venv_python), str(ROOT / "tests" / "prewarmed.py"), "serve", str(sock)],
+                                  cwd=ROOT, env=load_bench("lab_runs_bench").fresh_shell(folder),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     client = folder / "python"
     client.write_text(f"#!/bin/sh\nexec '{venv_python}' -I -S '{ROOT / 'tests' / 'prewarmed.py'}' '{sock}' \"$@\"\n")
     client.chmod(0o755)
