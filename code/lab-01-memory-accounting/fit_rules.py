@@ -109,6 +109,12 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")
+    if inputs.checkpointing == "every-kth-block" and (family == "gpt" or dims["experts"] or inputs.offload != "none" or
+                                                       inputs.offload_activations or inputs.optimizer_in_backward
+                                                       or inputs.fsdp_units != "blocks"):
+        raise UsageError("--checkpointing every-kth-block: the formula counts a dense Llama's blocks with every gradient on "
+                         "the device (no GPT preset, --experts, --offload, --offload-activations, --optimizer-in-backward "
+                         "or --fsdp-units blocks-embed-head)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
 
