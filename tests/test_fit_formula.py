@@ -151,6 +151,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "save-alternate-matmuls"},
     {"precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 3, "accumulation": 2},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "every-kth-block", "checkpoint_every": 2},
+    {"precision": "bf16", "checkpointing": "every-kth-block", "checkpoint_every": 3, "accumulation": 2},  # last block plain
     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-kth-block", "checkpoint_every": 2, "loss": "chunked"},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "full", "accumulation": 2},
     {"precision": "bf16", "dp": 4, "zero_stage": 3},
