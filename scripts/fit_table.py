@@ -67,7 +67,7 @@ LEVER_LAB = {"fused AdamW": 2, "mixed precision": 3, "save-matmuls checkpointing
              "optimizer offload": 7, "parameter offload": (11, "more/lab-11-sharded-inference"), "fp8 KV cache": 14,
              "int4 weights": 14, "chunked prefill": 14, "tensor parallelism x2": 14,
              "embedding and head as FSDP units": (13, "more/lab-13-runs-people-launch")}
-CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k")
+CHECKPOINTING = ("none", "save-matmuls", "save-alternate-matmuls", "full", "every-k", "every-kth-block")
 #: Runs people launch whose moment a random draw may miss: each is checked against the page's JavaScript like every
 #: row (Llama-3-8B at 8k, a chunked or fused-linear loss, full checkpointing, FSDP2's mixed precision (or bf16) at ZeRO-3 over
 #: 16 or 64 ranks, or every-k's segments: a block's recomputed backward, fit_moments.recomputed_block)
@@ -95,7 +95,11 @@ NAMED = [{"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpoin
           "float8": "tensorwise-all-gather"},  # float8: the down projection's input cast again in a recomputed backward
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8},  # the second block's backward: its experts' gradients
          {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "fsdp_units": "blocks-embed-head"},
-         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"}]
+         {"model": "mixtral-8x7b", "zero_stage": 3, "dp": 8, "precision": "bf16"},
+         {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "every-kth-block", "checkpoint_every": 2,
+          "zero_stage": 3, "dp": 16},  # every-kth-block: the last block recomputed beside what the others keep
+         {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "every-kth-block",
+          "checkpoint_every": 4, "precision": "bf16"}]  # the same on one rank (fit_kth.one_rank)
 NAMED += [{"model": "llama-3-8b", "seq": 16384, "cp": 4, "tp": 2, "dp": 2, "zero_stage": 3},  # --cp beside --tp, --sp
           {"model": "llama-3-8b", "seq": 32768, "cp": 4, "tp": 8, "sp": True, "zero_stage": 3},  # and HSDP (Lab 13)
           {"model": "llama-3-8b", "seq": 16384, "cp": 2, "tp": 4, "sp": True, "dp": 4, "replicate": 2, "zero_stage": 2,
@@ -397,7 +401,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                   "loss": rng.choice(("full", "full", "chunked", "fused-linear")),
                   "optimizer": rng.choice(("adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd")),
                   "method": rng.choice(("full", "full", "lora", "qlora"))}
-            f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"] == "every-k" else None
+            f["checkpoint_every"] = rng.choice((2, 4)) if f["checkpointing"].startswith("every") else None
             f |= {"optimizer_in_backward": rng.random() < 0.2, "offload_activations": rng.random() < 0.2}
             f["offload"] = rng.choice(("none", "none", "optimizer", "params"))
             f["float8"] = rng.choice(("none", "none", "none", "tensorwise", "tensorwise-all-gather"))
@@ -447,6 +451,8 @@ BAD = [
     ({"precision": "fp16"}, "precision"), ({"model": "llama-9b"}, "model"), ({"gpu": "h100"}, "gpu"),
     ({"task": "serve", "zero_stage": "7"}, "zero_stage"), ({"task": "serve", "offload": "disk"}, "offload"),
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
+    ({"checkpointing": "every-kth-block"}, "checkpoint_every"), ({"checkpointing": "every-kth-block",
+                                                                "checkpoint_every": "2", "offload_activations": "true"}, "checkpointing"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "task": "infer"}, "cp"),
     ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",

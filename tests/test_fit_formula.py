@@ -150,6 +150,9 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "save-matmuls"},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "save-alternate-matmuls"},
     {"precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 3, "accumulation": 2},
+    {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "every-kth-block", "checkpoint_every": 2},
+    {"precision": "bf16", "checkpointing": "every-kth-block", "checkpoint_every": 3, "accumulation": 2},  # last block plain
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "every-kth-block", "checkpoint_every": 2, "loss": "chunked"},
     {"precision": "mixed", "optimizer": "adamw-fused", "checkpointing": "full", "accumulation": 2},
     {"precision": "bf16", "dp": 4, "zero_stage": 3},
     # mixed under FSDP2 (MixedPrecisionPolicy): the root's bf16 gradients and fp32 reduce-scatter input hold the peak
@@ -296,6 +299,12 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     # --offload-activations: the end of forward (autocast's cache of every cast), the recomputed segment's backward
     {"offload_activations": True, "optimizer_in_backward": True},
     {"offload_activations": True, "precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 4},
+    # every-kth-block (torchtitan's layer policy): the end of forward, the start of backward (ZeRO-3), and, where K
+    # divides the layers, the last block's recomputed backward (fit_kth.last_block), over 16 ranks or on one
+    {"checkpointing": "every-kth-block", "checkpoint_every": 2},
+    {"checkpointing": "every-kth-block", "checkpoint_every": 4, "seq": 8192, "dp": 8, "zero_stage": 3},
+    {"checkpointing": "every-kth-block", "checkpoint_every": 2, "seq": 8192, "dp": 16, "zero_stage": 3, "loss": "chunked"},
+    {"checkpointing": "every-kth-block", "checkpoint_every": 4, "seq": 8192, "precision": "bf16", "loss": "fused-linear"},
 ]
 
 

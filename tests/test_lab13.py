@@ -38,6 +38,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"precision": "bf16", "optimizer": "adamw-fused", "checkpointing": "save-matmuls"},
     {"checkpointing": "save-alternate-matmuls"},  # torchtitan's op-level policy, under autocast
     {"precision": "fp32", "checkpointing": "every-k", "checkpoint_every": 2, "accumulation": 2},
+    {"checkpointing": "every-kth-block", "checkpoint_every": 2},  # torchtitan's layer policy: the second block alone
     {"precision": "fp32", "optimizer": "sgd", "checkpointing": "full", "accumulation": 2},
     {"dp": 2, "zero_stage": 1},
     {"dp": 2, "zero_stage": 2},
@@ -59,6 +60,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"compile": True},
     {"compile": True, "checkpointing": "full", "accumulation": 2},  # the checkpoint inside each compiled block
     {"compile": True, "precision": "bf16", "checkpointing": "save-alternate-matmuls"},
+    {"compile": True, "checkpointing": "every-kth-block", "checkpoint_every": 2},  # one block plain, one checkpointed
     {"compile": True, "checkpointing": "full", "dp": 2, "zero_stage": 3},  # FSDP2's hooks around each compiled block
     {"compile": True, "dp": 4, "zero_stage": 2, "replicate": 2},
     {"compile": True, "precision": "bf16", "dp": 2, "zero_stage": 3, "offload": "params"},
@@ -191,18 +193,20 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("checkpointing", ["every-k", "save-alternate-matmuls"])
+@pytest.mark.parametrize("checkpointing", ["every-k", "save-alternate-matmuls", "every-kth-block"])
 def test_checkpointed_blocks_give_the_gradients_of_none(lab13, checkpointing):
-    """--checkpointing every-k (one segment of small-llama's two blocks) and torchtitan's op-level policy run
-    Lab 04's run_blocks on a zoo Llama: the same loss and the same gradient on every parameter as keeping
-    everything, bit for bit (the recompute runs the same ops on the same inputs)."""
+    """--checkpointing every-k (one segment of small-llama's two blocks), torchtitan's op-level policy and its
+    layer policy (every-kth-block: the second block checkpointed) run Lab 04's run_blocks (fit_every_kth's) on a
+    zoo Llama: the same loss and the same gradient on every parameter as keeping everything, bit for bit (the
+    recompute runs the same ops on the same inputs: tolerance zero)."""
     torch.manual_seed(0)
     model = zoo.get("small-llama").build()
     idx = torch.randint(0, model.spec.vocab, (2, 16))
 
     def loss_and_grads(strategy):
         model.zero_grad(set_to_none=True)
-        value = model(idx, idx, run_blocks=functools.partial(lab13.lab04.run_blocks, strategy=strategy, every=2))[1]
+        run = load_lab(13, "fit_every_kth").run_blocks
+        value = model(idx, idx, run_blocks=functools.partial(run, strategy=strategy, every=2))[1]
         value.backward()
         return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -210,6 +214,27 @@ def test_checkpointed_blocks_give_the_gradients_of_none(lab13, checkpointing):
     got, got_grads = loss_and_grads(checkpointing)
     assert torch.equal(got, want)
     assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+@pytest.mark.parametrize("k, recomputed", [(1, [0, 1, 2, 3, 4]), (2, [1, 3]), (3, [2]), (5, [4])])
+def test_every_kth_block_recomputes_torchtitans_blocks(lab13, k, recomputed):
+    """every-kth-block on five blocks: blocks K - 1, 2K - 1, ... (torchtitan's count from 1 reaching a multiple
+    of K) run their forward again in backward; the rest run it once (the last L mod K are not checkpointed)."""
+    fit_every_kth = load_lab(13, "fit_every_kth")
+    model = replace(zoo.get("small-llama"), layers=5).build()
+    calls = [0] * 5
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    idx = torch.randint(0, model.spec.vocab, (1, 8))
+    run = functools.partial(fit_every_kth.run_blocks, strategy="every-kth-block", every=k)
+    model(idx, idx, run_blocks=run)[1].backward()
+    assert [i for i, n in enumerate(calls) if n == 2] == recomputed and set(calls) <= {1, 2}
+
+
+def test_the_help_says_what_every_kth_block_keeps(lab13):
+    words = " ".join(cli.parser(lab13.Config, "fit.py").format_help().split())
+    assert "every-kth-block (torchtitan's layer policy): blocks K, 2K, ... (counted from 1) keep their input only, " \
+        "every other block everything" in words and "every-kth-block: every K-th block checkpointed" in words
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "sgd"])
@@ -269,7 +294,7 @@ def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab1
 
 
 @pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "none"), ("fp32", "full"),
-                                                      ("mixed", "save-matmuls")])
+                                                      ("mixed", "save-matmuls"), ("fp32", "every-kth-block")])
 def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing):
     """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python, the
     checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every gradient equal the
@@ -283,7 +308,7 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     from labkit import marks
     from labkit.ledger import Ledger
     fit_compile = load_lab(13, "fit_compile")
-    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing)
+    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing, checkpoint_every=2)  # every-kth: the second
 
     def step(tensors, compile_blocks):
         with tensors():
@@ -291,8 +316,8 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
             model = zoo.get("small-llama").build()
             idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
             ledger = Ledger("cpu").track_module(model)
-            blocks = functools.partial(fit_compile.lab04.run_blocks, strategy=checkpointing if not compile_blocks
-                                       else "none")
+            blocks = functools.partial(fit_compile.run_blocks, strategy=checkpointing if not compile_blocks
+                                       else "none", every=2)
             with ledger, fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, **vars(config)), 1) as backend:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
                     loss = model(idx, idx, run_blocks=blocks)[1]
@@ -307,7 +332,9 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
     traced = step(functools.partial(fake.tensors, block=None), True)[2]
-    assert real.graphs == 1 and real.calls == 2 and traced.saved == real.saved
+    kth = checkpointing == "every-kth-block"  # a plain block and a checkpointed one: two graphs
+    assert real.graphs == 1 + kth and real.calls == 2 and traced.saved == real.saved
+    assert not kth or real.saved[0] > 0 == real.saved[1]  # every-kth: the second block checkpointed, nothing saved
     assert (real.saved == [0, 0]) is (checkpointing == "full")
     if checkpointing == "full":  # each block's input alone, as eager checkpointing keeps it
         assert compiled_saved == eager_saved
@@ -651,6 +678,11 @@ BAD = [
     (["--model", "small-llama", "--checkpointing", "every-k", "--checkpoint-every", "3"], "more than the model's 2 blocks"),
     (["--model", "small-llama", "--checkpoint-every", "2"], "sizes the segments of --checkpointing every-k"),
     (["--model", "small-llama", "--checkpointing", "every-k"], "needs --checkpoint-every K"),
+    (["--model", "small-llama", "--checkpointing", "every-kth-block"], "needs --checkpoint-every K: every K-th block"),
+    (["--model", "small-llama", "--checkpointing", "every-kth-block", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+    (["--model", "small-llama", "--checkpointing", "every-kth-block", "--checkpoint-every", "3"], "more than the model's 2"),
+    (["--model", "small-llama", "--checkpointing", "every-kth-block", "--checkpoint-every", "2", "--tp", "2"],
+     "with --tp or --pp is not traced together"),
     (["--model", "small-llama", "--checkpointing", "selective"], "invalid choice: 'selective'"),
     (["--model", "small-llama", "--optimizer-in-backward", "--accumulation", "2"], "no --accumulation"),
     (["--model", "small-llama", "--task", "infer", "--optimizer-in-backward"], "needs a backward"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import fit_kth  # --checkpointing every-kth-block
 import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
@@ -155,9 +156,8 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
-    # the weight itself, not a cast); every-k keeps a segment's input, offload what the hooks leave on the device
-    blocks = offloaded(x, S, per, mixed) if x.offload_activations else ceil_div(S.L, S.G) * per \
-        if x.checkpointing == "every-k" else S.L * per
+    # the weight itself, not a cast); offload: what the hooks leave on the device; fit_kth.blocks: every-k, every-kth
+    blocks = offloaded(x, S, per, mixed) if x.offload_activations else fit_kth.blocks(x, S, per, mixed)
     if x.loss != "full":  # the final norm's output kept whole (chunked: for the recomputed chunks; fused: its
         kept = blocks + S.T * (4 * S.h + ROW + 2 * S.r * S.h)  # gradient); the head's cast is not kept
     else:
@@ -293,6 +293,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
             and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
         out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
+    out |= fit_kth.last_block(x, S, held) if x.checkpointing == "every-kth-block" else {}  # (fit_kth.py)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

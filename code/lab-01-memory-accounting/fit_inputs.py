@@ -101,13 +101,15 @@ class TrainingRun(FineTuning):
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adamw8bit", "sgd"] = option(
         "adamw", "adamw: CUDA's default implementation (foreach); adamw8bit: moments in 8-bit blocks (Lab 15); sgd: "
         "with momentum")
-    checkpointing: Literal["none", "full", "every-k", "save-matmuls", "save-alternate-matmuls"] = option(
+    checkpointing: Literal["none", "full", "every-k", "every-kth-block", "save-matmuls", "save-alternate-matmuls"] = option(
         "none", "activation checkpointing (Lab 04), by what each block keeps for backward. none: everything; full: "
         "its input only; every-k: the input of each segment of --checkpoint-every blocks (a segment recomputed "
-        "whole in backward); save-matmuls: its input, every matmul's output and attention's; "
+        "whole in backward); every-kth-block (torchtitan's layer policy): blocks K, 2K, ... (counted from 1) keep "
+        "their input only, every other block everything; save-matmuls: its input, every matmul's output and attention's; "
         "save-alternate-matmuls (torchtitan's op policy): its input, attention's output and every other matmul's "
         "(q, v, gate, down in a Llama block); the rest is recomputed in backward")
-    checkpoint_every: int | None = option(None, "every-k: blocks per checkpointed segment", min=1, max=MAX_LAYERS)
+    checkpoint_every: int | None = option(None, "every-k: blocks per checkpointed segment; every-kth-block: every K-th block "
+                                          "checkpointed", min=1, max=MAX_LAYERS)
     loss: Literal["full", "chunked", "fused-linear"] = option(
         "full", "full: the model's own loss, every token's logits at once, with their float32 copy and gradient; "
         "chunked: 8 chunks of tokens, each chunk's logits recomputed in backward (torch.utils.checkpoint); "

@@ -7,6 +7,7 @@ calls each where its flag is given; the "Will it fit?" page quotes them beside i
 
 from __future__ import annotations
 
+import fit_kth
 from fit_expr import ZERO, Expr, ceil_div, larger, total
 from fit_inputs import Inputs
 from fit_symbols import ROW, SLOT
@@ -32,7 +33,7 @@ def autocast_cache(x: Inputs, S, casts: Expr) -> Expr:
     two kept on the device, counted by :func:`offloaded`); without either, the casts are kept activations."""
     if x.checkpointing == "none":
         return casts - S.c * S.f * S.h if x.offload_activations else ZERO
-    return casts
+    return fit_kth.cached(S, True) if x.checkpointing == "every-kth-block" else casts  # (its plain blocks keep theirs)
 
 
 def head_step(S, held: dict, act: dict) -> dict[str, Expr]:
@@ -59,15 +60,18 @@ def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dic
     grads = carried if carried is not ZERO else ZERO if x.optimizer_in_backward else S.w * (others + S.f * S.h)
     kept = n * S.T * S.r * S.h if carried is not ZERO else ZERO if x.offload_activations else S.T * S.r * S.h
     recomputed = blocks * (none + ceil_div(S.c * S.Pm, S.L) if mixed else none)  # none: a block's, kept whole
-    # beside them, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
-    # freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward
-    # freed, and less the down projection's bf16 weight cast, which the recompute stops before remaking
+    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + recompute_tail(x, S)}
+
+
+def recompute_tail(x: Inputs, S) -> Expr:
+    """Beside a block recomputed on one rank (every-k's segment, every-kth-block's last block), at its MLP's gate × up
+    product's backward, read op by op off the trace: the product's gradient and one factor's (2 c T f: the product
+    freed); in bf16 one more T × h stream tensor; under autocast two, less the fp32 one the norm's backward
+    freed, and less the down projection's bf16 weight cast, which the recompute stops before remaking."""
     tail = 2 * S.T * S.c * S.f
     if x.precision == "mixed":
-        tail = tail + 2 * S.T * S.c * S.h - 4 * S.T * S.h - S.c * S.f * S.h
-    elif x.precision == "bf16":
-        tail = tail + S.T * S.c * S.h
-    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + tail}
+        return tail + 2 * S.T * S.c * S.h - 4 * S.T * S.h - S.c * S.f * S.h
+    return tail + S.T * S.c * S.h if x.precision == "bf16" else tail
 
 
 def experts(S) -> Expr:

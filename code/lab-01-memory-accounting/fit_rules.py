@@ -9,12 +9,13 @@ from labkit.config import UsageError
 
 def check_checkpointing(run, layers: int) -> None:
     """--checkpoint-every against --checkpointing and the model's ``layers`` (UsageError naming them)."""
-    k = run.checkpoint_every
-    if run.checkpointing == "every-k" and k is None:
-        raise UsageError("--checkpointing every-k needs --checkpoint-every K: the blocks per segment")
-    if run.checkpointing != "every-k" and k is not None:
-        raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k; "
-                         f"--checkpointing is {run.checkpointing}")
+    k, every = run.checkpoint_every, run.checkpointing in ("every-k", "every-kth-block")
+    if every and k is None:
+        raise UsageError(f"--checkpointing {run.checkpointing} needs --checkpoint-every K: "
+                         + ("the blocks per segment" if run.checkpointing == "every-k" else "every K-th block checkpointed"))
+    if not every and k is not None:
+        raise UsageError(f"--checkpoint-every {k} sizes the segments of --checkpointing every-k (or picks every-kth-block's "
+                         f"blocks); --checkpointing is {run.checkpointing}")
     if k is not None and k > layers:
         raise UsageError(f"--checkpoint-every {k} is more than the model's {layers} blocks")
 
@@ -47,7 +48,7 @@ def check_combinations(run) -> None:
     if run.float8 != "none" and run.checkpointing not in ("none", "full"):
         raise UsageError(f"--float8 {run.float8} with --checkpointing {run.checkpointing}: "
                          + ("save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm"
-                            if run.checkpointing != "every-k" else "not traced together") + ": none or full")
+                            if not run.checkpointing.startswith("every") else "not traced together") + ": none or full")
     if run.fsdp_units != "blocks" and (run.zero_stage < 2 or run.offload == "params" or run.pp > 1):
         raise UsageError(f"--fsdp-units {run.fsdp_units} makes FSDP2 units: it needs --zero-stage 2 or 3, and is not "
                          "traced with --offload params or --pp")
@@ -58,7 +59,7 @@ def check_combinations(run) -> None:
         raise UsageError("--optimizer-in-backward steps and frees each gradient as backward makes it: no "
                          "--accumulation (nothing left to add the next micro-batch to), --zero-stage (its step "
                          "waits for every gradient's reduce-scatter) or --offload")
-    if run.checkpointing in ("every-k", "save-alternate-matmuls") and (run.tp > 1 or run.pp > 1):
+    if run.checkpointing in ("every-k", "every-kth-block", "save-alternate-matmuls") and (run.tp > 1 or run.pp > 1):
         raise UsageError(f"--checkpointing {run.checkpointing} with --tp or --pp is not traced together (Lab 13)")
     for lever, on in (("--optimizer-in-backward", run.optimizer_in_backward),
                       ("--offload-activations", run.offload_activations)):
@@ -66,7 +67,7 @@ def check_combinations(run) -> None:
             raise UsageError(f"{lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out")
     for lever, on in (("--optimizer-in-backward", run.optimizer_in_backward),
                       ("--offload-activations", run.offload_activations),
-                      (f"--checkpointing {run.checkpointing}", run.checkpointing in ("every-k", "save-alternate-matmuls"))):
+                      (f"--checkpointing {run.checkpointing}", run.checkpointing in ("every-k", "every-kth-block", "save-alternate-matmuls"))):
         if on and run.method != "full":
             raise UsageError(f"{lever} with --method {run.method} is not traced together (Lab 13 traces it with every "
                              "weight trained): leave one out")
@@ -108,6 +109,12 @@ def check_lever_formulas(inputs, family: str, dims: dict) -> None:
     if inputs.fsdp_units != "blocks" and (family == "gpt" or dims["tied"] or inputs.tp > 1):
         raise UsageError(f"--fsdp-units {inputs.fsdp_units}: the formula counts an untied embedding and head, unsplit (no "
                          "GPT preset, --tied or --tp: Lab 13 traces --tp)")
+    if inputs.checkpointing == "every-kth-block" and (family == "gpt" or dims["experts"] or inputs.offload != "none" or
+                                                       inputs.offload_activations or inputs.optimizer_in_backward
+                                                       or inputs.fsdp_units != "blocks"):
+        raise UsageError("--checkpointing every-kth-block: the formula counts a dense Llama's blocks with every gradient on "
+                         "the device (no GPT preset, --experts, --offload, --offload-activations, --optimizer-in-backward "
+                         "or --fsdp-units blocks-embed-head)")
     if family == "gpt" and inputs.checkpointing == "save-alternate-matmuls":
         raise UsageError("--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset")
 

@@ -19,7 +19,7 @@ SYMBOLS = {
     "nq": "quantized matrices of one block", "so": "their outputs, added up", "si": "their inputs, added up",
     "b": "sequences in the batch (decode)",
     "D": "tokens the KV cache holds per sequence (decode: --kv-len)", "j": "new tokens per sequence (decode)", "t": "tensor-parallel ranks (--tp)", "pp": "pipeline stages (--pp): L is then the first stage's ⌈L / pp⌉ blocks", "u": "tokens per loss chunk (⌈T / 8⌉, --loss chunked or fused-linear)",
-    "G": "blocks per checkpointed segment (--checkpoint-every, every-k)",
+    "G": "blocks per checkpointed segment (--checkpoint-every: every-k; every-kth-block checkpoints every G-th block)",
     "wb": "bytes of a frozen weight", "Pc": "bytes of the NF4 codes (⌈n / 2⌉ per linear)",
     "Nb": "NF4 blocks (an 8-bit absmax code per 64 weights)", "Ns": "float32 scales of the absmax codes (one per 256)",
     "Nq": "NF4 linears (a float32 offset each)", "Pk": "trained values with 8-bit moments (tensors of 4,096 or more)",
@@ -69,5 +69,7 @@ LEGEND = {
     "fine_tune_symbols": "Lab 15's symbols: wb, Pc, Nb, Ns, Nq, Pk, Nk, Ps, Cw (fit_lora.py)",
     "adam8bit_chunk": "the 8-bit AdamW's chunk at the optimizer step: its float32 working copies (fit_lora.py, below)",
     "fit_split": "the moments a split model adds: --tp's whole embedding gradient, --pp's first stage (fit_split.py)",
+    "fit_kth": "--checkpointing every-kth-block: what its plain and checkpointed blocks keep, the last block recomputed "
+               "(fit_kth.py)",
     "own": "an RMSNorm's own tensors per token (fp32 input, 1/rms, the normalised stream); on T / t tokens under --sp",
 }

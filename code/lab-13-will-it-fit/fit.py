@@ -9,7 +9,7 @@ step would hold, rounded as the CUDA allocator rounds. Nothing is allocated, so 
 traces on a laptop in seconds.
 
     precision       Lab 03's recipes: fp32, bf16 (pure bf16: no fp32 master), mixed (fp32 weights + bf16 autocast)
-    checkpointing   Lab 04's run_blocks: full, every-k, or op-level (save-matmuls, torchtitan's save-alternate-matmuls)
+    checkpointing   Lab 04's run_blocks: full, every-k, op-level (save-matmuls, save-alternate-matmuls), every-kth-block
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``); with
@@ -150,7 +150,7 @@ def trace(config: Config, tensors=fake.tensors, device: str = "cpu") -> Trace:
         with ledger, traffic(), split, compiled(model, config, STEADY_MICRO_BATCHES):  # (4)!
             label(ledger, model, optimizer)
             if config.task == "train":
-                blocks = partial(lab04.run_blocks, strategy=outside(config), every=config.checkpoint_every or 1)
+                blocks = outside(config)  # Lab 04's run_blocks, or every-kth-block's (fit_every_kth.py)
                 fit_pipeline.step_for(config, train_step)(model, optimizer, idx, recipe=recipe,
                                                           blocks=offloaded(blocks, config, model, idx),
                            micro_batches=min(config.accumulation, STEADY_MICRO_BATCHES), head_loss=LOSSES[config.loss])

@@ -25,7 +25,8 @@ What inductor's generated code changes, which no graph run as Python can show:
 
 So the saved tensors are the compiled step's, to the byte. Its temporaries are an upper bound.
 
-Checkpointing (``--checkpointing full``, ``save-matmuls``, ``save-alternate-matmuls``) goes inside each
+Checkpointing (``--checkpointing full``, ``save-matmuls``, ``save-alternate-matmuls``; every-kth-block's on
+its K-th blocks, ``fit_every_kth.py``) goes inside each
 compiled block, as torchtitan wraps each block in its checkpoint before compiling it: Lab 04's
 ``run_blocks`` on the one block, so Dynamo traces the checkpoint and the partitioner must recompute what
 it does not save. Where it recomputes an op tagged ``nondeterministic_seeded`` (attention, even at
@@ -60,6 +61,7 @@ from labkit import labs
 from labkit.config import UsageError
 from labkit.ledger import Ledger
 from labkit.traffic import Traffic
+from fit_every_kth import inside, run_blocks
 
 lab04 = labs.load(4)  # run_blocks: the checkpoint each compiled block holds
 HOST_STATES = WeakIdKeyDictionary()  # the rng states the compiled forwards kept: host memory, not the device's
@@ -144,9 +146,9 @@ def compiled(model, config, steady: int):
         return
     torch._dynamo.reset()  # a fresh cache: this trace's shapes, this backend
     backend = Partitioned()
-    for block in model.blocks:
-        if config.checkpointing != "none":  # torchtitan's order: the checkpoint inside, then compile
-            block.forward = partial(lab04.run_blocks, [block.forward], strategy=config.checkpointing)
+    for i, block in enumerate(model.blocks):
+        if inside(config, i) != "none":  # torchtitan's order: the checkpoint inside, then compile
+            block.forward = partial(lab04.run_blocks, [block.forward], strategy=inside(config, i))
         block.compile(backend=backend.backend, fullgraph=True)
     yield backend
     expected = len(model.blocks) * min(config.accumulation, steady)
@@ -156,10 +158,11 @@ def compiled(model, config, steady: int):
 # --8<-- [end:compile]
 
 
-def outside(config) -> str:
-    """The checkpointing Lab 04's run_blocks applies around the blocks: none where each compiled block
-    holds its own."""
-    return "none" if config.compile else config.checkpointing
+def outside(config):
+    """Lab 04's run_blocks (``fit_every_kth.run_blocks``) as the step runs the blocks: checkpointed by
+    ``--checkpointing``, or not where each compiled block holds its own."""
+    return partial(run_blocks, strategy="none" if config.compile else config.checkpointing,
+                   every=config.checkpoint_every or 1)
 
 
 def check_compile(config) -> None:
@@ -171,7 +174,7 @@ def check_compile(config) -> None:
                      (config.spec.family != "llama" or config.spec.experts, f"{config.model} is not a dense zoo Llama "
                       "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
                      (config.checkpointing == "every-k", "every-k's segments span blocks, and each block is "
-                      "compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"),
+                      "compiled alone: --checkpointing none, full, every-kth-block or an op-level policy"),
                      (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
                       "compiled: --tp 1 --pp 1")):
         if bad:

@@ -141,8 +141,11 @@ def predicted(trace) -> dict[str, int | None]:
         state = lab01.zero_model_state(params, c.precision, optimizer, c.zero_stage, c.dp)
         out["parameters"] = state["parameters"] + state["master_weights"]
         out["gradients"], out["optimizer_state"] = state["gradients"], state["optimizer_state"]
-    out["activations"] = s.layers * lab01.activation_bytes_per_layer(
-        c.seq, c.batch, s.width, s.heads, act=lab01.RECIPES[c.precision].act, mask=None, recompute=c.checkpointing)
+    def layers(n: int, recompute: str) -> int:
+        return n * lab01.activation_bytes_per_layer(c.seq, c.batch, s.width, s.heads, act=lab01.RECIPES[c.precision].act,
+                                                    mask=None, recompute=recompute)
+    kth = s.layers // c.checkpoint_every if c.checkpointing == "every-kth-block" else 0  # (fit_every_kth.py)
+    out["activations"] = layers(kth, "full") + layers(s.layers - kth, "none") if kth else layers(s.layers, c.checkpointing)
     return out
 
 

@@ -178,6 +178,10 @@
     if (units(x) && (s.family === "gpt" || d.tied || x.tp > 1)) {
       say("fsdp_units", `--fsdp-units ${x.fsdp_units}: the formula counts an untied embedding and head, unsplit (no GPT preset, --tied or --tp: Lab 13 traces --tp)`);
     }
+    if (x.checkpointing === "every-kth-block" && (s.family === "gpt" || d.experts || x.offload !== "none" || x.offload_activations
+        || x.optimizer_in_backward || units(x))) {
+      say("checkpointing", "--checkpointing every-kth-block: the formula counts a dense Llama's blocks with every gradient on the device (no GPT preset, --experts, --offload, --offload-activations, --optimizer-in-backward or --fsdp-units blocks-embed-head)");
+    }
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
@@ -212,9 +216,9 @@
 
   /** TrainingRun.check_checkpointing: [the field, the message] of the first rule broken, or null. */
   function segments(x, layers) {
-    const k = x.checkpoint_every;
-    if (x.checkpointing === "every-k" && (k === null || k === undefined)) return ["checkpoint_every", "--checkpointing every-k needs --checkpoint-every K: the blocks per segment"];
-    if (x.checkpointing !== "every-k" && k !== null && k !== undefined) return ["checkpoint_every", `--checkpoint-every ${k} sizes the segments of --checkpointing every-k; --checkpointing is ${x.checkpointing}`];
+    const k = x.checkpoint_every, every = x.checkpointing === "every-k" || x.checkpointing === "every-kth-block";
+    if (every && (k === null || k === undefined)) return ["checkpoint_every", `--checkpointing ${x.checkpointing} needs --checkpoint-every K: ` + (x.checkpointing === "every-k" ? "the blocks per segment" : "every K-th block checkpointed")];
+    if (!every && k !== null && k !== undefined) return ["checkpoint_every", `--checkpoint-every ${k} sizes the segments of --checkpointing every-k (or picks every-kth-block's blocks); --checkpointing is ${x.checkpointing}`];
     if (k !== null && k !== undefined && k > layers) return ["checkpoint_every", `--checkpoint-every ${k} is more than the model's ${layers} blocks`];
     return null;
   }
@@ -321,7 +325,7 @@
     if (x.optimizer_in_backward && (x.accumulation > 1 || x.zero_stage || x.offload !== "none")) {
       return ["optimizer_in_backward", "--optimizer-in-backward steps and frees each gradient as backward makes it: no --accumulation (nothing left to add the next micro-batch to), --zero-stage (its step waits for every gradient's reduce-scatter) or --offload"];
     }
-    if ((x.checkpointing === "every-k" || x.checkpointing === "save-alternate-matmuls") && (x.tp > 1 || x.pp > 1)) {
+    if (["every-k", "every-kth-block", "save-alternate-matmuls"].includes(x.checkpointing) && (x.tp > 1 || x.pp > 1)) {
       return ["checkpointing", `--checkpointing ${x.checkpointing} with --tp or --pp is not traced together (Lab 13)`];
     }
     for (const [name, lever, on] of [["optimizer_in_backward", "--optimizer-in-backward", x.optimizer_in_backward],
@@ -329,7 +333,7 @@
       if (on && (x.tp > 1 || x.pp > 1 || x.float8 !== "none")) return [name, `${lever} with --tp, --pp or --float8 is not traced together (Lab 13): leave one out`];
     }
     for (const [lever, on] of [["--optimizer-in-backward", x.optimizer_in_backward], ["--offload-activations", x.offload_activations],
-      [`--checkpointing ${x.checkpointing}`, x.checkpointing === "every-k" || x.checkpointing === "save-alternate-matmuls"]]) {
+      [`--checkpointing ${x.checkpointing}`, ["every-k", "every-kth-block", "save-alternate-matmuls"].includes(x.checkpointing)]]) {
       if (on && x.method !== "full") return ["method", `${lever} with --method ${x.method} is not traced together (Lab 13 traces it with every weight trained): leave one out`];
     }
     if (x.float8 !== "none" && x.precision === "fp32") return ["float8", `--float8 ${x.float8} casts bf16 activations, as torchao trains: --precision mixed or bf16`];
@@ -339,7 +343,7 @@
     if (x.float8 !== "none" && x.pp > 1) return ["float8", `--float8 ${x.float8} with --pp is not traced (Lab 13): leave one out`];
     if (x.float8 === "tensorwise-all-gather" && x.tp > 1) return ["float8", "--float8 tensorwise-all-gather with --tp is not traced (Lab 13): FSDP2's float8 gather of split weights is not built; --float8 tensorwise traces torchao's float8 TP styles"];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
-      return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (x.checkpointing !== "every-k"
+      return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (!x.checkpointing.startsWith("every")
         ? "save-matmuls and save-alternate-matmuls save aten.mm outputs, not float8's _scaled_mm" : "not traced together") + ": none or full"];
     }
     return null;
@@ -573,6 +577,7 @@
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
+    if (x.checkpointing === "every-kth-block") blocks = kthKept(S, layer(S, "none", false), layer(S, "full", false), mixed);
     if (x.offload_activations) blocks = offloaded(x, S, per, mixed);
     let kept = blocks.add(S.T.mul(norm(S, 1, x.sp).add(n(4).mul(S.V))));
     if (x.sp) kept = kept.add(ceilDiv(S.T, S.t).mul(own(S)));
@@ -581,6 +586,7 @@
     if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
     let cache = mixed && x.checkpointing !== "none" ? casts : ZERO;
+    if (mixed && x.checkpointing === "every-kth-block") cache = checkpointed(S).mul(ceilDiv(S.c.mul(S.Pm), S.L));
     if (mixed && x.checkpointing === "none" && x.offload_activations) cache = casts.sub(S.c.mul(S.f).mul(S.h));
     return { kept, cache,
       loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
@@ -667,7 +673,7 @@
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
-      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
+      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd, recomputed_last: bwd,
       embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
     if (x.zero_stage >= 2) {  // input (kept until the next): a block's backward (blockBackward; recomputedBlock)
@@ -730,10 +736,41 @@
     const grads = carried !== ZERO ? carried : x.optimizer_in_backward ? ZERO : S.w.mul(others.add(S.f.mul(S.h)));
     const kept = carried !== ZERO ? segments.mul(S.T).mul(S.r).mul(S.h) : x.offload_activations ? ZERO : S.T.mul(S.r).mul(S.h);
     const recomputed = blocks.mul(mixed ? layer(S, "none", false).add(ceilDiv(S.c.mul(S.Pm), S.L)) : layer(S, "none", false));
-    let tail = n(2).mul(S.T).mul(S.c).mul(S.f);
-    if (mixed) tail = tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
-    else if (x.precision === "bf16") tail = tail.add(S.T.mul(S.c).mul(S.h));
-    return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(tail) });
+    return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(recomputeTail(x, S)) });
+  }
+
+  // Python: fit_moments.recompute_tail: beside a block recomputed on one rank, at its gate x up product's backward.
+  function recomputeTail(x, S) {
+    const tail = n(2).mul(S.T).mul(S.c).mul(S.f);
+    if (x.precision === "mixed") return tail.add(n(2).mul(S.T).mul(S.c).mul(S.h)).sub(n(4).mul(S.T).mul(S.h)).sub(S.c.mul(S.f).mul(S.h));
+    return x.precision === "bf16" ? tail.add(S.T.mul(S.c).mul(S.h)) : tail;
+  }
+
+  // Python: fit_kth (--checkpointing every-kth-block): every G-th block keeps its input, the others everything (and,
+  // under autocast, their weights' casts); where G divides L, the last block's backward, recomputed beside all they keep.
+  const floorDiv = (a, b) => {
+    a = lift(a); b = lift(b);
+    return new Expr(TEXT ? `⌊${a.text} / ${b.text}⌋` : "", TEXT ? `⌊${a.filled} / ${b.filled}⌋` : "", a.value / b.value, false);
+  };
+  const checkpointed = (S) => floorDiv(S.L, S.G);
+  function kthKept(S, none, fullBlock, mixed) {
+    const k = checkpointed(S), plain = mixed ? none.add(ceilDiv(S.c.mul(S.Pm), S.L)) : none;
+    return k.mul(fullBlock).add(S.L.sub(k).mul(plain));
+  }
+  function kthLast(x, S, held, spec) {
+    if (S.L.value % S.G.value) return {};
+    const none = layer(S, "none", false), fullBlock = layer(S, "full", false);
+    if (x.zero_stage < 2) {  // fit_kth.one_rank: the head's, the final norm's and the down projection's gradients alive
+      const mixed = x.precision === "mixed", head = spec.tied ? S.Pr : S.Pr.sub(S.V.mul(S.h));
+      const grads = x.accumulation > 1 ? held.gradients : S.w.mul(head.add(S.f.mul(S.h)));
+      const recomputed = mixed ? none.add(ceilDiv(S.c.mul(S.Pm), S.L)) : none;
+      return { recomputed_last: Object.assign({}, held, { gradients: grads, activations: kthKept(S, none, fullBlock, mixed),
+        temporaries: recomputed.add(recomputeTail(x, S)) }) };
+    }
+    const blocks = kthKept(S, none, fullBlock, false), head = S.c.mul(S.V).mul(S.h);
+    const fused = x.loss === "fused-linear", work = recomputedMlp(x, S, 1);
+    return { recomputed_last: Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : ZERO,
+      activations: fused ? blocks.add(head) : blocks, temporaries: fused ? work : work.add(head) }) };
   }
 
   /** Python: fit_formula.pipeline (--pp, Lab 13's fit_pipeline.py): 1F1B's first stage. */
@@ -931,6 +968,7 @@
         && z.spec.family !== "gpt" && x.offload === "none") {
       Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
+    if (x.checkpointing === "every-kth-block") Object.assign(out, kthLast(x, S, held, z.spec));
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
@@ -1325,7 +1363,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Checkpoint every K blocks", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
     tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", cp: "Context-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",

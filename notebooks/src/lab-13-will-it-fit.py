@@ -196,7 +196,7 @@ display(loss_32k)
 # ## Checkpointing policies, the optimizer step in backward, activation offload
 #
 # Llama-3-8B at 4,096 tokens, AMP, fused AdamW, traced with each `--checkpointing` policy (named by what a block
-# keeps: Lab 04's `run_blocks`), then with the optimizer step in backward (`fit_backward.py`: each parameter
+# keeps: Lab 04's `run_blocks`; every-kth-block: `fit_every_kth.py`), then with the optimizer step in backward (`fit_backward.py`: each parameter
 # stepped by its gradient's hook, which frees it) and with the activations offloaded (`fit_offload.py`: Lab 09's
 # hooks around the blocks; `host_peak_bytes` is what waits on the host). `tests/test_fit_formula.py` holds the
 # calculator's formulas within 0.1 % of traces like these.
@@ -204,7 +204,9 @@ display(loss_32k)
 # %%
 FLAGS = {"none": {}, "save_matmuls": {"checkpointing": "save-matmuls"},
          "save_alternate": {"checkpointing": "save-alternate-matmuls"},
-         "every_4": {"checkpointing": "every-k", "checkpoint_every": 4}, "full": {"checkpointing": "full"},
+         "every_4": {"checkpointing": "every-k", "checkpoint_every": 4},
+         "every_2nd_block": {"checkpointing": "every-kth-block", "checkpoint_every": 2},  # torchtitan's layer policy
+         "full": {"checkpointing": "full"},
          "full_in_backward": {"checkpointing": "full", "optimizer_in_backward": True},
          "offload": {"offload_activations": True},
          "offload_in_backward": {"offload_activations": True, "optimizer_in_backward": True}}
