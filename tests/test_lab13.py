@@ -68,6 +68,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"tp": 2, "sp": True, "checkpointing": "save-matmuls"},
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
+    {"pp": 2, "accumulation": 3, "float8": "tensorwise"},  # a stage's float8 linears
+    {"pp": 2, "accumulation": 2, "float8": "tensorwise-all-gather", "dp": 2, "zero_stage": 3, "checkpointing": "full"},
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
     {"dp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the embedding and the norm + head as units
     {"dp": 2, "zero_stage": 2, "fsdp_units": "blocks-embed-head", "loss": "fused-linear", "precision": "bf16"},
@@ -75,6 +77,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
     {"float8": "tensorwise", "tp": 2},  # torchao's float8 TP styles: one float8 cast per sublayer input, shared
     {"float8": "tensorwise", "tp": 2, "sp": True, "dp": 2, "zero_stage": 3, "checkpointing": "full"},  # float8 gathers
+    {"float8": "tensorwise", "tp": 2, "sp": True, "pp": 2, "accumulation": 2},  # float8 TP styles on a stage
     {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
     {"cp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the ring beside the embedding and head units
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
