@@ -102,7 +102,8 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     the end of that backward, the embedding's: its whole new gradient made beside the one accumulated, and the
     gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
     steady forward (output, its copy for the collective, the rank's share; under the float8 TP styles the MLP's input
-    is gathered in float8 and kept, and the point can come before it, at down's weight cast: an fp32 copy, e4m3 bits)."""
+    is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
+    cast: an fp32 copy, e4m3 bits)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
@@ -117,9 +118,10 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
            "optimizer": dict(state)}
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
-        forward = total(ZERO if S.f8tp else gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)
-        if S.f8tp:  # (float8 TP styles: that input gathered in float8, kept) or before it, down's weight cast to e4m3:
-            forward = larger(forward, total(tokens * S.r * S.h, S.c * S.T * S.f, 5 * S.f * S.h))  # fp32 copy, bits
+        forward = total(gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)
+        if S.f8tp:  # float8 TP styles: that input gathered in float8 and kept, the gate x up product (down saves its
+            forward = total(tokens * S.r * S.h, S.c * S.T * S.f,  # float8 copy), or before, down's weight cast to
+                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # e4m3 (an fp32 copy, its bits)
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                  "temporaries": forward}
     if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment
