@@ -175,8 +175,8 @@ def check_compile(config) -> None:
                       "compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"),
                      # --tp stays refused: on torch 2.13 the embedding's RowwiseParallel output is redistributed with
                      # async_op=True (torch/distributed/tensor/parallel/style.py, _prepare_output_fn), so the first
-                     # compiled block's input is an AsyncCollectiveTensor; AOTAutograd (stock aot_eager too, gloo or the
-                     # fake group alike) hands its gradient to Redistribute.backward as a plain tensor, skipping to_local's
+                     # compiled block's input is an AsyncCollectiveTensor; AOTAutograd (inductor and aot_eager too, gloo
+                     # or the fake group alike) hands its gradient to Redistribute.backward as a plain tensor, skipping to_local's
                      # backward: "'Tensor' object has no attribute '_local_tensor'" (torch/distributed/tensor/
                      # _redistribute.py, NestedRedistribute.forward). On fake tensors funcol returns a waited plain tensor
                      # instead (_are_we_tracing() in _functional_collectives.py), so the trace runs but its real twin fails.
