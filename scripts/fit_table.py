@@ -127,6 +127,11 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
           # float8 at a short sequence: a gate weight's fp32 copy and e4m3 bits in a recomputed backward
           {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "checkpointing": "full", "precision": "bf16",
            "float8": "tensorwise"}]
+NAMED += [{"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorwise"},  # float8 on 1F1B's first stage
+          {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 4},  # (fit_split.float8_backward)
+          {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 4, "sp": True, "precision": "bf16"},
+          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True},
+          {"model": "llama-3-70b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True, "dp": 2}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

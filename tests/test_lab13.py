@@ -62,6 +62,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"compile": True, "precision": "bf16", "checkpointing": "save-alternate-matmuls"},
     {"compile": True, "checkpointing": "every-kth-block", "checkpoint_every": 2},  # one block plain, one checkpointed
     {"compile": True, "checkpointing": "full", "dp": 2, "zero_stage": 3},  # FSDP2's hooks around each compiled block
+    {"compile": True, "pp": 2, "accumulation": 3, "checkpointing": "full"},  # a stage's blocks compiled, under 1F1B
     {"compile": True, "dp": 4, "zero_stage": 2, "replicate": 2},
     {"compile": True, "precision": "bf16", "dp": 2, "zero_stage": 3, "offload": "params"},
     {"compile": True, "precision": "bf16", "optimizer": "adamw-fused", "accumulation": 2, "dp": 2, "zero_stage": 1,
@@ -70,6 +71,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"tp": 2, "sp": True, "checkpointing": "save-matmuls"},
     {"tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # FSDP2 over TP's local shards
     {"pp": 2, "accumulation": 3},  # 1F1B's first stage: two in flight, one steady pair
+    {"pp": 2, "accumulation": 3, "float8": "tensorwise"},  # a stage's float8 linears
+    {"pp": 2, "accumulation": 2, "float8": "tensorwise-all-gather", "dp": 2, "zero_stage": 3, "checkpointing": "full"},
     {"dp": 4, "zero_stage": 3, "replicate": 2},  # HSDP: sharded over 2, replicated across 2
     {"dp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the embedding and the norm + head as units
     {"dp": 2, "zero_stage": 2, "fsdp_units": "blocks-embed-head", "loss": "fused-linear", "precision": "bf16"},
@@ -77,6 +80,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"pp": 2, "accumulation": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},  # all of them at once
     {"float8": "tensorwise", "tp": 2},  # torchao's float8 TP styles: one float8 cast per sublayer input, shared
     {"float8": "tensorwise", "tp": 2, "sp": True, "dp": 2, "zero_stage": 3, "checkpointing": "full"},  # float8 gathers
+    {"float8": "tensorwise", "tp": 2, "sp": True, "pp": 2, "accumulation": 2},  # float8 TP styles on a stage
     {"cp": 2, "dp": 2, "zero_stage": 3},  # ring attention over 2 ranks; FSDP2 over dp x cp = 4
     {"cp": 2, "zero_stage": 3, "fsdp_units": "blocks-embed-head"},  # the ring beside the embedding and head units
     {"cp": 4, "zero_stage": 2, "precision": "bf16", "checkpointing": "full"},  # the ring again in the recompute
@@ -308,7 +312,7 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     from labkit import marks
     from labkit.ledger import Ledger
     fit_compile = load_lab(13, "fit_compile")
-    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing, checkpoint_every=2)  # every-kth: the second
+    config = SimpleNamespace(accumulation=1, checkpointing=checkpointing, checkpoint_every=2, pp=1)  # every-kth: the second
 
     def step(tensors, compile_blocks):
         with tensors():
@@ -342,6 +346,42 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
         assert 0 < compiled_saved < eager_saved
 
 
+@pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "full")])
+def test_a_compiled_pipeline_stage_gives_the_eager_stages_gradients(precision, checkpointing):
+    """--compile --pp 2: the first stage's two blocks (of a four-block small-llama) each compiled alone
+    (fit_compile.compiled), Lab 13's 1F1B schedule running three micro-batches through them, the same gradients
+    coming back from the next stage. Every gradient equals the eager stage's (1e-5 relative in fp32; 2e-2 under bf16
+    autocast, where the graph rounds in its own order), and each block ran compiled once per micro-batch."""
+    from types import SimpleNamespace
+
+    from test_lab13_float8 import KeepGradients
+    fit_compile, pipeline = load_lab(13, "fit_compile"), load_lab(13, "fit_pipeline")
+    spec = pipeline.stage_spec(replace(zoo.get("small-llama"), layers=4), 2)
+    config = SimpleNamespace(accumulation=3, checkpointing=checkpointing, pp=2)
+
+    def stage(compile_blocks):
+        torch.manual_seed(0)
+        model = spec.build()
+        pipeline.first_stage(model)
+        g = torch.Generator().manual_seed(1)
+        idx = torch.arange(34).remainder(spec.vocab).view(2, 17)
+        blocks = functools.partial(fit_compile.lab04.run_blocks, strategy="none" if compile_blocks else checkpointing)
+        optimizer = KeepGradients(model)
+        with fit_compile.compiled(model, SimpleNamespace(compile=compile_blocks, **vars(config)), 2) as backend:
+            pipeline.first_stage_step(model, optimizer, idx, recipe="bf16" if precision == "mixed" else "fp32",
+                                      blocks=blocks, stages=2, accumulation=3,
+                                      receive=lambda out: torch.randn(out.shape, generator=g, dtype=out.dtype))
+        return optimizer.grads, backend
+
+    want, _ = stage(False)
+    got, backend = stage(True)
+    assert backend.calls == 2 * 3 and set(got) == set(want) and len(want) == 1 + 2 * 9  # embedding; 9 per block
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    for name, grad in want.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(got[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+
+
 def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
     """--compile under ZeRO-3, checkpointed: FSDP2's hooks are torch._dynamo.disable'd, so Dynamo leaves them out
     of the block's graph without a graph break. One forward graph for both blocks, no collective in it, and
@@ -362,10 +402,45 @@ def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
     ({"task": "infer"}, "no backward to partition"), ({"checkpointing": "every-k", "checkpoint_every": 2},
                                                        "compiled alone"), ({"model": "small-mixtral"}, "dense zoo Llama"),
     ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
-    ({"offload_activations": True}, "--offload-activations with --compile is not traced together")])
+    ({"offload_activations": True}, "--offload-activations with --compile is not traced together"),
+    ({"tp": 2}, "DTensor's split blocks are not traced compiled")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
     with pytest.raises(lab13.UsageError, match=fragment):
         lab13.Config(**{"model": "small-llama", "compile": True, **fields})
+
+
+def test_why_compile_refuses_tp_a_compiled_blocks_input_from_an_async_redistribute_loses_its_gradient():
+    """The reason --compile --tp is refused, held (fit_compile.check_compile): on the pinned torch, an embedding split by
+    DTensor's RowwiseParallel (whose output redistribute is async_op=True) feeding a block compiled by stock AOTAutograd
+    (aot_eager) fails in backward on real tensors; the same model eager does not. When a torch upgrade fixes it, this
+    test fails, and the refusal can be lifted (twins and gradients first)."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from labkit import dist as dist_kit
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    def step(compile_block: bool) -> None:
+        torch._dynamo.reset()
+        model = nn.ModuleDict({"embed": nn.Embedding(16, 8), "block": Block()})
+        with dist_kit.fake_group(2, device="cpu") as mesh:
+            parallelize_module(model, mesh, {"embed": RowwiseParallel(input_layouts=Replicate(),
+                                                                      output_layouts=Replicate())})
+            if compile_block:
+                model["block"].compile(backend="aot_eager", fullgraph=True)
+            model["block"](model["embed"](torch.arange(4).view(1, 4))).sum().backward()
+
+    step(False)
+    with pytest.raises(AttributeError, match="_local_tensor"):
+        step(True)
 
 
 def test_the_ladder_under_compile_offers_only_levers_it_can_trace(lab13):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -94,6 +95,65 @@ def test_a_small_llama_in_float8_trains_like_the_bf16_one_within_a_stated_tolera
     assert any(not torch.equal(got_grads[n], g) for n, g in want_grads.items())
 
 
+class KeepGradients:
+    """An optimizer that keeps the gradients its step finds (a copy of each) and changes nothing."""
+
+    def __init__(self, model) -> None:
+        self.model, self.grads = model, {}
+
+    def step(self) -> None:
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_a_float8_pipeline_stage_gives_the_unsplit_float8_models_loss_and_gradients(f8, precision):
+    """--float8 tensorwise --pp 2: small-llama's float8 linears cut into two stages. Stage 0 (its embedding and first
+    block, fit_pipeline.first_stage) runs Lab 13's own 1F1B schedule over three micro-batches; stage 1 (the second
+    block, the final norm, the head, the loss) runs each micro-batch when its gradient is asked for. The loss and every
+    gradient equal the same float8 model's run unsplit over the same micro-batches, bit for bit: each op sees the same
+    inputs, and each tensorwise scale is the same tensor's largest magnitude (stated tolerance: none)."""
+    pipeline, lab03 = load_lab(13, "fit_pipeline"), load_lab(3)
+    torch.manual_seed(0)
+    weights, recipe = {"mixed": (torch.float32, "bf16"), "bf16": (torch.bfloat16, "fp32")}[precision]
+    whole = zoo.get("small-llama").build().to(weights)
+    assert f8.convert(whole) == 14
+    first, second = copy.deepcopy(whole), copy.deepcopy(whole)
+    first.blocks = first.blocks[:1]
+    pipeline.first_stage(first)
+    idx, micro_batches = torch.randint(0, whole.spec.vocab, (2, 32)), 3
+    in_order = lambda blocks, x: functools.reduce(lambda h, block: block(h), blocks, x)  # noqa: E731
+    losses = []
+
+    def stage_1(out):  # the next stage: its forward and backward of one micro-batch; the gradient it sends back
+        received = out.detach().requires_grad_()
+        with lab03.autocast(recipe, idx.device):
+            loss = second(idx, idx, run_blocks=lambda blocks, x: in_order(blocks[1:], received))[1]
+        (loss / micro_batches).backward()
+        losses.append(loss.detach())
+        return received.grad
+
+    optimizer = KeepGradients(first)
+    pipeline.first_stage_step(first, optimizer, idx, recipe=recipe, blocks=in_order, stages=2,
+                              accumulation=micro_batches, receive=stage_1)
+    want = []
+    for _ in range(micro_batches):
+        with lab03.autocast(recipe, idx.device):
+            loss = whole(idx, idx)[1]
+        (loss / micro_batches).backward()
+        want.append(loss.detach())
+    assert len(losses) == micro_batches and all(torch.equal(a, b) for a, b in zip(losses, want))
+    got = {n: g for n, g in optimizer.grads.items()} | {n: p.grad for n, p in second.named_parameters()
+                                                        if p.grad is not None}
+    grads = {n: p.grad for n, p in whole.named_parameters()}
+    assert set(got) == set(grads) and {n for n, p in second.named_parameters() if p.grad is not None} == \
+        {n for n in grads if not n.startswith(("embed", "blocks.0."))}
+    for name, grad in grads.items():
+        assert torch.equal(got[name], grad), name
+
+
 def test_a_float8_linear_keeps_what_a_bf16_linear_keeps_and_under_autocast_no_weight_cast():
     """torchao's default saves the high-precision operands. In pure bf16 that is what a plain linear saves: the
     same activations and the same peak. Under torch AMP autocast saves a bf16 cast of every linear's weight for
@@ -128,7 +188,6 @@ def test_float8_bad_input_is_one_line_and_exit_2(args, fragment, capsys):
     ({"checkpointing": "save-matmuls"}, "_scaled_mm"), ({"checkpointing": "save-alternate-matmuls"}, "_scaled_mm"),
     ({"task": "infer"}, "--float8 needs a backward"),
     ({"model": "small-mixtral"}, "dense zoo Llama"),
-    ({"pp": 2, "accumulation": 2}, "--float8 tensorwise with --pp is not traced"),
     ({"float8": "tensorwise-all-gather", "tp": 2, "dp": 2, "zero_stage": 3}, "tensorwise-all-gather with --tp is not"),
 ])
 def test_float8_refuses_what_it_does_not_trace(fields, fragment):

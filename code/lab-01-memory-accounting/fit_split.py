@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
-from fit_expr import ZERO, Expr, ceil_div, total
+from fit_expr import ZERO, Expr, ceil_div, larger, total
 from fit_symbols import LSE, SCALE
 
 
@@ -38,6 +38,28 @@ def float8_mlp(S, sp: bool) -> Expr:
     norm's own tensors (--sp: on T / t tokens), the float8 copy of its output, gate, SiLU(gate) and up (c), the
     product's float8 copy. ``fit_moments.recomputed_mlp`` takes it off a recomputed block for its MLP's backward."""
     return S.T * (S.h + 3 * S.c * S.f + S.f) + (ceil_div(S.T, S.t) if sp else S.T) * f.own(S)
+
+
+def float8_backward(x, S, kept: Expr) -> tuple[Expr, Expr]:
+    """--float8 tensorwise under --pp (Lab 13's fit_float8.py): a steady backward's (activations, temporaries) at the
+    largest of these points of the last block's MLP. The down projection's weight gradient, ``kept`` alive: its input's
+    gradient (c × T × f) and its own in bf16 (c × f × h), cast to the weight's dtype for autograd to accumulate (fp32
+    weights, w × f × h). Without --tp, just before it: down's saved input cast again (an fp32 copy and its e4m3 bits,
+    5 × T × f) beside the output's gradient (autocast's cast, c × T × h; its e5m2 bits, T × h). Under the float8 TP
+    styles, later: the gate's weight gradient beside its input's and up's (c × T × h each, not yet summed), the MLP's
+    gate, SiLU(gate), up and the product's float8 copy freed; or the MLP norm's backward, five fp32 tensors (--sp: on
+    T / t tokens), its float8 output and its normalised stream freed too."""
+    def most(*points):  # the point with the most bytes (the first of equals)
+        return max(points, key=lambda point: point[0].value + point[1].value)
+    cast = S.w * S.f * S.h if S.w.value != S.c.value else ZERO  # the bf16 weight gradient cast to the weight's dtype
+    down = (kept, total(S.c * S.T * S.f, S.c * S.f * S.h, cast))
+    if not S.f8tp:
+        mixed = S.c * S.T * S.h if x.precision == "mixed" else ZERO
+        return most(down, (kept, total(mixed, S.c * S.T * S.f, S.T * S.h, 5 * S.T * S.f)))
+    tokens = ceil_div(S.T, S.t) if x.sp else S.T
+    gate = (kept - S.T * (3 * S.c * S.f + S.f), total(2 * S.c * S.T * S.h, S.c * S.f * S.h, cast))
+    norm = (kept - S.T * (S.h + 3 * S.c * S.f + S.f) - tokens * S.r * S.h, 20 * tokens * S.h)
+    return most(down, most(gate, norm))
 
 
 def carried(x, S, grads: Expr) -> Expr:
@@ -75,26 +97,33 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     steady backward it holds pp micro-batches in flight (each its blocks' activations, its output, sent on and kept
     for its backward, and under autocast its own casts of the weights), every gradient, the buffer the gradient from
     the next stage is received into, and the last block's first backward matmuls: the gradients of the MLP's
-    down-projection input (c × T × f) and weight (c × f × h), beside the received gradient's cast (autocast). Or at
+    down-projection input (c × T × f) and weight (c × f × h), beside the received gradient's cast (autocast); under
+    --float8, no weight casts and the points of ``float8_backward``. Or at
     the end of that backward, the embedding's: its whole new gradient made beside the one accumulated, and the
     gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
-    steady forward (output, its copy for the collective, the rank's share)."""
+    steady forward (output, its copy for the collective, the rank's share; under the float8 TP styles the MLP's input
+    is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
+    cast: an fp32 copy, e4m3 bits)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
-    micro = micro + S.c * S.Pm if mixed and x.checkpointing == "none" else micro
+    micro = micro + S.c * S.Pm if mixed and x.checkpointing == "none" and x.float8 == "none" else micro
     temporaries = total(S.c * tokens * S.h if mixed else ZERO, S.c * S.T * S.f, S.c * S.f * S.h)
     grads = state["gradients"] + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 else state["gradients"]  # DTensor's whole
     held = dict(state) | {"gradients": grads, "communication": tokens * S.r * S.h}  # embedding gradient (moments)
-    out = {"pipeline_backward": held | {"activations": S.pp * micro, "temporaries": temporaries},
+    backward = float8_backward(x, S, S.pp * micro) if x.float8 != "none" else (S.pp * micro, temporaries)
+    out = {"pipeline_backward": held | dict(zip(("activations", "temporaries"), backward)),
            "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
                                          "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
            "optimizer": dict(state)}
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
+        forward = total(gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)
+        if S.f8tp:  # float8 TP styles: that input gathered in float8 and kept, the gate x up product (down saves its
+            forward = total(tokens * S.r * S.h, S.c * S.T * S.f,  # float8 copy), or before, down's weight cast to
+                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # e4m3 (an fp32 copy, its bits)
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
-                                                 "temporaries": total(gathered, tokens * S.r * S.h,
-                                                                      (2 * S.T + tokens) * S.c * S.h)}
+                                                 "temporaries": forward}
     if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     return out

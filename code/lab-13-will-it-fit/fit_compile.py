@@ -37,7 +37,8 @@ rule for each (else ``NotImplementedError`` from ``torch/_ops.py``): the rule be
 for Traffic, runs torch's own implementation with the wrapped op under the mode, so the ledger counts
 the op's bytes. The rng state the graph keeps is host memory (``torch.cuda.get_rng_state`` is a CPU
 tensor): not counted. Not traced: every-k (a segment spans blocks, each compiled alone), a MoE,
-``--tp``/``--pp``/``--cp``.
+``--tp`` (``check_compile`` says why), ``--cp``. Under ``--pp`` the first stage's blocks are compiled alone, and
+1F1B's p + 1 micro-batches run through them.
 
 Under FSDP2 (``--zero-stage 2/3``) torchtitan checkpoints, compiles, then ``fully_shard``s each block
 (``parallelize_llama`` in torchtitan/models/llama3/parallelize.py, ``apply_compile`` in
@@ -151,7 +152,7 @@ def compiled(model, config, steady: int):
             block.forward = partial(lab04.run_blocks, [block.forward], strategy=inside(config, i))
         block.compile(backend=backend.backend, fullgraph=True)
     yield backend
-    expected = len(model.blocks) * min(config.accumulation, steady)
+    expected = len(model.blocks) * min(config.accumulation, config.pp + 1 if config.pp > 1 else steady)  # (1F1B: p + 1)
     if backend.calls != expected:
         raise RuntimeError(f"--compile: {backend.calls} compiled block forwards ran, not {expected} (one per block and "
                            "micro-batch): a block ran eager, or ran again")
@@ -175,7 +176,14 @@ def check_compile(config) -> None:
                       "(a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)"),
                      (config.checkpointing == "every-k", "every-k's segments span blocks, and each block is "
                       "compiled alone: --checkpointing none, full, every-kth-block or an op-level policy"),
-                     (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
-                      "compiled: --tp 1 --pp 1")):
+                     # --tp stays refused: on torch 2.13 the embedding's RowwiseParallel output is redistributed with
+                     # async_op=True (torch/distributed/tensor/parallel/style.py, _prepare_output_fn), so the first
+                     # compiled block's input is an AsyncCollectiveTensor; AOTAutograd (inductor and aot_eager too, gloo
+                     # or the fake group alike) hands its gradient to Redistribute.backward as a plain tensor, skipping to_local's
+                     # backward: "'Tensor' object has no attribute '_local_tensor'" (torch/distributed/tensor/
+                     # _redistribute.py, NestedRedistribute.forward). On fake tensors funcol returns a waited plain tensor
+                     # instead (_are_we_tracing() in _functional_collectives.py), so the trace runs but its real twin fails.
+                     (config.tp > 1, "DTensor's split blocks are not traced compiled (on torch 2.13 the real step fails "
+                      "in backward): --tp 1")):
         if bad:
             raise UsageError(f"--compile: {why}")

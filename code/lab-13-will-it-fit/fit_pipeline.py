@@ -54,10 +54,11 @@ def _stage_forward(self, idx, run_blocks):
 
 # --8<-- [start:schedule]
 def first_stage_step(model, optimizer, idx, *, recipe: str, blocks, stages: int, accumulation: int,
-                     **_) -> None:
+                     receive=torch.zeros_like, **_) -> None:
     """One optimizer step of 1F1B's first stage over ``accumulation`` micro-batches (at least ``stages``), the
     blocks run by ``blocks`` (Lab 04's run_blocks and a strategy, as ``fit.train_step``):
-    ``stages`` forwards, then a backward and a forward while forwards remain, then the other backwards."""
+    ``stages`` forwards, then a backward and a forward while forwards remain, then the other backwards.
+    ``receive(out)``: the gradient the next stage sends back for ``out`` (the trace's: a buffer, zeros)."""
     forwards = min(accumulation, stages + 1)  # the warm-up and one steady pair: later pairs repeat it
     in_flight = []  # each micro-batch's output, sent to stage 1 and kept for its backward
 
@@ -69,7 +70,7 @@ def first_stage_step(model, optimizer, idx, *, recipe: str, blocks, stages: int,
         out = in_flight.pop(0)
         with marks.phase("backward", 1):
             with marks.category("communication"):
-                grad = torch.zeros_like(out)  # the buffer stage 1's gradient is received into
+                grad = receive(out)  # the buffer stage 1's gradient is received into
             out.backward(grad)
 
     for _ in range(stages):  # the warm-up: p micro-batches in flight

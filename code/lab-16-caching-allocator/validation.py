@@ -39,11 +39,11 @@ TORCHTUNE = "https://github.com/pytorch/torchtune/blob/1814feb17a9038e1a8053ce93
 TITAN_8B = {"model": "llama-3.1-8b", "seq": 8192, "batch": 2, "zero_stage": 3, "precision": "mixed",
             "checkpointing": "save-alternate-matmuls"}
 #: why a figure is not expressed yet: what Lab 13 does not trace together (its refusals say the same)
-COMPILE = ("torch.compile with --tp, --pp or --cp is not traced together (Lab 13 compiles whole blocks under FSDP2, "
-           "with their checkpoint inside, not DTensor's split blocks, a pipeline's stages or the ring)")
+COMPILE = ("torch.compile with --tp or --cp is not traced together (Lab 13 compiles whole blocks under FSDP2 or on a "
+           "pipeline stage, with their checkpoint inside, not DTensor's split blocks or the ring)")
 FLOAT8_RECIPE = ("the benchmark names Float8 without its recipe or whether FSDP2 gathered float8 weights (Lab 13 traces "
                  "--float8 tensorwise and tensorwise-all-gather; which one ran is not stated)")
-FLOAT8_SPLIT = "Float8 with --tp, --pp or --cp is not traced together (Lab 13 swaps the linears in before the split)"
+FLOAT8_SPLIT = "Float8 with --cp is not traced together (Lab 13 traces it with --tp and --pp)"
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,11 @@ PUBLISHED = (
            step=TITAN_8B | {"dp": 128, "compile": True}, alloc_conf="", alloc_conf_source=TITAN_SLURM),
     _titan("titan-8b-fsdp128-compile-fp8", "Table 3", "the same, + torch.compile + Float8", 61.8, FLOAT8_RECIPE),
     _titan("titan-70b-2d", "Table 4", "Llama 3.1 70B, FSDP 32 x TP 8, local batch 16, full AC, compile + Float8", 71.9,
-           f"{COMPILE}; {FLOAT8_SPLIT}"),
+           COMPILE),
     _titan("titan-70b-2d-asynctp", "Table 4", "the same, + AsyncTP", 67.6,
-           f"AsyncTP's symmetric-memory buffers are not traced; {COMPILE}; {FLOAT8_SPLIT}"),
+           f"AsyncTP's symmetric-memory buffers are not traced; {COMPILE}"),
     _titan("titan-405b-1f1b", "Table 5", "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, full AC, "
-           "torch.compile + Float8 + AsyncTP", 82.5, f"{COMPILE}; {FLOAT8_SPLIT}; AsyncTP's buffers are not traced"),
+           "torch.compile + Float8 + AsyncTP", 82.5, f"{COMPILE}; AsyncTP's buffers are not traced"),
     _titan("titan-405b-interleaved", "Table 5", "the same, interleaved 1F1B", 72.7,
            "the interleaved schedule is a cited formula in Lab 13, not traced; and as 1F1B's row"),
     *(_titan(f"titan-405b-4d-cp{cp}", "Table 6", f"Llama 3.1 405B, 4D (FSDP {8 // cp}, TP 8, PP 8, CP {cp}), "

@@ -340,7 +340,6 @@
     if (x.float8 === "tensorwise-all-gather" && (x.zero_stage < 2 || x.offload === "params" || x.replicate > 1)) {
       return ["float8", "--float8 tensorwise-all-gather casts FSDP2's shards to float8 before their all-gather: it needs --zero-stage 2 or 3, and is not traced with --offload params or --replicate"];
     }
-    if (x.float8 !== "none" && x.pp > 1) return ["float8", `--float8 ${x.float8} with --pp is not traced (Lab 13): leave one out`];
     if (x.float8 === "tensorwise-all-gather" && x.tp > 1) return ["float8", "--float8 tensorwise-all-gather with --tp is not traced (Lab 13): FSDP2's float8 gather of split weights is not built; --float8 tensorwise traces torchao's float8 TP styles"];
     if (x.float8 !== "none" && x.checkpointing !== "none" && x.checkpointing !== "full") {
       return ["float8", `--float8 ${x.float8} with --checkpointing ${x.checkpointing}: ` + (!x.checkpointing.startsWith("every")
@@ -778,25 +777,46 @@
     const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
     const mixed = x.precision === "mixed" && !fsdpMixed(x);
     let micro = S.L.mul(layer(S, x.checkpointing, x.sp)).add(tokens.mul(S.r).mul(S.h));
-    if (mixed && x.checkpointing === "none") micro = micro.add(S.c.mul(S.Pm));
+    if (mixed && x.checkpointing === "none" && x.float8 === "none") micro = micro.add(S.c.mul(S.Pm));
     const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
     const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
     const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
+    const backward = x.float8 !== "none" ? float8Backward(x, S, S.pp.mul(micro)) : [S.pp.mul(micro), temporaries];
     const out = {
-      pipeline_backward: Object.assign({}, held, { activations: S.pp.mul(micro), temporaries }),
+      pipeline_backward: Object.assign({}, held, { activations: backward[0], temporaries: backward[1] }),
       embedding_backward: Object.assign({}, held, { activations: S.pp.sub(1).mul(micro).add(tokens.mul(S.r).mul(S.h)),
         temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
       optimizer: Object.assign({}, state),
     };
     const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
-    if (x.sp) {  // a steady forward's last reduce-scatter
+    if (x.sp) {  // a steady forward's last reduce-scatter (float8 TP styles: or down's weight cast to e4m3 before it)
+      let forward = total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
+      if (S.f8tp) {  // the product not saved (down saves its float8 copy); or down's weight cast to e4m3 before
+        forward = total(tokens.mul(S.r).mul(S.h), S.c.mul(S.T).mul(S.f),
+          larger(n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h), n(5).mul(S.f).mul(S.h)));
+      }
       out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
-        temporaries: total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h)) });
+        temporaries: forward });
     }
     if (x.optimizer === "adamw" || x.optimizer === "adamw-foreach") {
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
     return out;
+  }
+
+  /** Python: fit_split.float8_backward (--float8 tensorwise --pp): a steady backward's [activations, temporaries]. */
+  function float8Backward(x, S, kept) {
+    const pick = (a, b) => (b[0].value + b[1].value > a[0].value + a[1].value ? b : a);  // Python's max: the first on a tie
+    const cast = S.w.value !== S.c.value ? S.w.mul(S.f).mul(S.h) : ZERO;
+    const down = [kept, total(S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h), cast)];
+    if (!S.f8tp) {
+      const mixed = x.precision === "mixed" ? S.c.mul(S.T).mul(S.h) : ZERO;
+      return pick(down, [kept, total(mixed, S.c.mul(S.T).mul(S.f), S.T.mul(S.h), n(5).mul(S.T).mul(S.f))]);
+    }
+    const tokens = x.sp ? ceilDiv(S.T, S.t) : S.T;
+    const gate = [kept.sub(S.T.mul(n(3).mul(S.c).mul(S.f).add(S.f))), total(n(2).mul(S.c).mul(S.T).mul(S.h), S.c.mul(S.f).mul(S.h), cast)];
+    const norm = [kept.sub(S.T.mul(S.h.add(n(3).mul(S.c).mul(S.f)).add(S.f))).sub(tokens.mul(S.r).mul(S.h)), n(20).mul(tokens).mul(S.h)];
+    return pick(down, pick(gate, norm));
   }
 
   // FSDP2's mixed at ZeRO-3: the second block's backward, at its MLP norm's backward (fit_moments.block_backward);

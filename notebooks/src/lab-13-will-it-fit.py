@@ -299,13 +299,16 @@ for (m, u), t in units.items():
 # `--tp` mesh of the fake process group; `--sp` also splits the norms and the stream between sublayers
 # along the sequence. `--pp` traces 1F1B's first stage (`fit_pipeline.py`): its blocks, and `--pp`
 # micro-batches in flight. Llama-3-8B at 4,096 tokens, AMP; then one rank of Llama-3.1-405B as
-# torchtitan would lay it out on 512 GPUs: TP 8 with SP, PP 16, ZeRO-3 over 8 data-parallel ranks.
+# torchtitan would lay it out on 512 GPUs: TP 8 with SP, PP 16, ZeRO-3 over 8 data-parallel ranks; last, that rank
+# with float8 linears (torchao's float8 TP styles: each linear's input saved in float8).
 
 # %%
 SPLITS = {"--tp 8 --sp": dict(model="llama-3-8b", tp=8, sp=True),
           "--pp 4 (8 micro-batches)": dict(model="llama-3-8b", pp=4, accumulation=8),
           "405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3": dict(model="llama-3.1-405b", tp=8, sp=True, pp=16,
                                                                   accumulation=16, dp=8, zero_stage=3)}
+SPLITS["405B, the same with --float8 tensorwise"] = SPLITS["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"] | {
+    "float8": "tensorwise"}
 split_traces = {label: lab.trace(lab.Config(seq=4096, levers="none", **f)) for label, f in SPLITS.items()}
 parallel = tables.fits_table(list(split_traces.items()), ["h100-80gb", "h200-141gb"])
 display(parallel)
@@ -366,6 +369,7 @@ notebook.publish(
     **{f"units_{u.replace('-', '_')}_{m}": t.per_rank_peak_bytes for (m, u), t in units.items()},
     tp8_sp_8b=split_traces["--tp 8 --sp"].per_rank_peak_bytes, pp4_8b=split_traces["--pp 4 (8 micro-batches)"].per_rank_peak_bytes,
     rank_405b=split_traces["405B: --tp 8 --sp --pp 16 --dp 8 --zero-stage 3"].per_rank_peak_bytes,
+    rank_405b_float8=split_traces["405B, the same with --float8 tensorwise"].per_rank_peak_bytes,
     cp_off_32k=cp_traces["--dp 16: a whole sequence per rank"].per_rank_peak_bytes,
     cp4_32k=cp_traces["--dp 4 --cp 4: a quarter per rank"].per_rank_peak_bytes,
     twins_equal=all(real.derived["by_phase"] == traced.derived["by_phase"] for _, real, traced in pairs))
