@@ -6,7 +6,6 @@ where in bf16 they round differently and move later float8 roundings by a step),
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -29,9 +28,9 @@ def step(sp: bool | None, mesh=None):
     return whole(loss).float(), {n: whole(p.grad).float() for n, p in model.named_parameters()}
 
 
-def rank(r: int, out: str, port: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=r, world_size=2)
+def rank(r: int, out: str, rendezvous: str) -> None:
+    # a file the ranks meet at (argv[2], not there yet): no TCP port another process could take first
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=r, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,))
     want, want_grads = step(None)
