@@ -263,10 +263,11 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
     held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
-    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO
+    logits = logits + 4 * S.T * S.V if x.tp > 1 else logits  # --tp: loss_parallel's fp32 shifted logits (x − max)
+    frame = (ceil_div(S.T, S.t) if x.sp else S.T) * S.r * S.h if S.r.value < 4 else ZERO  # (--sp: T / t tokens)
     out = {
         "forward_end": held | {"activations": act["kept"],  # + the blocks' output, held by forward (a bf16 stream)
-                               "temporaries": total(act["cache"], logits, frame if x.tp == 1 else ZERO)},
+                               "temporaries": total(act["cache"], logits, frame)},
         "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }

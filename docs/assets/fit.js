@@ -888,10 +888,11 @@
     let carried = x.accumulation > 1 ? state.gradients : ZERO;
     if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
     const held = Object.assign({}, state, { gradients: carried });
-    const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
+    let logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
+    if (x.tp > 1) logits = logits.add(n(4).mul(S.T).mul(S.V));  // --tp: loss_parallel's fp32 shifted logits (x - max)
     const out = {
       forward_end: Object.assign({}, held, { activations: act.kept,  // + the blocks' output, held by forward (a bf16 stream)
-        temporaries: total(act.cache, logits, S.r.value < 4n && x.tp === 1 ? S.T.mul(S.r).mul(S.h) : ZERO) }),
+        temporaries: total(act.cache, logits, S.r.value < 4n ? (x.sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h) : ZERO) }),
       backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
