@@ -123,7 +123,8 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
           # float8 at a short sequence: a gate weight's fp32 copy and e4m3 bits in a recomputed backward
           {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "checkpointing": "full", "precision": "bf16",
            "float8": "tensorwise"}]
-NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "checkpointing": "full"}]  # --tp: loss_parallel's shifted logits
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "checkpointing": "full"},  # --tp: loss_parallel's shifted logits
+          {"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "checkpointing": "save-matmuls"}]  # --sp's T / t input
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

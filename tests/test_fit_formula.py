@@ -362,7 +362,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # out of DTensor's whole gradient hold the peak (fit_split.embedding)
                                     {"seq": 2048, "tp": 8, "sp": True, "dp": 8, "zero_stage": 3, "checkpointing": "full"},
                                     # --tp at ZeRO-0, 8k tokens: the end of forward, loss_parallel's fp32 shifted logits
-                                    {"seq": 8192, "tp": 8, "checkpointing": "full"}],
+                                    {"seq": 8192, "tp": 8, "checkpointing": "full"},
+                                    # and under --sp, save-matmuls: each block's input kept on T / t tokens
+                                    {"seq": 8192, "tp": 8, "sp": True, "checkpointing": "save-matmuls"}],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_parallel_formulas_follow_a_real_scale_trace_within_0_1_percent(fields):
     """Llama-3-8B, all 32 blocks, at 4,096 tokens, rank 0 of a --dp x --tp mesh (Lab 13's DTensor plan), or of

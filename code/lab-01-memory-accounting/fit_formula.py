@@ -120,14 +120,15 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     moe = S.E.value > 0
     if checkpointing == "none" and S.f8tp:  # torchao's float8 TP styles: float8 copies of the linears' inputs
         return fit_split.float8_layer(S, sp)
-    if checkpointing in ("full", "every-k"):  # the block's input (every-k: a segment's); the rest is recomputed
-        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h
+    stream = (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h  # the block's input (every-k: a segment's)
+    if checkpointing in ("full", "every-k"):  # the rest is recomputed
+        return stream
     if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
-        kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
+        kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + mlp
     elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (MoE: router, up or gate+down)
         mlp = S.c * S.E + S.K * S.c * S.f + ceil_div(S.K * S.c * S.h, 2) if moe else S.c * (S.f + S.h)
-        kept = S.c * (2 * S.q + S.g) + LSE * S.a + S.r * S.h + mlp
+        kept = S.c * (2 * S.q + S.g) + LSE * S.a + mlp
     else:
         attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
@@ -135,7 +136,7 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
         else:
             mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
-    kept = S.T * kept if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    kept = S.T * kept + stream if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # RoPE's cos, sin
     return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
 

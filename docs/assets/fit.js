@@ -494,15 +494,16 @@
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
     if (checkpointing === "none" && S.f8tp) return float8Layer(S, sp);  // float8 copies of the linears' inputs
-    if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
+    const stream = (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);  // the block's input (every-k: a segment's)
+    if (checkpointing === "full" || checkpointing === "every-k") return stream;
     let kept;
     if (checkpointing === "save-matmuls") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
-      kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+      kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(mlp);
     } else if (checkpointing === "save-alternate-matmuls") {
       const mlp = moe ? S.c.mul(S.E).add(S.K.mul(S.c).mul(S.f)).add(ceilDiv(S.K.mul(S.c).mul(S.h), n(2)))
         : S.c.mul(S.f.add(S.h));
-      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(mlp);
     } else {
       const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
@@ -513,7 +514,7 @@
       }
       kept = attention.add(mlp);
     }
-    if (checkpointing.startsWith("save")) return S.T.mul(kept);
+    if (checkpointing.startsWith("save")) return S.T.mul(kept).add(stream);  // the input: --sp, T / t tokens
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
