@@ -95,6 +95,11 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
                                      total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
+    if x.float8 == "tensorwise" and not units:  # or earlier (float8): the gate weight cast to e4m3 for its input's gradient,
+        cast = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - total(S.T * norm(S, 1), last, S.T * mlp),
+                       "temporaries": total(S.c * S.V * S.h, 2 * S.c * S.f * S.h, 5 * S.f * S.h, S.c * S.T * S.f, S.T * S.f,
+                                            2 * S.T * S.c * S.h)}  # as recomputed_mlp's (5), the MLP norm's not yet freed
+        out["block_backward"] = max(out["block_backward"], cast, key=lambda m: sum(e.value for e in m.values()))
     if units:  # the second block's, as without its own units but for the head's gradient (reduced) and its shard
         out["second_block_backward"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else
                                                grads + S.w * ceil_div(S.Pb, S.dp), "activations": act["kept"] -

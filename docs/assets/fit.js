@@ -775,6 +775,13 @@
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
       temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
+    if (x.float8 === "tensorwise" && !u) {  // or earlier (float8): the gate weight cast to e4m3, the MLP norm's not yet freed
+      const cast = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss)
+        .sub(total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp))), temporaries: total(S.c.mul(S.V).mul(S.h),
+        n(2).mul(S.c).mul(S.f).mul(S.h), n(5).mul(S.f).mul(S.h), S.c.mul(S.T).mul(S.f), S.T.mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h)) });
+      const sum = (m) => Object.values(m).reduce((a, e) => a + e.value, 0n);
+      if (sum(cast) > sum(out.block_backward)) out.block_backward = cast;
+    }
     if (u) {  // the second block's, as without its own units but for the head's gradient (reduced) and its shard
       out.second_block_backward = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
         : grads.add(S.w.mul(ceilDiv(S.Pb, S.dp))), activations: act.kept.sub(act.loss).sub(done).sub(layer(S, "none")),
