@@ -345,6 +345,7 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # float8 at 1,024 tokens: a block's gate weight cast to e4m3 in its backward, its
                                     # MLP norm's tensors not yet freed (fit_moments.block_backward)
                                     {"seq": 1024, "dp": 8, "zero_stage": 3, "float8": "tensorwise"},
+                                    {"seq": 1024, "dp": 8, "zero_stage": 2, "float8": "tensorwise"},  # every block gathered
                                     # full checkpointing, a block recomputed in backward (the second from the end; the
                                     # first under its own embedding unit): torchtitan's Llama-3-8B runs at 8k
                                     {"seq": 8192, "dp": 16, "zero_stage": 3, "checkpointing": "full", "loss": "fused-linear"},

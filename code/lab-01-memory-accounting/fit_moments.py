@@ -78,9 +78,9 @@ def experts(S) -> Expr:
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2 at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's backward (a MoE block's
-    experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter input (under
-    FSDP2's mixed precision, fp32) still held; the
+    """FSDP2 at ZeRO-3 (under --float8, ZeRO-2 too; Lab 13's trace): the second block's backward, at its MLP norm's
+    backward (a MoE block's experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter
+    input (under FSDP2's mixed precision, fp32) still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
     wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP.
     With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32
@@ -147,7 +147,8 @@ def recomputed_gathers(x: Inputs, S, gathered: Expr) -> dict[str, Expr]:
     out = {moment: gathered * (S.Pr + recomputed_blocks(x, S, at) * S.Pb) + S.w * S.Pb
            for moment, at in (("recomputed_backward", "end"), ("recomputed_front", "front"))}
     out["recomputed_last"] = gathered * (S.Pr + recomputed_blocks(x, S, "last") * S.Pb)
-    return out | ({"block_backward": out["recomputed_backward"]} if x.zero_stage == 3 else {})
+    zero2 = x.fsdp_units == "blocks" and x.float8 != "none"  # ZeRO-2 (float8): the second block's backward, every
+    return out | ({"block_backward": out["recomputed_backward"]} if x.zero_stage == 3 or zero2 else {})  # block gathered
 
 
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
@@ -284,7 +285,7 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
     if x.zero_stage == 2:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
-        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
+        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L, "block_backward": S.L - 1}  # (the last done)
     else:
         counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "second_block_backward": 2} | (
             {"forward_end": 1} if x.fsdp_units == "blocks" else {})

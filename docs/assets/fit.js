@@ -675,7 +675,8 @@
       out.recomputed_backward = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "end").mul(S.Pb))).add(S.w.mul(S.Pb));
       out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "front").mul(S.Pb))).add(S.w.mul(S.Pb));
       out.recomputed_last = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "last").mul(S.Pb)));  // no reduce-scatter yet
-      if (x.zero_stage === 3) out.block_backward = out.recomputed_backward;
+      // ZeRO-2 (float8): the second block's backward, every block gathered but the last
+      if (x.zero_stage === 3 || (!units(x) && x.float8 !== "none")) out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
@@ -685,7 +686,7 @@
     if (x.float8 !== "tensorwise-all-gather") return comm;
     const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
     const counts = x.zero_stage === 2
-      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
+      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L, block_backward: S.L.sub(n(1)) }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
         second_block_backward: n(2) }, units(x) ? {} : { forward_end: n(1) });
     for (const at of ["end", "front", "last", "second"]) {
