@@ -247,7 +247,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
     out |= recomputed_gathers(x, S, gathered)  # a block's backward, recomputed or not (fit_moments.py)
-    out["embedding_rows"] = gathered * S.Pr + S.w * S.Pb  # --tp, FSDP2: the root gathered, the first block's reduce
+    out["embedding_rows"] = out["embedding_end"] = gathered * S.Pr + S.w * S.Pb  # the root, the first block's reduce
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -277,8 +277,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
-    if x.tp > 1:  # DTensor's whole embedding gradient
-        out |= fit_split.embedding(x, S, state, held)
+    out |= fit_split.embedding(x, S, state, held)  # --tp: DTensor's whole embedding gradient; FSDP2: the embedding's backward
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)

@@ -51,7 +51,10 @@ def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
     the embedding's backward makes a whole new gradient beside the one accumulated. Under FSDP2 (ZeRO-2 and 3) the
     whole gradient is in the gathered weights' dtype and the rows are copied out at once, the last thing backward
     does (``embedding_rows``): beside them the head's gradient waits for the root's reduce-scatter, every block's
-    shard is out, the root is gathered and the first block's reduce-scatter input is held (``communication``)."""
+    shard is out, the root is gathered and the first block's reduce-scatter input is held (``communication``). Without
+    --tp: :func:`embedding_end`."""
+    if x.tp == 1:
+        return embedding_end(x, S, held)
     if x.zero_stage >= 2 and x.offload == "none":
         grads = held["gradients"] if x.accumulation > 1 else S.w * S.L * ceil_div(S.Pb, S.dp)
         return {"embedding_rows": held | {"gradients": grads, "temporaries": S.c * S.t * S.V * S.h + 2 * S.c * S.V * S.h}}
@@ -62,6 +65,18 @@ def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
     if x.accumulation > 1:
         out["embedding_backward"] = held | {"temporaries": whole + S.T * S.r * S.h}
     return out
+
+
+def embedding_end(x, S, held: dict) -> dict[str, dict[str, Expr]]:
+    """FSDP2 without its mixed precision (pure bf16, fp32; mixed: ``fit_moments.backward_end``): the embedding's
+    own backward, the last thing backward does: its gradient made (c × V × h) from the stream's (T × h) beside the
+    head's, which waits for the root's reduce-scatter; every block's shard out, the root gathered and the first
+    block's reduce-scatter input held (``communication``). Traced: an untied Llama, the blocks FSDP2's only units."""
+    if x.zero_stage < 2 or x.offload != "none" or f.fsdp_mixed(x) or x.fsdp_units != "blocks" or x.method != "full" \
+            or x.spec().tied or x.spec().family == "gpt" or S.E.value:
+        return {}
+    grads = held["gradients"] if x.accumulation > 1 else S.w * S.L * ceil_div(S.Pb, S.dp)
+    return {"embedding_end": held | {"gradients": grads, "temporaries": 2 * S.c * S.V * S.h + S.T * S.c * S.h}}
 
 
 def first_stage(x, S, state: dict, comm: dict) -> dict[str, dict[str, Expr]]:

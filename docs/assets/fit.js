@@ -669,7 +669,7 @@
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
-      embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
+      embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)), embedding_end: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
     if (x.zero_stage >= 2) {  // input (kept until the next): a block's backward (blockBackward; recomputedBlock)
       out.recomputed_backward = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "end").mul(S.Pb))).add(S.w.mul(S.Pb));
@@ -916,6 +916,11 @@
     if (x.tp > 1 && x.zero_stage >= 2 && x.offload === "none") {  // under FSDP2, its rows copied out (fit_split.embedding)
       out.embedding_rows = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
         : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: S.c.mul(S.t).mul(S.V).mul(S.h).add(n(2).mul(S.c).mul(S.V).mul(S.h)) });
+    }
+    if (x.tp === 1 && x.zero_stage >= 2 && x.offload === "none" && !fsdpMixed(x) && !units(x) && x.method === "full"
+        && !z.spec.tied && z.spec.family !== "gpt" && !S.E.value) {  // the embedding's backward (fit_split.embedding_end)
+      out.embedding_end = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: n(2).mul(S.c).mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
       const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
@@ -1364,6 +1369,7 @@
     embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
     embedding_rows: "the embedding's backward (DTensor's whole gradient, this rank's rows copied out)",
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
+    embedding_end: "the embedding's backward, the last of backward (its gradient beside the head's)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
