@@ -225,7 +225,8 @@ def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
     e4m3 for its input's gradient, its fp32 copy and bits (5 × f × h) beside the down and up weights' gradients, the
     gate output's gradient and its e5m2 bits, and up's input gradient (at short sequences the weights' copies win).
     ``n``: the blocks recomputed together (every-k: a segment, its last shorter; default G, or 1 under full
-    checkpointing)."""
+    checkpointing). One block alone (6): its attention norm's backward, the block's other tensors freed, the norm's six
+    fp32 tensors (five in fp32) beside all seven weights' bf16 gradients (at short sequences the attention's win)."""
     from fit_formula import fit_split, layer, norm, own  # here: fit_formula imports this file
     tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
     n = (S.G if x.checkpointing == "every-k" else 1) if n is None else n  # the blocks recomputed together
@@ -241,10 +242,13 @@ def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
         product = larger(product, mlp_norm + total(5 * S.T * S.c * S.f, S.T * S.c * S.h, weight))
     inputs = mlp_norm + total(S.T * S.c * S.f, 2 * S.T * S.c * S.h, 3 * weight)  # (3)
     norm_backward = tokens * ((20 if fp32 else 24) * S.h + ROW) + 3 * weight  # (4): 5 or 6 fp32 tensors
+    attention = norm_backward + S.c * (2 * S.q + 2 * S.g) * S.h  # (6): the same at the first norm; seven gradients
     if x.float8 == "tensorwise" and not S.f8tp:  # (5) float8: the gate weight cast to e4m3 for its input's gradient, its fp32
         cast = mlp_norm + total(S.c * S.T * S.f, S.T * S.f, S.T * S.c * S.h, 2 * weight, 5 * S.f * S.h)  # copy and bits
         norm_backward = larger(norm_backward, cast)  # beside: down's and up's weight gradients, the gate output's
-    return total(before, larger(larger(product, inputs), norm_backward), tokens * S.c * S.h)  # gradient and e5m2 bits
+    peak = total(before, larger(larger(product, inputs), norm_backward))  # gradient and e5m2 bits
+    peak = larger(peak, attention) if getattr(n, "value", n) == 1 else peak  # (6): one block, its other tensors freed
+    return total(peak, tokens * S.c * S.h)
 
 
 def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:

@@ -832,11 +832,14 @@
     }
     const inputs = mlpNorm.add(total(S.T.mul(S.c).mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h), n(3).mul(weight)));
     let normBackward = tokens.mul(n(fp32 ? 20 : 24).mul(S.h).add(K().row)).add(n(3).mul(weight));
+    const attention = normBackward.add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g))).mul(S.h));  // (6): seven gradients
     if (x.float8 === "tensorwise" && !S.f8tp) {  // (5): the gate weight cast to e4m3 for its input's gradient (fp32 copy, bits)
       const cast = mlpNorm.add(total(S.c.mul(S.T).mul(S.f), S.T.mul(S.f), S.T.mul(S.c).mul(S.h), n(2).mul(weight), n(5).mul(S.f).mul(S.h)));
       normBackward = larger(normBackward, cast);
     }
-    return total(before, larger(larger(product, inputs), normBackward), tokens.mul(S.c).mul(S.h));
+    let peak = total(before, larger(larger(product, inputs), normBackward));
+    if (k === 1 || k.value === 1n) peak = larger(peak, attention);  // (6): one block, its other tensors freed
+    return total(peak, tokens.mul(S.c).mul(S.h));
   }
 
   // --checkpointing full or every-k under FSDP2 (ZeRO-2 or 3): a block's (segment's) backward, recomputed, at its MLP's
