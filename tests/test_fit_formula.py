@@ -349,6 +349,9 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # a recomputed block at 1,024 tokens: its attention norm's backward, all seven
                                     # weights' gradients alive (fit_moments.recomputed_mlp's sixth point)
                                     {"seq": 1024, "dp": 8, "zero_stage": 3, "checkpointing": "full", "precision": "bf16"},
+                                    # float8 TP styles, the second block's MLP norm backward: its float8 copies freed,
+                                    # the norm's fp32 input still read (fit_moments.block_backward)
+                                    {"seq": 1024, "tp": 8, "dp": 4, "zero_stage": 3, "float8": "tensorwise"},
                                     # pure bf16 under FSDP2: the embedding's backward, its gradient beside the head's
                                     {"seq": 1024, "dp": 8, "zero_stage": 3, "float8": "tensorwise-all-gather",
                                      "checkpointing": "full", "precision": "bf16"},

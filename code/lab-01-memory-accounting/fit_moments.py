@@ -86,19 +86,22 @@ def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, E
     With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32
     reduce-scatter input held (``fsdp_units``), no head gradient waiting; the last block not yet gone; and, before
     it, the head's reduce-scatter: its bf16 gradient not yet freed as the first block is gathered (head_reduced)."""
-    from fit_formula import layer, norm  # here: fit_formula imports this file
+    from fit_formula import fit_split, layer, norm  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     mlp, weight_grads = (experts(S), S.E * (3 * S.c * S.h * S.f + S.c * S.h)) if S.E.value else (4 * S.c * S.f, 3 * S.c * S.h * S.f)
     last = ZERO if units else layer(S, "none", False)  # the last block's activations, gone
-    done = total(S.T * norm(S, 1), last, S.T * (mlp + 4 * S.h + ROW))
+    mlp_done = S.T * (mlp + 4 * S.h + ROW)  # float8 TP styles: its float8 copies, the norm's fp32 input still read
+    mlp_done = fit_split.float8_mlp(S, x.sp) - 4 * (ceil_div(S.T, S.t) if x.sp else S.T) * S.h if S.f8tp else mlp_done
+    done = total(S.T * norm(S, 1), last, mlp_done)
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
                                      total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
-    if x.float8 == "tensorwise" and not units:  # or earlier (float8): the gate weight cast to e4m3 for its input's gradient,
+    if x.float8 == "tensorwise" and not units and not S.f8tp:  # or earlier (float8, no --tp): the gate weight cast to
         cast = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - total(S.T * norm(S, 1), last, S.T * mlp),
                        "temporaries": total(S.c * S.V * S.h, 2 * S.c * S.f * S.h, 5 * S.f * S.h, S.c * S.T * S.f, S.T * S.f,
-                                            2 * S.T * S.c * S.h)}  # as recomputed_mlp's (5), the MLP norm's not yet freed
+                                            2 * S.T * S.c * S.h)}  # e4m3 for its input's gradient, as recomputed_mlp's
+        # (5), the MLP norm's tensors not yet freed
         out["block_backward"] = max(out["block_backward"], cast, key=lambda m: sum(e.value for e in m.values()))
     if units:  # the second block's, as without its own units but for the head's gradient (reduced) and its shard
         out["second_block_backward"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else

@@ -771,12 +771,14 @@
     const [mlp, weightGrads] = S.E.value ? [experts(S), S.E.mul(n(3).mul(S.c).mul(S.h).mul(S.f).add(S.c.mul(S.h)))]
       : [n(4).mul(S.c).mul(S.f), n(3).mul(S.c).mul(S.h).mul(S.f)];
     const last = u ? ZERO : layer(S, "none");  // the last block's activations, gone
-    const done = total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
+    const mlpDone = S.f8tp ? float8Mlp(S, x.sp).sub(n(4).mul(x.sp ? ceilDiv(S.T, S.t) : S.T).mul(S.h))  // float8 TP styles
+      : S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row));
+    const done = total(S.T.mul(norm(S, 1)), last, mlpDone);
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
       temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
-    if (x.float8 === "tensorwise" && !u) {  // or earlier (float8): the gate weight cast to e4m3, the MLP norm's not yet freed
+    if (x.float8 === "tensorwise" && !u && !S.f8tp) {  // or earlier (float8): the gate weight cast to e4m3, the MLP norm's not yet freed
       const cast = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss)
         .sub(total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp))), temporaries: total(S.c.mul(S.V).mul(S.h),
         n(2).mul(S.c).mul(S.f).mul(S.h), n(5).mul(S.f).mul(S.h), S.c.mul(S.T).mul(S.f), S.T.mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h)) });
