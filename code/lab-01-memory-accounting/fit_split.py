@@ -105,6 +105,9 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
            "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
                                          "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
            "optimizer": dict(state)}
+    if x.checkpointing == "none" and not mixed:  # or later (no autocast), at the gate x up product's backward: the
+        out["pipeline_product"] = held | {"activations": S.pp * micro - S.c * S.T * S.f,  # product freed, its gradient
+                                          "temporaries": 3 * S.c * S.T * S.f}  # and its factors' (the down weight's added)
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,

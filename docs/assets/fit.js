@@ -667,7 +667,7 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, pipeline_product: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, head_step: bwd, segment_backward: bwd,
       embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)), embedding_end: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
@@ -753,6 +753,10 @@
         temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
       optimizer: Object.assign({}, state),
     };
+    if (x.checkpointing === "none" && !mixed) {  // or later, at the gate x up product's backward (fit_split.pipeline)
+      out.pipeline_product = Object.assign({}, held, { activations: S.pp.mul(micro).sub(S.c.mul(S.T).mul(S.f)),
+        temporaries: n(3).mul(S.c).mul(S.T).mul(S.f) });
+    }
     const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
     if (x.sp) {  // a steady forward's last reduce-scatter
       out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
@@ -1376,6 +1380,7 @@
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
     embedding_end: "the embedding's backward, the last of backward (its gradient beside the head's)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
+    pipeline_product: "a steady backward of the first pipeline stage, at the last block's gate x up product",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
     head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
