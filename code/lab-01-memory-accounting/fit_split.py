@@ -108,6 +108,11 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     if x.checkpointing == "none" and not mixed:  # or later (no autocast), at the gate x up product's backward: the
         out["pipeline_product"] = held | {"activations": S.pp * micro - S.c * S.T * S.f,  # product freed, its gradient
                                           "temporaries": 3 * S.c * S.T * S.f}  # and its factors' (the down weight's added)
+    if mixed and x.checkpointing == "full" and x.tp == 1:  # a steady forward's last block, at its gate x up product:
+        out["pipeline_cache"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
+                                               "temporaries": total(S.c * S.Pm - S.c * S.f * S.h, 3 * S.c * S.T * S.f,
+                                                                    S.T * S.r * S.h, 4 * S.T * S.h)}  # autocast's cache
+        # of the stage's casts but down's; gate, SiLU(gate), their product; the stream and the MLP norm's fp32 product
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
