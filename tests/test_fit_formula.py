@@ -335,6 +335,7 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     {"pp": 4, "accumulation": 8}, {"pp": 4, "accumulation": 8, "tp": 4, "sp": True},
                                     # 1F1B's first stage in bf16 at 8k: the last block's gate x up product's backward
                                     {"seq": 8192, "pp": 2, "accumulation": 4, "tp": 2, "precision": "bf16"},
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "precision": "bf16"},  # its MLP norm's
                                     # under autocast, full checkpointing, ZeRO-1: a steady forward, every cast cached
                                     {"pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
                                     {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},

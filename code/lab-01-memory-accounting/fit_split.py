@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
 from fit_expr import ZERO, Expr, ceil_div, total
-from fit_symbols import LSE, SCALE
+from fit_symbols import LSE, ROW, SCALE
 
 
 def rank_spec(spec, tp: int):
@@ -108,6 +108,10 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     if x.checkpointing == "none" and not mixed:  # or later (no autocast), at the gate x up product's backward: the
         out["pipeline_product"] = held | {"activations": S.pp * micro - S.c * S.T * S.f,  # product freed, its gradient
                                           "temporaries": 3 * S.c * S.T * S.f}  # and its factors' (the down weight's added)
+    if x.checkpointing == "none" and x.precision == "bf16" and not x.sp:  # or at its MLP norm's backward (wide heads, a
+        out["pipeline_norm"] = held | {"activations": S.pp * micro - S.T * (4 * S.c * S.f + 4 * S.h + ROW),  # narrow MLP
+                                       "temporaries": 20 * S.T * S.h}  # rank): the MLP and the norm's fp32 input freed; x,
+        # x², its products: five fp32 tensors
     if mixed and x.checkpointing == "full" and x.tp == 1:  # a steady forward's last block, at its gate x up product:
         out["pipeline_cache"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                "temporaries": total(S.c * S.Pm - S.c * S.f * S.h, 3 * S.c * S.T * S.f,

@@ -667,7 +667,7 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, pipeline_product: bwd, embedding_backward: bwd,
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, pipeline_product: bwd, pipeline_norm: bwd, embedding_backward: bwd,
       pipeline_forward: fwd, pipeline_cache: fwd, head_step: bwd, segment_backward: bwd,
       embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)), embedding_end: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
@@ -756,6 +756,10 @@
     if (x.checkpointing === "none" && !mixed) {  // or later, at the gate x up product's backward (fit_split.pipeline)
       out.pipeline_product = Object.assign({}, held, { activations: S.pp.mul(micro).sub(S.c.mul(S.T).mul(S.f)),
         temporaries: n(3).mul(S.c).mul(S.T).mul(S.f) });
+    }
+    if (x.checkpointing === "none" && x.precision === "bf16" && !x.sp) {  // or at its MLP norm's backward
+      out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro)
+        .sub(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row))), temporaries: n(20).mul(S.T).mul(S.h) });
     }
     if (mixed && x.checkpointing === "full" && x.tp === 1) {  // a steady forward's last block: autocast's cache
       out.pipeline_cache = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
@@ -1386,6 +1390,7 @@
     embedding_end: "the embedding's backward, the last of backward (its gradient beside the head's)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
     pipeline_product: "a steady backward of the first pipeline stage, at the last block's gate x up product",
+    pipeline_norm: "a steady backward of the first pipeline stage, at the last block's MLP norm",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     pipeline_cache: "a steady forward of the first pipeline stage (autocast's cache of its weight casts)",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
