@@ -249,7 +249,8 @@
     if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
     if (family === "gpt") return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages`];
     for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
-      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2],
+      ["tp", "--tp without --sp and --checkpointing full", x.tp > 1 && !x.sp && x.checkpointing === "full"]]) {
       if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
     }
     return null;
