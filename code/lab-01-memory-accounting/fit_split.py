@@ -93,7 +93,9 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     down-projection input (c × T × f) and weight (c × f × h), beside the received gradient's cast (autocast). Or at
     the end of that backward, the embedding's: its whole new gradient made beside the one accumulated, and the
     gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
-    steady forward (output, its copy for the collective, the rank's share)."""
+    steady forward (output, its copy for the collective, the rank's share). Without autocast, later in that backward:
+    at the last block's gate x up product (pipeline_product) or, in bf16, its MLP norm (pipeline_norm); under autocast
+    with full checkpointing, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
