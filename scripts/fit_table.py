@@ -132,6 +132,17 @@ NAMED += [{"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorw
           {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 4, "sp": True, "precision": "bf16"},
           {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True},
           {"model": "llama-3-70b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True, "dp": 2}]
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "checkpointing": "full"},  # --tp: loss_parallel's shifted logits
+          {"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "checkpointing": "save-matmuls"}]  # --sp's T / t input
+NAMED += [{"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "float8": "tensorwise"},  # a gate weight's cast
+          {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 2, "float8": "tensorwise-all-gather"},  # (ZeRO-2)
+          {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "float8": "tensorwise-all-gather",
+           "checkpointing": "full", "precision": "bf16"},  # the embedding's backward (fit_split.embedding_end)
+          {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "checkpointing": "full", "precision": "bf16"},  # (6)
+          {"model": "llama-3-8b", "seq": 1024, "tp": 8, "dp": 4, "zero_stage": 3, "float8": "tensorwise"},  # float8 TP
+          {"model": "llama-3-8b", "seq": 8192, "pp": 2, "accumulation": 4, "tp": 2, "precision": "bf16"},  # 1F1B
+          {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
+          {"model": "llama-3-70b", "seq": 8192, "pp": 2, "accumulation": 4, "tp": 8, "precision": "bf16"}]  # MLP norm
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

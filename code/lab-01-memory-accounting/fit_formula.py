@@ -121,14 +121,15 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
     moe = S.E.value > 0
     if checkpointing == "none" and S.f8tp:  # torchao's float8 TP styles: float8 copies of the linears' inputs
         return fit_split.float8_layer(S, sp)
-    if checkpointing in ("full", "every-k"):  # the block's input (every-k: a segment's); the rest is recomputed
-        return (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h
+    stream = (ceil_div(S.T, S.t) if sp else S.T) * S.r * S.h  # the block's input (every-k: a segment's)
+    if checkpointing in ("full", "every-k"):  # the rest is recomputed
+        return stream
     if checkpointing == "save-matmuls":  # Lab 04's: matmul and attention outputs, the input
         mlp = S.K * S.c * (2 * S.f + S.h) + S.c * S.E if moe else S.c * (2 * S.f + S.h)
-        kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + S.r * S.h + mlp
+        kept = S.c * (2 * S.q + 2 * S.g + S.h) + LSE * S.a + mlp
     elif checkpointing == "save-alternate-matmuls":  # torchtitan's: odd matmuls (MoE: router, up or gate+down)
         mlp = S.c * S.E + S.K * S.c * S.f + ceil_div(S.K * S.c * S.h, 2) if moe else S.c * (S.f + S.h)
-        kept = S.c * (2 * S.q + S.g) + LSE * S.a + S.r * S.h + mlp
+        kept = S.c * (2 * S.q + S.g) + LSE * S.a + mlp
     else:
         attention = norm(S, 3, sp) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a  # q, k after RoPE, v, SDPA's output
         if moe:  # the router's logits and fp32 probabilities; per routed token its rows, SwiGLU and output
@@ -136,7 +137,7 @@ def layer(S, checkpointing: str, sp: bool = False) -> Expr:
         else:
             mlp = norm(S, 2, sp) + 4 * S.c * S.f  # gate, SiLU(gate), up, their product
         kept = attention + mlp
-    kept = S.T * kept if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # + RoPE's cos, sin
+    kept = S.T * kept + stream if checkpointing.startswith("save") else S.T * kept + 2 * S.s * S.d * S.r  # RoPE's cos, sin
     return kept + ceil_div(S.T, S.t) * 2 * own(S) if sp and checkpointing == "none" else kept  # the norms' own
 
 
@@ -246,7 +247,7 @@ def communication(x: Inputs, S) -> dict[str, Expr]:
     out = {"forward_end": fwd, "backward_start": bwd, "head_gradient": bwd, "root_gathered": gather, "optimizer": opt,
            "backward_end": end}
     out |= recomputed_gathers(x, S, gathered)  # a block's backward, recomputed or not (fit_moments.py)
-    out["embedding_rows"] = gathered * S.Pr + S.w * S.Pb  # --tp, FSDP2: the root gathered, the first block's reduce
+    out["embedding_rows"] = out["embedding_end"] = gathered * S.Pr + S.w * S.Pb  # the root, the first block's reduce
     return float8_gather(x, S, gathered, fsdp_units(x, S, gathered, out))  # the embedding and head apart; float8
 # --8<-- [end:state]
 
@@ -263,10 +264,11 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     carried = fit_split.carried(x, S, state["gradients"] if x.accumulation > 1 else ZERO)  # earlier micro-batches'
     held = {k: v for k, v in state.items() if k != "gradients"} | {"gradients": carried}
     logits = (4 + S.c) * S.T * S.V if S.c.value < 4 else 4 * S.T * S.V  # the logits and their fp32 copy
-    frame = S.T * S.r * S.h if S.r.value < 4 else ZERO
+    logits = logits + 4 * S.T * S.V if x.tp > 1 else logits  # --tp: loss_parallel's fp32 shifted logits (x − max)
+    frame = (ceil_div(S.T, S.t) if x.sp else S.T) * S.r * S.h if S.r.value < 4 else ZERO  # (--sp: T / t tokens)
     out = {
         "forward_end": held | {"activations": act["kept"],  # + the blocks' output, held by forward (a bf16 stream)
-                               "temporaries": total(act["cache"], logits, frame if x.tp == 1 else ZERO)},
+                               "temporaries": total(act["cache"], logits, frame)},
         "backward_start": held | {"activations": act["kept"], "temporaries": (12 if x.tp > 1 else 8) * S.T * S.V},
         "optimizer": dict(state),
     }
@@ -275,8 +277,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
-    if x.tp > 1:  # DTensor's whole embedding gradient
-        out |= fit_split.embedding(x, S, state, held)
+    out |= fit_split.embedding(x, S, state, held)  # --tp: DTensor's whole embedding gradient; FSDP2: the embedding's backward
     if x.loss != "full":
         del out["backward_start"]
         out |= chunked_loss(x, S, held, act)

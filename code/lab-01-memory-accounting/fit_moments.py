@@ -82,23 +82,31 @@ def experts(S) -> Expr:
 
 
 def block_backward(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2 at ZeRO-3 (Lab 13's trace): the second block's backward, at its MLP norm's backward (a MoE block's
-    experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter input (under
-    FSDP2's mixed precision, fp32) still held; the
+    """FSDP2 at ZeRO-3 (under --float8, ZeRO-2 too; Lab 13's trace): the second block's backward, at its MLP norm's
+    backward (a MoE block's experts' gradients as its MLP's). The last block's gradient shard is out, its reduce-scatter
+    input (under FSDP2's mixed precision, fp32) still held; the
     head's bf16 gradient waits for the root's reduce-scatter; this block's MLP weights' bf16 gradients
     wait for its own. Gone: the loss's log-softmax, the final norm, the last block, this block's MLP.
     With --fsdp-units blocks-embed-head, the last block's: the head unit's gradient shard out, its fp32
     reduce-scatter input held (``fsdp_units``), no head gradient waiting; the last block not yet gone; and, before
     it, the head's reduce-scatter: its bf16 gradient not yet freed as the first block is gathered (head_reduced)."""
-    from fit_formula import layer, norm  # here: fit_formula imports this file
+    from fit_formula import fit_split, layer, norm  # here: fit_formula imports this file
     units = x.fsdp_units != "blocks"
     mlp, weight_grads = (experts(S), S.E * (3 * S.c * S.h * S.f + S.c * S.h)) if S.E.value else (4 * S.c * S.f, 3 * S.c * S.h * S.f)
     last = ZERO if units else layer(S, "none", False)  # the last block's activations, gone
-    done = total(S.T * norm(S, 1), last, S.T * (mlp + 4 * S.h + ROW))
+    mlp_done = S.T * (mlp + 4 * S.h + ROW)  # float8 TP styles: its float8 copies, the norm's fp32 input still read
+    mlp_done = fit_split.float8_mlp(S, x.sp) - 4 * (ceil_div(S.T, S.t) if x.sp else S.T) * S.h if S.f8tp else mlp_done
+    done = total(S.T * norm(S, 1), last, mlp_done)
     grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pr - S.V * S.h if units else S.Pb, S.dp)
     norm_backward = S.T * (5 * 4 * S.h + S.c * S.h + 2 * ROW)  # fp32 x, x², products; the stream's gradient
     out = {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done, "temporaries":
                                      total(ZERO if units else S.c * S.V * S.h, weight_grads, norm_backward)}}
+    if x.float8 == "tensorwise" and not units and not S.f8tp:  # or earlier (float8, no --tp): the gate weight cast to
+        cast = held | {"gradients": grads, "activations": act["kept"] - act["loss"] - total(S.T * norm(S, 1), last, S.T * mlp),
+                       "temporaries": total(S.c * S.V * S.h, 2 * S.c * S.f * S.h, 5 * S.f * S.h, S.c * S.T * S.f, S.T * S.f,
+                                            2 * S.T * S.c * S.h)}  # e4m3 for its input's gradient, as recomputed_mlp's
+        # (5), the MLP norm's tensors not yet freed
+        out["block_backward"] = max(out["block_backward"], cast, key=lambda m: sum(e.value for e in m.values()))
     if units:  # the second block's, as without its own units but for the head's gradient (reduced) and its shard
         out["second_block_backward"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else
                                                grads + S.w * ceil_div(S.Pb, S.dp), "activations": act["kept"] -
@@ -146,7 +154,8 @@ def recomputed_gathers(x: Inputs, S, gathered: Expr) -> dict[str, Expr]:
     out = {moment: gathered * (S.Pr + recomputed_blocks(x, S, at) * S.Pb) + S.w * S.Pb
            for moment, at in (("recomputed_backward", "end"), ("recomputed_front", "front"))}
     out["recomputed_last"] = gathered * (S.Pr + recomputed_blocks(x, S, "last") * S.Pb)
-    return out | ({"block_backward": out["recomputed_backward"]} if x.zero_stage == 3 else {})
+    zero2 = x.fsdp_units == "blocks" and x.float8 != "none"  # ZeRO-2 (float8): the second block's backward, every
+    return out | ({"block_backward": out["recomputed_backward"]} if x.zero_stage == 3 or zero2 else {})  # block gathered
 
 
 def recomputed_block(x: Inputs, S, held: dict) -> dict[str, dict[str, Expr]]:
@@ -223,7 +232,8 @@ def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
     e4m3 for its input's gradient, its fp32 copy and bits (5 × f × h) beside the down and up weights' gradients, the
     gate output's gradient and its e5m2 bits, and up's input gradient (at short sequences the weights' copies win).
     ``n``: the blocks recomputed together (every-k: a segment, its last shorter; default G, or 1 under full
-    checkpointing)."""
+    checkpointing). One block alone (6): its attention norm's backward, the block's other tensors freed, the norm's six
+    fp32 tensors (five in fp32) beside all seven weights' bf16 gradients (at short sequences the attention's win)."""
     from fit_formula import fit_split, layer, norm, own  # here: fit_formula imports this file
     tokens, fp32 = ceil_div(S.T, S.t) if x.sp else S.T, S.r.value == 4  # the norms' and the stream's tokens
     n = (S.G if x.checkpointing == "every-k" else 1) if n is None else n  # the blocks recomputed together
@@ -239,10 +249,13 @@ def recomputed_mlp(x: Inputs, S, n=None) -> Expr:
         product = larger(product, mlp_norm + total(5 * S.T * S.c * S.f, S.T * S.c * S.h, weight))
     inputs = mlp_norm + total(S.T * S.c * S.f, 2 * S.T * S.c * S.h, 3 * weight)  # (3)
     norm_backward = tokens * ((20 if fp32 else 24) * S.h + ROW) + 3 * weight  # (4): 5 or 6 fp32 tensors
+    attention = norm_backward + S.c * (2 * S.q + 2 * S.g) * S.h  # (6): the same at the first norm; seven gradients
     if x.float8 == "tensorwise" and not S.f8tp:  # (5) float8: the gate weight cast to e4m3 for its input's gradient, its fp32
         cast = mlp_norm + total(S.c * S.T * S.f, S.T * S.f, S.T * S.c * S.h, 2 * weight, 5 * S.f * S.h)  # copy and bits
         norm_backward = larger(norm_backward, cast)  # beside: down's and up's weight gradients, the gate output's
-    return total(before, larger(larger(product, inputs), norm_backward), tokens * S.c * S.h)  # gradient and e5m2 bits
+    peak = total(before, larger(larger(product, inputs), norm_backward))  # gradient and e5m2 bits
+    peak = larger(peak, attention) if getattr(n, "value", n) == 1 else peak  # (6): one block, its other tensors freed
+    return total(peak, tokens * S.c * S.h)
 
 
 def fsdp_units(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
@@ -283,7 +296,7 @@ def float8_gather(x: Inputs, S, gathered: Expr, comm: dict) -> dict:
     less = (gathered - 1) * ceil_div(S.Pm, S.L)  # one block's linears, gathered in 1 byte instead
     if x.zero_stage == 2:
         ends = S.L if x.fsdp_units != "blocks" else S.L + 1
-        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L}
+        counts = {"forward_end": ends, "backward_start": S.L, "head_gradient": S.L, "block_backward": S.L - 1}  # (the last done)
     else:
         counts = {"backward_start": 1, "head_gradient": 1, "block_backward": 2, "head_reduced": 1, "second_block_backward": 2} | (
             {"forward_end": 1} if x.fsdp_units == "blocks" else {})

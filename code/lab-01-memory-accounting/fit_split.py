@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import fit_formula as f  # layer(), fsdp_mixed(): read when a formula is computed (fit_formula imports this file)
 from fit_expr import ZERO, Expr, ceil_div, larger, total
-from fit_symbols import LSE, SCALE
+from fit_symbols import LSE, ROW, SCALE
 
 
 def rank_spec(spec, tp: int):
@@ -73,7 +73,10 @@ def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
     the embedding's backward makes a whole new gradient beside the one accumulated. Under FSDP2 (ZeRO-2 and 3) the
     whole gradient is in the gathered weights' dtype and the rows are copied out at once, the last thing backward
     does (``embedding_rows``): beside them the head's gradient waits for the root's reduce-scatter, every block's
-    shard is out, the root is gathered and the first block's reduce-scatter input is held (``communication``)."""
+    shard is out, the root is gathered and the first block's reduce-scatter input is held (``communication``). Without
+    --tp: :func:`embedding_end`."""
+    if x.tp == 1:
+        return embedding_end(x, S, held)
     if x.zero_stage >= 2 and x.offload == "none":
         grads = held["gradients"] if x.accumulation > 1 else S.w * S.L * ceil_div(S.Pb, S.dp)
         return {"embedding_rows": held | {"gradients": grads, "temporaries": S.c * S.t * S.V * S.h + 2 * S.c * S.V * S.h}}
@@ -84,6 +87,18 @@ def embedding(x, S, state: dict, held: dict) -> dict[str, dict[str, Expr]]:
     if x.accumulation > 1:
         out["embedding_backward"] = held | {"temporaries": whole + S.T * S.r * S.h}
     return out
+
+
+def embedding_end(x, S, held: dict) -> dict[str, dict[str, Expr]]:
+    """FSDP2 without its mixed precision (pure bf16, fp32; mixed: ``fit_moments.backward_end``): the embedding's
+    own backward, the last thing backward does: its gradient made (c × V × h) from the stream's (T × h) beside the
+    head's, which waits for the root's reduce-scatter; every block's shard out, the root gathered and the first
+    block's reduce-scatter input held (``communication``). Traced: an untied Llama, the blocks FSDP2's only units."""
+    if x.zero_stage < 2 or x.offload != "none" or f.fsdp_mixed(x) or x.fsdp_units != "blocks" or x.method != "full" \
+            or x.spec().tied or x.spec().family == "gpt" or S.E.value:
+        return {}
+    grads = held["gradients"] if x.accumulation > 1 else S.w * S.L * ceil_div(S.Pb, S.dp)
+    return {"embedding_end": held | {"gradients": grads, "temporaries": 2 * S.c * S.V * S.h + S.T * S.c * S.h}}
 
 
 def first_stage(x, S, state: dict, comm: dict) -> dict[str, dict[str, Expr]]:
@@ -103,7 +118,9 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     gradient of its output (gathered whole under --sp). Or, under --sp, at the last block's reduce-scatter in a
     steady forward (output, its copy for the collective, the rank's share; under the float8 TP styles the MLP's input
     is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
-    cast: an fp32 copy, e4m3 bits)."""
+    cast: an fp32 copy, e4m3 bits). Without autocast or float8, later in that backward: at the last block's gate x up
+    product (pipeline_product) or, in bf16, its MLP norm (pipeline_norm); under autocast with full checkpointing and
+    no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
@@ -116,6 +133,19 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
            "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
                                          "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
            "optimizer": dict(state)}
+    plain = x.float8 == "none"  # (float8's backward points are float8_backward's)
+    if plain and x.checkpointing == "none" and not mixed:  # or later (no autocast), at the gate x up product's backward: the
+        out["pipeline_product"] = held | {"activations": S.pp * micro - S.c * S.T * S.f,  # product freed, its gradient
+                                          "temporaries": 3 * S.c * S.T * S.f}  # and its factors' (the down weight's added)
+    if plain and x.checkpointing == "none" and x.precision == "bf16" and not x.sp:  # or at its MLP norm's backward (wide heads, a
+        out["pipeline_norm"] = held | {"activations": S.pp * micro - S.T * (4 * S.c * S.f + 4 * S.h + ROW),  # narrow MLP
+                                       "temporaries": 20 * S.T * S.h}  # rank): the MLP and the norm's fp32 input freed; x,
+        # x², its products: five fp32 tensors
+    if plain and mixed and x.checkpointing == "full" and x.tp == 1:  # a steady forward's last block, at its gate x up product:
+        out["pipeline_cache"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
+                                               "temporaries": total(S.c * S.Pm - S.c * S.f * S.h, 3 * S.c * S.T * S.f,
+                                                                    S.T * S.r * S.h, 4 * S.T * S.h)}  # autocast's cache
+        # of the stage's casts but down's; gate, SiLU(gate), their product; the stream and the MLP norm's fp32 product
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
         forward = total(gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)

@@ -253,7 +253,8 @@
     if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
     if (family === "gpt") return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages`];
     for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
-      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
+      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2],
+      ["tp", "--tp without --sp and --checkpointing full", x.tp > 1 && !x.sp && x.checkpointing === "full"]]) {
       if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
     }
     return null;
@@ -497,15 +498,16 @@
   function layer(S, checkpointing, sp) {
     const moe = S.E.value > 0n;
     if (checkpointing === "none" && S.f8tp) return float8Layer(S, sp);  // float8 copies of the linears' inputs
-    if (checkpointing === "full" || checkpointing === "every-k") return (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);
+    const stream = (sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h);  // the block's input (every-k: a segment's)
+    if (checkpointing === "full" || checkpointing === "every-k") return stream;
     let kept;
     if (checkpointing === "save-matmuls") {
       const mlp = moe ? S.K.mul(S.c).mul(n(2).mul(S.f).add(S.h)).add(S.c.mul(S.E)) : S.c.mul(n(2).mul(S.f).add(S.h));
-      kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+      kept = S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)).add(S.h)).add(n(K().lse).mul(S.a)).add(mlp);
     } else if (checkpointing === "save-alternate-matmuls") {
       const mlp = moe ? S.c.mul(S.E).add(S.K.mul(S.c).mul(S.f)).add(ceilDiv(S.K.mul(S.c).mul(S.h), n(2)))
         : S.c.mul(S.f.add(S.h));
-      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(S.r.mul(S.h)).add(mlp);
+      kept = S.c.mul(n(2).mul(S.q).add(S.g)).add(n(K().lse).mul(S.a)).add(mlp);
     } else {
       const attention = norm(S, 3, sp).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a));
       let mlp;
@@ -516,7 +518,7 @@
       }
       kept = attention.add(mlp);
     }
-    if (checkpointing.startsWith("save")) return S.T.mul(kept);
+    if (checkpointing.startsWith("save")) return S.T.mul(kept).add(stream);  // the input: --sp, T / t tokens
     kept = S.T.mul(kept).add(n(2).mul(S.s).mul(S.d).mul(S.r));
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
@@ -671,15 +673,17 @@
       [fwd, bwd, gather, opt, end] = [fwd, bwd, gather, opt, end].map((e) => (e === ZERO ? sh : e.add(sh)));
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
-      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, embedding_backward: bwd,
-      pipeline_forward: fwd, head_step: bwd, segment_backward: bwd, recomputed_last: bwd,
-      embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
+      backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, pipeline_product: bwd, pipeline_norm: bwd,
+      embedding_backward: bwd, pipeline_forward: fwd, pipeline_cache: fwd, head_step: bwd, segment_backward: bwd,
+      recomputed_last: bwd, embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)),
+      embedding_end: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
     if (x.zero_stage >= 2) {  // input (kept until the next): a block's backward (blockBackward; recomputedBlock)
       out.recomputed_backward = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "end").mul(S.Pb))).add(S.w.mul(S.Pb));
       out.recomputed_front = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "front").mul(S.Pb))).add(S.w.mul(S.Pb));
       out.recomputed_last = gathered.mul(S.Pr.add(recomputedBlocks(x, S, "last").mul(S.Pb)));  // no reduce-scatter yet
-      if (x.zero_stage === 3) out.block_backward = out.recomputed_backward;
+      // ZeRO-2 (float8): the second block's backward, every block gathered but the last
+      if (x.zero_stage === 3 || (!units(x) && x.float8 !== "none")) out.block_backward = out.recomputed_backward;
     }
     return float8Gather(x, S, gathered, units(x) ? fsdpUnits(x, S, gathered, out) : out);
   }
@@ -689,7 +693,7 @@
     if (x.float8 !== "tensorwise-all-gather") return comm;
     const less = gathered.sub(n(1)).mul(ceilDiv(S.Pm, S.L));
     const counts = x.zero_stage === 2
-      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L }
+      ? { forward_end: units(x) ? S.L : S.L.add(n(1)), backward_start: S.L, head_gradient: S.L, block_backward: S.L.sub(n(1)) }
       : Object.assign({ backward_start: n(1), head_gradient: n(1), block_backward: n(2), head_reduced: n(1),
         second_block_backward: n(2) }, units(x) ? {} : { forward_end: n(1) });
     for (const at of ["end", "front", "last", "second"]) {
@@ -788,6 +792,20 @@
         temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
       optimizer: Object.assign({}, state),
     };
+    const plain = x.float8 === "none";  // (float8's backward points are float8Backward's)
+    if (plain && x.checkpointing === "none" && !mixed) {  // or later, at the gate x up product's backward (fit_split.pipeline)
+      out.pipeline_product = Object.assign({}, held, { activations: S.pp.mul(micro).sub(S.c.mul(S.T).mul(S.f)),
+        temporaries: n(3).mul(S.c).mul(S.T).mul(S.f) });
+    }
+    if (plain && x.checkpointing === "none" && x.precision === "bf16" && !x.sp) {  // or at its MLP norm's backward
+      out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro)
+        .sub(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row))), temporaries: n(20).mul(S.T).mul(S.h) });
+    }
+    if (plain && mixed && x.checkpointing === "full" && x.tp === 1) {  // a steady forward's last block: autocast's cache
+      out.pipeline_cache = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
+        temporaries: total(S.c.mul(S.Pm).sub(S.c.mul(S.f).mul(S.h)), n(3).mul(S.c).mul(S.T).mul(S.f), S.T.mul(S.r).mul(S.h),
+          n(4).mul(S.T).mul(S.h)) });
+    }
     const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
     if (x.sp) {  // a steady forward's last reduce-scatter (float8 TP styles: or down's weight cast to e4m3 before it)
       let forward = total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
@@ -826,11 +844,20 @@
     const [mlp, weightGrads] = S.E.value ? [experts(S), S.E.mul(n(3).mul(S.c).mul(S.h).mul(S.f).add(S.c.mul(S.h)))]
       : [n(4).mul(S.c).mul(S.f), n(3).mul(S.c).mul(S.h).mul(S.f)];
     const last = u ? ZERO : layer(S, "none");  // the last block's activations, gone
-    const done = total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row)));
+    const mlpDone = S.f8tp ? float8Mlp(S, x.sp).sub(n(4).mul(x.sp ? ceilDiv(S.T, S.t) : S.T).mul(S.h))  // float8 TP styles
+      : S.T.mul(mlp.add(n(4).mul(S.h)).add(K().row));
+    const done = total(S.T.mul(norm(S, 1)), last, mlpDone);
     const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(u ? S.Pr.sub(S.V.mul(S.h)) : S.Pb, S.dp));
     const normBackward = S.T.mul(n(20).mul(S.h).add(S.c.mul(S.h)).add(2 * K().row));
     const out = { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
       temporaries: total(u ? ZERO : S.c.mul(S.V).mul(S.h), weightGrads, normBackward) }) };
+    if (x.float8 === "tensorwise" && !u && !S.f8tp) {  // or earlier (float8): the gate weight cast to e4m3, the MLP norm's not yet freed
+      const cast = Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss)
+        .sub(total(S.T.mul(norm(S, 1)), last, S.T.mul(mlp))), temporaries: total(S.c.mul(S.V).mul(S.h),
+        n(2).mul(S.c).mul(S.f).mul(S.h), n(5).mul(S.f).mul(S.h), S.c.mul(S.T).mul(S.f), S.T.mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h)) });
+      const sum = (m) => Object.values(m).reduce((a, e) => a + e.value, 0n);
+      if (sum(cast) > sum(out.block_backward)) out.block_backward = cast;
+    }
     if (u) {  // the second block's, as without its own units but for the head's gradient (reduced) and its shard
       out.second_block_backward = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
         : grads.add(S.w.mul(ceilDiv(S.Pb, S.dp))), activations: act.kept.sub(act.loss).sub(done).sub(layer(S, "none")),
@@ -880,11 +907,14 @@
     }
     const inputs = mlpNorm.add(total(S.T.mul(S.c).mul(S.f), n(2).mul(S.T).mul(S.c).mul(S.h), n(3).mul(weight)));
     let normBackward = tokens.mul(n(fp32 ? 20 : 24).mul(S.h).add(K().row)).add(n(3).mul(weight));
+    const attention = normBackward.add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g))).mul(S.h));  // (6): seven gradients
     if (x.float8 === "tensorwise" && !S.f8tp) {  // (5): the gate weight cast to e4m3 for its input's gradient (fp32 copy, bits)
       const cast = mlpNorm.add(total(S.c.mul(S.T).mul(S.f), S.T.mul(S.f), S.T.mul(S.c).mul(S.h), n(2).mul(weight), n(5).mul(S.f).mul(S.h)));
       normBackward = larger(normBackward, cast);
     }
-    return total(before, larger(larger(product, inputs), normBackward), tokens.mul(S.c).mul(S.h));
+    let peak = total(before, larger(larger(product, inputs), normBackward));
+    if (k === 1 || k.value === 1n) peak = larger(peak, attention);  // (6): one block, its other tensors freed
+    return total(peak, tokens.mul(S.c).mul(S.h));
   }
 
   // --checkpointing full or every-k under FSDP2 (ZeRO-2 or 3): a block's (segment's) backward, recomputed, at its MLP's
@@ -945,10 +975,11 @@
     let carried = x.accumulation > 1 ? state.gradients : ZERO;
     if (x.tp > 1 && x.zero_stage === 0 && x.accumulation > 1) carried = carried.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h));
     const held = Object.assign({}, state, { gradients: carried });
-    const logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
+    let logits = S.c.value < 4n ? n(4).add(S.c).mul(S.T).mul(S.V) : n(4).mul(S.T).mul(S.V);
+    if (x.tp > 1) logits = logits.add(n(4).mul(S.T).mul(S.V));  // --tp: loss_parallel's fp32 shifted logits (x - max)
     const out = {
       forward_end: Object.assign({}, held, { activations: act.kept,  // + the blocks' output, held by forward (a bf16 stream)
-        temporaries: total(act.cache, logits, S.r.value < 4n && x.tp === 1 ? S.T.mul(S.r).mul(S.h) : ZERO) }),
+        temporaries: total(act.cache, logits, S.r.value < 4n ? (x.sp ? ceilDiv(S.T, S.t) : S.T).mul(S.r).mul(S.h) : ZERO) }),
       backward_start: Object.assign({}, held, { activations: act.kept, temporaries: n(x.tp > 1 ? 12 : 8).mul(S.T).mul(S.V) }),
       optimizer: Object.assign({}, state),
     };
@@ -963,6 +994,11 @@
     if (x.tp > 1 && x.zero_stage >= 2 && x.offload === "none") {  // under FSDP2, its rows copied out (fit_split.embedding)
       out.embedding_rows = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
         : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: S.c.mul(S.t).mul(S.V).mul(S.h).add(n(2).mul(S.c).mul(S.V).mul(S.h)) });
+    }
+    if (x.tp === 1 && x.zero_stage >= 2 && x.offload === "none" && !fsdpMixed(x) && !units(x) && x.method === "full"
+        && !z.spec.tied && z.spec.family !== "gpt" && !S.E.value) {  // the embedding's backward (fit_split.embedding_end)
+      out.embedding_end = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
+        : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: n(2).mul(S.c).mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
     }
     if (x.tp > 1 && x.zero_stage === 0) {  // DTensor's whole embedding gradient, then this rank's rows (fit_formula.py)
       const whole = S.w.mul(S.t).mul(S.V).mul(S.h);
@@ -1412,8 +1448,12 @@
     embedding_gradient: "the optimizer step's start (DTensor's whole embedding gradient)",
     embedding_rows: "the embedding's backward (DTensor's whole gradient, this rank's rows copied out)",
     embedding_backward: "the embedding's backward (a whole new gradient beside the accumulated one)",
+    embedding_end: "the embedding's backward, the last of backward (its gradient beside the head's)",
     pipeline_backward: "a steady backward of the first pipeline stage (--pp micro-batches in flight)",
+    pipeline_product: "a steady backward of the first pipeline stage, at the last block's gate x up product",
+    pipeline_norm: "a steady backward of the first pipeline stage, at the last block's MLP norm",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
+    pipeline_cache: "a steady forward of the first pipeline stage (autocast's cache of its weight casts)",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
     head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
