@@ -51,6 +51,8 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "chunked", "checkpointing": "full"},
     {"loss": "fused-linear", "precision": "bf16", "accumulation": 2},
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
+    {"method": "lora", "loss": "chunked"},  # Lab 15's adapters: the frozen head's logits recomputed chunk by chunk
+    {"method": "qlora", "precision": "bf16", "loss": "fused-linear", "checkpointing": "full"},  # no head gradient
     {"float8": "tensorwise"},
     {"float8": "tensorwise", "precision": "bf16", "checkpointing": "full", "accumulation": 2},
     {"float8": "tensorwise", "dp": 2, "zero_stage": 3},
@@ -164,14 +166,22 @@ def test_the_ring_on_each_tp_ranks_local_heads_is_full_causal_attention():
 
 @pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
-def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision):
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision, method):
     """--loss chunked and fused-linear are the model's own cross-entropy, one chunk of tokens at a time:
-    the same loss and the same gradient on every parameter, within 1e-5 relative in fp32 (the sums run in
-    another order) and 2e-2 under bf16 autocast (bf16 matmuls, each chunk rounded on its own). 17 tokens
-    in 8 chunks leave a short last chunk; two targets are ignored (-100)."""
+    the same loss and the same gradient on every trained parameter (every weight, or LoRA's adapters on a
+    frozen base and head, their B made nonzero so that A gets a gradient too), within 1e-5 relative in fp32
+    (the sums run in another order) and 2e-2 under bf16 autocast (bf16 matmuls, each chunk rounded on its
+    own). 17 tokens in 8 chunks leave a short last chunk; two targets are ignored (-100)."""
     fit_loss = load_lab(13, "fit_loss")
     torch.manual_seed(0)
     model = zoo.get("small-llama").build()
+    if method == "lora":  # Lab 15's adapters, the base in its dtype for --precision (bf16 under mixed, as PEFT)
+        lab15 = labs.load(15)
+        model.to(lab15.weights_dtype(method, precision))
+        lab15.prepare(model, method, precision, rank=4)
+        for adapter in labs.load(15, "lora").adapters(model):
+            torch.nn.init.normal_(adapter.lora_B.weight, std=0.02)
     idx = torch.randint(0, model.spec.vocab, (1, 17))
     targets = idx.clone()
     targets[0, :2] = fit_loss.IGNORE
@@ -181,7 +191,7 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
             value = model(idx, targets, head_loss=head_loss)[1]
         value.backward()
-        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     want, want_grads = loss_and_grads(None)
     got, got_grads = loss_and_grads(fit_loss.LOSSES[loss])

@@ -67,16 +67,16 @@ def counts(x: Inputs, s, P: int, n: int) -> tuple[int, int, tuple, tuple]:
 
 
 # --8<-- [start:lora]
-def lora_layer(S, x: Inputs, layer) -> Expr:
+def lora_layer(S, x: Inputs, layer, checkpointing: str | None = None) -> Expr:
     """Bytes one Llama block keeps for backward under LoRA (Lab 15, PEFT's order of operations): its frozen
     weights need no input kept for a gradient, so a matmul's input is kept only where an adapter reads it;
     each adapter keeps its A output, and, under autocast, its own bf16 cast of its input. ``layer``: the
-    full fine-tune's block (``fit_formula.layer``), which checkpointing keeps whole or in part."""
-    targets, mixed = set(x.lora_targets), x.precision == "mixed"
+    full fine-tune's block (``fit_formula.layer``), which checkpointing (``x``'s unless given) keeps whole or in part."""
+    targets, mixed, checkpointing = set(x.lora_targets), x.precision == "mixed", checkpointing or x.checkpointing
     outputs = len(targets) * S.c * S.R  # each adapter's A output, for B's gradient
-    if x.checkpointing == "full":
+    if checkpointing == "full":
         return layer(S, "full")
-    if x.checkpointing == "save-matmuls":  # it also keeps each adapter's A and B outputs
+    if checkpointing == "save-matmuls":  # it also keeps each adapter's A and B outputs
         out = {"q": S.q, "k": S.g, "v": S.g, "o": S.h, "gate": S.f, "up": S.f, "down": S.h}
         return layer(S, "save-matmuls") + S.T * (outputs + S.c * total(*(out[t] for t in lora.ALL if t in targets)))
     reads = {"attention": sum(t in targets for t in ("q", "k", "v")), "mlp": sum(t in targets for t in ("gate", "up"))}
@@ -94,14 +94,29 @@ def lora_activations(x: Inputs, S, layer) -> dict[str, Expr]:
     the frozen embedding and is not in the graph. With fp32 adapters under autocast (PEFT's), each adapter's
     weight is kept as a bf16 cast too (but for those whose input needs no gradient)."""
     casts = S.c * S.Pt if x.precision == "mixed" else ZERO
-    kept = S.L * lora_layer(S, x, layer) + S.T * (4 * S.h + ROW + 4 * S.V)
+    loss = 4 * S.T * S.V if x.loss == "full" else ZERO  # chunked, fused-linear: the loss keeps the head's input
+    kept = S.L * lora_layer(S, x, layer) + S.T * (4 * S.h + ROW) + (loss if x.loss == "full" else S.T * S.c * S.h)
     if x.checkpointing == "none":  # the first block's attention norm reads the frozen embedding: not in the graph
         kept = kept - S.T * (4 * S.h + ROW)
     if casts is not ZERO and x.checkpointing == "none":  # less the first block's q, k, v A casts: no gradient
         first = sum(t in x.lora_targets for t in ("q", "k", "v"))  # reaches their input, so none is kept
         kept = kept + (casts - first * S.c * S.R * S.h if first else casts)
-    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": 4 * S.T * S.V,
-            "autocast": False}
+    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": loss, "autocast": False}
+
+
+def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr]]:
+    """--checkpointing full under LoRA (Lab 13's trace): the last block's backward, the block recomputed, at its
+    MLP's product's gradient: every checkpointed input (L x T x h) and the recomputed block's tensors, less the
+    product and the down adapter's A output (freed by the down projection's backward); beside them the stream's
+    gradient and, with an adapter on down, the product's gradient by the frozen weight, by the adapter and their
+    sum (one without), and the down adapter's gradients."""
+    if not lora_step(x) or x.checkpointing != "full" or S.E.value:
+        return {}
+    down = "down" in x.lora_targets
+    block = lora_layer(S, x, layer, "none") - S.T * S.c * S.f - (S.T * S.c * S.R if down else ZERO)
+    grads = held["gradients"] if held["gradients"] is not ZERO else S.w * S.R * (S.f + S.h) if down else ZERO
+    return {"lora_recomputed": held | {"gradients": grads, "activations": S.L * S.T * S.r * S.h,
+                                      "temporaries": block + S.T * S.c * S.h + (3 if down else 1) * S.T * S.c * S.f}}
 
 
 def frozen_state(x: Inputs, S) -> dict[str, Expr]:
