@@ -53,6 +53,7 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
     {"method": "lora", "loss": "chunked"},  # Lab 15's adapters: the frozen head's logits recomputed chunk by chunk
     {"method": "qlora", "precision": "bf16", "loss": "fused-linear", "checkpointing": "full"},  # no head gradient
+    {"method": "lora", "compile": True, "checkpointing": "full", "loss": "chunked"},  # adapters compiled with the block
     {"float8": "tensorwise"},
     {"float8": "tensorwise", "precision": "bf16", "checkpointing": "full", "accumulation": 2},
     {"float8": "tensorwise", "dp": 2, "zero_stage": 3},
@@ -278,15 +279,16 @@ def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab1
     assert moved > plain.device["activations"][end] / 3 and max(tl.host_total()) >= moved
 
 
-@pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "none"), ("fp32", "full"),
-                                                      ("mixed", "save-matmuls")])
-def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing):
+@pytest.mark.parametrize("precision, checkpointing, method", [
+    ("fp32", "none", "full"), ("mixed", "none", "full"), ("fp32", "full", "full"), ("mixed", "save-matmuls", "full"),
+    ("mixed", "none", "lora"), ("fp32", "full", "lora")])  # Lab 15's adapters compiled with their block
+def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing, method):
     """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python, the
-    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every gradient equal the
+    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every trained gradient equal the
     eager step's with the same checkpointing (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
     rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as it
     runs, are the same on fake tensors as on real ones. Under full checkpointing they are none (the block's
-    input is its input; the rng state is host memory) and the forward's activations equal eager's; otherwise
+    input is its input; the rng state is host memory) and the activations at the end of forward equal eager's; otherwise
     some, and fewer activations than eager's (the partitioner recomputes some)."""
     from types import SimpleNamespace
 
@@ -298,7 +300,14 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     def step(tensors, compile_blocks):
         with tensors():
             torch.manual_seed(0)
+            previous = torch.get_default_dtype()  # under LoRA, built in the frozen base's dtype (bf16 under mixed)
+            torch.set_default_dtype(labs.load(15).weights_dtype(method, precision))
             model = zoo.get("small-llama").build()
+            torch.set_default_dtype(previous)
+            if method == "lora":  # rank-4 adapters on the frozen base, as PEFT's, B made nonzero
+                labs.load(15).prepare(model, method, precision, rank=4)
+                for adapter in labs.load(15, "lora").adapters(model):
+                    torch.nn.init.normal_(adapter.lora_B.weight, std=0.02)
             idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
             ledger = Ledger("cpu").track_module(model)
             blocks = functools.partial(fit_compile.lab04.run_blocks, strategy=checkpointing if not compile_blocks
@@ -307,8 +316,9 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
                     loss = model(idx, idx, run_blocks=blocks)[1]
                 loss.backward()
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            return loss, grads, backend, ledger.timeline().peaks_by_phase()["forward"]["activations"]
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            tl = ledger.timeline()  # the activations at the end of forward
+            return loss, grads, backend, tl.device["activations"][next(s for s in tl.spans if s.name == "forward").end - 1]
 
     want, want_grads, _, eager_saved = step(contextlib.nullcontext, False)
     got, got_grads, real, compiled_saved = step(contextlib.nullcontext, True)
@@ -317,7 +327,8 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
     traced = step(functools.partial(fake.tensors, block=None), True)[2]
-    assert real.graphs == 1 and real.calls == 2 and traced.saved == real.saved
+    # under LoRA the first block's input (the frozen embedding's output) needs no gradient: a graph of its own
+    assert real.graphs == (2 if method == "lora" else 1) and real.calls == 2 and traced.saved == real.saved
     assert (real.saved == [0, 0]) is (checkpointing == "full")
     if checkpointing == "full":  # each block's input alone, as eager checkpointing keeps it
         assert compiled_saved == eager_saved
@@ -345,7 +356,8 @@ def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
     ({"task": "infer"}, "no backward to partition"), ({"checkpointing": "every-k", "checkpoint_every": 2},
                                                        "compiled alone"), ({"model": "small-mixtral"}, "dense zoo Llama"),
     ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
-    ({"offload_activations": True}, "--offload-activations with --compile is not traced together")])
+    ({"offload_activations": True}, "--offload-activations with --compile is not traced together"),
+    ({"method": "qlora", "precision": "bf16"}, "NF4 linears")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
     with pytest.raises(lab13.UsageError, match=fragment):
         lab13.Config(**{"model": "small-llama", "compile": True, **fields})

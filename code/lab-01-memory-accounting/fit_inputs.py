@@ -64,8 +64,7 @@ class FineTuning:
         if self.method == "full":
             return
         split = [f for f, on in (("--tp", getattr(self, "tp", 1) > 1), ("--pp", getattr(self, "pp", 1) > 1),
-                                 ("--float8", getattr(self, "float8", "none") != "none"),
-                                 ("--compile", getattr(self, "compile", False))) if on]
+                                 ("--float8", getattr(self, "float8", "none") != "none")) if on]
         if split:  # Lab 15's step was traced on one GPU, eager, in bf16 matmuls: these were not traced with it
             raise UsageError(f"{' and '.join(split)} with --method {self.method} is not traced together (Lab 15 traces "
                              "adapters on one GPU, eager, without float8): train every weight, or leave them out")

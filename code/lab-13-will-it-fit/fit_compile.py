@@ -36,7 +36,7 @@ rule for each (else ``NotImplementedError`` from ``torch/_ops.py``): the rule be
 for Traffic, runs torch's own implementation with the wrapped op under the mode, so the ledger counts
 the op's bytes. The rng state the graph keeps is host memory (``torch.cuda.get_rng_state`` is a CPU
 tensor): not counted. Not traced: every-k (a segment spans blocks, each compiled alone), a MoE,
-``--tp``/``--pp``/``--cp``.
+``--tp``/``--pp``/``--cp``, QLoRA's NF4 linears (LoRA's adapters compile with their block).
 
 Under FSDP2 (``--zero-stage 2/3``) torchtitan checkpoints, compiles, then ``fully_shard``s each block
 (``parallelize_llama`` in torchtitan/models/llama3/parallelize.py, ``apply_compile`` in
@@ -173,6 +173,8 @@ def check_compile(config) -> None:
                      (config.checkpointing == "every-k", "every-k's segments span blocks, and each block is "
                       "compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"),
                      (config.tp > 1 or config.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced "
-                      "compiled: --tp 1 --pp 1")):
+                      "compiled: --tp 1 --pp 1"),
+                     (config.method == "qlora", "Lab 15's NF4 linears read their weights back under a ledger mark that "
+                      "Dynamo cannot trace: --method lora, or QLoRA eager")):
         if bad:
             raise UsageError(f"--compile: {why}")
