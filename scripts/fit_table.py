@@ -125,6 +125,8 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
            "float8": "tensorwise"}]
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "bf16", "loss": chunked,  # a 24 GB
            "checkpointing": checkpointing} for chunked in ("chunked", "fused-linear") for checkpointing in ("none", "full")]
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "mixed", "loss": "chunked",
+           "checkpointing": "full"}]  # fp32 adapters: the recompute's down adapter casts the product to fp32 and back
 # card's fine-tune: the loss in chunks, the last block recomputed (fit_lora.lora_recomputed)
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 

@@ -112,11 +112,17 @@ def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr
     sum (one without), and the down adapter's gradients."""
     if not lora_step(x) or x.checkpointing != "full" or S.E.value:
         return {}
-    down = "down" in x.lora_targets
-    block = lora_layer(S, x, layer, "none") - S.T * S.c * S.f - (S.T * S.c * S.R if down else ZERO)
+    down, none = "down" in x.lora_targets, lora_layer(S, x, layer, "none")
+    block = none - S.T * S.c * S.f - (S.T * S.c * S.R if down else ZERO)
     grads = held["gradients"] if held["gradients"] is not ZERO else S.w * S.R * (S.f + S.h) if down else ZERO
-    return {"lora_recomputed": held | {"gradients": grads, "activations": S.L * S.T * S.r * S.h,
+    out = {"lora_recomputed": held | {"gradients": grads, "activations": S.L * S.T * S.r * S.h,
                                       "temporaries": block + S.T * S.c * S.h + (3 if down else 1) * S.T * S.c * S.f}}
+    if x.precision == "mixed" and down:  # the recompute's down adapter: PEFT casts the product to the fp32 adapter's
+        # dtype, autocast back to bf16 (kept); beside them the product, the base's output, the block's input, the MLP
+        # norm's output and two stream gradients, and the block's adapter weights cast to bf16
+        out["lora_recompute_down"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": total(
+            none, ceil_div(S.c * S.Pt, S.L), 5 * S.T * S.c * S.h, S.T * S.c * S.f, 4 * S.T * S.f)}
+    return out
 
 
 def frozen_state(x: Inputs, S) -> dict[str, Expr]:

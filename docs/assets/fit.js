@@ -561,11 +561,16 @@
   /** fit_lora.lora_recomputed: full checkpointing under LoRA, the last block's recomputed MLP's backward. */
   function loraRecomputedMlp(x, S, held) {
     if (!loraStep(x) || x.checkpointing !== "full" || S.E.value) return {};
-    const down = x.lora_targets.includes("down");
-    const block = loraLayer(S, x, "none").sub(S.T.mul(S.c).mul(S.f)).sub(down ? S.T.mul(S.c).mul(S.R) : ZERO);
+    const down = x.lora_targets.includes("down"), none = loraLayer(S, x, "none");
+    const block = none.sub(S.T.mul(S.c).mul(S.f)).sub(down ? S.T.mul(S.c).mul(S.R) : ZERO);
     const grads = held.gradients !== ZERO ? held.gradients : down ? S.w.mul(S.R).mul(S.f.add(S.h)) : ZERO;
-    return { lora_recomputed: Object.assign({}, held, { gradients: grads, activations: S.L.mul(S.T).mul(S.r).mul(S.h),
+    const out = { lora_recomputed: Object.assign({}, held, { gradients: grads, activations: S.L.mul(S.T).mul(S.r).mul(S.h),
       temporaries: block.add(S.T.mul(S.c).mul(S.h)).add(n(down ? 3 : 1).mul(S.T).mul(S.c).mul(S.f)) }) };
+    if (x.precision === "mixed" && down) {  // the recompute's down adapter: its fp32 and bf16 casts of the product
+      out.lora_recompute_down = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: total(
+        none, ceilDiv(S.c.mul(S.Pt), S.L), n(5).mul(S.T).mul(S.c).mul(S.h), S.T.mul(S.c).mul(S.f), n(4).mul(S.T).mul(S.f)) });
+    }
+    return out;
   }
 
   function gptLayer(S, checkpointing) {
@@ -1376,6 +1381,7 @@
     second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
     lora_recomputed: "the last block's backward, recomputed (its MLP's product's gradient, LoRA's frozen base)",
+    lora_recompute_down: "the last block's recompute, at its down adapter (the product cast to fp32 and back)",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
