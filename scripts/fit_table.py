@@ -53,7 +53,7 @@ LEVERS = lab13_levers.LEVERS + SERVING_LEVERS
 
 #: The lab that measures each category, for each task, and the lab behind each lever (linked from the page).
 TRAIN_LABS = {"parameters": 2, "frozen_weights": 15, "quant_constants": 15, "gradients": 2, "optimizer_state": 2,
-              "activations": 4, "temporaries": 13, "communication": 11, "kv_cache": 14}
+              "activations": 4, "temporaries": 13, "communication": 11, "kv_cache": 14, "dequantized": 15}
 MEASURED_BY = {"train": TRAIN_LABS, "infer": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "decode": TRAIN_LABS | {"parameters": 13, "kv_cache": 13},
                "serve": TRAIN_LABS | {"parameters": 14, "activations": 14},

@@ -46,7 +46,7 @@ KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 
 LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 # --8<-- [end:recipes]
 CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
-              "communication", "kv_cache")
+              "communication", "kv_cache", "dequantized")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ lora, nf4, adam8bit = labs.load(15, "lora"), labs.load(15, "nf4"), labs.load(15,
 FROZEN = {"fp32": 4, "bf16": 2, "mixed": 2}  # --method lora|qlora: bytes of a frozen weight (PEFT loads the base in bf16)
 #: Lab 15's block sizes: NF4 (weights per absmax, absmax per scale); the 8-bit AdamW (values per absmax,
 #: the smallest tensor in 8 bits, values updated at once, bytes of its working copies per value)
-NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK)
+NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK, nf4.chunk_of(nf4.BLOCK))  # and the values read back at once
 OPT8 = {"block": adam8bit.BLOCK, "min_8bit": adam8bit.MIN_8BIT, "chunk": adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS,
         "working": adam8bit.WORKING_BYTES}
 
@@ -122,6 +122,13 @@ def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr
         # norm's output and two stream gradients, and the block's adapter weights cast to bf16
         out["lora_recompute_down"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": total(
             none, ceil_div(S.c * S.Pt, S.L), 5 * S.T * S.c * S.h, S.T * S.c * S.f, 4 * S.T * S.f)}
+    if x.method == "qlora" and x.precision == "bf16":  # the recompute's down projection: its NF4 weight read back
+        fh = S.f * S.h  # in bf16, a float32 absmax per block and, chunk by chunk, the float32 working copies
+        work = 12 * fh if fh.value < NF4_BLOCKS[2] else 12 * NF4_BLOCKS[2]  # (a chunk's values twice, its codes)
+        alive = none + 3 * S.T * S.c * S.h  # the block's input and two stream gradients beside; not down's A output
+        alive = alive - S.T * S.c * S.R if down else alive
+        out["lora_dequantized"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": alive,
+                                          "dequantized": total(S.c * fh, 4 * ceil_div(fh, NF4_BLOCKS[0]), work)}
     return out
 
 

@@ -570,6 +570,14 @@
       out.lora_recompute_down = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: total(
         none, ceilDiv(S.c.mul(S.Pt), S.L), n(5).mul(S.T).mul(S.c).mul(S.h), S.T.mul(S.c).mul(S.f), n(4).mul(S.T).mul(S.f)) });
     }
+    if (x.method === "qlora" && x.precision === "bf16") {  // the recompute's down projection: its NF4 weight read back
+      const fh = S.f.mul(S.h), chunk = K().nf4_blocks[2];
+      const work = fh.value < BigInt(chunk) ? n(12).mul(fh) : n(12 * chunk);
+      const alive = none.add(n(3).mul(S.T).mul(S.c).mul(S.h));
+      out.lora_dequantized = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h),
+        temporaries: down ? alive.sub(S.T.mul(S.c).mul(S.R)) : alive,
+        dequantized: total(S.c.mul(fh), n(4).mul(ceilDiv(fh, n(K().nf4_blocks[0]))), work) });
+    }
     return out;
   }
 
@@ -1382,6 +1390,7 @@
     head_step: "the head's optimizer step, in backward",
     lora_recomputed: "the last block's backward, recomputed (its MLP's product's gradient, LoRA's frozen base)",
     lora_recompute_down: "the last block's recompute, at its down adapter (the product cast to fp32 and back)",
+    lora_dequantized: "the last block's recompute, its down projection's NF4 weight read back to bf16",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 
