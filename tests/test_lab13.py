@@ -622,6 +622,16 @@ def test_the_chunked_loss_lever_saves_what_it_claims_where_the_logits_hold_the_p
         == row["together"]["saves_bytes"]
 
 
+def test_the_chunked_loss_lever_is_offered_under_lora_and_pulls_a_config_that_traces(lab13):
+    """Under LoRA and QLoRA the ladder offers the chunked loss too (the frozen head's logits in chunks), and the
+    configuration it pulls is one Lab 13 accepts."""
+    levers = load_lab(13, "fit_levers")
+    for fields in ({"method": "lora"}, {"method": "qlora", "precision": "bf16", "checkpointing": "full"}):
+        config = small(lab13, **fields)
+        assert levers.LEVER["chunked loss"].pull(config) == {"loss": "chunked"}
+        assert replace(config, loss="chunked").loss == "chunked"  # __post_init__ runs again: accepted
+
+
 def test_a_decode_step_holds_the_preallocated_cache_and_the_formula_follows_it(lab13):
     """--task decode: Llama-3-8B in bf16, 32 sequences, a cache of 8,192 tokens each, 4 new tokens: the KV
     cache traced is every layer's K and V at full length (Lab 01's kv_cache_bytes, to the byte), and the

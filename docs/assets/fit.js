@@ -224,7 +224,7 @@
     if (x.method === "full") return null;
     const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
     if (split.length) {
-      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, eager, without float8): train every weight, or leave them out`];
+      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, without float8): train every weight, or leave them out`];
     }
     if (!["llama", "mixtral", "hf"].includes(s.family)) {
       return ["method", `--method ${x.method} puts adapters on Llama's q, k, v, o, gate, up and down projections: ${x.model} is a ${s.family} model, which has none`];
