@@ -122,11 +122,13 @@ def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr
         # norm's output and two stream gradients, and the block's adapter weights cast to bf16
         out["lora_recompute_down"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": total(
             none, ceil_div(S.c * S.Pt, S.L), 5 * S.T * S.c * S.h, S.T * S.c * S.f, 4 * S.T * S.f)}
-    if x.method == "qlora" and x.precision == "bf16":  # the recompute's down projection: its NF4 weight read back
-        fh = S.f * S.h  # in bf16, a float32 absmax per block and, chunk by chunk, the float32 working copies
+    if x.method == "qlora" and (x.precision == "bf16" or down):  # the recompute's down projection: its NF4 weight
+        fh = S.f * S.h  # read back in bf16, a float32 absmax per block and, chunk by chunk, float32 working copies
         work = 12 * fh if fh.value < NF4_BLOCKS[2] else 12 * NF4_BLOCKS[2]  # (a chunk's values twice, its codes)
         alive = none + 3 * S.T * S.c * S.h  # the block's input and two stream gradients beside; not down's A output
         alive = alive - S.T * S.c * S.R if down else alive
+        if x.precision == "mixed":  # the product for its bf16 cast, not down's weights cast; the others', the MLP norm's
+            alive = total(alive, ceil_div(S.c * S.Pt, S.L), S.T * S.c * S.h) - S.c * S.R * (S.f + S.h)  # output
         out["lora_dequantized"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": alive,
                                           "dequantized": total(S.c * fh, 4 * ceil_div(fh, NF4_BLOCKS[0]), work)}
     return out

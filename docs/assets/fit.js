@@ -570,12 +570,16 @@
       out.lora_recompute_down = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: total(
         none, ceilDiv(S.c.mul(S.Pt), S.L), n(5).mul(S.T).mul(S.c).mul(S.h), S.T.mul(S.c).mul(S.f), n(4).mul(S.T).mul(S.f)) });
     }
-    if (x.method === "qlora" && x.precision === "bf16") {  // the recompute's down projection: its NF4 weight read back
+    if (x.method === "qlora" && (x.precision === "bf16" || down)) {  // the recompute's down projection: its NF4 weight
       const fh = S.f.mul(S.h), chunk = K().nf4_blocks[2];
       const work = fh.value < BigInt(chunk) ? n(12).mul(fh) : n(12 * chunk);
-      const alive = none.add(n(3).mul(S.T).mul(S.c).mul(S.h));
+      let alive = none.add(n(3).mul(S.T).mul(S.c).mul(S.h));
+      if (down) alive = alive.sub(S.T.mul(S.c).mul(S.R));
+      if (x.precision === "mixed") {  // the product for its bf16 cast, not down's weights cast; the others', the MLP norm's output
+        alive = total(alive, ceilDiv(S.c.mul(S.Pt), S.L), S.T.mul(S.c).mul(S.h)).sub(S.c.mul(S.R).mul(S.f.add(S.h)));
+      }
       out.lora_dequantized = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h),
-        temporaries: down ? alive.sub(S.T.mul(S.c).mul(S.R)) : alive,
+        temporaries: alive,
         dequantized: total(S.c.mul(fh), n(4).mul(ceilDiv(fh, n(K().nf4_blocks[0]))), work) });
     }
     return out;
