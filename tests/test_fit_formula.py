@@ -168,6 +168,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"method": "qlora", "precision": "mixed", "checkpointing": "full", "loss": "chunked", "seq": 8192},  # its down adapter
     {"method": "qlora", "precision": "bf16", "checkpointing": "full", "loss": "chunked"},  # its NF4 weight read back
     {"method": "qlora", "precision": "mixed", "checkpointing": "full", "loss": "fused-linear"},  # (fp32 adapters)
+    {"method": "qlora", "precision": "bf16", "loss": "fused-linear"},  # no checkpointing: read back in forward
     {"method": "lora", "precision": "bf16", "checkpointing": "full", "loss": "fused-linear", "seq": 4096},
     {"method": "lora", "precision": "mixed", "checkpointing": "save-matmuls", "loss": "chunked", "lora_targets": ("q", "v")},
     # every weight through the 8-bit AdamW's chunks: a narrower model with a smaller vocabulary traces in seconds

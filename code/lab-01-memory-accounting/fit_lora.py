@@ -105,14 +105,24 @@ def lora_activations(x: Inputs, S, layer) -> dict[str, Expr]:
 
 
 def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr]]:
-    """--checkpointing full under LoRA (Lab 13's trace): the last block's backward, the block recomputed, at its
-    MLP's product's gradient: every checkpointed input (L x T x h) and the recomputed block's tensors, less the
-    product and the down adapter's A output (freed by the down projection's backward); beside them the stream's
-    gradient and, with an adapter on down, the product's gradient by the frozen weight, by the adapter and their
-    sum (one without), and the down adapter's gradients."""
-    if not lora_step(x) or x.checkpointing != "full" or S.E.value:
+    """The moments of a LoRA step's last block that can hold its peak once the loss no longer does (Lab 13's trace).
+    --checkpointing full: its backward, the block recomputed, at its MLP's product's gradient: every checkpointed
+    input (L x T x h) and the recomputed block's tensors, less the product and the down adapter's A output (freed by
+    the down projection's backward); beside them the stream's gradient and, with an adapter on down, the product's
+    gradient by the frozen weight, by the adapter and their sum (one without), and the down adapter's gradients;
+    with fp32 adapters, the recompute at the down adapter; under QLoRA, the recompute at the down projection's NF4
+    weight read back (short sequences). No checkpointing, QLoRA in bf16: that read-back in forward."""
+    if not lora_step(x) or x.checkpointing not in ("none", "full") or S.E.value:
         return {}
     down, none = "down" in x.lora_targets, lora_layer(S, x, layer, "none")
+    fh = S.f * S.h  # QLoRA: a linear's NF4 weight read back in bf16, a float32 absmax per block and, chunk by chunk,
+    work = 12 * fh if fh.value < NF4_BLOCKS[2] else 12 * NF4_BLOCKS[2]  # float32 working copies (a chunk's values
+    read = total(S.c * fh, 4 * ceil_div(fh, NF4_BLOCKS[0]), work)  # twice, its codes)
+    if x.checkpointing == "none":  # QLoRA in bf16: the last block's down projection read back in forward, every block
+        kept = S.L * none - S.T * (4 * S.h + ROW)  # kept but the first's attention norm and the last's down A output
+        kept = kept - S.T * S.c * S.R if down else kept
+        return {"lora_dequantized": held | {"activations": kept, "temporaries": 3 * S.T * S.c * S.h, "dequantized": read}
+                } if x.method == "qlora" and x.precision == "bf16" else {}
     block = none - S.T * S.c * S.f - (S.T * S.c * S.R if down else ZERO)
     grads = held["gradients"] if held["gradients"] is not ZERO else S.w * S.R * (S.f + S.h) if down else ZERO
     out = {"lora_recomputed": held | {"gradients": grads, "activations": S.L * S.T * S.r * S.h,
@@ -122,15 +132,12 @@ def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr
         # norm's output and two stream gradients, and the block's adapter weights cast to bf16
         out["lora_recompute_down"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": total(
             none, ceil_div(S.c * S.Pt, S.L), 5 * S.T * S.c * S.h, S.T * S.c * S.f, 4 * S.T * S.f)}
-    if x.method == "qlora" and (x.precision == "bf16" or down):  # the recompute's down projection: its NF4 weight
-        fh = S.f * S.h  # read back in bf16, a float32 absmax per block and, chunk by chunk, float32 working copies
-        work = 12 * fh if fh.value < NF4_BLOCKS[2] else 12 * NF4_BLOCKS[2]  # (a chunk's values twice, its codes)
+    if x.method == "qlora" and (x.precision == "bf16" or down):  # the recompute's down projection read back
         alive = none + 3 * S.T * S.c * S.h  # the block's input and two stream gradients beside; not down's A output
         alive = alive - S.T * S.c * S.R if down else alive
         if x.precision == "mixed":  # the product for its bf16 cast, not down's weights cast; the others', the MLP norm's
             alive = total(alive, ceil_div(S.c * S.Pt, S.L), S.T * S.c * S.h) - S.c * S.R * (S.f + S.h)  # output
-        out["lora_dequantized"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": alive,
-                                          "dequantized": total(S.c * fh, 4 * ceil_div(fh, NF4_BLOCKS[0]), work)}
+        out["lora_dequantized"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": alive, "dequantized": read}
     return out
 
 

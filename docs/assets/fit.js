@@ -560,8 +560,18 @@
 
   /** fit_lora.lora_recomputed: full checkpointing under LoRA, the last block's recomputed MLP's backward. */
   function loraRecomputedMlp(x, S, held) {
-    if (!loraStep(x) || x.checkpointing !== "full" || S.E.value) return {};
+    if (!loraStep(x) || !["none", "full"].includes(x.checkpointing) || S.E.value) return {};
     const down = x.lora_targets.includes("down"), none = loraLayer(S, x, "none");
+    const fh = S.f.mul(S.h), chunk = K().nf4_blocks[2];  // QLoRA: a linear's NF4 weight read back
+    const work = fh.value < BigInt(chunk) ? n(12).mul(fh) : n(12 * chunk);
+    const read = total(S.c.mul(fh), n(4).mul(ceilDiv(fh, n(K().nf4_blocks[0]))), work);
+    if (x.checkpointing === "none") {  // QLoRA in bf16: the last block's down projection read back in forward
+      if (x.method !== "qlora" || x.precision !== "bf16") return {};
+      let kept = S.L.mul(none).sub(S.T.mul(n(4).mul(S.h).add(K().row)));
+      if (down) kept = kept.sub(S.T.mul(S.c).mul(S.R));
+      return { lora_dequantized: Object.assign({}, held, { activations: kept, temporaries: n(3).mul(S.T).mul(S.c).mul(S.h),
+        dequantized: read }) };
+    }
     const block = none.sub(S.T.mul(S.c).mul(S.f)).sub(down ? S.T.mul(S.c).mul(S.R) : ZERO);
     const grads = held.gradients !== ZERO ? held.gradients : down ? S.w.mul(S.R).mul(S.f.add(S.h)) : ZERO;
     const out = { lora_recomputed: Object.assign({}, held, { gradients: grads, activations: S.L.mul(S.T).mul(S.r).mul(S.h),
@@ -570,17 +580,14 @@
       out.lora_recompute_down = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: total(
         none, ceilDiv(S.c.mul(S.Pt), S.L), n(5).mul(S.T).mul(S.c).mul(S.h), S.T.mul(S.c).mul(S.f), n(4).mul(S.T).mul(S.f)) });
     }
-    if (x.method === "qlora" && (x.precision === "bf16" || down)) {  // the recompute's down projection: its NF4 weight
-      const fh = S.f.mul(S.h), chunk = K().nf4_blocks[2];
-      const work = fh.value < BigInt(chunk) ? n(12).mul(fh) : n(12 * chunk);
+    if (x.method === "qlora" && (x.precision === "bf16" || down)) {  // the recompute's down projection read back
       let alive = none.add(n(3).mul(S.T).mul(S.c).mul(S.h));
       if (down) alive = alive.sub(S.T.mul(S.c).mul(S.R));
       if (x.precision === "mixed") {  // the product for its bf16 cast, not down's weights cast; the others', the MLP norm's output
         alive = total(alive, ceilDiv(S.c.mul(S.Pt), S.L), S.T.mul(S.c).mul(S.h)).sub(S.c.mul(S.R).mul(S.f.add(S.h)));
       }
-      out.lora_dequantized = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h),
-        temporaries: alive,
-        dequantized: total(S.c.mul(fh), n(4).mul(ceilDiv(fh, n(K().nf4_blocks[0]))), work) });
+      out.lora_dequantized = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: alive,
+        dequantized: read });
     }
     return out;
   }
