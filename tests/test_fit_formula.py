@@ -167,6 +167,13 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"method": "lora", "precision": "bf16"}, {"method": "qlora", "precision": "mixed"},
     {"method": "qlora", "precision": "bf16", "checkpointing": "full", "optimizer": "adamw8bit"},
     {"method": "lora", "precision": "mixed", "checkpointing": "save-matmuls", "lora_targets": ("q", "v")},
+    {"method": "qlora", "precision": "bf16", "checkpointing": "full", "loss": "chunked", "seq": 8192},  # recomputed MLP
+    {"method": "qlora", "precision": "mixed", "checkpointing": "full", "loss": "chunked", "seq": 8192},  # its down adapter
+    {"method": "qlora", "precision": "bf16", "checkpointing": "full", "loss": "chunked"},  # its NF4 weight read back
+    {"method": "qlora", "precision": "mixed", "checkpointing": "full", "loss": "fused-linear"},  # (fp32 adapters)
+    {"method": "qlora", "precision": "bf16", "loss": "fused-linear"},  # no checkpointing: read back in forward
+    {"method": "lora", "precision": "bf16", "checkpointing": "full", "loss": "fused-linear", "seq": 4096},
+    {"method": "lora", "precision": "mixed", "checkpointing": "save-matmuls", "loss": "chunked", "lora_targets": ("q", "v")},
     # every weight through the 8-bit AdamW's chunks: a narrower model with a smaller vocabulary traces in seconds
     {"precision": "bf16", "optimizer": "adamw8bit", "checkpointing": "full", "hidden": 1024, "heads": 8,
      "kv_heads": 2, "ffn": 3584, "vocab": 32000},
@@ -305,6 +312,9 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     {"checkpointing": "every-kth-block", "checkpoint_every": 4, "seq": 8192, "dp": 8, "zero_stage": 3},
     {"checkpointing": "every-kth-block", "checkpoint_every": 2, "seq": 8192, "dp": 16, "zero_stage": 3, "loss": "chunked"},
     {"checkpointing": "every-kth-block", "checkpoint_every": 4, "seq": 8192, "precision": "bf16", "loss": "fused-linear"},
+    # QLoRA with the loss in chunks (a 24 GB card's fine-tune): the last block's recomputed MLP; the loss's last chunk
+    {"method": "qlora", "precision": "bf16", "loss": "chunked", "checkpointing": "full", "seq": 8192},
+    {"method": "qlora", "precision": "bf16", "loss": "chunked"},
 ]
 
 
@@ -580,7 +590,7 @@ def test_results_table_is_what_the_python_computes_now():
     ({"method": "lora", "lora_rank": 0}, "--lora-rank"), ({"method": "lora", "lora_rank": 1025}, "--lora-rank 1025"),
     ({"method": "lora", "lora_targets": ("q", "w")}, "--lora-targets"), ({"method": "qlora", "precision": "fp32"}, "--precision"),
     ({"method": "lora", "model": "gpt-3-175b"}, "--method lora"), ({"method": "lora", "dp": 8}, "--dp"),
-    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"), ({"method": "qlora", "loss": "chunked"}, "--loss chunked"),
+    ({"method": "lora", "model": "mixtral-8x7b"}, "mixture of experts"),
     ({"optimizer": "adamw8bit", "dp": 8, "zero_stage": 1}, "--zero-stage"),
     # Lab 15's step beside Lab 13's split model and float8 linears: not traced together
     ({"method": "lora", "tp": 2}, "--tp with --method lora"), ({"method": "qlora", "tp": 2, "sp": True}, "--tp with"),

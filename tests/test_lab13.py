@@ -52,6 +52,9 @@ EXACT = functools.partial(fake.tensors, block=None)  # the real twin counts exac
     {"loss": "chunked", "checkpointing": "full"},
     {"loss": "fused-linear", "precision": "bf16", "accumulation": 2},
     {"loss": "fused-linear", "dp": 2, "zero_stage": 3},
+    {"method": "lora", "loss": "chunked"},  # Lab 15's adapters: the frozen head's logits recomputed chunk by chunk
+    {"method": "qlora", "precision": "bf16", "loss": "fused-linear", "checkpointing": "full"},  # no head gradient
+    {"method": "lora", "compile": True, "checkpointing": "full", "loss": "chunked"},  # adapters compiled with the block
     {"float8": "tensorwise"},
     {"float8": "tensorwise", "precision": "bf16", "checkpointing": "full", "accumulation": 2},
     {"float8": "tensorwise", "dp": 2, "zero_stage": 3},
@@ -170,14 +173,22 @@ def test_the_ring_on_each_tp_ranks_local_heads_is_full_causal_attention():
 
 @pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
-def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision):
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, loss, precision, method):
     """--loss chunked and fused-linear are the model's own cross-entropy, one chunk of tokens at a time:
-    the same loss and the same gradient on every parameter, within 1e-5 relative in fp32 (the sums run in
-    another order) and 2e-2 under bf16 autocast (bf16 matmuls, each chunk rounded on its own). 17 tokens
-    in 8 chunks leave a short last chunk; two targets are ignored (-100)."""
+    the same loss and the same gradient on every trained parameter (every weight, or LoRA's adapters on a
+    frozen base and head, their B made nonzero so that A gets a gradient too), within 1e-5 relative in fp32
+    (the sums run in another order) and 2e-2 under bf16 autocast (bf16 matmuls, each chunk rounded on its
+    own). 17 tokens in 8 chunks leave a short last chunk; two targets are ignored (-100)."""
     fit_loss = load_lab(13, "fit_loss")
     torch.manual_seed(0)
     model = zoo.get("small-llama").build()
+    if method == "lora":  # Lab 15's adapters, the base in its dtype for --precision (bf16 under mixed, as PEFT)
+        lab15 = labs.load(15)
+        model.to(lab15.weights_dtype(method, precision))
+        lab15.prepare(model, method, precision, rank=4)
+        for adapter in labs.load(15, "lora").adapters(model):
+            torch.nn.init.normal_(adapter.lora_B.weight, std=0.02)
     idx = torch.randint(0, model.spec.vocab, (1, 17))
     targets = idx.clone()
     targets[0, :2] = fit_loss.IGNORE
@@ -187,7 +198,7 @@ def test_chunked_and_fused_losses_equal_the_full_loss_and_its_gradients(lab13, l
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
             value = model(idx, targets, head_loss=head_loss)[1]
         value.backward()
-        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     want, want_grads = loss_and_grads(None)
     got, got_grads = loss_and_grads(fit_loss.LOSSES[loss])
@@ -297,15 +308,17 @@ def test_offloaded_activations_wait_on_the_host_and_give_the_same_gradients(lab1
     assert moved > plain.device["activations"][end] / 3 and max(tl.host_total()) >= moved
 
 
-@pytest.mark.parametrize("precision, checkpointing", [("fp32", "none"), ("mixed", "none"), ("fp32", "full"),
-                                                      ("mixed", "save-matmuls"), ("fp32", "every-kth-block")])
-def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing):
+@pytest.mark.parametrize("precision, checkpointing, method", [
+    ("fp32", "none", "full"), ("mixed", "none", "full"), ("fp32", "full", "full"), ("mixed", "save-matmuls", "full"),
+    ("mixed", "none", "lora"), ("fp32", "full", "lora"),
+    ("fp32", "every-kth-block", "full")])  # Lab 15's adapters compiled with their block
+def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13, precision, checkpointing, method):
     """--compile: each block through AOTAutograd with inductor's partition, its two graphs run as Python, the
-    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every gradient equal the
+    checkpoint (if any) inside the compiled block as torchtitan puts it. The loss and every trained gradient equal the
     eager step's with the same checkpointing (1e-5 relative in fp32; 2e-2 under bf16 autocast, where the graph
     rounds in its own order). The bytes each block's forward saves for backward, read off its outputs as it
     runs, are the same on fake tensors as on real ones. Under full checkpointing they are none (the block's
-    input is its input; the rng state is host memory) and the forward's activations equal eager's; otherwise
+    input is its input; the rng state is host memory) and the activations at the end of forward equal eager's; otherwise
     some, and fewer activations than eager's (the partitioner recomputes some)."""
     from types import SimpleNamespace
 
@@ -317,7 +330,14 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
     def step(tensors, compile_blocks):
         with tensors():
             torch.manual_seed(0)
+            previous = torch.get_default_dtype()  # under LoRA, built in the frozen base's dtype (bf16 under mixed)
+            torch.set_default_dtype(labs.load(15).weights_dtype(method, precision))
             model = zoo.get("small-llama").build()
+            torch.set_default_dtype(previous)
+            if method == "lora":  # rank-4 adapters on the frozen base, as PEFT's, B made nonzero
+                labs.load(15).prepare(model, method, precision, rank=4)
+                for adapter in labs.load(15, "lora").adapters(model):
+                    torch.nn.init.normal_(adapter.lora_B.weight, std=0.02)
             idx = torch.arange(34).remainder(model.spec.vocab).view(2, 17)
             ledger = Ledger("cpu").track_module(model)
             blocks = functools.partial(fit_compile.run_blocks, strategy=checkpointing if not compile_blocks
@@ -326,8 +346,9 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"), marks.phase("forward", 0):
                     loss = model(idx, idx, run_blocks=blocks)[1]
                 loss.backward()
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            return loss, grads, backend, ledger.timeline().peaks_by_phase()["forward"]["activations"]
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            tl = ledger.timeline()  # the activations at the end of forward
+            return loss, grads, backend, tl.device["activations"][next(s for s in tl.spans if s.name == "forward").end - 1]
 
     want, want_grads, _, eager_saved = step(contextlib.nullcontext, False)
     got, got_grads, real, compiled_saved = step(contextlib.nullcontext, True)
@@ -337,7 +358,8 @@ def test_compiled_blocks_equal_eager_and_save_the_same_bytes_fake_as_real(lab13,
         torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
     traced = step(functools.partial(fake.tensors, block=None), True)[2]
     kth = checkpointing == "every-kth-block"  # a plain block and a checkpointed one: two graphs
-    assert real.graphs == 1 + kth and real.calls == 2 and traced.saved == real.saved
+    # under LoRA the first block's input (the frozen embedding's output) needs no gradient: a graph of its own
+    assert real.graphs == (2 if method == "lora" else 1 + kth) and real.calls == 2 and traced.saved == real.saved
     assert not kth or real.saved[0] > 0 == real.saved[1]  # every-kth: the second block checkpointed, nothing saved
     assert (real.saved == [0, 0]) is (checkpointing == "full")
     if checkpointing == "full":  # each block's input alone, as eager checkpointing keeps it
@@ -403,7 +425,8 @@ def test_fsdp2_hooks_run_eagerly_around_each_compiled_block(lab13, monkeypatch):
                                                        "compiled alone"), ({"model": "small-mixtral"}, "dense zoo Llama"),
     ({"optimizer_in_backward": True}, "--optimizer-in-backward with --compile is not traced together"),
     ({"offload_activations": True}, "--offload-activations with --compile is not traced together"),
-    ({"tp": 2}, "DTensor's split blocks are not traced compiled")])
+    ({"tp": 2}, "DTensor's split blocks are not traced compiled"),
+    ({"method": "qlora", "precision": "bf16"}, "NF4 linears")])
 def test_compile_refuses_what_it_does_not_trace(lab13, fields, fragment):
     with pytest.raises(lab13.UsageError, match=fragment):
         lab13.Config(**{"model": "small-llama", "compile": True, **fields})
@@ -700,6 +723,16 @@ def test_the_chunked_loss_lever_saves_what_it_claims_where_the_logits_hold_the_p
     again = lab13.trace(replace(config, levers="none", loss="chunked"))
     assert result.trace.per_rank_peak_bytes - again.per_rank_peak_bytes == row["alone"]["saves_bytes"] \
         == row["together"]["saves_bytes"]
+
+
+def test_the_chunked_loss_lever_is_offered_under_lora_and_pulls_a_config_that_traces(lab13):
+    """Under LoRA and QLoRA the ladder offers the chunked loss too (the frozen head's logits in chunks), and the
+    configuration it pulls is one Lab 13 accepts."""
+    levers = load_lab(13, "fit_levers")
+    for fields in ({"method": "lora"}, {"method": "qlora", "precision": "bf16", "checkpointing": "full"}):
+        config = small(lab13, **fields)
+        assert levers.LEVER["chunked loss"].pull(config) == {"loss": "chunked"}
+        assert replace(config, loss="chunked").loss == "chunked"  # __post_init__ runs again: accepted
 
 
 def test_a_decode_step_holds_the_preallocated_cache_and_the_formula_follows_it(lab13):

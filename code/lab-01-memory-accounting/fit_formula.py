@@ -29,7 +29,8 @@ from fit_split import rank_spec
 from fit_moments import (autocast_cache, backward_end, block_backward, experts, float8_gather, fsdp_units, head_step,
                          offloaded, recomputed_block, recomputed_gathers, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
-    FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step)
+    FROZEN, NF4_BLOCKS, OPT8, adam8bit_chunk, counts, fine_tune_state, fine_tune_symbols, lora_activations, lora_step,
+    lora_recomputed)
 from fit_serve import kv_per_token, prefill, weights
 from fit_symbols import INDICES, LEGEND, LSE, ROW, SCALE, SLOT, SYMBOLS  # noqa: F401 (the page's legend reads them here)
 from memory_accounting import MOMENTS, RECIPES, STEP_COUNTER, ZERO_SHARDS
@@ -46,7 +47,7 @@ KV_DTYPES = {"fp32": (4, 0), "bf16": (2, 0), "fp8": (1, 0), "fp8-per-head": (1, 
 LOSS_CHUNKS = 8  # --loss chunked and fused-linear: chunks of tokens (Lab 13's fit_loss.LOSS_CHUNKS, torchtune's)
 # --8<-- [end:recipes]
 CATEGORIES = ("parameters", "frozen_weights", "quant_constants", "gradients", "optimizer_state", "activations", "temporaries",
-              "communication", "kv_cache")
+              "communication", "kv_cache", "dequantized")
 
 
 @dataclass(frozen=True)
@@ -185,12 +186,12 @@ def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Exp
     frame = S.T * S.r * S.h if S.r.value < 4 else ZERO  # the blocks' output, still held by forward (the norm copied it)
     if x.loss == "fused-linear":
         logits = 4 * S.u * S.V + S.c * S.u * S.V if S.c.value < 4 else 4 * S.u * S.V
-        step = total(act["cache"], cast, S.T * S.r * S.h, logits, S.c * S.V * S.h, wide, frame)
-        head = (S.c if fsdp_mixed(x) else S.w) * S.V * S.h  # the head's gradient, in the weight's dtype
+        step = total(act["cache"], cast, S.T * S.r * S.h, logits, ZERO if lora_step(x) else S.c * S.V * S.h, wide, frame)
+        head = ZERO if lora_step(x) else (S.c if fsdp_mixed(x) else S.w) * S.V * S.h  # in the weight's dtype
         return {"forward_end": held | {"gradients": total(held["gradients"], head), "activations": act["kept"],
                                        "temporaries": step}}
     logits = (S.c + 8) * S.u * S.V if S.c.value < 4 else 8 * S.u * S.V
-    several = S.T.value > S.u.value
+    several = S.T.value > S.u.value and not lora_step(x)  # LoRA's frozen head: no weight gradient to sum
     buffer = S.c * S.V * S.h if several else ZERO  # the chunks' weight gradients, summed by autograd as they come
     if act["autocast"]:  # a chunk's head gradient made beside the recomputed cast and the sum so far
         head_gradient = total(pending, S.c * S.u * S.V, cast, buffer, 2 * wide, S.c * S.V * S.h)
@@ -201,7 +202,7 @@ def chunked_loss(x: Inputs, S, held: dict, act: dict) -> dict[str, dict[str, Exp
     return {"forward_end": held | {"activations": act["kept"], "temporaries": total(act["cache"], cast, logits, frame)},
             "backward_start": held | {"activations": act["kept"],
                                       "temporaries": total(pending, 12 * S.u * S.V, cast, buffer, wide)},
-            "head_gradient": held | {"activations": act["kept"], "temporaries": head_gradient}}
+            **({} if lora_step(x) else {"head_gradient": held | {"activations": act["kept"], "temporaries": head_gradient}})}
 # --8<-- [end:activations]
 
 
@@ -277,6 +278,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     elif x.optimizer in ("adamw", "adamw-foreach") and x.offload == "none":  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     out["optimizer"] |= adam8bit_chunk(x, S)  # Lab 15's 8-bit AdamW: a chunk's float32 working copies
+    out |= lora_recomputed(x, S, held, layer)  # LoRA, full checkpointing: the last block's recomputed MLP
     out |= fit_split.embedding(x, S, state, held)  # --tp: DTensor's whole embedding gradient; FSDP2: the embedding's backward
     if x.loss != "full":
         del out["backward_start"]

@@ -64,14 +64,10 @@ class FineTuning:
         if self.method == "full":
             return
         split = [f for f, on in (("--tp", getattr(self, "tp", 1) > 1), ("--pp", getattr(self, "pp", 1) > 1),
-                                 ("--float8", getattr(self, "float8", "none") != "none"),
-                                 ("--compile", getattr(self, "compile", False))) if on]
-        if split:  # Lab 15's step was traced on one GPU, eager, in bf16 matmuls: these were not traced with it
+                                 ("--float8", getattr(self, "float8", "none") != "none")) if on]
+        if split:  # Lab 15's step was traced on one GPU in bf16 matmuls: these were not traced with it
             raise UsageError(f"{' and '.join(split)} with --method {self.method} is not traced together (Lab 15 traces "
-                             "adapters on one GPU, eager, without float8): train every weight, or leave them out")
-        if getattr(self, "loss", "full") != "full":
-            raise UsageError(f"--loss {self.loss} with --method {self.method}: a frozen head's chunked loss is not "
-                             "traced yet; use --loss full")
+                             "adapters on one GPU, without float8): train every weight, or leave them out")
         if spec.family not in ("llama", "mixtral", "hf"):
             raise UsageError(f"--method {self.method} puts adapters on Llama's q, k, v, o, gate, up and down "
                              f"projections: {spec.name} is a {spec.family} model, which has none")

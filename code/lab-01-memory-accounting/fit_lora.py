@@ -17,7 +17,7 @@ lora, nf4, adam8bit = labs.load(15, "lora"), labs.load(15, "nf4"), labs.load(15,
 FROZEN = {"fp32": 4, "bf16": 2, "mixed": 2}  # --method lora|qlora: bytes of a frozen weight (PEFT loads the base in bf16)
 #: Lab 15's block sizes: NF4 (weights per absmax, absmax per scale); the 8-bit AdamW (values per absmax,
 #: the smallest tensor in 8 bits, values updated at once, bytes of its working copies per value)
-NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK)
+NF4_BLOCKS = (nf4.BLOCK, nf4.DOUBLE_BLOCK, nf4.chunk_of(nf4.BLOCK))  # and the values read back at once
 OPT8 = {"block": adam8bit.BLOCK, "min_8bit": adam8bit.MIN_8BIT, "chunk": adam8bit.BLOCK * adam8bit.CHUNK_BLOCKS,
         "working": adam8bit.WORKING_BYTES}
 
@@ -67,16 +67,16 @@ def counts(x: Inputs, s, P: int, n: int) -> tuple[int, int, tuple, tuple]:
 
 
 # --8<-- [start:lora]
-def lora_layer(S, x: Inputs, layer) -> Expr:
+def lora_layer(S, x: Inputs, layer, checkpointing: str | None = None) -> Expr:
     """Bytes one Llama block keeps for backward under LoRA (Lab 15, PEFT's order of operations): its frozen
     weights need no input kept for a gradient, so a matmul's input is kept only where an adapter reads it;
     each adapter keeps its A output, and, under autocast, its own bf16 cast of its input. ``layer``: the
-    full fine-tune's block (``fit_formula.layer``), which checkpointing keeps whole or in part."""
-    targets, mixed = set(x.lora_targets), x.precision == "mixed"
+    full fine-tune's block (``fit_formula.layer``), which checkpointing (``x``'s unless given) keeps whole or in part."""
+    targets, mixed, checkpointing = set(x.lora_targets), x.precision == "mixed", checkpointing or x.checkpointing
     outputs = len(targets) * S.c * S.R  # each adapter's A output, for B's gradient
-    if x.checkpointing == "full":
+    if checkpointing == "full":
         return layer(S, "full")
-    if x.checkpointing == "save-matmuls":  # it also keeps each adapter's A and B outputs
+    if checkpointing == "save-matmuls":  # it also keeps each adapter's A and B outputs
         out = {"q": S.q, "k": S.g, "v": S.g, "o": S.h, "gate": S.f, "up": S.f, "down": S.h}
         return layer(S, "save-matmuls") + S.T * (outputs + S.c * total(*(out[t] for t in lora.ALL if t in targets)))
     reads = {"attention": sum(t in targets for t in ("q", "k", "v")), "mlp": sum(t in targets for t in ("gate", "up"))}
@@ -94,14 +94,51 @@ def lora_activations(x: Inputs, S, layer) -> dict[str, Expr]:
     the frozen embedding and is not in the graph. With fp32 adapters under autocast (PEFT's), each adapter's
     weight is kept as a bf16 cast too (but for those whose input needs no gradient)."""
     casts = S.c * S.Pt if x.precision == "mixed" else ZERO
-    kept = S.L * lora_layer(S, x, layer) + S.T * (4 * S.h + ROW + 4 * S.V)
+    loss = 4 * S.T * S.V if x.loss == "full" else ZERO  # chunked, fused-linear: the loss keeps the head's input
+    kept = S.L * lora_layer(S, x, layer) + S.T * (4 * S.h + ROW) + (loss if x.loss == "full" else S.T * S.c * S.h)
     if x.checkpointing == "none":  # the first block's attention norm reads the frozen embedding: not in the graph
         kept = kept - S.T * (4 * S.h + ROW)
     if casts is not ZERO and x.checkpointing == "none":  # less the first block's q, k, v A casts: no gradient
         first = sum(t in x.lora_targets for t in ("q", "k", "v"))  # reaches their input, so none is kept
         kept = kept + (casts - first * S.c * S.R * S.h if first else casts)
-    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": 4 * S.T * S.V,
-            "autocast": False}
+    return {"kept": kept, "cache": casts if x.checkpointing != "none" else ZERO, "loss": loss, "autocast": False}
+
+
+def lora_recomputed(x: Inputs, S, held: dict, layer) -> dict[str, dict[str, Expr]]:
+    """The moments of a LoRA step's last block that can hold its peak once the loss no longer does (Lab 13's trace).
+    --checkpointing full: its backward, the block recomputed, at its MLP's product's gradient: every checkpointed
+    input (L x T x h) and the recomputed block's tensors, less the product and the down adapter's A output (freed by
+    the down projection's backward); beside them the stream's gradient and, with an adapter on down, the product's
+    gradient by the frozen weight, by the adapter and their sum (one without), and the down adapter's gradients;
+    with fp32 adapters, the recompute at the down adapter; under QLoRA, the recompute at the down projection's NF4
+    weight read back (short sequences). No checkpointing, QLoRA in bf16: that read-back in forward."""
+    if not lora_step(x) or x.checkpointing not in ("none", "full") or S.E.value:
+        return {}
+    down, none = "down" in x.lora_targets, lora_layer(S, x, layer, "none")
+    fh = S.f * S.h  # QLoRA: a linear's NF4 weight read back in bf16, a float32 absmax per block and, chunk by chunk,
+    work = 12 * fh if fh.value < NF4_BLOCKS[2] else 12 * NF4_BLOCKS[2]  # float32 working copies (a chunk's values
+    read = total(S.c * fh, 4 * ceil_div(fh, NF4_BLOCKS[0]), work)  # twice, its codes)
+    if x.checkpointing == "none":  # QLoRA in bf16: the last block's down projection read back in forward, every block
+        kept = S.L * none - S.T * (4 * S.h + ROW)  # kept but the first's attention norm and the last's down A output
+        kept = kept - S.T * S.c * S.R if down else kept
+        return {"lora_dequantized": held | {"activations": kept, "temporaries": 3 * S.T * S.c * S.h, "dequantized": read}
+                } if x.method == "qlora" and x.precision == "bf16" else {}
+    block = none - S.T * S.c * S.f - (S.T * S.c * S.R if down else ZERO)
+    grads = held["gradients"] if held["gradients"] is not ZERO else S.w * S.R * (S.f + S.h) if down else ZERO
+    out = {"lora_recomputed": held | {"gradients": grads, "activations": S.L * S.T * S.r * S.h,
+                                      "temporaries": block + S.T * S.c * S.h + (3 if down else 1) * S.T * S.c * S.f}}
+    if x.precision == "mixed" and down:  # the recompute's down adapter: PEFT casts the product to the fp32 adapter's
+        # dtype, autocast back to bf16 (kept); beside them the product, the base's output, the block's input, the MLP
+        # norm's output and two stream gradients, and the block's adapter weights cast to bf16
+        out["lora_recompute_down"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": total(
+            none, ceil_div(S.c * S.Pt, S.L), 5 * S.T * S.c * S.h, S.T * S.c * S.f, 4 * S.T * S.f)}
+    if x.method == "qlora" and (x.precision == "bf16" or down):  # the recompute's down projection read back
+        alive = none + 3 * S.T * S.c * S.h  # the block's input and two stream gradients beside; not down's A output
+        alive = alive - S.T * S.c * S.R if down else alive
+        if x.precision == "mixed":  # the product for its bf16 cast, not down's weights cast; the others', the MLP norm's
+            alive = total(alive, ceil_div(S.c * S.Pt, S.L), S.T * S.c * S.h) - S.c * S.R * (S.f + S.h)  # output
+        out["lora_dequantized"] = held | {"activations": S.L * S.T * S.r * S.h, "temporaries": alive, "dequantized": read}
+    return out
 
 
 def frozen_state(x: Inputs, S) -> dict[str, Expr]:

@@ -57,7 +57,7 @@ LEGEND = {
     "total": "the sum of its terms, leaving out those that are 0",
     "LOSS_CHUNKS": "chunks of tokens of --loss chunked and fused-linear (torchtune's default)",
     "FROZEN": "bytes of a frozen weight under --method lora or qlora, by --precision (the base PEFT loads)",
-    "NF4_BLOCKS": "NF4's blocks (Lab 15): weights per 8-bit absmax code, absmax codes per float32 scale",
+    "NF4_BLOCKS": "NF4's blocks (Lab 15): weights per 8-bit absmax code, absmax codes per float32 scale, weights read back at once",
     "OPT8": "the 8-bit AdamW (Lab 15): values per absmax, the smallest tensor in 8 bits, values updated at once, "
             "bytes of its working copies",
     "lora": "Lab 15's lora.py: the projections an adapter can target (ALL), their shapes and adapter sizes",

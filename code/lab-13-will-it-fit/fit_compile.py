@@ -37,8 +37,8 @@ rule for each (else ``NotImplementedError`` from ``torch/_ops.py``): the rule be
 for Traffic, runs torch's own implementation with the wrapped op under the mode, so the ledger counts
 the op's bytes. The rng state the graph keeps is host memory (``torch.cuda.get_rng_state`` is a CPU
 tensor): not counted. Not traced: every-k (a segment spans blocks, each compiled alone), a MoE,
-``--tp`` (``check_compile`` says why), ``--cp``. Under ``--pp`` the first stage's blocks are compiled alone, and
-1F1B's p + 1 micro-batches run through them.
+``--tp`` (``check_compile`` says why), ``--cp``, QLoRA's NF4 linears (LoRA's adapters compile with their
+block). Under ``--pp`` the first stage's blocks are compiled alone, and 1F1B's p + 1 micro-batches run through them.
 
 Under FSDP2 (``--zero-stage 2/3``) torchtitan checkpoints, compiles, then ``fully_shard``s each block
 (``parallelize_llama`` in torchtitan/models/llama3/parallelize.py, ``apply_compile`` in
@@ -184,6 +184,8 @@ def check_compile(config) -> None:
                      # _redistribute.py, NestedRedistribute.forward). On fake tensors funcol returns a waited plain tensor
                      # instead (_are_we_tracing() in _functional_collectives.py), so the trace runs but its real twin fails.
                      (config.tp > 1, "DTensor's split blocks are not traced compiled (on torch 2.13 the real step fails "
-                      "in backward): --tp 1")):
+                      "in backward): --tp 1"),
+                     (config.method == "qlora", "Lab 15's NF4 linears read their weights back under a ledger mark that "
+                      "Dynamo cannot trace: --method lora, or QLoRA eager")):
         if bad:
             raise UsageError(f"--compile: {why}")

@@ -74,8 +74,8 @@ def _offloadable(c) -> bool:
 
 def _full_loss(c) -> bool:
     """The loss is the model's own (every logit at once), on a zoo model (a Hugging Face config's model has its
-    own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's)."""
-    return c.loss == "full" and getattr(c.spec, "family", None) != "hf" and getattr(c, "method", "full") == "full"
+    own head and loss; the calculator's ``spec`` is a method, never a Hugging Face model's); under LoRA too."""
+    return c.loss == "full" and getattr(c.spec, "family", None) != "hf"
 
 
 # --8<-- [start:levers]

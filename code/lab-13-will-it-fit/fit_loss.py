@@ -12,7 +12,8 @@ time, so only one chunk's logits ever exist:
                    forward, chunk by chunk, and keeps only them (the hidden states' and the head
                    weight's), as Liger Kernel's fused linear cross-entropy does
                    (https://arxiv.org/abs/2410.10989). No recomputation; the head's weight gradient is
-                   held from forward to backward.
+                   held from forward to backward (none for a frozen head, as under LoRA: only the
+                   hidden states' gradient is taken).
 
 Both are plain PyTorch: on a GPU they run the same aten ops, without Liger's Triton kernels (which
 also fuse the softmax into the logits' buffer: a trace of these functions keeps a chunk's float32
@@ -64,7 +65,8 @@ class FusedLinearCE(torch.autograd.Function):
         count = valid.sum()
         with torch.autocast(device, enabled=False):
             w = weight.to(dtype)  # autocast's cast, once (none when the weights are already in it)
-            grad_h, grad_w = torch.empty_like(hidden).view_as(h), torch.zeros_like(weight)
+            grad_h = torch.empty_like(hidden).view_as(h)
+            grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # none for a frozen head (LoRA)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, t.numel(), size):
                 rows = slice(start, start + size)
@@ -75,12 +77,13 @@ class FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None  # in place: no second copy
+        return grad_h.mul_(grad_loss), grad_w if grad_w is None else grad_w.mul_(grad_loss), None, None  # in place
 
 
 def _chunk_grads(h, w, t, weight, grad_h, grad_w):
     """One chunk: its summed loss; its gradients written into ``grad_h`` and added to ``grad_w``
-    (``weight``: each token's share of the mean, 0 for an ignored one). Its tensors die on return."""
+    (``weight``: each token's share of the mean, 0 for an ignored one; ``grad_w`` None: a frozen head).
+    Its tensors die on return."""
     logits = (h @ w.t()).float()
     lse = logits.logsumexp(-1)
     picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -88,7 +91,8 @@ def _chunk_grads(h, w, t, weight, grad_h, grad_w):
     g.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -torch.ones_like(picked).unsqueeze(1))  # minus the one-hot
     g = g.mul_(weight.unsqueeze(1)).to(h.dtype)  # d loss / d logits, in the matmuls' dtype
     grad_h.copy_(g @ w)
-    grad_w += g.t() @ h  # into the weight's dtype, in place
+    if grad_w is not None:
+        grad_w += g.t() @ h  # into the weight's dtype, in place
     return ((lse - picked) * weight).sum()
 # --8<-- [end:fused]
 

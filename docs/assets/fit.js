@@ -228,10 +228,7 @@
     if (x.method === "full") return null;
     const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
     if (split.length) {
-      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, eager, without float8): train every weight, or leave them out`];
-    }
-    if (x.loss !== "full") {
-      return ["loss", `--loss ${x.loss} with --method ${x.method}: a frozen head's chunked loss is not traced yet; use --loss full`];
+      return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, without float8): train every weight, or leave them out`];
     }
     if (!["llama", "mixtral", "hf"].includes(s.family)) {
       return ["method", `--method ${x.method} puts adapters on Llama's q, k, v, o, gate, up and down projections: ${x.model} is a ${s.family} model, which has none`];
@@ -537,11 +534,11 @@
   }
 
   /** fit_lora.lora_layer: one block under LoRA (PEFT's order of operations). */
-  function loraLayer(S, x) {
+  function loraLayer(S, x, checkpointing = x.checkpointing) {
     const targets = new Set(x.lora_targets), mixed = x.precision === "mixed";
     const outputs = n(targets.size).mul(S.c).mul(S.R);
-    if (x.checkpointing === "full") return layer(S, "full");
-    if (x.checkpointing === "save-matmuls") {
+    if (checkpointing === "full") return layer(S, "full");
+    if (checkpointing === "save-matmuls") {
       const out = { q: S.q, k: S.g, v: S.g, o: S.h, gate: S.f, up: S.f, down: S.h };
       return layer(S, "save-matmuls").add(S.T.mul(outputs.add(S.c.mul(total(...D.lora_targets.filter((t) => targets.has(t)).map((t) => out[t]))))));
     }
@@ -556,13 +553,48 @@
 
   function loraActivations(x, S) {
     const casts = x.precision === "mixed" ? S.c.mul(S.Pt) : ZERO;
-    let kept = S.L.mul(loraLayer(S, x)).add(S.T.mul(n(4).mul(S.h).add(K().row).add(n(4).mul(S.V))));
+    const loss = x.loss === "full" ? n(4).mul(S.T).mul(S.V) : ZERO;  // chunked, fused-linear: the head's input kept
+    let kept = S.L.mul(loraLayer(S, x)).add(S.T.mul(n(4).mul(S.h).add(K().row))).add(x.loss === "full" ? loss : S.T.mul(S.c).mul(S.h));
     if (x.checkpointing === "none") kept = kept.sub(S.T.mul(n(4).mul(S.h).add(K().row)));
     if (casts !== ZERO && x.checkpointing === "none") {
       const first = ["q", "k", "v"].filter((t) => x.lora_targets.includes(t)).length;
       kept = kept.add(first ? casts.sub(n(first).mul(S.c).mul(S.R).mul(S.h)) : casts);
     }
-    return { kept, cache: x.checkpointing !== "none" ? casts : ZERO, loss: n(4).mul(S.T).mul(S.V) };
+    return { kept, cache: x.checkpointing !== "none" ? casts : ZERO, loss };
+  }
+
+  /** fit_lora.lora_recomputed: full checkpointing under LoRA, the last block's recomputed MLP's backward. */
+  function loraRecomputedMlp(x, S, held) {
+    if (!loraStep(x) || !["none", "full"].includes(x.checkpointing) || S.E.value) return {};
+    const down = x.lora_targets.includes("down"), none = loraLayer(S, x, "none");
+    const fh = S.f.mul(S.h), chunk = K().nf4_blocks[2];  // QLoRA: a linear's NF4 weight read back
+    const work = fh.value < BigInt(chunk) ? n(12).mul(fh) : n(12 * chunk);
+    const read = total(S.c.mul(fh), n(4).mul(ceilDiv(fh, n(K().nf4_blocks[0]))), work);
+    if (x.checkpointing === "none") {  // QLoRA in bf16: the last block's down projection read back in forward
+      if (x.method !== "qlora" || x.precision !== "bf16") return {};
+      let kept = S.L.mul(none).sub(S.T.mul(n(4).mul(S.h).add(K().row)));
+      if (down) kept = kept.sub(S.T.mul(S.c).mul(S.R));
+      return { lora_dequantized: Object.assign({}, held, { activations: kept, temporaries: n(3).mul(S.T).mul(S.c).mul(S.h),
+        dequantized: read }) };
+    }
+    const block = none.sub(S.T.mul(S.c).mul(S.f)).sub(down ? S.T.mul(S.c).mul(S.R) : ZERO);
+    const grads = held.gradients !== ZERO ? held.gradients : down ? S.w.mul(S.R).mul(S.f.add(S.h)) : ZERO;
+    const out = { lora_recomputed: Object.assign({}, held, { gradients: grads, activations: S.L.mul(S.T).mul(S.r).mul(S.h),
+      temporaries: block.add(S.T.mul(S.c).mul(S.h)).add(n(down ? 3 : 1).mul(S.T).mul(S.c).mul(S.f)) }) };
+    if (x.precision === "mixed" && down) {  // the recompute's down adapter: its fp32 and bf16 casts of the product
+      out.lora_recompute_down = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: total(
+        none, ceilDiv(S.c.mul(S.Pt), S.L), n(5).mul(S.T).mul(S.c).mul(S.h), S.T.mul(S.c).mul(S.f), n(4).mul(S.T).mul(S.f)) });
+    }
+    if (x.method === "qlora" && (x.precision === "bf16" || down)) {  // the recompute's down projection read back
+      let alive = none.add(n(3).mul(S.T).mul(S.c).mul(S.h));
+      if (down) alive = alive.sub(S.T.mul(S.c).mul(S.R));
+      if (x.precision === "mixed") {  // the product for its bf16 cast, not down's weights cast; the others', the MLP norm's output
+        alive = total(alive, ceilDiv(S.c.mul(S.Pt), S.L), S.T.mul(S.c).mul(S.h)).sub(S.c.mul(S.R).mul(S.f.add(S.h)));
+      }
+      out.lora_dequantized = Object.assign({}, held, { activations: S.L.mul(S.T).mul(S.r).mul(S.h), temporaries: alive,
+        dequantized: read });
+    }
+    return out;
   }
 
   function gptLayer(S, checkpointing) {
@@ -613,24 +645,25 @@
     const frame = S.r.value < 4n ? S.T.mul(S.r).mul(S.h) : ZERO;
     if (x.loss === "fused-linear") {
       const logits = S.c.value < 4n ? n(4).mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.V)) : n(4).mul(S.u).mul(S.V);
-      const step = total(act.cache, cast, S.T.mul(S.r).mul(S.h), logits, S.c.mul(S.V).mul(S.h), wide, frame);
-      const head = (fsdpMixed(x) ? S.c : S.w).mul(S.V).mul(S.h);
+      const step = total(act.cache, cast, S.T.mul(S.r).mul(S.h), logits, loraStep(x) ? ZERO : S.c.mul(S.V).mul(S.h), wide, frame);
+      const head = loraStep(x) ? ZERO : (fsdpMixed(x) ? S.c : S.w).mul(S.V).mul(S.h);  // none: LoRA's frozen head
       return { forward_end: Object.assign({}, held, { gradients: total(held.gradients, head), activations: act.kept,
         temporaries: step }) };
     }
     const logits = S.c.value < 4n ? S.c.add(8).mul(S.u).mul(S.V) : n(8).mul(S.u).mul(S.V);
-    const several = S.T.value > S.u.value;
+    const several = S.T.value > S.u.value && !loraStep(x);  // LoRA's frozen head: no weight gradient to sum
     const buffer = several ? S.c.mul(S.V).mul(S.h) : ZERO;
     let headGradient;
     if (act.autocast) headGradient = total(pending, S.c.mul(S.u).mul(S.V), cast, buffer, n(2).mul(wide), S.c.mul(S.V).mul(S.h));
     else if (several) headGradient = total(pending, n(3).mul(S.c).mul(S.V).mul(S.h));
     else headGradient = S.c.mul(S.u).mul(S.V).add(S.c.mul(S.u).mul(S.h)).add(S.c.mul(S.V).mul(S.h));
-    return {
+    const out = {
       forward_end: Object.assign({}, held, { activations: act.kept, temporaries: total(act.cache, cast, logits, frame) }),
       backward_start: Object.assign({}, held, { activations: act.kept,
         temporaries: total(pending, n(12).mul(S.u).mul(S.V), cast, buffer, wide) }),
-      head_gradient: Object.assign({}, held, { activations: act.kept, temporaries: headGradient }),
     };
+    if (!loraStep(x)) out.head_gradient = Object.assign({}, held, { activations: act.kept, temporaries: headGradient });
+    return out;
   }
 
   function modelState(x, S) {
@@ -991,6 +1024,7 @@
     if (x.optimizer === "adamw8bit") {  // Lab 15's chunk: its float32 working copies
       out.optimizer.temporaries = n(K().opt8.working[S.w.value]).mul(S.Cw).add(n(4).mul(ceilDiv(S.Cw, K().opt8.block)));
     }
+    Object.assign(out, loraRecomputedMlp(x, S, held));  // LoRA, full checkpointing: the last block's recomputed MLP
     if (x.tp > 1 && x.zero_stage >= 2 && x.offload === "none") {  // under FSDP2, its rows copied out (fit_split.embedding)
       out.embedding_rows = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients
         : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp)), temporaries: S.c.mul(S.t).mul(S.V).mul(S.h).add(n(2).mul(S.c).mul(S.V).mul(S.h)) });
@@ -1463,6 +1497,9 @@
     recomputed_second: "the second segment's backward from the end, recomputed (its own head unit; a shorter last segment)",
     second_block_backward: "the second block's backward (with its own head unit: the head's gradient reduced)",
     head_step: "the head's optimizer step, in backward",
+    lora_recomputed: "the last block's backward, recomputed (its MLP's product's gradient, LoRA's frozen base)",
+    lora_recompute_down: "the last block's recompute, at its down adapter (the product cast to fp32 and back)",
+    lora_dequantized: "the last block's recompute, its down projection's NF4 weight read back to bf16",
     backward_end: "the end of backward (the root's gradients reduced)", infer: "the prefill", decode: "the decode step", serve: "the serving budget",
   };
 

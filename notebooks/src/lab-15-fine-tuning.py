@@ -150,6 +150,19 @@ ranks = Table(["rank", ("tokens", "int"), ("adapters", "bytes"), ("frozen weight
 display(ranks)
 
 # %% [markdown]
+# ## The loss in chunks
+#
+# The 8,192-token QLoRA step with every block checkpointed (as torchtune's single-device QLoRA recipes set
+# it), traced twice: with the model's own loss (every token's logits at once, their float32 copy and
+# gradient) and with Lab 13's chunked loss (`--loss chunked`: 8 chunks, each recomputed in backward).
+
+# %%
+loss_8b_8k = {loss: lab13.trace(lab13.Config(model="llama-3-8b", method="qlora", precision="bf16", seq=8192,
+                                              checkpointing="full", loss=loss, levers="none")).per_rank_peak_bytes
+              for loss in ("full", "chunked")}
+print({k: f"{v / 2**30:.1f} GiB" for k, v in loss_8b_8k.items()})
+
+# %% [markdown]
 # ## Published peaks beside their traces
 #
 # Each published single-GPU LoRA or QLoRA peak whose whole configuration is published, traced the same
@@ -172,7 +185,7 @@ notebook.publish(
     nb, tables={"toy": toy, "checks": checks, "questions": questions, "phases_8b": phases_8b, "ranks": ranks,
                 "published": published, "sources": sources},
     figures={"timeline_toy": fig_toy, "timeline_8b": fig_8b},
-    toy=qlora_toy.summary(), real_scale=real_scale, answers=said,
+    toy=qlora_toy.summary(), real_scale=real_scale, answers=said, loss_8b_8k=loss_8b_8k,
     activations_8b_2k=d2k["category_max"]["activations"], frozen_8b=d2k["category_max"]["frozen_weights"],
     constants_8b=d2k["category_max"]["quant_constants"], adapters_8b=d2k["category_max"]["parameters"],
     dequantized_8b=d2k["category_max"]["dequantized"],
