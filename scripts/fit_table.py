@@ -123,6 +123,11 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
           # float8 at a short sequence: a gate weight's fp32 copy and e4m3 bits in a recomputed backward
           {"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "checkpointing": "full", "precision": "bf16",
            "float8": "tensorwise"}]
+# --compile: the partitioner's saved set at real size, at the start of backward (ZeRO-0, 3) and, on four blocks
+# in pure bf16 under ZeRO-3, in the second block's compiled backward (fit_compiled.block_backward)
+NAMED += [{"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused", "compile": True},
+          {"model": "llama-3-8b", "seq": 4096, "dp": 8, "zero_stage": 3, "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16", "compile": True}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -419,6 +424,10 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                       "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),  # model's loss
                                                   ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
                       "sp": False, "pp": 1, "replicate": 1, "float8": "none", "cp": 1}  # eager, unsplit (Lab 15's traces)
+            if rng.random() < 0.15:  # each block torch.compile'd (fit_compiled.py), beside what its formula counts
+                f |= {"compile": True, "checkpointing": "none", "checkpoint_every": None, "loss": "full", "float8": "none",
+                      "tp": 1, "sp": False, "pp": 1, "cp": 1, "optimizer_in_backward": False, "offload_activations": False,
+                      "fsdp_units": "blocks"}
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -449,6 +458,9 @@ BAD = [
     ({"float8": "tensorwise", "precision": "fp32"}, "float8"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "task": "infer"}, "cp"),
+    ({"compile": "true", "task": "infer"}, "compile"), ({"compile": "true", "model": "mixtral-8x7b"}, "compile"),
+    ({"compile": "true", "tp": "2"}, "compile"), ({"compile": "true", "loss": "chunked"}, "compile"),  # Lab 13's rules;
+    ({"compile": "true", "method": "lora"}, "method"),  # the formula's; Lab 15's
     ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
                                                           "model": "llama-3.2-1b"}, "fsdp_units"),
 ]
@@ -546,9 +558,10 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py, fit_moments.py, fit_serve.py and fit_lora.py a page may quote (between snippet markers), by name."""
+    """The sections of fit_formula.py, fit_moments.py, fit_serve.py, fit_lora.py and fit_compiled.py a page may quote
+    (between snippet markers), by name."""
     text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
-                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py", "fit_lora.py"))
+                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py", "fit_lora.py", "fit_compiled.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

@@ -215,6 +215,9 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # float8 at 1,024 tokens: a gate weight cast to e4m3 in a recomputed backward, its fp32 copy beside two weight
     # gradients (fit_moments.recomputed_mlp's fifth point)
     {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "float8": "tensorwise"},
+    # --compile: the partitioner's saved set; in bf16 under ZeRO-3 the second block's compiled backward holds the
+    # peak, every weight gradient of the block made before the graph returns (fit_compiled.block_backward)
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "compile": True}, {"dp": 4, "zero_stage": 3, "compile": True},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -296,6 +299,8 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     # --offload-activations: the end of forward (autocast's cache of every cast), the recomputed segment's backward
     {"offload_activations": True, "optimizer_in_backward": True},
     {"offload_activations": True, "precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 4},
+    # --compile: each block's min-cut saved set (fit_compiled.layer), at the start of backward
+    {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3},
 ]
 
 
@@ -317,6 +322,25 @@ def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_p
     end = next(s for s in tl.spans if s.name == "forward").end - 1
     kept = fit.activations(x, fit.symbols(x, fit.sizes(x)))["kept"].value
     assert tl.device["activations"][end] == pytest.approx(kept, abs=2**12)  # a loss scalar, rounded
+
+
+@pytest.mark.parametrize("model,seq,batch,precision,kv_heads", [
+    ("llama-3.2-1b", 1024, 1, "mixed", None), ("llama-3-8b", 512, 2, "bf16", 1), ("llama-3-70b", 256, 1, "fp32", 64)])
+def test_compiled_blocks_save_the_formulas_set_at_every_shape(monkeypatch, model, seq, batch, precision, kv_heads):
+    """What AOTAutograd's min-cut partitioner saves of a compiled block (the forward graph's outputs beyond the
+    block's, less its inputs: Lab 13's ``Partitioned.saved``) is ``fit_compiled.layer`` less the block's input,
+    to the byte, across widths, precisions, batches and grouped-query ratios (MQA to none), on two blocks."""
+    lab13, fit_compile = labs.load(13), labs.load(13, "fit_compile")
+    backends, init = [], fit_compile.Partitioned.__init__
+    monkeypatch.setattr(fit_compile.Partitioned, "__init__", lambda self: (init(self), backends.append(self))[0])
+    fields = {"model": model, "seq": seq, "batch": batch, "precision": precision, "compile": True}
+    config = lab13.Config(levers="none", **fields)
+    config.__dict__["spec"] = dataclasses.replace(zoo.get(model), layers=2, kv_heads=kv_heads or zoo.get(model).kv_heads)
+    lab13.trace(config)
+    x = Inputs(layers=2, kv_heads=kv_heads, **fields)
+    S = fit.symbols(x, fit.sizes(x))
+    casts = S.c.value * fit.sizes(x).matmuls // 2 if precision == "mixed" else 0  # autocast's casts of a block's weights
+    assert backends[-1].saved == [fit.fit_compiled.layer(S).value - (S.T * S.r * S.h).value + casts] * 2
 
 
 def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
@@ -558,6 +582,11 @@ def test_results_table_is_what_the_python_computes_now():
     ({"optimizer_in_backward": True, "tp": 2}, "--optimizer-in-backward with --tp, --pp or --float8"),
     ({"offload_activations": True, "float8": "tensorwise"}, "--offload-activations with --tp, --pp or --float8"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 1}, "it needs --zero-stage 2 or 3"),
+    # --compile: Lab 13's refusals (fit_compile.check_compile), then what the formula does not count
+    ({"compile": True, "task": "infer"}, "--compile: --task infer"), ({"compile": True, "tp": 2}, "--compile: DTensor"),
+    ({"compile": True, "model": "mixtral-8x7b"}, "not a dense zoo Llama"),
+    ({"compile": True, "checkpointing": "every-k", "checkpoint_every": 2}, "every-k's segments span blocks"),
+    ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"), ({"compile": True, "loss": "chunked"}, "--loss chunked"),
     ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import fit_compiled  # --compile: a compiled block's saved set
 import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
@@ -153,6 +154,7 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
+    per = fit_compiled.layer(S) if x.compile and x.checkpointing == "none" else per  # the partitioner's saved set
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
     # the weight itself, not a cast); every-k keeps a segment's input, offload what the hooks leave on the device
@@ -292,7 +294,8 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out["root_gathered"] = held | {"activations": act["kept"]}
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
             and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
-        out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
+        out |= (fit_compiled.block_backward if x.compile else block_backward)(x, S, held, act) if x.checkpointing == "none" \
+            else recomputed_block(x, S, held)
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

@@ -181,6 +181,8 @@
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
+    const compiled = compileRule(x, s, d);
+    if (compiled) say("compile", compiled);
     const head = d.head_dim || Math.floor(d.hidden / d.heads);
     if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts
         || [d.hidden, d.ffn, d.heads * head, d.kv_heads * head].some((v) => v % 16))) {
@@ -219,10 +221,30 @@
     return null;
   }
 
+  /** Python: fit_compiled.check (Lab 13's fit_compile.check_compile, then what the formula does not count): the
+      message of the first rule broken, or null. */
+  function compileRule(x, s, d) {
+    if (!x.compile) return null;
+    const lab13 = [[x.task !== "train", `--task ${x.task} has no backward to partition: --task train`],
+      [s.family !== "llama" || d.experts, `${x.model} is not a dense zoo Llama (a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)`],
+      [x.checkpointing === "every-k", "every-k's segments span blocks, and each block is compiled alone: --checkpointing none, full, save-matmuls or save-alternate-matmuls"],
+      [x.tp > 1 || x.pp > 1, "DTensor's split blocks and a pipeline's stages are not traced compiled: --tp 1 --pp 1"]];
+    const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
+      [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
+      [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
+      [x.checkpointing !== "none", `--checkpointing ${x.checkpointing} inside a compiled block has no formula here (Lab 13 traces it)`],
+      [x.loss !== "full", `--loss ${x.loss} beside compiled blocks has no formula here (Lab 13 traces it)`],
+      [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`]];
+    const first = lab13.find((r) => r[0]);
+    if (first) return `--compile: ${first[1]}`;
+    const mine = ours.find((r) => r[0]);
+    return mine ? `--compile: ${mine[1]}: leave one out` : null;
+  }
+
   /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
   function fineTuning(x, s) {
     if (x.method === "full") return null;
-    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"], ["--compile", x.compile]].filter((f) => f[1]).map((f) => f[0]);
     if (split.length) {
       return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, eager, without float8): train every weight, or leave them out`];
     }
@@ -518,6 +540,22 @@
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
 
+  /** Python: fit_compiled.layer (--compile): what the partitioner saves of a block, nothing checkpointed. */
+  function compiledLayer(S) {
+    const tokens = S.r.mul(S.h).add(2 * K().row).add(n(3).mul(S.c).mul(S.h)).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g))))
+      .add(n(K().lse).mul(S.a)).add(n(3).mul(S.c).mul(S.f));
+    return S.T.mul(tokens).add(n(4).mul(S.s).mul(S.d));
+  }
+
+  /** Python: fit_compiled.block_backward (--compile, ZeRO-3): the second block's backward, at its attention norm's. */
+  function compiledBlockBackward(x, S, held, act) {
+    const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(S.Pb, S.dp));
+    const done = S.T.mul(norm(S, 1)).add(compiledLayer(S));
+    const work = total(S.c.mul(S.V).mul(S.h), S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
+    return { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
+      temporaries: work }) };
+  }
+
   /** Python: fit_split.float8_layer (--float8 tensorwise --tp): a block under torchao's float8 TP styles. */
   function float8Layer(S, sp) {
     const norms = (sp ? ceilDiv(S.T, S.t) : S.T).mul(n(2)).mul(own(S));
@@ -569,7 +607,8 @@
   function activations(x, S, family) {
     if (loraStep(x)) return loraActivations(x, S);
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
-    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
+    let per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
+    if (x.compile && x.checkpointing === "none") per = compiledLayer(S);  // the partitioner's saved set
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
@@ -929,7 +968,8 @@
     if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x)
         && (!S.E.value || x.checkpointing === "none")
         && z.spec.family !== "gpt" && x.offload === "none") {
-      Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
+      Object.assign(out, x.checkpointing === "none" ? (x.compile ? compiledBlockBackward : blockBackward)(x, S, held, act)
+        : recomputedBlock(x, S, held));
     }
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
@@ -1325,7 +1365,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Blocks per segment", loss: "Loss", float8: "float8 matmuls", compile: "torch.compile each block", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
     tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", cp: "Context-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
@@ -1340,7 +1380,7 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "compile", "optimizer", "optimizer_in_backward"]],
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "fsdp_units", "offload", "offload_activations"]],
     ["", null, ["tp"]],

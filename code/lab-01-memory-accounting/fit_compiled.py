@@ -1,0 +1,73 @@
+"""Lab 01 - will it fit? ``--compile``: what a compiled Llama block keeps for backward, as Lab 13 traces it.
+
+Lab 13 (``fit_compile.py``) compiles each block, lets AOTAutograd and inductor's min-cut partitioner split the
+joint graph (``min_cut_rematerialization_partition`` in torch/_functorch/partitioners.py, v2.13.0), and runs
+the two graphs as Python on fake tensors. The forward graph's extra outputs are what the block saves. For a
+Llama block that set is one list, the same at every size traced (1B, 3B, 8B, 70B and 405B widths; 16 to 65,536
+tokens; batches of 1 to 4; fp32, bf16 and mixed; 1 to 32 KV heads): the partitioner never recomputes a matmul
+(``is_compute_intensive``), and what it recomputes from the saved set (the norms' scaling, RoPE, SiLU, casts)
+is cheap at any size, so no byte count moves the cut. ``layer`` writes that list term by term.
+
+What the trace counts and inductor's generated code would not hold: the temporaries of the pointwise chains
+it fuses into one kernel, and the buffers it reuses. So the saved set is the compiled step's; its temporaries
+are an upper bound (Lab 13's page says so). ``tests/test_fit_formula.py`` holds the formula to the trace."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from fit_expr import Expr, ceil_div, total
+from fit_symbols import LSE, ROW
+from labkit import labs
+from labkit.config import UsageError
+
+
+# --8<-- [start:compiled]
+def layer(S) -> Expr:
+    """Bytes one compiled Llama block keeps for backward, nothing checkpointed: its input (the residual stream,
+    r), the two norms' 1/rms, the attention norm's output in c (one copy for q, k and v), q and k after RoPE and
+    v, RoPE's angle table (fp32, one per sequence position), attention's log-sum-exp and output, o_proj's output,
+    the MLP norm's output, gate's and up's outputs and their product SiLU(gate) × up. Recomputed in backward:
+    the norms' fp32 work, RoPE's rotation, SiLU, the residual sums. Under autocast the seven matmul weights' c
+    casts are saved too: the calculator adds them as it does for eager blocks (``casts``)."""
+    tokens = S.r * S.h + 2 * ROW + 3 * S.c * S.h + S.c * (2 * S.q + 2 * S.g) + LSE * S.a + 3 * S.c * S.f
+    return S.T * tokens + 4 * S.s * S.d
+
+
+def block_backward(x, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
+    """FSDP2 at ZeRO-3 (Lab 13's trace): the peak of a compiled block's backward, in the second block from the end
+    (the last one's gradient shard out, this one and the next gathered: ``communication`` counts them as for an
+    eager block), at its attention norm's backward. The backward graph runs as one call: every tensor the block
+    saved stays until it returns, and so does every weight gradient it has made, in c (all of the block's, by the
+    time its first norm comes back); beside them the head's c gradient, waiting for the root's reduce-scatter, the
+    norm's fp32 input and products (four T × h) and two c gradients of the stream. Gone: the loss's log-softmax,
+    the final norm and the last block's saved set."""
+    from fit_formula import norm  # here: fit_formula imports this file
+    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
+    done = S.T * norm(S, 1) + layer(S)
+    work = total(S.c * S.V * S.h, S.c * S.Pb, S.T * (16 * S.h + 2 * S.c * S.h))
+    return {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
+                                      "temporaries": work}}
+# --8<-- [end:compiled]
+
+
+def check(x, family: str, dims: dict) -> None:
+    """What Lab 13 refuses with --compile (its own check, one source), then what the formula does not count."""
+    if not x.compile:
+        return
+    spec = SimpleNamespace(family=family, experts=dims["experts"])  # Lab 13's config holds its spec; Inputs makes it
+    config = SimpleNamespace(**{k: getattr(x, k) for k in ("compile", "task", "model", "checkpointing", "tp", "pp")},
+                             spec=spec)
+    labs.load(13, "fit_compile").check_compile(config)
+    for bad, why in ((x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"),
+                     (x.optimizer_in_backward or x.offload_activations, "--optimizer-in-backward and "
+                      "--offload-activations are not traced compiled (Lab 13)"),
+                     (x.float8 != "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"),
+                     (x.checkpointing != "none", f"--checkpointing {x.checkpointing} inside a compiled block has no "
+                      "formula here (Lab 13 traces it)"),
+                     (x.loss != "full", f"--loss {x.loss} beside compiled blocks has no formula here (Lab 13 traces it)"),
+                     (x.fsdp_units != "blocks", f"--fsdp-units {x.fsdp_units} around compiled blocks has no formula "
+                      "here (Lab 13 traces it)")):
+        if bad:
+            raise UsageError(f"--compile: {why}: leave one out")
+
