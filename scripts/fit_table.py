@@ -127,7 +127,11 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "float8": "t
 # in pure bf16 under ZeRO-3, in the second block's compiled backward (fit_compiled.block_backward)
 NAMED += [{"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused", "compile": True},
           {"model": "llama-3-8b", "seq": 4096, "dp": 8, "zero_stage": 3, "compile": True},
-          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16", "compile": True}]
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16", "compile": True},
+          # checkpointed inside each compiled block: the embedding's backward (one GPU), the second block's from the front
+          {"model": "llama-3-8b", "seq": 8192, "optimizer": "adamw-fused", "checkpointing": "full", "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16",
+           "checkpointing": "full", "compile": True}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -425,7 +429,8 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                                                   ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
                       "sp": False, "pp": 1, "replicate": 1, "float8": "none", "cp": 1}  # eager, unsplit (Lab 15's traces)
             if rng.random() < 0.15:  # each block torch.compile'd (fit_compiled.py), beside what its formula counts
-                f |= {"compile": True, "checkpointing": "none", "checkpoint_every": None, "loss": "full", "float8": "none",
+                f |= {"compile": True, "checkpointing": rng.choice(CHECKPOINTING[:4]), "checkpoint_every": None,
+                      "loss": "full", "float8": "none",
                       "tp": 1, "sp": False, "pp": 1, "cp": 1, "optimizer_in_backward": False, "offload_activations": False,
                       "fsdp_units": "blocks"}
         try:

@@ -215,9 +215,12 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # float8 at 1,024 tokens: a gate weight cast to e4m3 in a recomputed backward, its fp32 copy beside two weight
     # gradients (fit_moments.recomputed_mlp's fifth point)
     {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "float8": "tensorwise"},
-    # --compile: the partitioner's saved set; in bf16 under ZeRO-3 the second block's compiled backward holds the
-    # peak, every weight gradient of the block made before the graph returns (fit_compiled.block_backward)
-    {"precision": "bf16", "dp": 8, "zero_stage": 3, "compile": True}, {"dp": 4, "zero_stage": 3, "compile": True},
+    # --compile: the partitioner's saved set; under ZeRO-3 a compiled block's backward holds the peak, every weight
+    # gradient of the block made before the graph returns (fit_compiled.block_backward): the second block from the
+    # end, or (checkpointed: a block keeps less than its gradient shard) the second from the front
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "compile": True},
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "compile": True},
+    {"dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "save-alternate-matmuls", "compile": True},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -299,8 +302,10 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     # --offload-activations: the end of forward (autocast's cache of every cast), the recomputed segment's backward
     {"offload_activations": True, "optimizer_in_backward": True},
     {"offload_activations": True, "precision": "bf16", "checkpointing": "every-k", "checkpoint_every": 4},
-    # --compile: each block's min-cut saved set (fit_compiled.layer), at the start of backward
-    {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3},
+    # --compile: each block's min-cut saved set (fit_compiled.layer), at the start of backward; checkpointed inside
+    # each block, the embedding's backward (every gradient made), or under a policy the start of backward again
+    {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3}, {"compile": True, "checkpointing": "full", "seq": 8192},
+    {"compile": True, "checkpointing": "save-alternate-matmuls", "dp": 8, "zero_stage": 3},
 ]
 
 
@@ -324,23 +329,30 @@ def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_p
     assert tl.device["activations"][end] == pytest.approx(kept, abs=2**12)  # a loss scalar, rounded
 
 
-@pytest.mark.parametrize("model,seq,batch,precision,kv_heads", [
-    ("llama-3.2-1b", 1024, 1, "mixed", None), ("llama-3-8b", 512, 2, "bf16", 1), ("llama-3-70b", 256, 1, "fp32", 64)])
-def test_compiled_blocks_save_the_formulas_set_at_every_shape(monkeypatch, model, seq, batch, precision, kv_heads):
+@pytest.mark.parametrize("model,seq,batch,precision,dims,checkpointing", [
+    ("llama-3.2-1b", 1024, 1, "mixed", {}, "none"), ("llama-3-8b", 512, 2, "bf16", {"kv_heads": 1}, "none"),
+    ("llama-3-70b", 256, 1, "fp32", {"kv_heads": 64}, "none"), ("llama-3-8b", 512, 1, "mixed", {}, "save-matmuls"),
+    ("llama-3-8b", 512, 1, "bf16", {"head_dim": 64}, "save-alternate-matmuls"), ("llama-3-8b", 512, 1, "mixed", {}, "full")])
+def test_compiled_blocks_save_the_formulas_set_at_every_shape(monkeypatch, model, seq, batch, precision, dims,
+                                                              checkpointing):
     """What AOTAutograd's min-cut partitioner saves of a compiled block (the forward graph's outputs beyond the
-    block's, less its inputs: Lab 13's ``Partitioned.saved``) is ``fit_compiled.layer`` less the block's input,
-    to the byte, across widths, precisions, batches and grouped-query ratios (MQA to none), on two blocks."""
+    block's, less its inputs: Lab 13's ``Partitioned.saved``) is ``fit_compiled.saved`` less the block's input,
+    to the byte, across widths, precisions, batches and grouped-query ratios (MQA to none), on two blocks; under
+    torchtitan's policy q, v and gate's outputs (heads of 64 with a width of 4,096: q is not h wide), not k, o, up's."""
     lab13, fit_compile = labs.load(13), labs.load(13, "fit_compile")
     backends, init = [], fit_compile.Partitioned.__init__
     monkeypatch.setattr(fit_compile.Partitioned, "__init__", lambda self: (init(self), backends.append(self))[0])
-    fields = {"model": model, "seq": seq, "batch": batch, "precision": precision, "compile": True}
+    fields = {"model": model, "seq": seq, "batch": batch, "precision": precision, "checkpointing": checkpointing,
+              "compile": True}
     config = lab13.Config(levers="none", **fields)
-    config.__dict__["spec"] = dataclasses.replace(zoo.get(model), layers=2, kv_heads=kv_heads or zoo.get(model).kv_heads)
+    config.__dict__["spec"] = dataclasses.replace(zoo.get(model), layers=2, **dims)
     lab13.trace(config)
-    x = Inputs(layers=2, kv_heads=kv_heads, **fields)
+    x = Inputs(layers=2, **dims, **fields)
     S = fit.symbols(x, fit.sizes(x))
-    casts = S.c.value * fit.sizes(x).matmuls // 2 if precision == "mixed" else 0  # autocast's casts of a block's weights
-    assert backends[-1].saved == [fit.fit_compiled.layer(S).value - (S.T * S.r * S.h).value + casts] * 2
+    kept = fit.fit_compiled.saved(x, S, fit.layer(S, checkpointing)).value - (S.T * S.r * S.h).value
+    if precision == "mixed" and checkpointing == "none":  # autocast's casts of a block's weights
+        kept += S.c.value * fit.sizes(x).matmuls // 2
+    assert backends[-1].saved == [kept] * 2
 
 
 def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():

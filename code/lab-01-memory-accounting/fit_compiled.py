@@ -34,20 +34,50 @@ def layer(S) -> Expr:
     return S.T * tokens + 4 * S.s * S.d
 
 
-def block_backward(x, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2 at ZeRO-3 (Lab 13's trace): the peak of a compiled block's backward, in the second block from the end
-    (the last one's gradient shard out, this one and the next gathered: ``communication`` counts them as for an
-    eager block), at its attention norm's backward. The backward graph runs as one call: every tensor the block
-    saved stays until it returns, and so does every weight gradient it has made, in c (all of the block's, by the
-    time its first norm comes back); beside them the head's c gradient, waiting for the root's reduce-scatter, the
-    norm's fp32 input and products (four T × h) and two c gradients of the stream. Gone: the loss's log-softmax,
-    the final norm and the last block's saved set."""
-    from fit_formula import norm  # here: fit_formula imports this file
-    grads = held["gradients"] if x.accumulation > 1 else S.w * ceil_div(S.Pb, S.dp)
-    done = S.T * norm(S, 1) + layer(S)
+def saved(x, S, eager: Expr) -> Expr:
+    """What a compiled block keeps, given what the eager one keeps (``eager``) under the same checkpointing. Nothing
+    checkpointed: ``layer``. Checkpointed whole (full): its input, as eager. Under a policy (save-matmuls,
+    save-alternate-matmuls) the partitioner keeps what the policy must save and backward reads: every saved
+    matmul output but the down projection's, which only the block's output is made from (T × c × h less). No
+    weight cast is kept under autocast: the compiled backward casts again (the calculator adds none)."""
+    if x.checkpointing == "none":
+        return layer(S)
+    return eager - S.T * S.c * S.h if x.checkpointing.startswith("save") else eager
+
+
+def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
+    """FSDP2 at ZeRO-3 (Lab 13's trace): the peak of a compiled block's backward, at its attention norm's backward.
+    The backward graph runs as one call: what the block saved stays until it returns (a checkpointed block's
+    input; its recompute is freed by then but for the norm's input), and so does every weight gradient it has made,
+    in c (all of the block's, by the time its first norm comes back). Beside them: the head's c gradient, waiting
+    for the root's reduce-scatter; the norm's fp32 input and products (four T × h) and two c gradients of the
+    stream. FSDP2 holds the root, this block and the next one gathered, and the block after's reduce-scatter
+    input (``communication``, as for an eager block). Each block done frees its saved set and leaves a gradient
+    shard, so the peak is near one end: the second block from the end (the last one's shard out, L − 1 saved
+    sets alive; ``block_backward``), or the second from the front (L − 2 shards, two saved sets: where a block
+    keeps less than its shard, as a checkpointed one does; ``recomputed_front``). Gone: the loss's
+    log-softmax, the final norm, the later blocks' saved sets."""
+    from fit_formula import layer  # here: fit_formula imports this file
+    if x.zero_stage != 3 or x.offload != "none" or S.L.value < 3:
+        return {}
+    per = saved(x, S, layer(S, x.checkpointing))  # what one compiled block keeps (FSDP2: no weight casts)
+    shard = S.w * ceil_div(S.Pb, S.dp)  # a block's gradient shard
     work = total(S.c * S.V * S.h, S.c * S.Pb, S.T * (16 * S.h + 2 * S.c * S.h))
-    return {"block_backward": held | {"gradients": grads, "activations": act["kept"] - act["loss"] - done,
-                                      "temporaries": work}}
+    out = {}
+    for moment, blocks, done in (("block_backward", S.L - 1, 1), ("recomputed_front", 2, S.L - 2)):
+        grads = held["gradients"] if x.accumulation > 1 else shard if done == 1 else done * shard
+        out[moment] = held | {"gradients": grads, "activations": blocks * per, "temporaries": work}
+    return out
+
+
+def moments(x, S, held: dict, state: dict) -> dict[str, dict[str, Expr]]:
+    """The compiled step's moments beside eager's: a block's backward (``block_backward``) and, on one GPU, the
+    embedding's backward: every gradient made, the embedding's last, beside the stream's gradient (T × r × h).
+    With checkpointing a block keeps less than its gradient, so the step's total grows to there."""
+    out = block_backward(x, S, held)
+    if x.dp == 1 and x.accumulation == 1 and x.offload == "none":
+        out["embedding_backward"] = state | {"temporaries": S.T * S.r * S.h}
+    return out
 # --8<-- [end:compiled]
 
 
@@ -63,8 +93,6 @@ def check(x, family: str, dims: dict) -> None:
                      (x.optimizer_in_backward or x.offload_activations, "--optimizer-in-backward and "
                       "--offload-activations are not traced compiled (Lab 13)"),
                      (x.float8 != "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"),
-                     (x.checkpointing != "none", f"--checkpointing {x.checkpointing} inside a compiled block has no "
-                      "formula here (Lab 13 traces it)"),
                      (x.loss != "full", f"--loss {x.loss} beside compiled blocks has no formula here (Lab 13 traces it)"),
                      (x.fsdp_units != "blocks", f"--fsdp-units {x.fsdp_units} around compiled blocks has no formula "
                       "here (Lab 13 traces it)")):

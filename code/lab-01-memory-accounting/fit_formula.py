@@ -154,7 +154,7 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
-    per = fit_compiled.layer(S) if x.compile and x.checkpointing == "none" else per  # the partitioner's saved set
+    per = fit_compiled.saved(x, S, per) if x.compile else per  # the partitioner's saved set
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
     # the weight itself, not a cast); every-k keeps a segment's input, offload what the hooks leave on the device
@@ -167,7 +167,7 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         kept = kept + ceil_div(S.T, S.t) * own(S) if x.sp else kept
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" and not x.offload_activations else kept
-    cache = autocast_cache(x, S, casts) if mixed else ZERO
+    cache = autocast_cache(x, S, casts) if mixed and not x.compile else ZERO  # a compiled block frees its own
     return {"kept": kept, "cache": cache,
             "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
 
@@ -293,9 +293,9 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
-            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
-        out |= (fit_compiled.block_backward if x.compile else block_backward)(x, S, held, act) if x.checkpointing == "none" \
-            else recomputed_block(x, S, held)
+            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none" and not x.compile:
+        out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
+    out |= fit_compiled.moments(x, S, held, state) if x.compile else {}  # a compiled block's backward; the embedding's
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

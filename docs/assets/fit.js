@@ -232,7 +232,6 @@
     const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
       [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
       [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
-      [x.checkpointing !== "none", `--checkpointing ${x.checkpointing} inside a compiled block has no formula here (Lab 13 traces it)`],
       [x.loss !== "full", `--loss ${x.loss} beside compiled blocks has no formula here (Lab 13 traces it)`],
       [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`]];
     const first = lab13.find((r) => r[0]);
@@ -547,13 +546,33 @@
     return S.T.mul(tokens).add(n(4).mul(S.s).mul(S.d));
   }
 
-  /** Python: fit_compiled.block_backward (--compile, ZeRO-3): the second block's backward, at its attention norm's. */
-  function compiledBlockBackward(x, S, held, act) {
-    const grads = x.accumulation > 1 ? held.gradients : S.w.mul(ceilDiv(S.Pb, S.dp));
-    const done = S.T.mul(norm(S, 1)).add(compiledLayer(S));
+  /** Python: fit_compiled.saved: a compiled block's, from eager's under the same checkpointing. */
+  function compiledSaved(x, S, eager) {
+    if (x.checkpointing === "none") return compiledLayer(S);
+    return x.checkpointing.startsWith("save") ? eager.sub(S.T.mul(S.c).mul(S.h)) : eager;
+  }
+
+  /** Python: fit_compiled.block_backward (--compile, ZeRO-3): a block's backward, at its attention norm's. */
+  function compiledBlockBackward(x, S, held) {
+    if (x.zero_stage !== 3 || x.offload !== "none" || S.L.value < 3n) return {};
+    const per = compiledSaved(x, S, layer(S, x.checkpointing));
+    const shard = S.w.mul(ceilDiv(S.Pb, S.dp));
     const work = total(S.c.mul(S.V).mul(S.h), S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
-    return { block_backward: Object.assign({}, held, { gradients: grads, activations: act.kept.sub(act.loss).sub(done),
-      temporaries: work }) };
+    const out = {};
+    for (const [moment, blocks, done] of [["block_backward", S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]]) {
+      const grads = x.accumulation > 1 ? held.gradients : done === 1 ? shard : done.mul(shard);
+      out[moment] = Object.assign({}, held, { gradients: grads, activations: blocks.mul(per), temporaries: work });
+    }
+    return out;
+  }
+
+  /** Python: fit_compiled.moments: a compiled block's backward; on one GPU, the embedding's. */
+  function compiledMoments(x, S, held, state) {
+    const out = compiledBlockBackward(x, S, held);
+    if (x.dp === 1 && x.accumulation === 1 && x.offload === "none") {
+      out.embedding_backward = Object.assign({}, state, { temporaries: S.T.mul(S.r).mul(S.h) });
+    }
+    return out;
   }
 
   /** Python: fit_split.float8_layer (--float8 tensorwise --tp): a block under torchao's float8 TP styles. */
@@ -608,7 +627,7 @@
     if (loraStep(x)) return loraActivations(x, S);
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
     let per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
-    if (x.compile && x.checkpointing === "none") per = compiledLayer(S);  // the partitioner's saved set
+    if (x.compile) per = compiledSaved(x, S, per);  // the partitioner's saved set
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
@@ -619,7 +638,7 @@
     if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    let cache = mixed && x.checkpointing !== "none" ? casts : ZERO;
+    let cache = mixed && x.checkpointing !== "none" && !x.compile ? casts : ZERO;  // a compiled block frees its own
     if (mixed && x.checkpointing === "none" && x.offload_activations) cache = casts.sub(S.c.mul(S.f).mul(S.h));
     return { kept, cache,
       loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
@@ -967,10 +986,10 @@
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x)
         && (!S.E.value || x.checkpointing === "none")
-        && z.spec.family !== "gpt" && x.offload === "none") {
-      Object.assign(out, x.checkpointing === "none" ? (x.compile ? compiledBlockBackward : blockBackward)(x, S, held, act)
-        : recomputedBlock(x, S, held));
+        && z.spec.family !== "gpt" && x.offload === "none" && !x.compile) {
+      Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
+    if (x.compile) Object.assign(out, compiledMoments(x, S, held, state));  // a compiled block's backward; the embedding's
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
