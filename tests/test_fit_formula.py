@@ -221,6 +221,10 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     {"precision": "bf16", "dp": 8, "zero_stage": 3, "compile": True},
     {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "compile": True},
     {"dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "save-alternate-matmuls", "compile": True},
+    # checkpointed whole at 8,192 tokens: the recomputed MLP's backward (fit_compiled.recomputed_mlp), the head's
+    # gradient made in forward by a fused-linear loss
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "full", "loss": "fused-linear",
+     "compile": True},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -305,7 +309,8 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     # --compile: each block's min-cut saved set (fit_compiled.layer), at the start of backward; checkpointed inside
     # each block, the embedding's backward (every gradient made), or under a policy the start of backward again
     {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3}, {"compile": True, "checkpointing": "full", "seq": 8192},
-    {"compile": True, "checkpointing": "save-alternate-matmuls", "dp": 8, "zero_stage": 3},
+    # torchtitan's run: a chunked loss, FSDP2 over 16 ranks, the recomputed MLP's backward (fit_compiled.recomputed_mlp)
+    {"compile": True, "checkpointing": "full", "loss": "chunked", "dp": 16, "zero_stage": 3, "seq": 8192},
 ]
 
 
@@ -598,7 +603,8 @@ def test_results_table_is_what_the_python_computes_now():
     ({"compile": True, "task": "infer"}, "--compile: --task infer"), ({"compile": True, "tp": 2}, "--compile: DTensor"),
     ({"compile": True, "model": "mixtral-8x7b"}, "not a dense zoo Llama"),
     ({"compile": True, "checkpointing": "every-k", "checkpoint_every": 2}, "every-k's segments span blocks"),
-    ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"), ({"compile": True, "loss": "chunked"}, "--loss chunked"),
+    ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"),
+    ({"compile": True, "dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"}, "--compile: --fsdp-units"),
     ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fit_expr import Expr, ceil_div, total
+from fit_expr import Expr, ceil_div, larger, total
 from fit_symbols import LSE, ROW
 from labkit import labs
 from labkit.config import UsageError
@@ -50,8 +50,9 @@ def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
     The backward graph runs as one call: what the block saved stays until it returns (a checkpointed block's
     input; its recompute is freed by then but for the norm's input), and so does every weight gradient it has made,
     in c (all of the block's, by the time its first norm comes back). Beside them: the head's c gradient, waiting
-    for the root's reduce-scatter; the norm's fp32 input and products (four T × h) and two c gradients of the
-    stream. FSDP2 holds the root, this block and the next one gathered, and the block after's reduce-scatter
+    for the root's reduce-scatter (under fused-linear, made in forward: an activation); the norm's fp32 input and
+    products (four T × h) and two c gradients of the stream. Checkpointed whole (full), the block's peak can come
+    earlier, in its recomputed MLP's backward (``recomputed_mlp``). FSDP2 holds the root, this block and the next one gathered, and the block after's reduce-scatter
     input (``communication``, as for an eager block). Each block done frees its saved set and leaves a gradient
     shard, so the peak is near one end: the second block from the end (the last one's shard out, L − 1 saved
     sets alive; ``block_backward``), or the second from the front (L − 2 shards, two saved sets: where a block
@@ -62,12 +63,28 @@ def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
         return {}
     per = saved(x, S, layer(S, x.checkpointing))  # what one compiled block keeps (FSDP2: no weight casts)
     shard = S.w * ceil_div(S.Pb, S.dp)  # a block's gradient shard
-    work = total(S.c * S.V * S.h, S.c * S.Pb, S.T * (16 * S.h + 2 * S.c * S.h))
+    head, fused = S.c * S.V * S.h, x.loss == "fused-linear"  # the head's gradient (fused-linear: made in forward)
+    work = total(S.c * S.Pb, S.T * (16 * S.h + 2 * S.c * S.h))
+    if x.checkpointing == "full":  # or, earlier, the recomputed MLP's backward: down's weight gradient made
+        work = larger(work, recomputed_mlp(S))
     out = {}
     for moment, blocks, done in (("block_backward", S.L - 1, 1), ("recomputed_front", 2, S.L - 2)):
         grads = held["gradients"] if x.accumulation > 1 else shard if done == 1 else done * shard
-        out[moment] = held | {"gradients": grads, "activations": blocks * per, "temporaries": work}
+        out[moment] = held | {"gradients": grads, "activations": total(blocks * per, head) if fused else blocks * per,
+                              "temporaries": work if fused else total(head, work)}
     return out
+
+
+def recomputed_mlp(S) -> Expr:
+    """A compiled block checkpointed whole (full), in its backward graph: the block recomputed, then its MLP's
+    backward, at the product of the product's gradient with up's output. Alive beside the head's gradient: five
+    T × f (gate's and up's outputs, SiLU's, the product's gradient and that product); the two norms' fp32 inputs
+    (T × h each) and five c tensors T × h wide (their outputs, the residual sum, the stream's gradient; in fp32
+    six, and no copies), two T × q (q after RoPE, attention's output) and two T × g (k after RoPE, v), attention's
+    log-sum-exp and the norms' 1/rms, RoPE's cos and sin (c), and down's weight gradient."""
+    wide = 8 * S.h + 5 * S.c * S.h if S.c.value < 4 else 6 * S.c * S.h  # (fp32: no fp32 copies; six T × h)
+    stream = wide + 2 * S.c * S.q + 2 * S.c * S.g + LSE * S.a + 2 * ROW
+    return total(5 * S.T * S.c * S.f, S.T * stream, 2 * S.s * S.d * S.c, S.c * S.f * S.h)
 
 
 def moments(x, S, held: dict, state: dict) -> dict[str, dict[str, Expr]]:
@@ -93,7 +110,6 @@ def check(x, family: str, dims: dict) -> None:
                      (x.optimizer_in_backward or x.offload_activations, "--optimizer-in-backward and "
                       "--offload-activations are not traced compiled (Lab 13)"),
                      (x.float8 != "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"),
-                     (x.loss != "full", f"--loss {x.loss} beside compiled blocks has no formula here (Lab 13 traces it)"),
                      (x.fsdp_units != "blocks", f"--fsdp-units {x.fsdp_units} around compiled blocks has no formula "
                       "here (Lab 13 traces it)")):
         if bad:

@@ -232,7 +232,6 @@
     const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
       [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
       [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
-      [x.loss !== "full", `--loss ${x.loss} beside compiled blocks has no formula here (Lab 13 traces it)`],
       [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`]];
     const first = lab13.find((r) => r[0]);
     if (first) return `--compile: ${first[1]}`;
@@ -557,13 +556,23 @@
     if (x.zero_stage !== 3 || x.offload !== "none" || S.L.value < 3n) return {};
     const per = compiledSaved(x, S, layer(S, x.checkpointing));
     const shard = S.w.mul(ceilDiv(S.Pb, S.dp));
-    const work = total(S.c.mul(S.V).mul(S.h), S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
+    const head = S.c.mul(S.V).mul(S.h), fused = x.loss === "fused-linear";  // (fused-linear: made in forward)
+    let work = total(S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
+    if (x.checkpointing === "full") work = larger(work, compiledRecomputedMlp(S));  // or the recomputed MLP's backward
     const out = {};
     for (const [moment, blocks, done] of [["block_backward", S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]]) {
       const grads = x.accumulation > 1 ? held.gradients : done === 1 ? shard : done.mul(shard);
-      out[moment] = Object.assign({}, held, { gradients: grads, activations: blocks.mul(per), temporaries: work });
+      out[moment] = Object.assign({}, held, { gradients: grads, activations: fused ? total(blocks.mul(per), head) : blocks.mul(per),
+        temporaries: fused ? work : total(head, work) });
     }
     return out;
+  }
+
+  /** Python: fit_compiled.recomputed_mlp: a compiled block checkpointed whole, at its recomputed MLP's backward. */
+  function compiledRecomputedMlp(S) {
+    const wide = S.c.value < 4n ? n(8).mul(S.h).add(n(5).mul(S.c).mul(S.h)) : n(6).mul(S.c).mul(S.h);
+    const stream = wide.add(n(2).mul(S.c).mul(S.q)).add(n(2).mul(S.c).mul(S.g)).add(n(K().lse).mul(S.a)).add(2 * K().row);
+    return total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream), n(2).mul(S.s).mul(S.d).mul(S.c), S.c.mul(S.f).mul(S.h));
   }
 
   /** Python: fit_compiled.moments: a compiled block's backward; on one GPU, the embedding's. */
