@@ -225,6 +225,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # gradient made in forward by a fused-linear loss
     {"seq": 8192, "dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "full", "loss": "fused-linear",
      "compile": True},
+    {"seq": 8192, "dp": 8, "zero_stage": 2, "checkpointing": "full", "loss": "chunked", "compile": True},  # ZeRO-2
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the

@@ -46,20 +46,21 @@ def saved(x, S, eager: Expr) -> Expr:
 
 
 def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
-    """FSDP2 at ZeRO-3 (Lab 13's trace): the peak of a compiled block's backward, at its attention norm's backward.
-    The backward graph runs as one call: what the block saved stays until it returns (a checkpointed block's
-    input; its recompute is freed by then but for the norm's input), and so does every weight gradient it has made,
-    in c (all of the block's, by the time its first norm comes back). Beside them: the head's c gradient, waiting
-    for the root's reduce-scatter (under fused-linear, made in forward: an activation); the norm's fp32 input and
-    products (four T × h) and two c gradients of the stream. Checkpointed whole (full), the block's peak can come
-    earlier, in its recomputed MLP's backward (``recomputed_mlp``). FSDP2 holds the root, this block and the next one gathered, and the block after's reduce-scatter
-    input (``communication``, as for an eager block). Each block done frees its saved set and leaves a gradient
-    shard, so the peak is near one end: the second block from the end (the last one's shard out, L − 1 saved
-    sets alive; ``block_backward``), or the second from the front (L − 2 shards, two saved sets: where a block
-    keeps less than its shard, as a checkpointed one does; ``recomputed_front``). Gone: the loss's
-    log-softmax, the final norm, the later blocks' saved sets."""
+    """FSDP2 at ZeRO-3 or 2 (Lab 13's trace): the peak of a compiled block's backward, at its attention norm's
+    backward. The backward graph runs as one call: what the block saved stays until it returns (a checkpointed
+    block's input; its recompute is freed by then but for the norm's input), and so does every weight gradient it
+    has made, in c (all of the block's, by the time its first norm comes back). Beside them: the head's c gradient,
+    waiting for the root's reduce-scatter (under fused-linear, made in forward: an activation); the norm's fp32
+    input and products (four T × h) and two c gradients of the stream. Checkpointed whole (full), the block's peak
+    can come earlier, in its recomputed MLP's backward (``recomputed_mlp``). FSDP2 holds the root, this block and
+    the next one gathered (ZeRO-2: every block not done), and the block after's reduce-scatter input
+    (``communication``, as for an eager block). Each block done frees its saved set and leaves a gradient shard,
+    so the peak is near one end: the second block from the end (the last one's shard out, L − 1 saved sets alive;
+    ``block_backward``, at ZeRO-2 ``recomputed_backward``), or the second from the front (L − 2 shards, two saved
+    sets: where a block keeps less than its shard, as a checkpointed one does; ``recomputed_front``). Gone: the
+    loss's log-softmax, the final norm, the later blocks' saved sets."""
     from fit_formula import layer  # here: fit_formula imports this file
-    if x.zero_stage != 3 or x.offload != "none" or S.L.value < 3:
+    if x.zero_stage < 2 or x.offload != "none" or S.L.value < 3:
         return {}
     per = saved(x, S, layer(S, x.checkpointing))  # what one compiled block keeps (FSDP2: no weight casts)
     shard = S.w * ceil_div(S.Pb, S.dp)  # a block's gradient shard
@@ -68,7 +69,8 @@ def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
     if x.checkpointing == "full":  # or, earlier, the recomputed MLP's backward: down's weight gradient made
         work = larger(work, recomputed_mlp(S))
     out = {}
-    for moment, blocks, done in (("block_backward", S.L - 1, 1), ("recomputed_front", 2, S.L - 2)):
+    end = "block_backward" if x.zero_stage == 3 else "recomputed_backward"  # (ZeRO-2: every block not done gathered)
+    for moment, blocks, done in ((end, S.L - 1, 1), ("recomputed_front", 2, S.L - 2)):
         grads = held["gradients"] if x.accumulation > 1 else shard if done == 1 else done * shard
         out[moment] = held | {"gradients": grads, "activations": total(blocks * per, head) if fused else blocks * per,
                               "temporaries": work if fused else total(head, work)}

@@ -553,14 +553,15 @@
 
   /** Python: fit_compiled.block_backward (--compile, ZeRO-3): a block's backward, at its attention norm's. */
   function compiledBlockBackward(x, S, held) {
-    if (x.zero_stage !== 3 || x.offload !== "none" || S.L.value < 3n) return {};
+    if (x.zero_stage < 2 || x.offload !== "none" || S.L.value < 3n) return {};
     const per = compiledSaved(x, S, layer(S, x.checkpointing));
     const shard = S.w.mul(ceilDiv(S.Pb, S.dp));
     const head = S.c.mul(S.V).mul(S.h), fused = x.loss === "fused-linear";  // (fused-linear: made in forward)
     let work = total(S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
     if (x.checkpointing === "full") work = larger(work, compiledRecomputedMlp(S));  // or the recomputed MLP's backward
     const out = {};
-    for (const [moment, blocks, done] of [["block_backward", S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]]) {
+    const end = x.zero_stage === 3 ? "block_backward" : "recomputed_backward";  // (ZeRO-2: every block not done gathered)
+    for (const [moment, blocks, done] of [[end, S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]]) {
       const grads = x.accumulation > 1 ? held.gradients : done === 1 ? shard : done.mul(shard);
       out[moment] = Object.assign({}, held, { gradients: grads, activations: fused ? total(blocks.mul(per), head) : blocks.mul(per),
         temporaries: fused ? work : total(head, work) });
