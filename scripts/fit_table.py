@@ -139,7 +139,9 @@ NAMED += [{"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused", "comp
           {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3,
            "dp": 16, "compile": True},
           {"model": "llama-3-8b", "seq": 16384, "loss": "chunked", "checkpointing": "full", "zero_stage": 2, "dp": 8,
-           "compile": True}]  # ZeRO-2: every block not yet done gathered
+           "compile": True},  # ZeRO-2: every block not yet done gathered; 70B: a second f x h gradient in the MLP's
+          {"model": "llama-3-70b", "seq": 4096, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 64,
+           "compile": True}]  # backward (fit_compiled.recomputed_mlp's second point)
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 

@@ -79,14 +79,18 @@ def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
 
 def recomputed_mlp(S) -> Expr:
     """A compiled block checkpointed whole (full), in its backward graph: the block recomputed, then its MLP's
-    backward, at the product of the product's gradient with up's output. Alive beside the head's gradient: five
-    T × f (gate's and up's outputs, SiLU's, the product's gradient and that product); the two norms' fp32 inputs
-    (T × h each) and five c tensors T × h wide (their outputs, the residual sum, the stream's gradient; in fp32
-    six, and no copies), two T × q (q after RoPE, attention's output) and two T × g (k after RoPE, v), attention's
-    log-sum-exp and the norms' 1/rms, RoPE's cos and sin (c), and down's weight gradient."""
+    backward, at the larger of two points. (1) The product's gradient times up's output: beside the head's gradient,
+    five T × f (gate's and up's outputs, SiLU's, the product's gradient and that product); the two norms' fp32
+    inputs (T × h each) and five c tensors T × h wide (their outputs, the residual sum, the stream's gradient; in
+    fp32 six, and no copies), two T × q (q after RoPE, attention's output) and two T × g (k after RoPE, v),
+    attention's log-sum-exp and the norms' 1/rms, RoPE's cos and sin (c), and down's weight gradient. (2) Later, a
+    second weight gradient made (f × h: the larger where h is above T, as in a 70B at 4,096 tokens): two of the
+    T × f freed, one gradient of the MLP's input (T × h) made."""
     wide = 8 * S.h + 5 * S.c * S.h if S.c.value < 4 else 6 * S.c * S.h  # (fp32: no fp32 copies; six T × h)
     stream = wide + 2 * S.c * S.q + 2 * S.c * S.g + LSE * S.a + 2 * ROW
-    return total(5 * S.T * S.c * S.f, S.T * stream, 2 * S.s * S.d * S.c, S.c * S.f * S.h)
+    first = total(5 * S.T * S.c * S.f, S.T * stream, 2 * S.s * S.d * S.c, S.c * S.f * S.h)
+    second = total(3 * S.T * S.c * S.f, S.T * (stream + S.c * S.h), 2 * S.s * S.d * S.c, 2 * S.c * S.f * S.h)
+    return larger(first, second)
 
 
 def moments(x, S, held: dict, state: dict) -> dict[str, dict[str, Expr]]:
@@ -113,7 +117,10 @@ def check(x, family: str, dims: dict) -> None:
                       "--offload-activations are not traced compiled (Lab 13)"),
                      (x.float8 != "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"),
                      (x.fsdp_units != "blocks", f"--fsdp-units {x.fsdp_units} around compiled blocks has no formula "
-                      "here (Lab 13 traces it)")):
+                      "here (Lab 13 traces it)"),
+                     (x.offload == "params" and (x.loss != "full" or x.checkpointing != "none"), "--offload params "
+                      "beside a checkpointed block or a chunked loss: a compiled block's backward then holds the peak, "
+                      "with the offloaded shards, and has no formula here (Lab 13 traces it)")):
         if bad:
             raise UsageError(f"--compile: {why}: leave one out")
 

@@ -232,7 +232,8 @@
     const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
       [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
       [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
-      [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`]];
+      [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`],
+      [x.offload === "params" && (x.loss !== "full" || x.checkpointing !== "none"), "--offload params beside a checkpointed block or a chunked loss: a compiled block's backward then holds the peak, with the offloaded shards, and has no formula here (Lab 13 traces it)"]];
     const first = lab13.find((r) => r[0]);
     if (first) return `--compile: ${first[1]}`;
     const mine = ours.find((r) => r[0]);
@@ -569,11 +570,15 @@
     return out;
   }
 
-  /** Python: fit_compiled.recomputed_mlp: a compiled block checkpointed whole, at its recomputed MLP's backward. */
+  /** Python: fit_compiled.recomputed_mlp: a compiled block checkpointed whole, at its recomputed MLP's backward
+      (the larger of two points). */
   function compiledRecomputedMlp(S) {
     const wide = S.c.value < 4n ? n(8).mul(S.h).add(n(5).mul(S.c).mul(S.h)) : n(6).mul(S.c).mul(S.h);
     const stream = wide.add(n(2).mul(S.c).mul(S.q)).add(n(2).mul(S.c).mul(S.g)).add(n(K().lse).mul(S.a)).add(2 * K().row);
-    return total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream), n(2).mul(S.s).mul(S.d).mul(S.c), S.c.mul(S.f).mul(S.h));
+    const first = total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream), n(2).mul(S.s).mul(S.d).mul(S.c), S.c.mul(S.f).mul(S.h));
+    const second = total(n(3).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream.add(S.c.mul(S.h))), n(2).mul(S.s).mul(S.d).mul(S.c),
+      n(2).mul(S.c).mul(S.f).mul(S.h));
+    return larger(first, second);
   }
 
   /** Python: fit_compiled.moments: a compiled block's backward; on one GPU, the embedding's. */
