@@ -141,7 +141,11 @@ NAMED += [{"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused", "comp
           {"model": "llama-3-8b", "seq": 16384, "loss": "chunked", "checkpointing": "full", "zero_stage": 2, "dp": 8,
            "compile": True},  # ZeRO-2: every block not yet done gathered; 70B: a second f x h gradient in the MLP's
           {"model": "llama-3-70b", "seq": 4096, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 64,
-           "compile": True}]  # backward (fit_compiled.recomputed_mlp's second point)
+           "compile": True},  # backward (fit_compiled.recomputed_mlp's second point); the embedding and head as units
+          {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+           "fsdp_units": "blocks-embed-head", "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 8192, "vocab": 32000, "loss": "chunked", "checkpointing": "full",
+           "zero_stage": 3, "dp": 16, "fsdp_units": "blocks-embed-head", "compile": True}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -441,8 +445,7 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
             if rng.random() < 0.15:  # each block torch.compile'd (fit_compiled.py), beside what its formula counts
                 f |= {"compile": True, "checkpointing": rng.choice(CHECKPOINTING[:4]), "checkpoint_every": None,
                       "float8": "none",
-                      "tp": 1, "sp": False, "pp": 1, "cp": 1, "optimizer_in_backward": False, "offload_activations": False,
-                      "fsdp_units": "blocks"}
+                      "tp": 1, "sp": False, "pp": 1, "cp": 1, "optimizer_in_backward": False, "offload_activations": False}
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:

@@ -229,6 +229,10 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # a 70B block at 4,096 tokens (h above T): later in the recomputed MLP's backward, a second f × h gradient made
     {"model": "llama-3-70b", "seq": 4096, "dp": 64, "zero_stage": 3, "vocab": 32000, "checkpointing": "full",
      "loss": "chunked", "compile": True},
+    # the embedding and the head as FSDP2 units: the head unit's reduce-scatter (as eager's), the second block's backward
+    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "compile": True},
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "full", "loss": "chunked",
+     "fsdp_units": "blocks-embed-head", "compile": True},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -608,7 +612,6 @@ def test_results_table_is_what_the_python_computes_now():
     ({"compile": True, "model": "mixtral-8x7b"}, "not a dense zoo Llama"),
     ({"compile": True, "checkpointing": "every-k", "checkpoint_every": 2}, "every-k's segments span blocks"),
     ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"),
-    ({"compile": True, "dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head"}, "--compile: --fsdp-units"),
     ({"compile": True, "dp": 8, "zero_stage": 3, "offload": "params", "loss": "chunked"}, "--compile: --offload params"),
     ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),

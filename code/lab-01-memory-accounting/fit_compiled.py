@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fit_expr import Expr, ceil_div, larger, total
+from fit_expr import ZERO, Expr, ceil_div, larger, total
 from fit_symbols import LSE, ROW
 from labkit import labs
 from labkit.config import UsageError
@@ -45,7 +45,7 @@ def saved(x, S, eager: Expr) -> Expr:
     return eager - S.T * S.c * S.h if x.checkpointing.startswith("save") else eager
 
 
-def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
+def block_backward(x, S, held: dict, act: dict) -> dict[str, dict[str, Expr]]:
     """FSDP2 at ZeRO-3 or 2 (Lab 13's trace): the peak of a compiled block's backward, at its attention norm's
     backward. The backward graph runs as one call: what the block saved stays until it returns (a checkpointed
     block's input; its recompute is freed by then but for the norm's input), and so does every weight gradient it
@@ -59,21 +59,31 @@ def block_backward(x, S, held: dict) -> dict[str, dict[str, Expr]]:
     ``block_backward``, at ZeRO-2 ``recomputed_backward``), or the second from the front (L − 2 shards, two saved
     sets: where a block keeps less than its shard, as a checkpointed one does; ``recomputed_front``). Gone: the
     loss's log-softmax, the final norm, the later blocks' saved sets."""
-    from fit_formula import layer  # here: fit_formula imports this file
+    from fit_formula import layer, norm  # here: fit_formula imports this file
     if x.zero_stage < 2 or x.offload != "none" or S.L.value < 3:
         return {}
     per = saved(x, S, layer(S, x.checkpointing))  # what one compiled block keeps (FSDP2: no weight casts)
     shard = S.w * ceil_div(S.Pb, S.dp)  # a block's gradient shard
-    head, fused = S.c * S.V * S.h, x.loss == "fused-linear"  # the head's gradient (fused-linear: made in forward)
+    units, fused = x.fsdp_units != "blocks", x.loss == "fused-linear"
+    head = ZERO if units else S.c * S.V * S.h  # the head's gradient (fused-linear: made in forward; its own unit: reduced)
+    own = S.w * ceil_div(S.Pr - S.V * S.h, S.dp) if units else ZERO  # the head unit's shard
     work = total(S.c * S.Pb, S.T * (16 * S.h + 2 * S.c * S.h))
     if x.checkpointing == "full":  # or, earlier, the recomputed MLP's backward: down's weight gradient made
         work = larger(work, recomputed_mlp(S))
     out = {}
     end = "block_backward" if x.zero_stage == 3 else "recomputed_backward"  # (ZeRO-2: every block not done gathered)
-    for moment, blocks, done in ((end, S.L - 1, 1), ("recomputed_front", 2, S.L - 2)):
-        grads = held["gradients"] if x.accumulation > 1 else shard if done == 1 else done * shard
-        out[moment] = held | {"gradients": grads, "activations": total(blocks * per, head) if fused else blocks * per,
+    ends = ((end, S.L, 0), ("recomputed_front", 1, S.L - 1)) if units else ((end, S.L - 1, 1), ("recomputed_front", 2, S.L - 2))
+    if units and x.zero_stage == 3:  # and the second block from the end, its own unit's shard and the last's out
+        ends += (("second_block_backward", S.L - 1, 1),)
+    for moment, blocks, done in ends:
+        shards = ZERO if done == 0 else shard if done == 1 else done * shard
+        grads = held["gradients"] if x.accumulation > 1 else total(own, shards)
+        kept = per if blocks == 1 else blocks * per
+        out[moment] = held | {"gradients": grads, "activations": total(kept, head) if fused else kept,
                               "temporaries": work if fused else total(head, work)}
+    if units and x.zero_stage == 3:  # before the blocks: the head unit's reduce-scatter, as eager's (fit_moments)
+        out["head_reduced"] = held | {"gradients": held["gradients"] if x.accumulation > 1 else own, "activations":
+                                      act["kept"] - act["loss"] - S.T * norm(S, 1), "temporaries": S.c * S.V * S.h + S.T * S.c * S.h}
     return out
 
 
@@ -93,11 +103,11 @@ def recomputed_mlp(S) -> Expr:
     return larger(first, second)
 
 
-def moments(x, S, held: dict, state: dict) -> dict[str, dict[str, Expr]]:
+def moments(x, S, held: dict, state: dict, act: dict) -> dict[str, dict[str, Expr]]:
     """The compiled step's moments beside eager's: a block's backward (``block_backward``) and, on one GPU, the
     embedding's backward: every gradient made, the embedding's last, beside the stream's gradient (T × r × h).
     With checkpointing a block keeps less than its gradient, so the step's total grows to there."""
-    out = block_backward(x, S, held)
+    out = block_backward(x, S, held, act)
     if x.dp == 1 and x.accumulation == 1 and x.offload == "none":
         out["embedding_backward"] = state | {"temporaries": S.T * S.r * S.h}
     return out
@@ -116,8 +126,6 @@ def check(x, family: str, dims: dict) -> None:
                      (x.optimizer_in_backward or x.offload_activations, "--optimizer-in-backward and "
                       "--offload-activations are not traced compiled (Lab 13)"),
                      (x.float8 != "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"),
-                     (x.fsdp_units != "blocks", f"--fsdp-units {x.fsdp_units} around compiled blocks has no formula "
-                      "here (Lab 13 traces it)"),
                      (x.offload == "params" and (x.loss != "full" or x.checkpointing != "none"), "--offload params "
                       "beside a checkpointed block or a chunked loss: a compiled block's backward then holds the peak, "
                       "with the offloaded shards, and has no formula here (Lab 13 traces it)")):

@@ -295,7 +295,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
             and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none" and not x.compile:
         out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
-    out |= fit_compiled.moments(x, S, held, state) if x.compile else {}  # a compiled block's backward; the embedding's
+    out |= fit_compiled.moments(x, S, held, state, act) if x.compile else {}  # a compiled block's backward; the embedding's
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

@@ -232,7 +232,6 @@
     const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
       [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
       [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
-      [units(x), `--fsdp-units ${x.fsdp_units} around compiled blocks has no formula here (Lab 13 traces it)`],
       [x.offload === "params" && (x.loss !== "full" || x.checkpointing !== "none"), "--offload params beside a checkpointed block or a chunked loss: a compiled block's backward then holds the peak, with the offloaded shards, and has no formula here (Lab 13 traces it)"]];
     const first = lab13.find((r) => r[0]);
     if (first) return `--compile: ${first[1]}`;
@@ -553,19 +552,29 @@
   }
 
   /** Python: fit_compiled.block_backward (--compile, ZeRO-3): a block's backward, at its attention norm's. */
-  function compiledBlockBackward(x, S, held) {
+  function compiledBlockBackward(x, S, held, act) {
     if (x.zero_stage < 2 || x.offload !== "none" || S.L.value < 3n) return {};
     const per = compiledSaved(x, S, layer(S, x.checkpointing));
     const shard = S.w.mul(ceilDiv(S.Pb, S.dp));
-    const head = S.c.mul(S.V).mul(S.h), fused = x.loss === "fused-linear";  // (fused-linear: made in forward)
+    const u = units(x), fused = x.loss === "fused-linear";
+    const head = u ? ZERO : S.c.mul(S.V).mul(S.h);  // the head's gradient (fused-linear: made in forward; its own unit: reduced)
+    const own = u ? S.w.mul(ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp)) : ZERO;  // the head unit's shard
     let work = total(S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
     if (x.checkpointing === "full") work = larger(work, compiledRecomputedMlp(S));  // or the recomputed MLP's backward
     const out = {};
     const end = x.zero_stage === 3 ? "block_backward" : "recomputed_backward";  // (ZeRO-2: every block not done gathered)
-    for (const [moment, blocks, done] of [[end, S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]]) {
-      const grads = x.accumulation > 1 ? held.gradients : done === 1 ? shard : done.mul(shard);
-      out[moment] = Object.assign({}, held, { gradients: grads, activations: fused ? total(blocks.mul(per), head) : blocks.mul(per),
+    const ends = u ? [[end, S.L, 0], ["recomputed_front", 1, S.L.sub(1)]] : [[end, S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]];
+    if (u && x.zero_stage === 3) ends.push(["second_block_backward", S.L.sub(1), 1]);  // its own unit's shard and the last's out
+    for (const [moment, blocks, done] of ends) {
+      const shards = done === 0 ? ZERO : done === 1 ? shard : done.mul(shard);
+      const grads = x.accumulation > 1 ? held.gradients : total(own, shards);
+      const kept = blocks === 1 ? per : blocks.mul(per);
+      out[moment] = Object.assign({}, held, { gradients: grads, activations: fused ? total(kept, head) : kept,
         temporaries: fused ? work : total(head, work) });
+    }
+    if (u && x.zero_stage === 3) {  // before the blocks: the head unit's reduce-scatter, as eager's (blockBackward)
+      out.head_reduced = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : own,
+        activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))), temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
     }
     return out;
   }
@@ -582,8 +591,8 @@
   }
 
   /** Python: fit_compiled.moments: a compiled block's backward; on one GPU, the embedding's. */
-  function compiledMoments(x, S, held, state) {
-    const out = compiledBlockBackward(x, S, held);
+  function compiledMoments(x, S, held, state, act) {
+    const out = compiledBlockBackward(x, S, held, act);
     if (x.dp === 1 && x.accumulation === 1 && x.offload === "none") {
       out.embedding_backward = Object.assign({}, state, { temporaries: S.T.mul(S.r).mul(S.h) });
     }
@@ -1004,7 +1013,7 @@
         && z.spec.family !== "gpt" && x.offload === "none" && !x.compile) {
       Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
-    if (x.compile) Object.assign(out, compiledMoments(x, S, held, state));  // a compiled block's backward; the embedding's
+    if (x.compile) Object.assign(out, compiledMoments(x, S, held, state, act));  // a compiled block's backward; the embedding's
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
