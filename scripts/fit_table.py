@@ -233,8 +233,7 @@ def clis() -> dict:
         return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
-    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout", "compile"}  # the calculator
-    # has no dropout; --compile: traced only
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout"}  # the calculator has no dropout
     serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
              "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
