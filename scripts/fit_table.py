@@ -148,6 +148,29 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "mixed", "loss": "chunked",
            "checkpointing": "full"}]  # fp32 adapters: the recompute's down adapter casts the product to fp32 and back
 # card's fine-tune: the loss in chunks, the last block recomputed (fit_lora.lora_recomputed)
+# --compile: the partitioner's saved set at real size, at the start of backward (ZeRO-0, 3) and, on four blocks
+# in pure bf16 under ZeRO-3, in the second block's compiled backward (fit_compiled.block_backward)
+NAMED += [{"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused", "compile": True},
+          {"model": "llama-3-8b", "seq": 4096, "dp": 8, "zero_stage": 3, "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16", "compile": True},
+          # checkpointed inside each compiled block: the embedding's backward (one GPU), the second block's from the front
+          {"model": "llama-3-8b", "seq": 8192, "optimizer": "adamw-fused", "checkpointing": "full", "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 1024, "dp": 8, "zero_stage": 3, "precision": "bf16",
+           "checkpointing": "full", "compile": True},
+          # torchtitan's run: a chunked loss, each block checkpointed and compiled, FSDP2 over 16 ranks: the recomputed
+          # MLP's backward in the second block from the end (fit_compiled.recomputed_mlp); and a fused-linear loss
+          {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+           "compile": True},
+          {"model": "llama-3-8b", "seq": 8192, "loss": "fused-linear", "checkpointing": "full", "zero_stage": 3,
+           "dp": 16, "compile": True},
+          {"model": "llama-3-8b", "seq": 16384, "loss": "chunked", "checkpointing": "full", "zero_stage": 2, "dp": 8,
+           "compile": True},  # ZeRO-2: every block not yet done gathered; 70B: a second f x h gradient in the MLP's
+          {"model": "llama-3-70b", "seq": 4096, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 64,
+           "compile": True},  # backward (fit_compiled.recomputed_mlp's second point); the embedding and head as units
+          {"model": "llama-3-8b", "seq": 8192, "loss": "chunked", "checkpointing": "full", "zero_stage": 3, "dp": 16,
+           "fsdp_units": "blocks-embed-head", "compile": True},
+          {"model": "llama-3-8b", "layers": 4, "seq": 8192, "vocab": 32000, "loss": "chunked", "checkpointing": "full",
+           "zero_stage": 3, "dp": 16, "fsdp_units": "blocks-embed-head", "compile": True}]
 SERVE_NON_TORCH = labs.load(14, "serving_budget").NON_TORCH_BYTES  # what vLLM subtracts beside weights and a prefill
 
 
@@ -235,8 +258,7 @@ def clis() -> dict:
         return [[*got["model"][:2], None]] + [got[n] for n in got if n != "model"]  # --model always said
 
     lab13, lab14 = labs.load(13).Config, labs.load(14).Config
-    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout", "compile"}  # the calculator
-    # has no dropout; --compile: traced only
+    train = {f.name for f in fields(lab13)} - {"device", "seed", "levers", "lora_dropout"}  # the calculator has no dropout
     serve = {"model", "gpu", "tp", "gpu_memory_utilization", "weights", "kv_dtype", "seq_len", "prefill_chunk",
              "block_size"}
     return {"fit": {"script": "code/lab-13-will-it-fit/fit.py", "fixed": [], "flags": flags(lab13, train)},
@@ -444,6 +466,10 @@ def sample(rng: random.Random) -> tuple[Inputs, str]:
                       "lora_targets": rng.choice((lora_targets.ALL, ("q", "v"), ("q", "k", "v", "o"),
                                                   ("gate", "up", "down"))), "dp": 1, "zero_stage": 0, "tp": 1,
                       "sp": False, "pp": 1, "replicate": 1, "float8": "none", "cp": 1}  # eager, unsplit (Lab 15's traces)
+            if rng.random() < 0.15:  # each block torch.compile'd (fit_compiled.py), beside what its formula counts
+                f |= {"compile": True, "checkpointing": rng.choice(CHECKPOINTING[:4]), "checkpoint_every": None,
+                      "float8": "none",
+                      "tp": 1, "sp": False, "pp": 1, "cp": 1, "optimizer_in_backward": False, "offload_activations": False}
         try:
             return Inputs(**f), rng.choice(list(lab13_gpus.GPUS))
         except UsageError:
@@ -476,6 +502,9 @@ BAD = [
                                                                 "checkpoint_every": "2", "offload_activations": "true"}, "checkpointing"),
     ({"cp": "2"}, "cp"), ({"cp": "4", "seq": "4092", "dp": "2", "zero_stage": "3"}, "cp"),  # --cp: Lab 13's ring
     ({"cp": "2", "task": "infer"}, "cp"),
+    ({"compile": "true", "task": "infer"}, "compile"), ({"compile": "true", "model": "mixtral-8x7b"}, "compile"),
+    ({"compile": "true", "tp": "2"}, "compile"), ({"compile": "true", "float8": "tensorwise"}, "compile"),  # Lab 13's;
+    ({"compile": "true", "method": "lora"}, "method"),  # the formula's; Lab 15's
     ({"float8": "tensorwise-all-gather"}, "float8"), ({"fsdp_units": "blocks-embed-head"}, "fsdp_units"), ({"fsdp_units": "blocks-embed-head", "dp": "8", "zero_stage": "3",
                                                           "model": "llama-3.2-1b"}, "fsdp_units"),
 ]
@@ -573,9 +602,10 @@ SNIPPET = "# --8<-- [start:"
 
 
 def formula_code() -> dict[str, str]:
-    """The sections of fit_formula.py, fit_moments.py, fit_serve.py and fit_lora.py a page may quote (between snippet markers), by name."""
+    """The sections of fit_formula.py, fit_moments.py, fit_serve.py, fit_lora.py and fit_compiled.py a page may quote
+    (between snippet markers), by name."""
     text = "".join((ROOT / "code" / "lab-01-memory-accounting" / name).read_text(encoding="utf-8")
-                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py", "fit_lora.py"))
+                   for name in ("fit_formula.py", "fit_moments.py", "fit_serve.py", "fit_lora.py", "fit_compiled.py"))
     return {part.split("]", 1)[0]: part.split("\n", 1)[1].split("# --8<-- [end:", 1)[0]
             for part in text.split(SNIPPET)[1:]}
 

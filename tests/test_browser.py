@@ -777,8 +777,8 @@ def test_fit_page_puts_the_calculator_first_and_its_code_behind_a_legend(browser
     assert block.count() == 1 and block.evaluate("d => d.open") is False
     assert not block.locator("pre").first.is_visible() and not block.locator("table").is_visible()
     codes = block.locator("pre code").evaluate_all("els => els.map(e => e.textContent)")
-    assert len(codes) == 7, len(codes)  # state, activations, moments, serve (fit_formula.py), flags (fit_moments.py),
-    # lora (fit_lora.py), serve-terms (fit_serve.py)
+    assert len(codes) == 8, len(codes)  # state, activations, moments, serve (fit_formula.py), flags (fit_moments.py),
+    # compiled (fit_compiled.py), lora (fit_lora.py), serve-terms (fit_serve.py)
     used = set(table_script().names_used("\n".join(codes)))
     named = set(block.locator("table tbody tr td:first-child").evaluate_all("tds => tds.map(t => t.textContent.trim())"))
     assert {"S.c", "S.Pt", "ROW", "SLOT", "LSE", "ceil_div", "x.zero_stage"} <= used, used

@@ -225,6 +225,24 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # float8 at 1,024 tokens: a gate weight cast to e4m3 in a recomputed backward, its fp32 copy beside two weight
     # gradients (fit_moments.recomputed_mlp's fifth point)
     {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "float8": "tensorwise"},
+    # --compile: the partitioner's saved set; under ZeRO-3 a compiled block's backward holds the peak, every weight
+    # gradient of the block made before the graph returns (fit_compiled.block_backward): the second block from the
+    # end, or (checkpointed: a block keeps less than its gradient shard) the second from the front
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "compile": True},
+    {"precision": "bf16", "dp": 8, "zero_stage": 3, "checkpointing": "full", "compile": True},
+    {"dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "save-alternate-matmuls", "compile": True},
+    # checkpointed whole at 8,192 tokens: the recomputed MLP's backward (fit_compiled.recomputed_mlp), the head's
+    # gradient made in forward by a fused-linear loss
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "full", "loss": "fused-linear",
+     "compile": True},
+    {"seq": 8192, "dp": 8, "zero_stage": 2, "checkpointing": "full", "loss": "chunked", "compile": True},  # ZeRO-2
+    # a 70B block at 4,096 tokens (h above T): later in the recomputed MLP's backward, a second f × h gradient made
+    {"model": "llama-3-70b", "seq": 4096, "dp": 64, "zero_stage": 3, "vocab": 32000, "checkpointing": "full",
+     "loss": "chunked", "compile": True},
+    # the embedding and the head as FSDP2 units: the head unit's reduce-scatter (as eager's), the second block's backward
+    {"dp": 8, "zero_stage": 3, "fsdp_units": "blocks-embed-head", "compile": True},
+    {"seq": 8192, "dp": 16, "zero_stage": 3, "vocab": 32000, "checkpointing": "full", "loss": "chunked",
+     "fsdp_units": "blocks-embed-head", "compile": True},
 ])
 def test_formulas_follow_lab13s_trace_category_by_category(fields):
     """Four Llama-3-8B blocks (unless said) at 1,024 tokens (unless said) traced by Lab 13 (fake tensors, one steady-state step): the
@@ -315,6 +333,11 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     # QLoRA with the loss in chunks (a 24 GB card's fine-tune): the last block's recomputed MLP; the loss's last chunk
     {"method": "qlora", "precision": "bf16", "loss": "chunked", "checkpointing": "full", "seq": 8192},
     {"method": "qlora", "precision": "bf16", "loss": "chunked"},
+    # --compile: each block's min-cut saved set (fit_compiled.layer), at the start of backward; checkpointed inside
+    # each block, the embedding's backward (every gradient made), or under a policy the start of backward again
+    {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3}, {"compile": True, "checkpointing": "full", "seq": 8192},
+    # torchtitan's run: a chunked loss, FSDP2 over 16 ranks, the recomputed MLP's backward (fit_compiled.recomputed_mlp)
+    {"compile": True, "checkpointing": "full", "loss": "chunked", "dp": 16, "zero_stage": 3, "seq": 8192},
 ]
 
 
@@ -336,6 +359,32 @@ def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_p
     end = next(s for s in tl.spans if s.name == "forward").end - 1
     kept = fit.activations(x, fit.symbols(x, fit.sizes(x)))["kept"].value
     assert tl.device["activations"][end] == pytest.approx(kept, abs=2**12)  # a loss scalar, rounded
+
+
+@pytest.mark.parametrize("model,seq,batch,precision,dims,checkpointing", [
+    ("llama-3.2-1b", 1024, 1, "mixed", {}, "none"), ("llama-3-8b", 512, 2, "bf16", {"kv_heads": 1}, "none"),
+    ("llama-3-70b", 256, 1, "fp32", {"kv_heads": 64}, "none"), ("llama-3-8b", 512, 1, "mixed", {}, "save-matmuls"),
+    ("llama-3-8b", 512, 1, "bf16", {"head_dim": 64}, "save-alternate-matmuls"), ("llama-3-8b", 512, 1, "mixed", {}, "full")])
+def test_compiled_blocks_save_the_formulas_set_at_every_shape(monkeypatch, model, seq, batch, precision, dims,
+                                                              checkpointing):
+    """What AOTAutograd's min-cut partitioner saves of a compiled block (the forward graph's outputs beyond the
+    block's, less its inputs: Lab 13's ``Partitioned.saved``) is ``fit_compiled.saved`` less the block's input,
+    to the byte, across widths, precisions, batches and grouped-query ratios (MQA to none), on two blocks; under
+    torchtitan's policy q, v and gate's outputs (heads of 64 with a width of 4,096: q is not h wide), not k, o, up's."""
+    lab13, fit_compile = labs.load(13), labs.load(13, "fit_compile")
+    backends, init = [], fit_compile.Partitioned.__init__
+    monkeypatch.setattr(fit_compile.Partitioned, "__init__", lambda self: (init(self), backends.append(self))[0])
+    fields = {"model": model, "seq": seq, "batch": batch, "precision": precision, "checkpointing": checkpointing,
+              "compile": True}
+    config = lab13.Config(levers="none", **fields)
+    config.__dict__["spec"] = dataclasses.replace(zoo.get(model), layers=2, **dims)
+    lab13.trace(config)
+    x = Inputs(layers=2, **dims, **fields)
+    S = fit.symbols(x, fit.sizes(x))
+    kept = fit.fit_compiled.saved(x, S, fit.layer(S, checkpointing)).value - (S.T * S.r * S.h).value
+    if precision == "mixed" and checkpointing == "none":  # autocast's casts of a block's weights
+        kept += S.c.value * fit.sizes(x).matmuls // 2
+    assert backends[-1].saved == [kept] * 2
 
 
 def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
@@ -505,7 +554,7 @@ def test_peak_is_the_largest_moment_and_fused_adamw_drops_the_step_copy():
 def test_serving_rank_and_kv_per_token_are_lab14s(model, tp, kv_dtype):
     budget, paged = labs.load(14, "serving_budget"), labs.load(14, "paged_kv")
     rank = budget.per_gpu_spec(zoo.get(model), tp)
-    assert fit.rank_spec(zoo.get(model), tp) == rank
+    assert fit.fit_split.rank_spec(zoo.get(model), tp) == rank
     x = Inputs(model=model, task="serve", tp=tp, kv_dtype=kv_dtype)
     S = fit.symbols(x, fit.sizes(x))
     want = paged.kv_bytes_per_token(rank.layers, rank.kv_heads, rank.head_dim, kv_dtype)
@@ -606,6 +655,12 @@ def test_results_table_is_what_the_python_computes_now():
     ({"optimizer_in_backward": True, "tp": 2}, "--optimizer-in-backward with --tp, --pp or --float8"),
     ({"offload_activations": True, "float8": "tensorwise"}, "--offload-activations with --tp, --pp or --float8"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 1}, "it needs --zero-stage 2 or 3"),
+    # --compile: Lab 13's refusals (fit_compile.check_compile), then what the formula does not count
+    ({"compile": True, "task": "infer"}, "--compile: --task infer"), ({"compile": True, "tp": 2}, "--compile: DTensor"),
+    ({"compile": True, "model": "mixtral-8x7b"}, "not a dense zoo Llama"),
+    ({"compile": True, "checkpointing": "every-k", "checkpoint_every": 2}, "every-k's segments span blocks"),
+    ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"),
+    ({"compile": True, "dp": 8, "zero_stage": 3, "offload": "params", "loss": "chunked"}, "--compile: --offload params"),
     ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),

@@ -1,19 +1,18 @@
 """Lab 01 - will it fit? The bytes one rank holds at the peak of a real model's step, by formula.
 
-Lab 01's formulas (``memory_accounting.py``) count a GPT layer as Korthikanti et al. (2022) do and
-the model state as the ZeRO paper does. A Llama-shaped model, traced by Lab 13, keeps other tensors:
-grouped-query K and V, a SwiGLU MLP of width ``ffn``, RMSNorms that work in float32, an untied head,
-float32 logits for the loss, Mixtral's experts. This file extends the formulas to that model, term
-by term as PyTorch saves tensors for backward, and counts what a *peak* needs that a sum of
-categories does not: categories live at different moments, so the step is counted at each moment
-that can hold the peak (end of forward, start of backward, the head's gradient, the optimizer step)
-and the largest wins. Serving is Lab 14's budget: weights, a prefill's peak, the requests' KV blocks.
+Lab 01's formulas (``memory_accounting.py``) count a GPT layer as Korthikanti et al. (2022) do and the model state
+as the ZeRO paper does. A Llama-shaped model, traced by Lab 13, keeps other tensors: grouped-query K and V, a SwiGLU
+MLP of width ``ffn``, RMSNorms that work in float32, an untied head, float32 logits for the loss, Mixtral's experts.
+This file extends the formulas to that model, term by term as PyTorch saves tensors for backward, and counts what a
+*peak* needs that a sum of categories does not: categories live at different moments, so the step is counted at each
+moment that can hold the peak (end of forward, start of backward, the head's gradient, the optimizer step) and the
+largest wins. Serving is Lab 14's budget: weights, a prefill's peak, the requests' KV blocks.
 ``tests/test_fit_formula.py`` holds the formulas to Lab 01's functions and to Lab 13's traces.
 
-Every formula is an :class:`fit_expr.Expr`: its text in the symbols of ``SYMBOLS``, the same text
-filled in, and its value. Everything is per rank: tensor parallelism over t ranks divides the heads,
-KV heads (at least one per rank), MLP and vocabulary as Megatron does (Korthikanti et al. 2022,
-section 4.2); ZeRO divides the model state over dp ranks (Rajbhandari et al. 2020).
+Every formula is an :class:`fit_expr.Expr`: its text in the symbols of ``SYMBOLS``, the same text filled in, and its
+value. Everything is per rank: tensor parallelism over t ranks divides the heads, KV heads (at least one per rank),
+MLP and vocabulary as Megatron does (Korthikanti et al. 2022, section 4.2); ZeRO divides the model state over dp
+ranks (Rajbhandari et al. 2020).
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import fit_compiled  # --compile: a compiled block's saved set
 import fit_kth  # --checkpointing every-kth-block
 import fit_split  # --tp's embedding moments and --pp's first stage (it reads layer() from here, when called)
 from fit_expr import ZERO, Expr, ceil_div, larger, sym, total
 from fit_inputs import Inputs
-from fit_split import rank_spec
 from fit_moments import (autocast_cache, backward_end, block_backward, experts, float8_gather, fsdp_units, head_step,
                          offloaded, recomputed_block, recomputed_gathers, segment_backward)
 from fit_lora import (  # noqa: F401 (FROZEN, NF4_BLOCKS, OPT8: the calculator's constants read them here)
@@ -74,7 +73,7 @@ def fsdp_mixed(x: Inputs) -> bool:
 
 def sizes(x: Inputs) -> Sizes:
     """The counts the formulas use; parameter counts are the zoo's closed forms (``param_count``)."""
-    s = rank_spec(x.spec(), x.tp)
+    s = fit_split.rank_spec(x.spec(), x.tp)
     s = replace(s, layers=-(-s.layers // x.pp))  # --pp: the first stage of 1F1B (fit_split.first_stage)
     P, block = s.param_count(), replace(s, layers=2).param_count() - replace(s, layers=1).param_count()
     gpt = s.family == "gpt"
@@ -156,6 +155,7 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         return lora_activations(x, S, layer)
     mixed = x.precision == "mixed" and not fsdp_mixed(x)  # autocast's casts; FSDP2 gathers bf16 weights instead
     per = gpt_layer(S, x.checkpointing) if x.spec().family == "gpt" else layer(S, x.checkpointing, x.sp)
+    per = fit_compiled.saved(x, S, per) if x.compile else per  # the partitioner's saved set
     head = S.c * S.V * S.h if mixed else ZERO  # the head's bf16 weight, kept by its matmul
     casts = S.c * S.Pm if mixed and x.float8 == "none" else ZERO  # every block's, kept or cached (float8 saves
     # the weight itself, not a cast); offload: what the hooks leave on the device; fit_kth.blocks: every-k, every-kth
@@ -167,7 +167,7 @@ def activations(x: Inputs, S) -> dict[str, Expr]:
         kept = kept + ceil_div(S.T, S.t) * own(S) if x.sp else kept
         kept = kept + head if mixed else kept
     kept = kept + casts if mixed and x.checkpointing == "none" and not x.offload_activations else kept
-    cache = autocast_cache(x, S, casts) if mixed else ZERO
+    cache = autocast_cache(x, S, casts) if mixed and not x.compile else ZERO  # a compiled block frees its own
     return {"kept": kept, "cache": cache,
             "loss": ZERO if x.loss != "full" else 4 * S.T * S.V + head if mixed else 4 * S.T * S.V, "autocast": mixed}
 
@@ -215,9 +215,7 @@ def model_state(x: Inputs, S) -> dict[str, Expr]:
 
     kind = OPTIMIZERS[x.optimizer]
     fsdp = 3 if x.zero_stage == 2 else x.zero_stage  # FSDP2 keeps shards between steps at ZeRO-2 too
-    state = MOMENTS[kind] * S.m * share("optimizer_state", S.Pt)
-    if kind == "adamw":
-        state = state + STEP_COUNTER * S.n
+    state = total(MOMENTS[kind] * S.m * share("optimizer_state", S.Pt), STEP_COUNTER * S.n if kind == "adamw" else ZERO)
     out = {"parameters": S.w * share("parameters", S.Pt, fsdp), "gradients": S.w * share("gradients", S.Pt),
            "optimizer_state": state}
     out = fine_tune_state(x, S, out)  # Lab 15: the 8-bit AdamW's blocks; a frozen base beside the adapters
@@ -294,9 +292,10 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
     if x.zero_stage == 3 and x.offload != "params" and x.fsdp_units == "blocks":  # no root gathered again
         out["root_gathered"] = held | {"activations": act["kept"]}
     if {"none": "block_backward", "full": "recomputed_backward", "every-k": "recomputed_backward"}.get(x.checkpointing) in comm and not lora_step(x) \
-            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none":
+            and (not S.E.value or x.checkpointing == "none") and x.spec().family != "gpt" and x.offload == "none" and not x.compile:
         out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
     out |= fit_kth.last_block(x, S, held) if x.checkpointing == "every-kth-block" else {}  # (fit_kth.py)
+    out |= fit_compiled.moments(x, S, held, state, act) if x.compile else {}  # a compiled block's backward; the embedding's
     if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
         out["segment_backward"] = segment
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced

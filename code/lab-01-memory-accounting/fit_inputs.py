@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import fit_compiled
 import fit_rules
 from labkit import labs, zoo
 from labkit.config import (
@@ -123,6 +124,9 @@ class TrainingRun(FineTuning):
         "the weight itself, as torchao's default); the weights, optimizer and the rest of the step keep --precision "
         "(mixed or bf16); tensorwise-all-gather: also FSDP2's float8 all-gather (ZeRO-2/3): each rank casts its shard "
         "to e4m3 first, the gathered weight is 1 byte per element and a scale, used as it is (torchao's option)")
+    compile: bool = option(False, "train: every block torch.compile'd, AOTAutograd's graphs run as Python (Lab 13's fit_compile.py): "
+                           "what its partitioner saves is traced; inductor's fused kernels and buffer reuse are not, "
+                           "so temporaries are an upper bound; checkpointing inside each block; not a MoE or every-k")
     dp: int = option(1, "data-parallel ranks", min=1, max=2**20)
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "ZeRO: 1 shards the optimizer state over --dp ranks, 2 also the gradients, 3 also the parameters")
@@ -248,6 +252,7 @@ class Inputs(TrainingRun, Subject):
         if family == "gpt" and self.weights != "bf16" and self.task == "serve":
             raise UsageError(f"--weights {self.weights}: the formula counts a Llama block's matrices; {self.model} is a GPT")
         fit_rules.check_lever_formulas(self, family, d)
+        fit_compiled.check(self, family, d)
         head = d["head_dim"] or d["hidden"] // d["heads"]
         if self.float8 != "none" and self.task == "train" and (family != "llama" or d["experts"] or any(
                 v % 16 for v in (d["hidden"], d["ffn"], d["heads"] * head, d["kv_heads"] * head))):

@@ -68,6 +68,7 @@ LEGEND = {
     "fine_tune_state": "the model state with the 8-bit AdamW's blocks and a LoRA's frozen base (fit_lora.py, below)",
     "fine_tune_symbols": "Lab 15's symbols: wb, Pc, Nb, Ns, Nq, Pk, Nk, Ps, Cw (fit_lora.py)",
     "adam8bit_chunk": "the 8-bit AdamW's chunk at the optimizer step: its float32 working copies (fit_lora.py, below)",
+    "fit_compiled": "--compile's formulas: what a compiled block saves, and its backward's peak (fit_compiled.py, below)",
     "fit_split": "the moments a split model adds: --tp's whole embedding gradient, --pp's first stage (fit_split.py)",
     "fit_kth": "--checkpointing every-kth-block: what its plain and checkpointed blocks keep, the last block recomputed "
                "(fit_kth.py)",

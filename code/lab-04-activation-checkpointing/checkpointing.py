@@ -46,6 +46,7 @@ from labkit.timeline import Timeline
 from block_costs import CPU_ATTENTION_FLOPS, checks
 from model_setup import DTYPES, ModelShape, build_for, grads_equal, grads_of, time_steps
 from model_setup import build  # noqa: F401  (Lab 09 and the tests build the same TinyGPT: lab04.build)
+import titan_policy  # torchtitan's op-level policy: save-alternate-matmuls
 
 STRATEGIES = ("none", "full", "every-k", "save-matmuls")
 GPU_TARGETS = {  # targets for the GPU run (tests/test_lab04.py, marked cuda), not results
@@ -76,17 +77,6 @@ def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # --8<-- [end:policy]
 
 
-def save_alternate_matmuls(counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """torchtitan's op-level policy (``selective_ac_option = 'op'``): keep attention's output and every
-    other ``mm``'s, counted per block, in forward and in recompute alike (torchtitan commit 9dec370,
-    ``torchtitan/parallelisms/parallelize_llama.py`` L214-262; Lab 16 traces its published runs)."""
-    if op is aten.mm.default:
-        key = "recompute" if ctx.is_recompute else "forward"
-        counts[key] = counts.get(key, 0) + 1
-        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 # --8<-- [start:blocks]
 def run_segment(blocks, x):
     for block in blocks:
@@ -107,8 +97,7 @@ def run_blocks(blocks, x, strategy: str = "none", every: int = 1):
         return x
     if strategy == "save-alternate-matmuls":  # torchtitan's: a fresh count for every block
         for block in blocks:
-            policy = partial(create_selective_checkpoint_contexts, partial(save_alternate_matmuls, {}))
-            x = checkpoint(block, x, use_reentrant=False, context_fn=policy)
+            x = checkpoint(block, x, use_reentrant=False, context_fn=titan_policy.contexts)
         return x
     k = 1 if strategy == "full" else every
     for i in range(0, len(blocks), k):

@@ -219,9 +219,6 @@ class Config(TrainingRun, Step, Adapters, LabConfig):
                                 min=1, max=MAX_TOKENS)
     new_tokens: int = option(1, "decode: new tokens per sequence in the step (1: plain decoding; more: a speculative "
                              "decoder verifying its drafted tokens)", min=1, max=MAX_TOKENS)
-    compile: bool = option(False, "train: every block torch.compile'd, AOTAutograd's graphs run as Python (fit_compile.py): "
-                           "what its partitioner saves is traced; inductor's fused kernels and buffer reuse are not, "
-                           "so temporaries are an upper bound; checkpointing inside each block; not a MoE or every-k")
     levers: Literal["needed", "all", "none"] = option(
         "needed", "levers traced: needed (when it does not fit, the cheapest until it fits), all, or none")
 

@@ -67,7 +67,7 @@ class OptimizerInBackward:
 def check_levers(config) -> None:
     """The refusals of ``--optimizer-in-backward`` and ``--offload-activations`` Lab 13 adds to the ones it
     shares with the calculator (Lab 01's ``fit_rules.check_combinations``: --tp, --pp, --float8): no
-    backward to put them in, or ``--compile``, which the calculator does not have (UsageError in one line)."""
+    backward to put them in, or ``--compile``, not traced with them (UsageError in one line)."""
     lever = "--optimizer-in-backward" if config.optimizer_in_backward else "--offload-activations"
     if not (config.optimizer_in_backward or config.offload_activations):
         return

@@ -185,6 +185,8 @@
     if (s.family === "gpt" && x.checkpointing === "save-alternate-matmuls") {
       say("checkpointing", "--checkpointing save-alternate-matmuls counts a Llama block's matmuls: no GPT preset");
     }
+    const compiled = compileRule(x, s, d);
+    if (compiled) say("compile", compiled);
     const head = d.head_dim || Math.floor(d.hidden / d.heads);
     if (x.float8 !== "none" && x.task === "train" && (s.family !== "llama" || d.experts
         || [d.hidden, d.ffn, d.heads * head, d.kv_heads * head].some((v) => v % 16))) {
@@ -223,10 +225,30 @@
     return null;
   }
 
+  /** Python: fit_compiled.check (Lab 13's fit_compile.check_compile, then what the formula does not count): the
+      message of the first rule broken, or null. */
+  function compileRule(x, s, d) {
+    if (!x.compile) return null;
+    const lab13 = [[x.task !== "train", `--task ${x.task} has no backward to partition: --task train`],
+      [s.family !== "llama" || d.experts, `${x.model} is not a dense zoo Llama (a MoE's routing depends on the tokens' values, which a compiled graph of fake tensors lacks)`],
+      [x.checkpointing === "every-k", "every-k's segments span blocks, and each block is compiled alone: --checkpointing none, full, every-kth-block or an op-level policy"],
+      [x.tp > 1, "DTensor's split blocks are not traced compiled (on torch 2.13 the real step fails in backward): --tp 1"],
+      [x.method === "qlora", "Lab 15's NF4 linears read their weights back under a ledger mark that Dynamo cannot trace: --method lora, or QLoRA eager"]];
+    const ours = [[x.cp > 1, "--cp's ring attention is not traced compiled (Lab 13)"],
+      [x.pp > 1 || x.checkpointing === "every-kth-block" || x.method !== "full", "a pipeline stage, every-kth-block and LoRA's adapters in a compiled block have no formula here (Lab 13 traces them)"],
+      [x.optimizer_in_backward || x.offload_activations, "--optimizer-in-backward and --offload-activations are not traced compiled (Lab 13)"],
+      [x.float8 !== "none", "--float8's casts in a compiled block have no formula here (Lab 13 traces them)"],
+      [x.offload === "params" && (x.loss !== "full" || x.checkpointing !== "none"), "--offload params beside a checkpointed block or a chunked loss: a compiled block's backward then holds the peak, with the offloaded shards, and has no formula here (Lab 13 traces it)"]];
+    const first = lab13.find((r) => r[0]);
+    if (first) return `--compile: ${first[1]}`;
+    const mine = ours.find((r) => r[0]);
+    return mine ? `--compile: ${mine[1]}: leave one out` : null;
+  }
+
   /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
   function fineTuning(x, s) {
     if (x.method === "full") return null;
-    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"], ["--compile", x.compile]].filter((f) => f[1]).map((f) => f[0]);
     if (split.length) {
       return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, without float8): train every weight, or leave them out`];
     }
@@ -520,6 +542,67 @@
     return sp ? kept.add(ceilDiv(S.T, S.t).mul(n(2)).mul(own(S))) : kept;
   }
 
+  /** Python: fit_compiled.layer (--compile): what the partitioner saves of a block, nothing checkpointed. */
+  function compiledLayer(S) {
+    const tokens = S.r.mul(S.h).add(2 * K().row).add(n(3).mul(S.c).mul(S.h)).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g))))
+      .add(n(K().lse).mul(S.a)).add(n(3).mul(S.c).mul(S.f));
+    return S.T.mul(tokens).add(n(4).mul(S.s).mul(S.d));
+  }
+
+  /** Python: fit_compiled.saved: a compiled block's, from eager's under the same checkpointing. */
+  function compiledSaved(x, S, eager) {
+    if (x.checkpointing === "none") return compiledLayer(S);
+    return x.checkpointing.startsWith("save") ? eager.sub(S.T.mul(S.c).mul(S.h)) : eager;
+  }
+
+  /** Python: fit_compiled.block_backward (--compile, ZeRO-3): a block's backward, at its attention norm's. */
+  function compiledBlockBackward(x, S, held, act) {
+    if (x.zero_stage < 2 || x.offload !== "none" || S.L.value < 3n) return {};
+    const per = compiledSaved(x, S, layer(S, x.checkpointing));
+    const shard = S.w.mul(ceilDiv(S.Pb, S.dp));
+    const u = units(x), fused = x.loss === "fused-linear";
+    const head = u ? ZERO : S.c.mul(S.V).mul(S.h);  // the head's gradient (fused-linear: made in forward; its own unit: reduced)
+    const own = u ? S.w.mul(ceilDiv(S.Pr.sub(S.V.mul(S.h)), S.dp)) : ZERO;  // the head unit's shard
+    let work = total(S.c.mul(S.Pb), S.T.mul(n(16).mul(S.h).add(n(2).mul(S.c).mul(S.h))));
+    if (x.checkpointing === "full") work = larger(work, compiledRecomputedMlp(S));  // or the recomputed MLP's backward
+    const out = {};
+    const end = x.zero_stage === 3 ? "block_backward" : "recomputed_backward";  // (ZeRO-2: every block not done gathered)
+    const ends = u ? [[end, S.L, 0], ["recomputed_front", 1, S.L.sub(1)]] : [[end, S.L.sub(1), 1], ["recomputed_front", n(2), S.L.sub(2)]];
+    if (u && x.zero_stage === 3) ends.push(["second_block_backward", S.L.sub(1), 1]);  // its own unit's shard and the last's out
+    for (const [moment, blocks, done] of ends) {
+      const shards = done === 0 ? ZERO : done === 1 ? shard : done.mul(shard);
+      const grads = x.accumulation > 1 ? held.gradients : total(own, shards);
+      const kept = blocks === 1 ? per : blocks.mul(per);
+      out[moment] = Object.assign({}, held, { gradients: grads, activations: fused ? total(kept, head) : kept,
+        temporaries: fused ? work : total(head, work) });
+    }
+    if (u && x.zero_stage === 3) {  // before the blocks: the head unit's reduce-scatter, as eager's (blockBackward)
+      out.head_reduced = Object.assign({}, held, { gradients: x.accumulation > 1 ? held.gradients : own,
+        activations: act.kept.sub(act.loss).sub(S.T.mul(norm(S, 1))), temporaries: S.c.mul(S.V).mul(S.h).add(S.T.mul(S.c).mul(S.h)) });
+    }
+    return out;
+  }
+
+  /** Python: fit_compiled.recomputed_mlp: a compiled block checkpointed whole, at its recomputed MLP's backward
+      (the larger of two points). */
+  function compiledRecomputedMlp(S) {
+    const wide = S.c.value < 4n ? n(8).mul(S.h).add(n(5).mul(S.c).mul(S.h)) : n(6).mul(S.c).mul(S.h);
+    const stream = wide.add(n(2).mul(S.c).mul(S.q)).add(n(2).mul(S.c).mul(S.g)).add(n(K().lse).mul(S.a)).add(2 * K().row);
+    const first = total(n(5).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream), n(2).mul(S.s).mul(S.d).mul(S.c), S.c.mul(S.f).mul(S.h));
+    const second = total(n(3).mul(S.T).mul(S.c).mul(S.f), S.T.mul(stream.add(S.c.mul(S.h))), n(2).mul(S.s).mul(S.d).mul(S.c),
+      n(2).mul(S.c).mul(S.f).mul(S.h));
+    return larger(first, second);
+  }
+
+  /** Python: fit_compiled.moments: a compiled block's backward; on one GPU, the embedding's. */
+  function compiledMoments(x, S, held, state, act) {
+    const out = compiledBlockBackward(x, S, held, act);
+    if (x.dp === 1 && x.accumulation === 1 && x.offload === "none") {
+      out.embedding_backward = Object.assign({}, state, { temporaries: S.T.mul(S.r).mul(S.h) });
+    }
+    return out;
+  }
+
   /** Python: fit_split.float8_layer (--float8 tensorwise --tp): a block under torchao's float8 TP styles. */
   function float8Layer(S, sp) {
     const norms = (sp ? ceilDiv(S.T, S.t) : S.T).mul(n(2)).mul(own(S));
@@ -606,7 +689,8 @@
   function activations(x, S, family) {
     if (loraStep(x)) return loraActivations(x, S);
     const mixed = x.precision === "mixed" && !fsdpMixed(x);  // autocast's casts; FSDP2 gathers bf16 weights instead
-    const per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
+    let per = family === "gpt" ? gptLayer(S, x.checkpointing) : layer(S, x.checkpointing, x.sp);
+    if (x.compile) per = compiledSaved(x, S, per);  // the partitioner's saved set
     const head = mixed ? S.c.mul(S.V).mul(S.h) : ZERO;
     const casts = mixed && x.float8 === "none" ? S.c.mul(S.Pm) : ZERO;  // a float8 linear saves its weight, not a cast
     let blocks = x.checkpointing === "every-k" ? ceilDiv(S.L, S.G).mul(per) : S.L.mul(per);
@@ -618,8 +702,8 @@
     if (mixed && x.loss === "full") kept = kept.add(head);
     if (mixed && x.checkpointing === "none" && !x.offload_activations) kept = kept.add(casts);
     const loss = n(4).mul(S.T).mul(S.V);
-    let cache = mixed && x.checkpointing !== "none" ? casts : ZERO;
-    if (mixed && x.checkpointing === "every-kth-block") cache = checkpointed(S).mul(ceilDiv(S.c.mul(S.Pm), S.L));
+    let cache = mixed && x.checkpointing !== "none" && !x.compile ? casts : ZERO;  // a compiled block frees its own
+    if (mixed && x.checkpointing === "every-kth-block" && !x.compile) cache = checkpointed(S).mul(ceilDiv(S.c.mul(S.Pm), S.L));
     if (mixed && x.checkpointing === "none" && x.offload_activations) cache = casts.sub(S.c.mul(S.f).mul(S.h));
     return { kept, cache,
       loss: x.loss !== "full" ? ZERO : (mixed ? loss.add(head) : loss), autocast: mixed };
@@ -1055,10 +1139,11 @@
     if (x.zero_stage === 3 && x.offload !== "params" && !units(x)) out.root_gathered = Object.assign({}, held, { activations: act.kept });
     if (comm[{ none: "block_backward", full: "recomputed_backward", "every-k": "recomputed_backward" }[x.checkpointing]] && !loraStep(x)
         && (!S.E.value || x.checkpointing === "none")
-        && z.spec.family !== "gpt" && x.offload === "none") {
+        && z.spec.family !== "gpt" && x.offload === "none" && !x.compile) {
       Object.assign(out, x.checkpointing === "none" ? blockBackward(x, S, held, act) : recomputedBlock(x, S, held));
     }
     if (x.checkpointing === "every-kth-block") Object.assign(out, kthLast(x, S, held, z.spec));
+    if (x.compile) Object.assign(out, compiledMoments(x, S, held, state, act));  // a compiled block's backward; the embedding's
     if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
@@ -1453,7 +1538,7 @@
     model: "Model", layers: "Layers", hidden: "Hidden size", heads: "Heads", kv_heads: "KV heads", head_dim: "Head size",
     ffn: "MLP size", vocab: "Vocabulary", experts: "Experts", top_k: "Experts per token", tied: "Tied head",
     task: "Task", batch: "Batch (per rank)", seq: "Sequence", accumulation: "Accumulation steps", precision: "Precision",
-    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Checkpoint every K blocks", loss: "Loss", float8: "float8 matmuls", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
+    optimizer: "Optimizer", optimizer_in_backward: "Optimizer step in backward", offload_activations: "Activations on the host", checkpointing: "Checkpointing", checkpoint_every: "Checkpoint every K blocks", loss: "Loss", float8: "float8 matmuls", compile: "torch.compile each block", kv_len: "KV cache length", new_tokens: "New tokens", dp: "Data-parallel ranks", zero_stage: "ZeRO stage", fsdp_units: "FSDP2 units",
     tp: "Tensor-parallel ranks", sp: "Sequence parallelism", pp: "Pipeline stages", replicate: "HSDP replica groups", cp: "Context-parallel ranks", offload: "Offload", method: "Fine-tuning", lora_rank: "LoRA rank",
     lora_targets: "LoRA targets", context: "Tokens per request",
     requests: "Concurrent requests", weights: "Weights", kv_dtype: "KV dtype", block_size: "KV block size",
@@ -1468,7 +1553,7 @@
     ["The task", null, ["task", "precision"]],
     ["The step", "train infer decode", ["batch", "seq"]],
     ["", "decode", ["kv_len", "new_tokens"]],
-    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "optimizer", "optimizer_in_backward"]],
+    ["", "train", ["accumulation", "checkpointing", "checkpoint_every", "loss", "float8", "compile", "optimizer", "optimizer_in_backward"]],
     ["Fine-tuning (Lab 15)", "train", ["method", "lora_rank", "lora_targets"]],
     ["Parallelism and offload", "train infer", ["dp", "zero_stage", "fsdp_units", "offload", "offload_activations"]],
     ["", null, ["tp"]],
