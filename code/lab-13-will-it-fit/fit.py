@@ -13,7 +13,8 @@ traces on a laptop in seconds.
     accumulation    Lab 06's micro-batches into one optimizer step
     --loss          full (the model's), chunked or fused-linear (``fit_loss.py``): never every logit at once
     --float8        tensorwise: the blocks' linears multiply in float8, as torchao's (``fit_float8.py``); with
-                    -all-gather, FSDP2 gathers them in float8 (``fit_float8_gather.py``)
+                    -all-gather, FSDP2 gathers them in float8 (``fit_float8_gather.py``); with --tp, torchao's
+                    float8 TP styles (``fit_float8_tp.py``)
     --task decode   one step against a KV cache preallocated to --kv-len tokens per sequence (``fit_decode.py``)
     --compile       each block torch.compile'd: what AOTAutograd's partitioner saves, traced (``fit_compile.py``)
     --offload       optimizer: Lab 07's engine; params: FSDP2's CPU offload of the shards
