@@ -132,6 +132,8 @@ NAMED += [{"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorw
           {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 4, "sp": True, "precision": "bf16"},
           {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True},
           {"model": "llama-3-70b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True, "dp": 2}]
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "optimizer": "adamw-fused", "checkpointing": "full"},  # one GPU: the
+          {"model": "llama-3-8b", "seq": 32768, "vocab": 32000, "tp": 8, "checkpointing": "full"}]  # first block's, last's
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "tp": 8, "checkpointing": "full"},  # --tp: loss_parallel's shifted logits
           {"model": "llama-3-8b", "seq": 8192, "tp": 8, "sp": True, "checkpointing": "save-matmuls"}]  # --sp's T / t input
 NAMED += [{"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "float8": "tensorwise"},  # a gate weight's cast

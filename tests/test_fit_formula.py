@@ -211,6 +211,7 @@ def test_eight_bit_adamw_keeps_two_bytes_per_value_and_an_absmax_per_block():
     # norm's fp32 backward (the MLP f / t wide, the norm not); under --sp (and --cp) the block output's gathered
     # gradient beside the product's; in fp32 the MLP's input gradients from up and gate (fit_moments.recomputed_mlp)
     {"seq": 8192, "tp": 8, "dp": 4, "zero_stage": 3, "checkpointing": "full", "vocab": 32000},
+    {"seq": 8192, "tp": 8, "checkpointing": "full", "vocab": 32000},  # one GPU's TP: the last block's recompute
     {"seq": 16384, "cp": 2, "tp": 8, "sp": True, "dp": 2, "zero_stage": 3, "checkpointing": "full", "vocab": 32000},
     {"seq": 2048, "tp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full", "precision": "fp32", "vocab": 32000},
     # --tp under FSDP2: DTensor's whole embedding gradient, the rank's rows copied out (fit_split.embedding)
@@ -338,6 +339,9 @@ CHECKPOINTED = [  # the peak in a different moment each: the recomputed first se
     {"compile": True}, {"compile": True, "dp": 8, "zero_stage": 3}, {"compile": True, "checkpointing": "full", "seq": 8192},
     # torchtitan's run: a chunked loss, FSDP2 over 16 ranks, the recomputed MLP's backward (fit_compiled.recomputed_mlp)
     {"compile": True, "checkpointing": "full", "loss": "chunked", "dp": 16, "zero_stage": 3, "seq": 8192},
+    # full checkpointing on one GPU (fit_moments.segment_backward): the first block's recomputed MLP backward, every
+    # later gradient alive; under --tp (a small vocabulary, 32k tokens) the last block's recompute (recompute_last)
+    {"checkpointing": "full", "seq": 8192}, {"checkpointing": "full", "seq": 32768, "tp": 8, "vocab": 32000},
 ]
 
 
@@ -348,12 +352,12 @@ def test_checkpointing_and_lever_formulas_follow_a_real_scale_trace_within_0_1_p
     also what the blocks keep on the device at the end of forward."""
     lab13 = labs.load(13)
     fields = {"model": "llama-3-8b", "seq": 4096, "optimizer": "adamw-fused"} | fields
-    layers = fields.pop("layers", None)
+    dims = {k: fields.pop(k) for k in ("layers", "vocab") if k in fields}
     config = lab13.Config(levers="none", **fields)
-    if layers:
-        config.__dict__["spec"] = dataclasses.replace(zoo.get(fields["model"]), layers=layers)
+    if dims:
+        config.__dict__["spec"] = dataclasses.replace(zoo.get(fields["model"]), **dims)
     traced = lab13.trace(config)
-    x = Inputs(**fields, layers=layers)
+    x = Inputs(**fields, **dims)
     assert sum(fit.estimate(x).values()) == pytest.approx(traced.per_rank_peak_bytes, rel=0.001)
     tl = traced.timeline
     end = next(s for s in tl.spans if s.name == "forward").end - 1

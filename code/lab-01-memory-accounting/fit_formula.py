@@ -296,8 +296,7 @@ def moments(x: Inputs) -> dict[str, dict[str, Expr]]:
         out |= block_backward(x, S, held, act) if x.checkpointing == "none" else recomputed_block(x, S, held)
     out |= fit_kth.last_block(x, S, held) if x.checkpointing == "every-kth-block" else {}  # (fit_kth.py)
     out |= fit_compiled.moments(x, S, held, state, act) if x.compile else {}  # a compiled block's backward; the embedding's
-    if (segment := segment_backward(x, S, held, carried, layer(S, "none", False))) is not None:
-        out["segment_backward"] = segment
+    out |= segment_backward(x, S, held, carried, layer(S, "none", False))  # one rank's recomputes (every-k, full)
     if fsdp_mixed(x) and not lora_step(x):  # the root's backward done: its bf16 gradients, about to be reduced
         out["backward_end"] = backward_end(x, S, held, state["gradients"], carried)  # (or the embedding's)
     return {k: _full(v | {"communication": comm.get(k, comm["optimizer"])}) for k, v in out.items()}  # (ZeRO-0)

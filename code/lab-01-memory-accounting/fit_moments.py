@@ -44,23 +44,44 @@ def head_step(S, held: dict, act: dict) -> dict[str, Expr]:
                    "temporaries": S.m * S.V * S.h + S.T * S.r * S.h}
 
 
-def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dict[str, Expr] | None:
-    """--checkpointing every-k on one rank (Lab 13's trace): the backward of the last segment to come back, the
-    first G blocks, recomputed whole (each block's activations and, under autocast, its weights' bf16 casts), at
-    its last MLP's gate × up product's backward: the down projection's gradient is made, its input freed. Every
-    gradient but the embedding's and the segment's is alive (with accumulation: all of them, carried, and the
-    segment that comes back first, the last: every segment's input kept, L − G × (⌈L / G⌉ − 1) blocks). None where
-    it is not traced: ZeRO, data parallelism, offload, LoRA, a MoE or a GPT block."""
-    if x.checkpointing != "every-k" or x.zero_stage or x.dp > 1 or x.offload != "none" or x.method != "full" \
-            or S.E.value or x.spec().family == "gpt":
-        return None
+def segment_backward(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dict[str, dict[str, Expr]]:
+    """--checkpointing every-k or full without FSDP2 (one rank, DDP, ZeRO-1; Lab 13's trace): the backward of the last
+    segment to come back, the first G blocks (full: the first block), recomputed whole (each block's activations and,
+    under autocast, its weights' bf16 casts), at its last MLP's gate × up product's backward: the down projection's
+    gradient is made, its input freed. Every gradient but the embedding's and the segment's is alive (with
+    accumulation: all of them, carried, and the segment that comes back first, the last: every segment's input kept,
+    L − G × (⌈L / G⌉ − 1) blocks). Full checkpointing: also the last block's (``recompute_last``). Empty where it is
+    not traced: FSDP2, offload, LoRA, a MoE or a GPT block; every-k with data parallelism; full with --sp, --cp,
+    --float8 or --compile."""
+    full = x.checkpointing == "full" and not (x.sp or x.cp > 1 or x.float8 != "none" or x.compile)
+    if not (full or x.checkpointing == "every-k" and x.dp == 1) or x.zero_stage > 1 or x.offload != "none" \
+            or x.method != "full" or S.E.value or x.spec().family == "gpt":
+        return {}
     n, mixed = ceil_div(S.L, S.G), x.precision == "mixed"
     blocks = S.L - S.G * (n - 1) if carried is not ZERO else S.G
     others = S.Pt - S.G * S.Pb if x.spec().tied else S.Pt - S.V * S.h - S.G * S.Pb  # not the embedding's
     grads = carried if carried is not ZERO else ZERO if x.optimizer_in_backward else S.w * (others + S.f * S.h)
     kept = n * S.T * S.r * S.h if carried is not ZERO else ZERO if x.offload_activations else S.T * S.r * S.h
     recomputed = blocks * (none + ceil_div(S.c * S.Pm, S.L) if mixed else none)  # none: a block's, kept whole
-    return held | {"gradients": grads, "activations": kept, "temporaries": recomputed + recompute_tail(x, S)}
+    out = {"segment_backward": held | {"gradients": grads, "activations": kept,
+                                       "temporaries": recomputed + recompute_tail(x, S)}}
+    return out | recompute_last(x, S, held, carried, none) if full else out
+
+
+def recompute_last(x: Inputs, S, held: dict, carried: Expr, none: Expr) -> dict[str, dict[str, Expr]]:
+    """Full checkpointing under autocast without FSDP2: the last block's backward, the first to come back, at the end of
+    its recompute (Lab 13's trace: under --tp, where a rank's MLP is f / t wide, it overtakes the first block's).
+    Alive: every block's checkpointed input; the head's and the final norm's gradients (tied: the embedding's too); the
+    block recomputed whole (``layer`` with nothing checkpointed and, under autocast, its weights' bf16 casts, the down
+    projection's just made); the stream's gradient from the final norm's backward (T × r × h) and, under autocast,
+    the bf16 copy of a T × h tensor the recompute makes before its first norm. (In bf16 and fp32 under --tp the peak
+    is later, in the MLP's backward: not formulated here.)"""
+    if x.offload_activations or x.optimizer_in_backward or x.precision != "mixed":
+        return {}
+    head = S.Pr if x.spec().tied else S.Pr - S.V * S.h
+    work = total(none, ceil_div(S.c * S.Pm, S.L), S.T * S.r * S.h, S.T * S.c * S.h)
+    return {"recomputed_last": held | {"gradients": S.w * head if carried is ZERO else carried,
+                                       "activations": S.L * S.T * S.r * S.h, "temporaries": work}}
 
 
 def recompute_tail(x: Inputs, S) -> Expr:

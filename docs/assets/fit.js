@@ -859,6 +859,17 @@
     return Object.assign({}, held, { gradients: grads, activations: kept, temporaries: recomputed.add(recomputeTail(x, S)) });
   }
 
+  // Python: fit_moments.recompute_last: full checkpointing under autocast without FSDP2, the last block's backward at
+  // the end of its recompute: every checkpointed input, the head's and final norm's gradients, the block and its casts,
+  // the stream's gradient and a bf16 T x h copy.
+  function recomputeLast(x, S, held, carried, spec) {
+    if (x.offload_activations || x.optimizer_in_backward || x.precision !== "mixed") return {};
+    const head = spec.tied ? S.Pr : S.Pr.sub(S.V.mul(S.h)), stream = S.T.mul(S.r).mul(S.h);
+    const work = layer(S, "none", false).add(ceilDiv(S.c.mul(S.Pm), S.L)).add(stream).add(S.T.mul(S.c).mul(S.h));
+    return { recomputed_last: Object.assign({}, held, { gradients: carried !== ZERO ? carried : S.w.mul(head),
+      activations: S.L.mul(stream), temporaries: work }) };
+  }
+
   // Python: fit_moments.recompute_tail: beside a block recomputed on one rank, at its gate x up product's backward.
   function recomputeTail(x, S) {
     const tail = n(2).mul(S.T).mul(S.c).mul(S.f);
@@ -1144,8 +1155,12 @@
     }
     if (x.checkpointing === "every-kth-block") Object.assign(out, kthLast(x, S, held, z.spec));
     if (x.compile) Object.assign(out, compiledMoments(x, S, held, state, act));  // a compiled block's backward; the embedding's
-    if (x.checkpointing === "every-k" && x.zero_stage === 0 && x.dp === 1 && x.offload === "none" && !loraStep(x)
-        && !S.E.value && z.spec.family !== "gpt") out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
+    const full = x.checkpointing === "full" && !x.sp && (x.cp || 1) === 1 && x.float8 === "none" && !x.compile;
+    if ((full || (x.checkpointing === "every-k" && x.dp === 1)) && x.zero_stage <= 1 && x.offload === "none" && !loraStep(x)
+        && !S.E.value && z.spec.family !== "gpt") {  // one rank's recomputes (fit_moments.segment_backward)
+      out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
+      if (full) Object.assign(out, recomputeLast(x, S, held, carried, z.spec));
+    }
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
       const blocks = units(x) ? state.gradients : x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
       out.backward_end = Object.assign({}, held, { gradients: carried === ZERO ? blocks : carried,
