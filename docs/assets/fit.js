@@ -1155,11 +1155,11 @@
     }
     if (x.checkpointing === "every-kth-block") Object.assign(out, kthLast(x, S, held, z.spec));
     if (x.compile) Object.assign(out, compiledMoments(x, S, held, state, act));  // a compiled block's backward; the embedding's
-    const full = x.checkpointing === "full" && !x.sp && (x.cp || 1) === 1 && x.float8 === "none" && !x.compile;
-    if ((full || (x.checkpointing === "every-k" && x.dp === 1)) && x.zero_stage <= 1 && x.offload === "none" && !loraStep(x)
+    const recomputesFull = x.checkpointing === "full" && !x.sp && (x.cp || 1) === 1 && x.float8 === "none" && !x.compile;
+    if ((recomputesFull || (x.checkpointing === "every-k" && x.dp === 1)) && x.zero_stage <= 1 && x.offload === "none" && !loraStep(x)
         && !S.E.value && z.spec.family !== "gpt") {  // one rank's recomputes (fit_moments.segment_backward)
       out.segment_backward = segmentBackward(x, S, held, carried, z.spec);
-      if (full) Object.assign(out, recomputeLast(x, S, held, carried, z.spec));
+      if (recomputesFull) Object.assign(out, recomputeLast(x, S, held, carried, z.spec));
     }
     if (fsdpMixed(x) && !loraStep(x)) {  // the root's (or the embedding's) backward done: its bf16 gradients, about to be reduced
       const blocks = units(x) ? state.gradients : x.offload === "params" ? ZERO : S.w.mul(S.L).mul(ceilDiv(S.Pb, S.dp));
