@@ -235,7 +235,7 @@ def _palette_pixels(png: bytes, name: str) -> tuple[int, int]:
     image = Image.open(io.BytesIO(png)).convert("RGB")
     targets = [tuple(int(value[i:i + 2], 16) for i in (1, 3, 5)) for value in PALETTE[name]]
     counts = [0, 0]
-    for pixel, n in Counter(image.getdata()).items():
+    for pixel, n in Counter(image.get_flattened_data()).items():
         for k, target in enumerate(targets):
             if max(abs(a - b) for a, b in zip(pixel, target)) <= 3:
                 counts[k] += n
