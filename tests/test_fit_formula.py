@@ -415,7 +415,7 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # under autocast, full checkpointing, ZeRO-1: a steady forward, every cast cached
                                     {"pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
                                     # --tp without --sp, full checkpointing: the last block recomputed in a steady backward,
-                                    # at its MLP norm's backward, its gate x up product's, down's (fit_split.recomputed_block)
+                                    # at its MLP norm's backward, its gate x up product's, down's (fit_split.last_block_recomputed)
                                     {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full"},
                                     {"seq": 16384, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full",
                                      "precision": "fp32"},

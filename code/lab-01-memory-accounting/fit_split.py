@@ -120,7 +120,9 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
     cast: an fp32 copy, e4m3 bits). Without autocast or float8, later in that backward: at the last block's gate x up
     product (pipeline_product) or, in bf16, its MLP norm (pipeline_norm); under autocast with full checkpointing and
-    no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache)."""
+    no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache). With full
+    checkpointing (no --sp, no float8) the last block is recomputed in that backward: whole at down's backward, at its
+    gate x up product's (no autocast), as it is recomputed (autocast) or at its MLP norm's (under --tp: a narrow MLP)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
@@ -130,7 +132,7 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     held = dict(state) | {"gradients": grads, "communication": tokens * S.r * S.h}  # embedding gradient (moments)
     plain = x.float8 == "none"  # (float8's backward points are float8_backward's)
     recomputed = plain and x.checkpointing == "full" and not x.sp  # the last block recomputed in a steady backward:
-    block = recomputed_block(S, mixed) if recomputed else ZERO  # alive at its down projection's backward too
+    block = last_block_recomputed(S, mixed) if recomputed else ZERO  # alive at its down projection's backward too
     backward = float8_backward(x, S, S.pp * micro) if x.float8 != "none" else (S.pp * micro, temporaries + block)
     out = {"pipeline_backward": held | dict(zip(("activations", "temporaries"), backward)),
            "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
@@ -170,7 +172,7 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     return out
 
 
-def recomputed_block(S, mixed: bool) -> Expr:
+def last_block_recomputed(S, mixed: bool) -> Expr:
     """A block recomputed whole in backward (``layer`` with nothing checkpointed): with an fp32 stream (fp32, mixed)
     its first norm reads the checkpointed input itself, no float32 copy; under autocast, its weights' bf16 casts made
     again (a block's share of the stage's)."""

@@ -904,7 +904,7 @@
     const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
     const plain = x.float8 === "none";  // (float8's backward points are float8Backward's)
     const recomputed = plain && x.checkpointing === "full" && !x.sp;  // the last block recomputed in a steady backward
-    const block = recomputed ? recomputedBlock(S, mixed) : ZERO;  // alive at its down projection's backward too
+    const block = recomputed ? lastBlockRecomputed(S, mixed) : ZERO;  // alive at its down projection's backward too
     const backward = x.float8 !== "none" ? float8Backward(x, S, S.pp.mul(micro)) : [S.pp.mul(micro), temporaries.add(block)];
     const out = {
       pipeline_backward: Object.assign({}, held, { activations: backward[0], temporaries: backward[1] }),
@@ -951,8 +951,8 @@
     return out;
   }
 
-  /** Python: fit_split.recomputed_block: a block recomputed whole in backward (an fp32 stream: no copy of its input). */
-  function recomputedBlock(S, mixed) {
+  /** Python: fit_split.last_block_recomputed: a block recomputed whole in backward (an fp32 stream: no copy of its input). */
+  function lastBlockRecomputed(S, mixed) {
     const block = S.r.value === 4n ? layer(S, "none", false).sub(n(4).mul(S.T).mul(S.h)) : layer(S, "none", false);
     return mixed ? block.add(S.c.mul(ceilDiv(S.Pm, S.L))) : block;
   }
