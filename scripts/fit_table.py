@@ -146,7 +146,8 @@ NAMED += [{"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "float8
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full"},  # 1F1B's
           {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 4, "checkpointing": "full"},  # last
           {"model": "llama-3-8b", "seq": 16384, "pp": 4, "accumulation": 8, "tp": 2, "checkpointing": "full",  # block
-           "precision": "bf16"}]  # recomputed (fit_split.recomputed_norm, last_block_recomputed)
+           "precision": "bf16"},  # recomputed (fit_split.recomputed_norm, last_block_recomputed)
+          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8}]  # MLP norm, an fp32 stream
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "bf16", "loss": chunked,  # a 24 GB
            "checkpointing": checkpointing} for chunked in ("chunked", "fused-linear") for checkpointing in ("none", "full")]
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "mixed", "loss": "chunked",

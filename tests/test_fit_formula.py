@@ -412,6 +412,8 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # 1F1B's first stage in bf16 at 8k: the last block's gate x up product's backward
                                     {"seq": 8192, "pp": 2, "accumulation": 4, "tp": 2, "precision": "bf16"},
                                     {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "precision": "bf16"},  # its MLP norm's
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8},  # (an fp32 stream: autocast, fp32)
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "precision": "fp32"},
                                     # under autocast, full checkpointing, ZeRO-1: a steady forward, every cast cached
                                     {"pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
                                     # --tp without --sp, full checkpointing: the last block recomputed in a steady backward,

@@ -119,7 +119,7 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     steady forward (output, its copy for the collective, the rank's share; under the float8 TP styles the MLP's input
     is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
     cast: an fp32 copy, e4m3 bits). Without autocast or float8, later in that backward: at the last block's gate x up
-    product (pipeline_product) or, in bf16, its MLP norm (pipeline_norm); under autocast with full checkpointing and
+    product (pipeline_product) or its MLP norm (pipeline_norm; under autocast too); under autocast with full checkpointing and
     no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache). With full
     checkpointing (no --sp, no float8) the last block is recomputed in that backward: whole at down's backward, at its
     gate x up product's (no autocast), as it is recomputed (autocast) or at its MLP norm's (under --tp: a narrow MLP)."""
@@ -145,6 +145,10 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
         out["pipeline_norm"] = held | {"activations": S.pp * micro - S.T * (4 * S.c * S.f + 4 * S.h + ROW),  # narrow MLP
                                        "temporaries": 20 * S.T * S.h}  # rank): the MLP and the norm's fp32 input freed; x,
         # x², its products: five fp32 tensors
+    if plain and x.checkpointing == "none" and S.r.value == 4 and not x.sp:  # there with an fp32 stream (fp32, mixed):
+        freed = S.T * (f.norm(S, 2) - 4 * S.h + 4 * S.c * S.f) + (3 * S.c * S.f * S.h if mixed else ZERO)  # the MLP,
+        out["pipeline_norm"] = held | {"activations": S.pp * micro - freed,  # its weights' casts, the norm's tensors
+                                       "temporaries": 20 * S.T * S.h}  # but its input (the residual sum, still read)
     if plain and mixed and x.checkpointing == "full" and not x.sp:  # a steady forward's last block, at its gate x up product:
         out["pipeline_cache"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                "temporaries": total(S.c * S.Pm - S.c * S.f * S.h, 3 * S.c * S.T * S.f,

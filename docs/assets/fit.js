@@ -920,6 +920,11 @@
       out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro)
         .sub(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row))), temporaries: n(20).mul(S.T).mul(S.h) });
     }
+    if (plain && x.checkpointing === "none" && S.r.value === 4n && !x.sp) {  // there with an fp32 stream (fit_split.pipeline)
+      const freed = S.T.mul(norm(S, 2, false).sub(n(4).mul(S.h)).add(n(4).mul(S.c).mul(S.f)))
+        .add(mixed ? n(3).mul(S.c).mul(S.f).mul(S.h) : ZERO);
+      out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro).sub(freed), temporaries: n(20).mul(S.T).mul(S.h) });
+    }
     if (plain && mixed && x.checkpointing === "full" && !x.sp) {  // a steady forward's last block: autocast's cache
       out.pipeline_cache = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
         temporaries: total(S.c.mul(S.Pm).sub(S.c.mul(S.f).mul(S.h)), n(3).mul(S.c).mul(S.T).mul(S.f), S.T.mul(S.r).mul(S.h),
