@@ -147,7 +147,8 @@ NAMED += [{"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp":
           {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 4, "checkpointing": "full"},  # last
           {"model": "llama-3-8b", "seq": 16384, "pp": 4, "accumulation": 8, "tp": 2, "checkpointing": "full",  # block
            "precision": "bf16"},  # recomputed (fit_split.recomputed_norm, last_block_recomputed)
-          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8}]  # MLP norm, an fp32 stream
+          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8},  # MLP norm, an fp32 stream
+          {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16"}]  # frames
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "bf16", "loss": chunked,  # a 24 GB
            "checkpointing": checkpointing} for chunked in ("chunked", "fused-linear") for checkpointing in ("none", "full")]
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "mixed", "loss": "chunked",

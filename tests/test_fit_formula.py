@@ -406,6 +406,10 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # forward's reduce-scatter beside the gate x up product, and (70B) the gate's gradient
                                     {"pp": 4, "accumulation": 8, "float8": "tensorwise"},
                                     {"pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8},
+                                    # bf16, fp32 under --sp: tensors held by Python frames at the last reduce-scatter
+                                    {"pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16"},
+                                    {"pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16",
+                                     "float8": "tensorwise"},
                                     {"seq": 8192, "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True},
                                     {"model": "llama-3-70b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8,
                                      "sp": True, "dp": 2},

@@ -165,10 +165,12 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
         # held by the MLP's forward frame (its argument; the matmuls keep their own bf16 casts)
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
-        forward = total(gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)
+        held_by_frames = 3 * tokens * S.r * S.h if gathered is ZERO else ZERO  # bf16, fp32: the stage's embedding output,
+        forward = total(gathered, tokens * S.r * S.h, held_by_frames,  # the block's attention residual sum and its MLP
+                        (2 * S.T + tokens) * S.c * S.h)  # norm's output before its all-gather, held by Python frames
         if S.f8tp:  # float8 TP styles: that input gathered in float8 and kept, the gate x up product (down saves its
-            forward = total(tokens * S.r * S.h, S.c * S.T * S.f,  # float8 copy), or before, down's weight cast to
-                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # e4m3 (an fp32 copy, its bits)
+            forward = total(tokens * S.r * S.h, held_by_frames, S.c * S.T * S.f,  # float8 copy), or before, down's
+                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # weight cast to e4m3 (fp32, bits)
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                  "temporaries": forward}
     if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment

@@ -942,9 +942,10 @@
     }
     const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
     if (x.sp) {  // a steady forward's last reduce-scatter (float8 TP styles: or down's weight cast to e4m3 before it)
-      let forward = total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
+      const frames = gathered === ZERO ? n(3).mul(tokens).mul(S.r).mul(S.h) : ZERO;  // held by Python frames (fit_split)
+      let forward = total(gathered, tokens.mul(S.r).mul(S.h), frames, n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
       if (S.f8tp) {  // the product not saved (down saves its float8 copy); or down's weight cast to e4m3 before
-        forward = total(tokens.mul(S.r).mul(S.h), S.c.mul(S.T).mul(S.f),
+        forward = total(tokens.mul(S.r).mul(S.h), frames, S.c.mul(S.T).mul(S.f),
           larger(n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h), n(5).mul(S.f).mul(S.h)));
       }
       out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
