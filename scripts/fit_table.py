@@ -145,6 +145,12 @@ NAMED += [{"model": "llama-3-8b", "seq": 1024, "dp": 8, "zero_stage": 3, "float8
           {"model": "llama-3-8b", "seq": 8192, "pp": 2, "accumulation": 4, "tp": 2, "precision": "bf16"},  # 1F1B
           {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
           {"model": "llama-3-70b", "seq": 8192, "pp": 2, "accumulation": 4, "tp": 8, "precision": "bf16"}]  # MLP norm
+NAMED += [{"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full"},  # 1F1B's
+          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 4, "checkpointing": "full"},  # last
+          {"model": "llama-3-8b", "seq": 16384, "pp": 4, "accumulation": 8, "tp": 2, "checkpointing": "full",  # block
+           "precision": "bf16"},  # recomputed (fit_split.recomputed_norm, last_block_recomputed)
+          {"model": "llama-3-8b", "seq": 8192, "pp": 4, "accumulation": 8, "tp": 8},  # MLP norm, an fp32 stream
+          {"model": "llama-3-8b", "pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16"}]  # frames
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "bf16", "loss": chunked,  # a 24 GB
            "checkpointing": checkpointing} for chunked in ("chunked", "fused-linear") for checkpointing in ("none", "full")]
 NAMED += [{"model": "llama-3-8b", "seq": 8192, "method": "qlora", "precision": "mixed", "loss": "chunked",

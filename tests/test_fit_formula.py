@@ -410,14 +410,30 @@ def test_the_float8_formula_follows_a_real_scale_trace_within_0_1_percent():
                                     # forward's reduce-scatter beside the gate x up product, and (70B) the gate's gradient
                                     {"pp": 4, "accumulation": 8, "float8": "tensorwise"},
                                     {"pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8},
+                                    # bf16, fp32 under --sp: tensors held by Python frames at the last reduce-scatter
+                                    {"pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16"},
+                                    {"pp": 4, "accumulation": 8, "tp": 4, "sp": True, "precision": "bf16",
+                                     "float8": "tensorwise"},
                                     {"seq": 8192, "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8, "sp": True},
                                     {"model": "llama-3-70b", "pp": 4, "accumulation": 8, "float8": "tensorwise", "tp": 8,
                                      "sp": True, "dp": 2},
                                     # 1F1B's first stage in bf16 at 8k: the last block's gate x up product's backward
                                     {"seq": 8192, "pp": 2, "accumulation": 4, "tp": 2, "precision": "bf16"},
                                     {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "precision": "bf16"},  # its MLP norm's
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8},  # (an fp32 stream: autocast, fp32)
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "precision": "fp32"},
                                     # under autocast, full checkpointing, ZeRO-1: a steady forward, every cast cached
                                     {"pp": 4, "accumulation": 8, "checkpointing": "full", "dp": 2, "zero_stage": 1},
+                                    # --tp without --sp, full checkpointing: the last block recomputed in a steady backward,
+                                    # at its MLP norm's backward, its gate x up product's, down's (fit_split.last_block_recomputed)
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full"},
+                                    {"seq": 16384, "pp": 4, "accumulation": 8, "tp": 8, "checkpointing": "full",
+                                     "precision": "fp32"},
+                                    {"seq": 16384, "pp": 4, "accumulation": 8, "tp": 2, "checkpointing": "full",
+                                     "precision": "bf16"},
+                                    {"seq": 16384, "pp": 4, "accumulation": 8, "tp": 2, "checkpointing": "full"},
+                                    # or, under autocast, as it is recomputed: the MLP norm's fp32 output held by its frame
+                                    {"seq": 8192, "pp": 4, "accumulation": 8, "tp": 4, "checkpointing": "full"},
                                     {"dp": 8, "zero_stage": 3, "replicate": 4, "precision": "bf16"},
                                     {"seq": 32768, "cp": 4, "dp": 4, "zero_stage": 3, "checkpointing": "full"},
                                     {"seq": 16384, "cp": 4, "dp": 2, "zero_stage": 3},
@@ -670,8 +686,7 @@ def test_results_table_is_what_the_python_computes_now():
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tp": 2}, "no GPT preset, --tied or --tp"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "tied": True}, "an untied embedding and head"),
-    # 1F1B's first stage under --tp without --sp: the block recomputed in backward has no formula yet (-0.2 to -7 %)
-    ({"pp": 2, "accumulation": 4, "tp": 8, "checkpointing": "full"}, "--tp without --sp and --checkpointing full with --pp"),
+    ({"pp": 2, "accumulation": 4, "dp": 2, "zero_stage": 2}, "--zero-stage 2 or 3 with --pp"),
 ])
 def test_bad_input_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):

@@ -127,8 +127,6 @@ def check_pipeline(inputs, family: str, layers: int) -> None:
         raise UsageError(f"--pp {inputs.pp}: the formula cuts a Llama or Mixtral into stages")
     for flag, bad in (("--accumulation equal to --pp", inputs.accumulation == inputs.pp),
                       (f"--checkpointing {inputs.checkpointing}", inputs.checkpointing not in ("none", "full")),
-                      ("--zero-stage 2 or 3", inputs.zero_stage >= 2),  # and the block recomputed in backward, split:
-                      ("--tp without --sp and --checkpointing full",
-                       inputs.tp > 1 and not inputs.sp and inputs.checkpointing == "full")):
+                      ("--zero-stage 2 or 3", inputs.zero_stage >= 2)):
         if bad:
             raise UsageError(f"{flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)")

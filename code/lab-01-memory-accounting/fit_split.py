@@ -119,8 +119,10 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     steady forward (output, its copy for the collective, the rank's share; under the float8 TP styles the MLP's input
     is gathered in float8 and kept, the gate x up product is not, and the point can come before, at down's weight
     cast: an fp32 copy, e4m3 bits). Without autocast or float8, later in that backward: at the last block's gate x up
-    product (pipeline_product) or, in bf16, its MLP norm (pipeline_norm); under autocast with full checkpointing and
-    no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache)."""
+    product (pipeline_product) or its MLP norm (pipeline_norm; under autocast too); under autocast with full checkpointing and
+    no float8, a steady forward's last block beside autocast's cache of the stage's casts (pipeline_cache). With full
+    checkpointing (no --sp, no float8) the last block is recomputed in that backward: whole at down's backward, at its
+    gate x up product's (no autocast), as it is recomputed (autocast) or at its MLP norm's (under --tp: a narrow MLP)."""
     tokens = ceil_div(S.T, S.t) if x.sp else S.T
     mixed = x.precision == "mixed" and not f.fsdp_mixed(x)
     micro = S.L * f.layer(S, x.checkpointing, x.sp) + tokens * S.r * S.h
@@ -128,12 +130,14 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
     temporaries = total(S.c * tokens * S.h if mixed else ZERO, S.c * S.T * S.f, S.c * S.f * S.h)
     grads = state["gradients"] + S.w * (S.t - 1) * S.V * S.h if x.tp > 1 else state["gradients"]  # DTensor's whole
     held = dict(state) | {"gradients": grads, "communication": tokens * S.r * S.h}  # embedding gradient (moments)
-    backward = float8_backward(x, S, S.pp * micro) if x.float8 != "none" else (S.pp * micro, temporaries)
+    plain = x.float8 == "none"  # (float8's backward points are float8_backward's)
+    recomputed = plain and x.checkpointing == "full" and not x.sp  # the last block recomputed in a steady backward:
+    block = last_block_recomputed(S, mixed) if recomputed else ZERO  # alive at its down projection's backward too
+    backward = float8_backward(x, S, S.pp * micro) if x.float8 != "none" else (S.pp * micro, temporaries + block)
     out = {"pipeline_backward": held | dict(zip(("activations", "temporaries"), backward)),
            "embedding_backward": held | {"activations": (S.pp - 1) * micro + tokens * S.r * S.h,
                                          "temporaries": S.w * S.t * S.V * S.h + S.T * S.r * S.h},
            "optimizer": dict(state)}
-    plain = x.float8 == "none"  # (float8's backward points are float8_backward's)
     if plain and x.checkpointing == "none" and not mixed:  # or later (no autocast), at the gate x up product's backward: the
         out["pipeline_product"] = held | {"activations": S.pp * micro - S.c * S.T * S.f,  # product freed, its gradient
                                           "temporaries": 3 * S.c * S.T * S.f}  # and its factors' (the down weight's added)
@@ -141,19 +145,55 @@ def pipeline(x, S, state: dict) -> dict[str, dict[str, Expr]]:
         out["pipeline_norm"] = held | {"activations": S.pp * micro - S.T * (4 * S.c * S.f + 4 * S.h + ROW),  # narrow MLP
                                        "temporaries": 20 * S.T * S.h}  # rank): the MLP and the norm's fp32 input freed; x,
         # x², its products: five fp32 tensors
-    if plain and mixed and x.checkpointing == "full" and x.tp == 1:  # a steady forward's last block, at its gate x up product:
+    if plain and x.checkpointing == "none" and S.r.value == 4 and not x.sp:  # there with an fp32 stream (fp32, mixed):
+        freed = S.T * (f.norm(S, 2) - 4 * S.h + 4 * S.c * S.f) + (3 * S.c * S.f * S.h if mixed else ZERO)  # the MLP,
+        out["pipeline_norm"] = held | {"activations": S.pp * micro - freed,  # its weights' casts, the norm's tensors
+                                       "temporaries": 20 * S.T * S.h}  # but its input (the residual sum, still read)
+    if plain and mixed and x.checkpointing == "full" and not x.sp:  # a steady forward's last block, at its gate x up product:
         out["pipeline_cache"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                "temporaries": total(S.c * S.Pm - S.c * S.f * S.h, 3 * S.c * S.T * S.f,
                                                                     S.T * S.r * S.h, 4 * S.T * S.h)}  # autocast's cache
         # of the stage's casts but down's; gate, SiLU(gate), their product; the stream and the MLP norm's fp32 product
+    if recomputed:  # or later in that backward, at its MLP norm's backward
+        out["pipeline_recomputed"] = held | {"activations": S.pp * micro, "temporaries": recomputed_norm(S, mixed)}
+    if recomputed and not mixed:  # or at its gate x up product's backward: the product freed, its gradient and its
+        out["pipeline_recomputed_product"] = held | {"activations": S.pp * micro,  # factors' made
+                                                     "temporaries": block + 2 * S.c * S.T * S.f}
+    if recomputed and mixed:  # or (autocast) as it is recomputed, at down's weight cast: the received gradient's cast,
+        out["pipeline_recompute"] = held | {"activations": S.pp * micro,  # made as backward began, and the MLP norm's
+                                            "temporaries": total(block, S.T * S.r * S.h, S.c * S.T * S.h)}  # fp32 output,
+        # held by the MLP's forward frame (its argument; the matmuls keep their own bf16 casts)
     gathered = S.T * S.r * S.h if S.c.value != S.r.value else ZERO  # (else the matmuls keep it: activations)
     if x.sp:  # a steady forward's last reduce-scatter: the MLP's gathered input, the block's, the down-projection's
-        forward = total(gathered, tokens * S.r * S.h, (2 * S.T + tokens) * S.c * S.h)
+        held_by_frames = 3 * tokens * S.r * S.h if gathered is ZERO else ZERO  # bf16, fp32: the stage's embedding output,
+        forward = total(gathered, tokens * S.r * S.h, held_by_frames,  # the block's attention residual sum and its MLP
+                        (2 * S.T + tokens) * S.c * S.h)  # norm's output before its all-gather, held by Python frames
         if S.f8tp:  # float8 TP styles: that input gathered in float8 and kept, the gate x up product (down saves its
-            forward = total(tokens * S.r * S.h, S.c * S.T * S.f,  # float8 copy), or before, down's weight cast to
-                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # e4m3 (an fp32 copy, its bits)
+            forward = total(tokens * S.r * S.h, held_by_frames, S.c * S.T * S.f,  # float8 copy), or before, down's
+                            larger((2 * S.T + tokens) * S.c * S.h, 5 * S.f * S.h))  # weight cast to e4m3 (fp32, bits)
         out["pipeline_forward"] = dict(state) | {"gradients": grads, "activations": S.pp * micro - tokens * S.r * S.h,
                                                  "temporaries": forward}
     if x.optimizer in ("adamw", "adamw-foreach"):  # foreach copies a moment
         out["optimizer"]["temporaries"] = S.m * (ceil_div(S.Pt, S.dp) if x.zero_stage else S.Pt)
     return out
+
+
+def last_block_recomputed(S, mixed: bool) -> Expr:
+    """A block recomputed whole in backward (``layer`` with nothing checkpointed): with an fp32 stream (fp32, mixed)
+    its first norm reads the checkpointed input itself, no float32 copy; under autocast, its weights' bf16 casts made
+    again (a block's share of the stage's)."""
+    block = f.layer(S, "none") - 4 * S.T * S.h if S.r.value == 4 else f.layer(S, "none")
+    return block + S.c * ceil_div(S.Pm, S.L) if mixed else block
+
+
+def recomputed_norm(S, mixed: bool) -> Expr:
+    """--pp, full checkpointing (Lab 13's trace): the first stage's last block recomputed in a steady backward, at its
+    MLP norm's backward (under --tp the MLP is f / t wide, the norm is not). The MLP's tensors and the norm's bf16
+    ones are freed; alive: the attention's (its norm's, q, k after RoPE, v, SDPA's output, RoPE's cos and sin; under
+    autocast the attention weights' bf16 casts, made again), the MLP norm's fp32 input and its backward's five fp32
+    tensors. With an fp32 stream (fp32, mixed) the norms read their inputs, no copies: the first the checkpointed one. The stream's gradient is the one received
+    (communication)."""
+    attention = S.T * (f.norm(S, 3) + S.c * (2 * S.q + 2 * S.g) + LSE * S.a) + 2 * S.s * S.d * S.r + 24 * S.T * S.h
+    if S.r.value == 4:  # an fp32 stream: the first norm reads the checkpointed input, the second the residual sum
+        attention = attention - 4 * S.T * S.h
+    return attention + S.c * S.h * (2 * S.q + 2 * S.g) if mixed else attention

@@ -272,8 +272,7 @@
     if (x.pp > layers) return ["pp", `--pp ${x.pp} is more pipeline stages than ${layers} layers`];
     if (family === "gpt") return ["pp", `--pp ${x.pp}: the formula cuts a Llama or Mixtral into stages`];
     for (const [name, flag, bad] of [["accumulation", "--accumulation equal to --pp", x.accumulation === x.pp],
-      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2],
-      ["tp", "--tp without --sp and --checkpointing full", x.tp > 1 && !x.sp && x.checkpointing === "full"]]) {
+      ["checkpointing", `--checkpointing ${x.checkpointing}`, x.checkpointing !== "none" && x.checkpointing !== "full"], ["zero_stage", "--zero-stage 2 or 3", x.zero_stage >= 2]]) {
       if (bad) return [name, `${flag} with --pp: the first stage's peak has no formula here yet (Lab 13 traces it)`];
     }
     return null;
@@ -791,7 +790,8 @@
     }
     const out = { forward_end: fwd, backward_start: bwd, head_gradient: bwd, root_gathered: gather, optimizer: opt,
       backward_end: end, embedding_gradient: opt, pipeline_backward: bwd, pipeline_product: bwd, pipeline_norm: bwd,
-      embedding_backward: bwd, pipeline_forward: fwd, pipeline_cache: fwd, head_step: bwd, segment_backward: bwd,
+      embedding_backward: bwd, pipeline_forward: fwd, pipeline_cache: fwd, pipeline_recomputed: bwd,
+      pipeline_recomputed_product: bwd, pipeline_recompute: bwd, head_step: bwd, segment_backward: bwd,
       recomputed_last: bwd, embedding_rows: gathered.mul(S.Pr).add(S.w.mul(S.Pb)),
       embedding_end: gathered.mul(S.Pr).add(S.w.mul(S.Pb)) };  // --tp, FSDP2: the root gathered, the first block's reduce
     // the root, this block, the next one's gather (ZeRO-2: every block not yet done), the last block's fp32 reduce-scatter
@@ -913,14 +913,16 @@
     const temporaries = total(mixed ? S.c.mul(tokens).mul(S.h) : ZERO, S.c.mul(S.T).mul(S.f), S.c.mul(S.f).mul(S.h));
     const grads = x.tp > 1 ? state.gradients.add(S.w.mul(S.t.sub(1)).mul(S.V).mul(S.h)) : state.gradients;
     const held = Object.assign({}, state, { gradients: grads, communication: tokens.mul(S.r).mul(S.h) });
-    const backward = x.float8 !== "none" ? float8Backward(x, S, S.pp.mul(micro)) : [S.pp.mul(micro), temporaries];
+    const plain = x.float8 === "none";  // (float8's backward points are float8Backward's)
+    const recomputed = plain && x.checkpointing === "full" && !x.sp;  // the last block recomputed in a steady backward
+    const block = recomputed ? lastBlockRecomputed(S, mixed) : ZERO;  // alive at its down projection's backward too
+    const backward = x.float8 !== "none" ? float8Backward(x, S, S.pp.mul(micro)) : [S.pp.mul(micro), temporaries.add(block)];
     const out = {
       pipeline_backward: Object.assign({}, held, { activations: backward[0], temporaries: backward[1] }),
       embedding_backward: Object.assign({}, held, { activations: S.pp.sub(1).mul(micro).add(tokens.mul(S.r).mul(S.h)),
         temporaries: S.w.mul(S.t).mul(S.V).mul(S.h).add(S.T.mul(S.r).mul(S.h)) }),
       optimizer: Object.assign({}, state),
     };
-    const plain = x.float8 === "none";  // (float8's backward points are float8Backward's)
     if (plain && x.checkpointing === "none" && !mixed) {  // or later, at the gate x up product's backward (fit_split.pipeline)
       out.pipeline_product = Object.assign({}, held, { activations: S.pp.mul(micro).sub(S.c.mul(S.T).mul(S.f)),
         temporaries: n(3).mul(S.c).mul(S.T).mul(S.f) });
@@ -929,16 +931,32 @@
       out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro)
         .sub(S.T.mul(n(4).mul(S.c).mul(S.f).add(n(4).mul(S.h)).add(K().row))), temporaries: n(20).mul(S.T).mul(S.h) });
     }
-    if (plain && mixed && x.checkpointing === "full" && x.tp === 1) {  // a steady forward's last block: autocast's cache
+    if (plain && x.checkpointing === "none" && S.r.value === 4n && !x.sp) {  // there with an fp32 stream (fit_split.pipeline)
+      const freed = S.T.mul(norm(S, 2, false).sub(n(4).mul(S.h)).add(n(4).mul(S.c).mul(S.f)))
+        .add(mixed ? n(3).mul(S.c).mul(S.f).mul(S.h) : ZERO);
+      out.pipeline_norm = Object.assign({}, held, { activations: S.pp.mul(micro).sub(freed), temporaries: n(20).mul(S.T).mul(S.h) });
+    }
+    if (plain && mixed && x.checkpointing === "full" && !x.sp) {  // a steady forward's last block: autocast's cache
       out.pipeline_cache = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
         temporaries: total(S.c.mul(S.Pm).sub(S.c.mul(S.f).mul(S.h)), n(3).mul(S.c).mul(S.T).mul(S.f), S.T.mul(S.r).mul(S.h),
           n(4).mul(S.T).mul(S.h)) });
     }
+    const stage = S.pp.mul(micro);  // the recomputed last block (fit_split.pipeline): its MLP norm's backward; its gate x up
+    if (recomputed) out.pipeline_recomputed = Object.assign({}, held, { activations: stage, temporaries: recomputedNorm(S, mixed) });
+    if (recomputed && !mixed) {  // product's backward; under autocast, as it is recomputed, at down's weight cast
+      out.pipeline_recomputed_product = Object.assign({}, held, { activations: stage,
+        temporaries: block.add(n(2).mul(S.c).mul(S.T).mul(S.f)) });
+    }
+    if (recomputed && mixed) {
+      out.pipeline_recompute = Object.assign({}, held, { activations: stage,
+        temporaries: total(block, S.T.mul(S.r).mul(S.h), S.c.mul(S.T).mul(S.h)) });
+    }
     const gathered = S.c.value !== S.r.value ? S.T.mul(S.r).mul(S.h) : ZERO;
     if (x.sp) {  // a steady forward's last reduce-scatter (float8 TP styles: or down's weight cast to e4m3 before it)
-      let forward = total(gathered, tokens.mul(S.r).mul(S.h), n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
+      const frames = gathered === ZERO ? n(3).mul(tokens).mul(S.r).mul(S.h) : ZERO;  // held by Python frames (fit_split)
+      let forward = total(gathered, tokens.mul(S.r).mul(S.h), frames, n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h));
       if (S.f8tp) {  // the product not saved (down saves its float8 copy); or down's weight cast to e4m3 before
-        forward = total(tokens.mul(S.r).mul(S.h), S.c.mul(S.T).mul(S.f),
+        forward = total(tokens.mul(S.r).mul(S.h), frames, S.c.mul(S.T).mul(S.f),
           larger(n(2).mul(S.T).add(tokens).mul(S.c).mul(S.h), n(5).mul(S.f).mul(S.h)));
       }
       out.pipeline_forward = Object.assign({}, state, { gradients: grads, activations: S.pp.mul(micro).sub(tokens.mul(S.r).mul(S.h)),
@@ -948,6 +966,20 @@
       out.optimizer.temporaries = S.m.mul(x.zero_stage ? ceilDiv(S.Pt, S.dp) : S.Pt);
     }
     return out;
+  }
+
+  /** Python: fit_split.last_block_recomputed: a block recomputed whole in backward (an fp32 stream: no copy of its input). */
+  function lastBlockRecomputed(S, mixed) {
+    const block = S.r.value === 4n ? layer(S, "none", false).sub(n(4).mul(S.T).mul(S.h)) : layer(S, "none", false);
+    return mixed ? block.add(S.c.mul(ceilDiv(S.Pm, S.L))) : block;
+  }
+
+  /** Python: fit_split.recomputed_norm: the recomputed last block at its MLP norm's backward. */
+  function recomputedNorm(S, mixed) {
+    let kept = S.T.mul(norm(S, 3, false).add(S.c.mul(n(2).mul(S.q).add(n(2).mul(S.g)))).add(n(K().lse).mul(S.a)))
+      .add(n(2).mul(S.s).mul(S.d).mul(S.r)).add(n(24).mul(S.T).mul(S.h));
+    if (S.r.value === 4n) kept = kept.sub(n(4).mul(S.T).mul(S.h));
+    return mixed ? kept.add(S.c.mul(S.h).mul(n(2).mul(S.q).add(n(2).mul(S.g)))) : kept;
   }
 
   /** Python: fit_split.float8_backward (--float8 tensorwise --pp): a steady backward's [activations, temporaries]. */
@@ -1588,6 +1620,9 @@
     pipeline_norm: "a steady backward of the first pipeline stage, at the last block's MLP norm",
     pipeline_forward: "a steady forward's last reduce-scatter on the first pipeline stage",
     pipeline_cache: "a steady forward of the first pipeline stage (autocast's cache of its weight casts)",
+    pipeline_recomputed: "a steady backward of the first pipeline stage, the last block recomputed, at its MLP norm",
+    pipeline_recomputed_product: "a steady backward of the first pipeline stage, the last block recomputed, at its gate x up product",
+    pipeline_recompute: "a steady backward of the first pipeline stage, as the last block is recomputed (down's weight cast)",
     block_backward: "the second block's backward (FSDP2's fp32 reduce-scatter held; with its own head unit, the last block's)",
     head_reduced: "the head unit's reduce-scatter (its bf16 gradient beside the first block's gather)",
     segment_backward: "the first segment's backward (its blocks recomputed)",
