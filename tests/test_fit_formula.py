@@ -681,6 +681,9 @@ def test_results_table_is_what_the_python_computes_now():
     ({"compile": True, "checkpointing": "every-k", "checkpoint_every": 2}, "every-k's segments span blocks"),
     ({"compile": True, "float8": "tensorwise"}, "--compile: --float8"),
     ({"compile": True, "dp": 8, "zero_stage": 3, "offload": "params", "loss": "chunked"}, "--compile: --offload params"),
+    ({"compile": True, "pp": 2, "accumulation": 4}, "--compile: a pipeline stage"),  # Lab 13 traces these three
+    ({"compile": True, "checkpointing": "every-kth-block", "checkpoint_every": 2}, "--compile: a pipeline stage"),
+    ({"compile": True, "method": "lora", "precision": "bf16"}, "--compile: a pipeline stage"),
     ({"float8": "tensorwise-all-gather"}, "casts FSDP2's shards to float8 before their all-gather"),
     ({"float8": "tensorwise-all-gather", "dp": 8, "zero_stage": 3, "replicate": 2}, "not traced with --offload params"),
     ({"fsdp_units": "blocks-embed-head", "dp": 8, "zero_stage": 3, "offload": "params"}, "not traced with --offload"),
