@@ -248,7 +248,7 @@
   /** FineTuning.check_fine_tuning: [the field, the message] of the first rule broken, or null. */
   function fineTuning(x, s) {
     if (x.method === "full") return null;
-    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"], ["--compile", x.compile]].filter((f) => f[1]).map((f) => f[0]);
+    const split = [["--tp", x.tp > 1], ["--pp", x.pp > 1], ["--float8", x.float8 !== "none"]].filter((f) => f[1]).map((f) => f[0]);
     if (split.length) {
       return ["method", `${split.join(" and ")} with --method ${x.method} is not traced together (Lab 15 traces adapters on one GPU, without float8): train every weight, or leave them out`];
     }
